@@ -1,0 +1,257 @@
+"""What the sync and asyncio clients share: value types, request building,
+response parsing, the shared-memory copies and the retry policy.
+
+Both clients are thin loops over these functions, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore.api.v1 import kv_pb2 as pb
+from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
+from kvstore.errors import ArenaUnusable, CorruptBlock, DaemonUnavailable, ResourceExhausted, StrataError
+from kvstore.server.status import from_rpc_error
+from kvstore.tiers.arena import ArenaMismatch, ShmArena
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_CHUNK = 1 << 20
+MAX_MESSAGE_BYTES = DEFAULT_CHUNK + (64 << 10)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+# Methods safe to repeat after UNAVAILABLE: they change nothing, or a repeat
+# is a no-op (puts are idempotent), or what a lost reply held (a lease, a
+# slot) expires by itself. Commit and Pin are not: a repeat of a call that
+# succeeded fails or takes a second lease.
+RETRY_ON_UNAVAILABLE = frozenset(
+    {"Put", "Get", "Exists", "Delete", "Stats", "Attach", "Allocate", "Lookup", "Release", "Abort", "Unpin"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPut:
+    key: bytes
+    value: bytes | bytearray | memoryview
+    parent: bytes | None = None
+    layout: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    key: bytes
+    data: bytes | bytearray
+    layout: str
+    parent: bytes | None
+    tier: TierName
+
+
+@dataclass(frozen=True, slots=True)
+class PinLease:
+    lease_id: int
+    pinned: int
+    missing: list[bytes]
+    deadline_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    tiers: dict[str, dict[str, int]]
+    blocks: int
+    pinned_blocks: int
+    active_leases: int
+    open_slots: int
+    demotion_queue_depth: int
+    namespaces: list[str]
+    node_id: str
+    epoch: int
+
+
+def tier_name(value: int) -> TierName | None:
+    return TierName(value) if value else None
+
+
+def check_puts(namespace: str, items: Sequence[BlockPut]) -> list[tuple[BlockPut, memoryview, BlockMeta]]:
+    validate_namespace(namespace)
+    out = []
+    for item in items:
+        validate_key(item.key)
+        view = memoryview(item.value).cast("B")
+        out.append((item, view, BlockMeta(len(view), 0, item.parent, item.layout)))
+    return out
+
+
+def put_requests(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], chunk: int) -> Iterator[pb.PutRequest]:
+    first = True
+    for item, view, _ in items:
+        header = pb.BlockHeader(
+            key=item.key, size=len(view), checksum=checksum(view), parent_key=item.parent or b"", layout=item.layout
+        )
+        yield pb.PutRequest(namespace=namespace if first else "", header=header)
+        first = False
+        for off in range(0, len(view), chunk):
+            yield pb.PutRequest(chunk=bytes(view[off : off + chunk]))
+
+
+class GetAssembler:
+    """Rebuilds blocks from a Get stream and verifies each one's checksum."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block | None] = []
+        self._header: pb.GetHeader | None = None
+        self._buf: bytearray | None = None
+        self._filled = 0
+
+    def feed(self, msg: pb.GetResponse) -> None:
+        if msg.WhichOneof("part") == "header":
+            self._close_current()
+            if msg.header.found:
+                self._header = msg.header
+                self._buf = bytearray(msg.header.block.size)
+                self._filled = 0
+                if msg.header.block.size == 0:
+                    self._close_current()
+            else:
+                self.blocks.append(None)
+        else:
+            assert self._buf is not None, "chunk before header"
+            end = self._filled + len(msg.chunk)
+            self._buf[self._filled : end] = msg.chunk
+            self._filled = end
+            if end == len(self._buf):
+                self._close_current()
+
+    def _close_current(self) -> None:
+        if self._header is None:
+            return
+        header, buf = self._header, self._buf
+        self._header = self._buf = None
+        b = header.block
+        if self._filled != b.size or checksum(buf) != b.checksum:
+            raise CorruptBlock(
+                f"block {b.key.hex()[:16]} arrived with a bad checksum or length; it was discarded: retry the read"
+            )
+        self.blocks.append(Block(b.key, buf, b.layout, b.parent_key or None, TierName(header.tier)))
+
+    def finish(self) -> list[Block | None]:
+        self._close_current()
+        return self.blocks
+
+
+def parse_stats(r: pb.StatsResponse) -> Stats:
+    return Stats(
+        tiers={
+            TierName(t.tier).label: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "blocks": t.blocks}
+            for t in r.tiers
+        },
+        blocks=r.blocks,
+        pinned_blocks=r.pinned_blocks,
+        active_leases=r.active_leases,
+        open_slots=r.open_slots,
+        demotion_queue_depth=r.demotion_queue_depth,
+        namespaces=list(r.namespaces),
+        node_id=r.node_id,
+        epoch=r.epoch,
+    )
+
+
+# ---- shared memory ----------------------------------------------------------
+
+
+def open_arena(attach: pb.AttachResponse) -> ShmArena:
+    """Map the daemon's arena, or raise ArenaUnusable when this client cannot (another host)."""
+    try:
+        return ShmArena.attach(attach.arena_path, attach.arena_token)
+    except (OSError, ArenaMismatch) as err:
+        raise ArenaUnusable(f"cannot map the daemon's arena {attach.arena_path}: {err}") from None
+
+
+def batches_by_bytes(items: list, limit: int) -> Iterator[list]:
+    """Split a batch so that no Allocate asks for more than ``limit`` bytes of arena.
+
+    Slots are held until committed, so one batch larger than the arena could
+    never be placed; a quarter of it leaves room for other writers.
+    """
+    group: list = []
+    size = 0
+    for item in items:
+        n = len(item[1])
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += n
+    if group:
+        yield group
+
+
+def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], lease_ms: int) -> pb.AllocateRequest:
+    return pb.AllocateRequest(
+        namespace=namespace,
+        blocks=[
+            pb.BlockHeader(key=item.key, size=len(view), parent_key=item.parent or b"", layout=item.layout)
+            for item, view, _ in items
+        ],
+        lease_ms=lease_ms,
+    )
+
+
+def write_slots(arena: ShmArena, items, response: pb.AllocateResponse) -> tuple[pb.CommitRequest, list[int]]:
+    """Copy each value into its slot; returns the Commit request and the slot ids written."""
+    commit = pb.CommitRequest()
+    slot_ids = []
+    for (_, view, _), slot in zip(items, response.slots):
+        if slot.present:
+            continue
+        slot_ids.append(slot.slot_id)
+        dst = arena.view(slot.offset, slot.size)
+        try:
+            sum_ = copy_and_checksum(dst, view)
+        finally:
+            dst.release()
+        commit.items.add(slot_id=slot.slot_id, checksum=sum_)
+    return commit, slot_ids
+
+
+def put_results(response: pb.AllocateResponse, commit: pb.CommitResponse) -> list[bool]:
+    stored = {r.key: r.stored for r in commit.results}
+    return [False if s.present else stored.get(s.key, False) for s in response.slots]
+
+
+def read_located(arena: ShmArena, located: pb.Located) -> bytearray | None:
+    """Copy a leased block out of the arena; None when its bytes fail the checksum (read again)."""
+    b = located.block
+    out = bytearray(b.size)
+    src = arena.view(located.offset, b.size)
+    try:
+        sum_ = copy_and_checksum(memoryview(out), src)
+    finally:
+        src.release()
+    return out if sum_ == b.checksum else None
+
+
+# ---- errors and retries -----------------------------------------------------
+
+
+def translate(err: grpc.RpcError) -> StrataError:
+    return from_rpc_error(err)
+
+
+def retry_delay(err: StrataError, method: str, attempt: int, retries: int) -> float | None:
+    """Seconds to wait before another attempt, or None to give up."""
+    if attempt >= retries:
+        return None
+    if isinstance(err, ResourceExhausted):
+        return err.retry_after_s
+    if isinstance(err, DaemonUnavailable) and method in RETRY_ON_UNAVAILABLE:
+        return min(0.05 * 2**attempt, 1.0)
+    return None

@@ -1,0 +1,217 @@
+"""Blocking client of a Strata daemon.
+
+On the daemon's host the client maps the daemon's arena and moves block
+bytes through shared memory (gRPC carries only control); anywhere else, or
+when the arena cannot be mapped, it streams bytes over gRPC. The caller sees
+the same results either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from kvstore.api.v1 import kv_pb2 as pb
+from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.block import TierName, validate_key, validate_namespace
+from kvstore.client import codec
+from kvstore.client.codec import Block, BlockPut, PinLease, Stats
+from kvstore.errors import ArenaUnusable, StrataError
+from kvstore.tiers.arena import ShmArena
+
+
+class Client:
+    """A connection to one daemon. Thread-safe; close it (or use ``with``) when done.
+
+    ``use_shm``: None picks shared memory when the daemon's arena can be
+    mapped from here; False always streams; True requires shared memory.
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout: float = codec.DEFAULT_TIMEOUT_S,
+        retries: int = 3,
+        use_shm: bool | None = None,
+        lease_ms: int = 0,
+        chunk_bytes: int = codec.DEFAULT_CHUNK,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._use_shm = use_shm
+        self._lease_ms = lease_ms
+        self._chunk = chunk_bytes
+        self._channel = grpc.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
+        self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
+        self._arena: ShmArena | None = None
+        self._arena_checked = False
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._channel.close()
+
+    # ---- calls ---------------------------------------------------------------
+
+    def _retrying(self, method: str, attempt_once):
+        attempt = 0
+        while True:
+            try:
+                return attempt_once()
+            except grpc.RpcError as rpc_err:
+                err = codec.translate(rpc_err)
+            delay = codec.retry_delay(err, method, attempt, self.retries)
+            if delay is None:
+                raise err
+            time.sleep(delay)
+            attempt += 1
+
+    def _call(self, method: str, request):
+        fn = getattr(self._stub, method)
+        return self._retrying(method, lambda: fn(request, timeout=self.timeout))
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether block bytes move through the daemon's arena."""
+        return self._arena_or_none() is not None
+
+    def _arena_or_none(self) -> ShmArena | None:
+        if self._use_shm is False:
+            return None
+        if not self._arena_checked:
+            try:
+                self._arena = codec.open_arena(self._call("Attach", pb.AttachRequest()))
+            except ArenaUnusable:
+                if self._use_shm:
+                    raise
+            self._arena_checked = True
+        return self._arena
+
+    # ---- data ----------------------------------------------------------------
+
+    def put(self, namespace: str, key: bytes, value, *, parent: bytes | None = None, layout: str = "") -> bool:
+        """Store one block; False when the key was already stored."""
+        return self.put_many(namespace, [BlockPut(key, value, parent, layout)])[0]
+
+    def put_many(self, namespace: str, items: Sequence[BlockPut]) -> list[bool]:
+        """Store blocks in one batch; per block, whether it was newly stored."""
+        checked = codec.check_puts(namespace, items)
+        if not checked:
+            return []
+        arena = self._arena_or_none()
+        if arena is None:
+            response = self._call_put(namespace, checked)
+            stored = {r.key: r.stored for r in response.results}
+            return [stored.get(item.key, False) for item, _, _ in checked]
+        results: list[bool] = []
+        for group in codec.batches_by_bytes(checked, arena.size // 4):
+            results += self._put_shm(arena, namespace, group)
+        return results
+
+    def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
+        alloc = self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
+        slot_ids: list[int] = []
+        try:
+            commit, slot_ids = codec.write_slots(arena, checked, alloc)
+            done = self._call("Commit", commit) if slot_ids else pb.CommitResponse()
+        except BaseException:
+            if slot_ids:
+                try:
+                    self._call("Abort", pb.AbortRequest(slot_ids=slot_ids))
+                except StrataError:
+                    pass  # the slots expire by themselves
+            raise
+        return codec.put_results(alloc, done)
+
+    def _call_put(self, namespace: str, checked) -> pb.PutResponse:
+        return self._retrying(
+            "Put", lambda: self._stub.Put(codec.put_requests(namespace, checked, self._chunk), timeout=self.timeout)
+        )
+
+    def get(self, namespace: str, key: bytes) -> bytes | bytearray | None:
+        """The block's bytes, or None on a miss."""
+        block = self.get_many(namespace, [key])[0]
+        return None if block is None else block.data
+
+    def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
+        """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
+        validate_namespace(namespace)
+        keys = [validate_key(k) for k in keys]
+        if not keys:
+            return []
+        arena = self._arena_or_none()
+        if arena is None:
+            return self._get_streamed(namespace, keys)
+        response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
+        out: list[Block | None] = []
+        refetch: list[int] = []
+        leases: list[int] = []
+        for i, loc in enumerate(response.blocks):
+            if not loc.found:
+                out.append(None)
+                continue
+            if not loc.lease_id:  # could not be placed in the arena
+                out.append(None)
+                refetch.append(i)
+                continue
+            leases.append(loc.lease_id)
+            data = codec.read_located(arena, loc)
+            if data is None:
+                refetch.append(i)
+                out.append(None)
+            else:
+                b = loc.block
+                out.append(Block(b.key, data, b.layout, b.parent_key or None, TierName(loc.tier)))
+        if leases:
+            valid = self._call("Release", pb.ReleaseRequest(lease_ids=leases)).valid
+            for lease_id, ok in zip(leases, valid):
+                if not ok:  # expired while we read: the bytes may be torn
+                    i = next(j for j, loc in enumerate(response.blocks) if loc.lease_id == lease_id)
+                    if i not in refetch:
+                        refetch.append(i)
+                        out[i] = None
+        if refetch:
+            again = self._get_streamed(namespace, [keys[i] for i in refetch])
+            for i, block in zip(refetch, again):
+                out[i] = block
+        return out
+
+    def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
+        def once() -> list[Block | None]:
+            assembler = codec.GetAssembler()
+            for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+                assembler.feed(msg)
+            return assembler.finish()
+
+        return self._retrying("Get", once)
+
+    # ---- control -------------------------------------------------------------
+
+    def exists(self, namespace: str, keys: Sequence[bytes]) -> list[TierName]:
+        """For a prefix chain (head first): the tier of each leading present block."""
+        r = self._call("Exists", pb.ExistsRequest(namespace=namespace, keys=list(keys)))
+        return [TierName(t) for t in r.tiers]
+
+    def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return self._call("Delete", pb.DeleteRequest(namespace=namespace, keys=list(keys))).deleted
+
+    def pin(self, namespace: str, keys: Sequence[bytes], lease_s: float = 0) -> PinLease:
+        r = self._call("Pin", pb.PinRequest(namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000)))
+        return PinLease(r.lease_id, r.pinned, list(r.missing), r.lease_deadline_unix_ms)
+
+    def unpin(self, lease_id: int) -> bool:
+        return self._call("Unpin", pb.UnpinRequest(lease_id=lease_id)).released
+
+    def stats(self, namespace: str = "") -> Stats:
+        return codec.parse_stats(self._call("Stats", pb.StatsRequest(namespace=namespace)))

@@ -1,0 +1,111 @@
+"""Daemon settings: built once at start, validated, passed down.
+
+Precedence, highest first: command-line flags, ``STRATA_*`` environment
+variables, a TOML config file (``--config`` / ``STRATA_CONFIG``), defaults.
+Sizes accept units: ``512MiB``, ``4GiB``, ``64KB``.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "strata"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STRATA_", extra="forbid", validate_default=True)
+
+    listen: str = Field("127.0.0.1:50051", description="gRPC address, host:port ('0.0.0.0:50051' for all interfaces)")
+    unix_socket: str = Field(
+        "", description="also serve gRPC on this Unix socket path (lower latency for same-host clients); empty: off"
+    )
+    metrics_listen: str = Field("127.0.0.1:9464", description="Prometheus /metrics address, host:port; empty: off")
+    node_id: str = Field(default_factory=socket.gethostname, description="this node's name in the fleet (default: hostname)")
+    ram_bytes: ByteSize = Field(ByteSize(1 << 30), description="host-RAM tier size: one shared-memory arena, allocated at start")
+    shm_dir: Path = Field(Path("/dev/shm"), description="directory (a tmpfs) holding the shared-memory arena file")
+    disk_dir: Path = Field(DEFAULT_CACHE_DIR, description="local NVMe directory of the disk tier")
+    disk_bytes: ByteSize = Field(ByteSize(10 << 30), description="disk tier capacity; 0 turns the disk tier off")
+    disk_fsync: bool = Field(False, description="fsync each block written to disk (survives power loss, not only crashes)")
+    max_block_bytes: ByteSize = Field(ByteSize(64 << 20), description="largest block accepted")
+    chunk_bytes: ByteSize = Field(ByteSize(1 << 20), description="chunk size of streamed values")
+    max_in_flight: int = Field(64, ge=1, description="RPCs served at once; more get RESOURCE_EXHAUSTED with a retry delay")
+    workers: int = Field(16, ge=1, le=1024, description="gRPC worker threads")
+    lease_seconds: float = Field(30.0, gt=0, description="default lease on arena slots and in-place reads")
+    pin_lease_seconds: float = Field(300.0, gt=0, description="default lease of Pin")
+    max_lease_seconds: float = Field(3600.0, gt=0, description="longest lease a client may ask for")
+    max_leases: int = Field(65536, ge=1, description="open leases (pins, reads, slots) at once")
+    max_batch_blocks: int = Field(4096, ge=1, description="blocks in one request")
+    demotion_queue_blocks: int = Field(256, ge=1, description="write-behind queue from RAM to disk, in blocks")
+    verify_commits: bool = Field(True, description="verify checksums of blocks written through shared memory")
+    namespaces: list[str] = Field(default_factory=list, description="namespaces to create at start (comma-separated)")
+    auto_create_namespaces: bool = Field(True, description="create a namespace on its first write")
+    grace_seconds: float = Field(10.0, ge=0, description="on SIGTERM, time given to in-flight RPCs")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    log_format: Literal["json", "text"] = Field("json", description="log lines as JSON objects or plain text")
+
+    @field_validator("namespaces", mode="before")
+    @classmethod
+    def _split_namespaces(cls, value):
+        if isinstance(value, str):
+            return [ns.strip() for ns in value.split(",") if ns.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> Settings:
+        if self.ram_bytes < 16 << 20:
+            raise ValueError(f"ram_bytes is {self.ram_bytes.human_readable()}; give the RAM tier at least 16MiB")
+        if self.max_block_bytes > self.ram_bytes:
+            raise ValueError(
+                f"max_block_bytes ({self.max_block_bytes.human_readable()}) is larger than ram_bytes "
+                f"({self.ram_bytes.human_readable()}): raise ram_bytes or lower max_block_bytes"
+            )
+        if not 4 << 10 <= self.chunk_bytes <= 4 << 20:
+            raise ValueError("chunk_bytes must be between 4KiB and 4MiB")
+        if self.max_lease_seconds < max(self.lease_seconds, self.pin_lease_seconds):
+            raise ValueError("max_lease_seconds must be at least lease_seconds and pin_lease_seconds")
+        return self
+
+    @property
+    def max_message_bytes(self) -> int:
+        # A chunk plus headroom for the header fields of a message.
+        return int(self.chunk_bytes) + (64 << 10)
+
+
+class SettingsError(ValueError):
+    """Settings that failed validation, said in terms of flags and variables."""
+
+
+def load_settings(config_file: str | Path | None = None, **overrides) -> Settings:
+    """Settings from overrides (flags), environment, then ``config_file``."""
+    if config_file is not None and not Path(config_file).is_file():
+        raise SettingsError(f"config file {config_file} does not exist")
+
+    class _Settings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources = [init_settings, env_settings]
+            if config_file is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+            return tuple(sources)
+
+    try:
+        return _Settings(**overrides)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            name = ".".join(str(p) for p in e["loc"]) or "settings"
+            where = f" (flag --{name.replace('_', '-')}, env STRATA_{name.upper()})" if e["loc"] else ""
+            lines.append(f"  {name}{where}: {e['msg']}")
+        raise SettingsError("invalid settings:\n" + "\n".join(lines)) from None

@@ -1,0 +1,108 @@
+"""Errors raised by the Strata KV store, its server and its client.
+
+One tree; callers catch the narrowest class they can act on. Every message
+says what was wrong and what to do about it.
+
+    StrataError
+    ├── InvalidArgument             bad input (INVALID_ARGUMENT)
+    │   ├── InvalidKey              empty, oversized or malformed key
+    │   ├── InvalidNamespace        malformed namespace name
+    │   └── BlockTooLarge           value over the configured block limit
+    ├── UnknownNamespace            namespace never created here (NOT_FOUND)
+    ├── LeaseError                  FAILED_PRECONDITION
+    │   ├── LeaseExpired            lease or slot deadline passed
+    │   ├── UnknownLease            lease or slot id never issued, or released
+    │   └── SlotAlreadyCommitted    a second commit of the same slot
+    ├── ResourceExhausted           RESOURCE_EXHAUSTED, carries retry_after_s
+    │   ├── TierFull                no space even after eviction
+    │   └── Overloaded              too many requests in flight
+    ├── CorruptBlock                checksum mismatch (DATA_LOSS)
+    ├── TierUnavailable             a tier's device failed (UNAVAILABLE)
+    │   └── DiskFull                the disk tier's filesystem is full
+    ├── DeadlineExceeded            the caller's deadline passed (DEADLINE_EXCEEDED)
+    ├── DaemonUnavailable           client side: the daemon cannot be reached
+    └── ArenaUnusable               client side: the daemon's arena cannot be mapped
+                                    here (another host); the client streams instead
+
+A cache miss is not an error: lookups return ``None`` or a count.
+"""
+
+from __future__ import annotations
+
+
+class StrataError(Exception):
+    """Base of every error Strata raises on purpose."""
+
+
+class InvalidArgument(StrataError):
+    pass
+
+
+class InvalidKey(InvalidArgument):
+    pass
+
+
+class InvalidNamespace(InvalidArgument):
+    pass
+
+
+class BlockTooLarge(InvalidArgument):
+    pass
+
+
+class UnknownNamespace(StrataError):
+    pass
+
+
+class LeaseError(StrataError):
+    pass
+
+
+class LeaseExpired(LeaseError):
+    pass
+
+
+class UnknownLease(LeaseError):
+    pass
+
+
+class SlotAlreadyCommitted(LeaseError):
+    pass
+
+
+class ResourceExhausted(StrataError):
+    def __init__(self, message: str, retry_after_s: float = 0.1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class TierFull(ResourceExhausted):
+    pass
+
+
+class Overloaded(ResourceExhausted):
+    pass
+
+
+class CorruptBlock(StrataError):
+    pass
+
+
+class TierUnavailable(StrataError):
+    pass
+
+
+class DiskFull(TierUnavailable):
+    pass
+
+
+class DeadlineExceeded(StrataError):
+    pass
+
+
+class DaemonUnavailable(StrataError):
+    pass
+
+
+class ArenaUnusable(StrataError):
+    pass

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one daemon.
+
+Every metric lives in the registry passed in (tests build their own, the
+daemon serves its registry on ``/metrics``). Names carry units; labels are
+bounded: tier, op, outcome, code — never a key, namespace or request id.
+Tier occupancy is read from the tiers at scrape time (a collector), so it
+can never drift from what the tiers hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.tiers.base import TierStats
+
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class StoreMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("strata_kv_hits_total", "Block reads answered, by the tier that held the block", ["tier"], registry=r)
+        self.misses = Counter("strata_kv_misses_total", "Block reads of keys held by no tier", registry=r)
+        self.evictions = Counter(
+            "strata_kv_evictions_total", "Blocks removed from a tier to make room (demoted or dropped)", ["tier"], registry=r
+        )
+        self.drops = Counter("strata_kv_dropped_total", "Blocks that left the store entirely to make room", registry=r)
+        self.demotions = Counter("strata_kv_demotions_total", "Blocks moved down a tier (RAM to disk)", ["outcome"], registry=r)
+        self.promotions = Counter("strata_kv_promotions_total", "Blocks copied up a tier on read (disk to RAM)", registry=r)
+        self.bytes_in = Counter("strata_kv_bytes_in_total", "Payload bytes written into a tier", ["tier"], registry=r)
+        self.bytes_out = Counter("strata_kv_bytes_out_total", "Payload bytes read out of a tier", ["tier"], registry=r)
+        self.corrupt = Counter(
+            "strata_kv_corrupt_blocks_total", "Blocks that failed their checksum and were dropped", ["tier"], registry=r
+        )
+        self.tier_errors = Counter(
+            "strata_kv_tier_errors_total", "I/O failures of a tier's device (disk full, I/O error)", ["tier"], registry=r
+        )
+        self.leases_expired = Counter("strata_kv_leases_expired_total", "Leases reclaimed at their deadline", ["kind"], registry=r)
+        self.op_latency = Histogram(
+            "strata_kv_op_duration_seconds", "Duration of store and RPC operations", ["op"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge("strata_rpc_in_flight_requests", "RPCs being served now", registry=r)
+        self.rejected = Counter(
+            "strata_rpc_rejected_total", "RPCs refused before any work (overload, deadline too short)", ["reason"], registry=r
+        )
+        self.rpc_errors = Counter("strata_rpc_errors_total", "RPCs that ended with an error status", ["op", "code"], registry=r)
+
+    def watch_tiers(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
+        self.registry.register(_TierCollector(read_stats, read_queue_depth))
+
+
+class _TierCollector(Collector):
+    def __init__(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
+        self._read_stats = read_stats
+        self._read_queue_depth = read_queue_depth
+
+    def collect(self):
+        used = GaugeMetricFamily("strata_tier_used_bytes", "Bytes held by a tier (blocks and reserved slots)", labels=["tier"])
+        cap = GaugeMetricFamily("strata_tier_capacity_bytes", "Configured capacity of a tier", labels=["tier"])
+        blocks = GaugeMetricFamily("strata_tier_blocks", "Blocks held by a tier", labels=["tier"])
+        for s in self._read_stats():
+            used.add_metric([s.tier.label], s.used_bytes)
+            cap.add_metric([s.tier.label], s.capacity_bytes)
+            blocks.add_metric([s.tier.label], s.blocks)
+        depth = GaugeMetricFamily("strata_kv_demotion_queue_blocks", "Blocks waiting to be written down to disk")
+        depth.add_metric([], self._read_queue_depth())
+        return [used, cap, blocks, depth]

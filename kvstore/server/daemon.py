@@ -1,0 +1,186 @@
+"""The node daemon: builds the tiers and the store from settings and serves them.
+
+Serves ``strata.kv.v1.KVService``, ``grpc.health.v1.Health`` and server
+reflection on one gRPC server (TCP, and a Unix socket when configured), and
+Prometheus metrics over HTTP. SIGTERM or SIGINT drains it: health turns
+NOT_SERVING, in-flight RPCs get ``grace_seconds``, then the store closes and
+the arena is unlinked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import xxhash
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import disable_created_metrics, start_http_server
+
+from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
+from kvstore.config import Settings
+from kvstore.errors import StrataError
+from kvstore.metrics import StoreMetrics
+from kvstore.node import NodeIdentity
+from kvstore.server.admission import AdmissionInterceptor
+from kvstore.server.service import KVServicer
+from kvstore.store.tiered import StoreLimits, TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.ram import HostRamTier
+
+log = logging.getLogger(__name__)
+
+# The *_created series double every counter's output and carry nothing an
+# operator graphs.
+disable_created_metrics()
+
+SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
+
+
+class DaemonError(StrataError):
+    """The daemon cannot start as configured; the message says what to change."""
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = StoreMetrics()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._lock_fd: int | None = None
+        self._server: grpc.Server | None = None
+        self._metrics_server = None
+        self._health = health.HealthServicer()
+        self._stopped = threading.Event()
+        self.store: TieredStore | None = None
+
+    def start(self) -> Daemon:
+        s = self.settings
+        state_dir = Path(s.disk_dir).expanduser().resolve()
+        self._lock_state_dir(state_dir)
+        self.node = NodeIdentity.start(s.node_id, state_dir)
+        # One arena per state directory: a restart after a crash replaces the
+        # stale file instead of leaking its RAM.
+        arena_name = "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
+        ram = HostRamTier(int(s.ram_bytes), shm_dir=str(s.shm_dir), arena_name=arena_name)
+        disk = DiskTier(state_dir / "blocks", int(s.disk_bytes), fsync=s.disk_fsync) if s.disk_bytes > 0 else None
+        limits = StoreLimits(
+            max_block_bytes=int(s.max_block_bytes),
+            lease_s=s.lease_seconds,
+            pin_lease_s=s.pin_lease_seconds,
+            max_lease_s=s.max_lease_seconds,
+            max_leases=s.max_leases,
+            max_batch_blocks=s.max_batch_blocks,
+            demotion_queue_blocks=s.demotion_queue_blocks,
+            verify_commits=s.verify_commits,
+        )
+        self.store = TieredStore(
+            ram, disk, limits=limits, namespaces=s.namespaces, auto_create_namespaces=s.auto_create_namespaces,
+            metrics=self.metrics,
+        )
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="strata-rpc"),
+            interceptors=[AdmissionInterceptor(s.max_in_flight, self.metrics)],
+            options=options,
+        )
+        kv_pb2_grpc.add_KVServiceServicer_to_server(
+            KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes)), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
+        try:
+            self.port = server.add_insecure_port(s.listen)
+        except RuntimeError as err:
+            raise DaemonError(f"cannot listen on {s.listen} ({err}): pick a free address with --listen") from None
+        if s.unix_socket:
+            Path(s.unix_socket).unlink(missing_ok=True)
+            server.add_insecure_port(f"unix:{s.unix_socket}")
+        server.start()
+        self._server = server
+        if s.metrics_listen:
+            host, _, port = s.metrics_listen.rpartition(":")
+            try:
+                self._metrics_server, _ = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
+            except OSError as err:
+                raise DaemonError(
+                    f"cannot serve metrics on {s.metrics_listen} ({err}): pick a free address with --metrics-listen, "
+                    "or pass an empty one to turn metrics off"
+                ) from None
+            self.metrics_port = self._metrics_server.server_port
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        stats = self.store.stats()
+        log.info(
+            "strata serving",
+            extra={
+                "listen": s.listen, "port": self.port, "unix_socket": s.unix_socket or None,
+                "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
+                "ram_bytes": int(s.ram_bytes), "disk_bytes": int(s.disk_bytes), "disk_dir": str(state_dir),
+                "arena": ram.arena.path, "recovered_blocks": stats.blocks,
+            },
+        )
+        return self
+
+    def _lock_state_dir(self, state_dir: Path) -> None:
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise DaemonError(f"cannot use {state_dir} as the cache directory ({err.strerror}): set --disk-dir") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DaemonError(
+                f"another strata daemon is using {state_dir}: stop it, or give this one its own --disk-dir"
+            ) from None
+        self._lock_fd = fd
+
+    def stop(self, grace: float | None = None) -> None:
+        if self._stopped.is_set():
+            return
+        grace = self.settings.grace_seconds if grace is None else grace
+        log.info("strata stopping", extra={"grace_seconds": grace})
+        self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if self.store is not None:
+            self.store.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        if self.settings.unix_socket:
+            Path(self.settings.unix_socket).unlink(missing_ok=True)
+        self._stopped.set()
+        log.info("strata stopped")
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def serve(settings: Settings) -> int:
+    """Run until SIGTERM or SIGINT; returns the process exit status."""
+    daemon = Daemon(settings).start()
+
+    def on_signal(signum, _frame):
+        log.info("received %s", signal.Signals(signum).name)
+        threading.Thread(target=daemon.stop, name="strata-shutdown").start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.wait()
+    return 0

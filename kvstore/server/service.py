@@ -1,0 +1,206 @@
+"""KVService: translates proto messages to store calls and back; no policy here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from kvstore.api.v1 import kv_pb2 as pb
+from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.block import BlockKey, BlockMeta, validate_namespace
+from kvstore.errors import InvalidArgument
+from kvstore.node import NodeIdentity
+from kvstore.store.tiered import TieredStore
+from kvstore.tiers.arena import ShmArena
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _lease_s(lease_ms: int) -> float | None:
+    return lease_ms / 1000 if lease_ms else None
+
+
+def _to_ms(deadline_monotonic: float) -> int:
+    return int((time.time() + (deadline_monotonic - time.monotonic())) * 1000)
+
+
+def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
+    return pb.BlockHeader(key=key, size=meta.size, checksum=meta.checksum, parent_key=meta.parent or b"", layout=meta.layout)
+
+
+class KVServicer(kv_pb2_grpc.KVServiceServicer):
+    def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int) -> None:
+        self._store = store
+        self._arena = arena
+        self._node = node
+        self._chunk = chunk_bytes
+
+    # ---- streamed bytes ---------------------------------------------------
+
+    def Put(self, request_iterator: Iterator[pb.PutRequest], context) -> pb.PutResponse:
+        results = []
+        namespace = ""
+        header: pb.BlockHeader | None = None
+        buf: bytearray | None = None
+        filled = 0
+        limit = self._store.limits.max_block_bytes
+
+        def finish() -> None:
+            nonlocal header, buf
+            if header is None:
+                return
+            if filled != header.size:
+                raise InvalidArgument(
+                    f"stream ended a block after {filled} of its {header.size} bytes; nothing of it was stored: send it again"
+                )
+            key = BlockKey.checked(namespace, header.key)
+            meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
+            stored, tier = self._store.put(key, buf, meta, _deadline(context))
+            results.append(pb.PutResult(key=header.key, stored=stored, tier=int(tier)))
+            header, buf = None, None
+
+        for msg in request_iterator:
+            if msg.namespace:
+                namespace = validate_namespace(msg.namespace)
+            part = msg.WhichOneof("part")
+            if part == "header":
+                finish()  # the previous block, if any; raises if it is incomplete
+                if not namespace:
+                    raise InvalidArgument("the first Put message must carry the namespace")
+                if msg.header.size > limit:
+                    raise InvalidArgument(
+                        f"block is {msg.header.size} bytes; this daemon's limit is {limit} "
+                        "(--max-block-bytes): split the value into smaller blocks"
+                    )
+                header = msg.header
+                BlockKey.checked(namespace, header.key)
+                buf = bytearray(header.size)
+                filled = 0
+            elif part == "chunk":
+                if header is None:
+                    raise InvalidArgument("a Put chunk arrived before any block header")
+                end = filled + len(msg.chunk)
+                if end > header.size:
+                    raise InvalidArgument(
+                        f"block declared {header.size} bytes but at least {end} were sent; nothing of it was stored"
+                    )
+                buf[filled:end] = msg.chunk
+                filled = end
+            else:
+                raise InvalidArgument("a Put message carried neither a header nor a chunk")
+        finish()
+        return pb.PutResponse(results=results)
+
+    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetResponse]:
+        if not request.keys:
+            raise InvalidArgument("Get needs at least one key")
+        self._store.check_batch(request.keys)
+        for key_bytes in request.keys:
+            found = self._store.get(BlockKey.checked(request.namespace, key_bytes))
+            if found is None:
+                yield pb.GetResponse(header=pb.GetHeader(found=False, block=pb.BlockHeader(key=key_bytes)))
+                continue
+            data, meta, tier = found
+            yield pb.GetResponse(header=pb.GetHeader(found=True, block=_header(key_bytes, meta), tier=int(tier)))
+            view = memoryview(data)
+            for off in range(0, len(data), self._chunk):
+                yield pb.GetResponse(chunk=bytes(view[off : off + self._chunk]))
+
+    # ---- shared-memory path -------------------------------------------------
+
+    def Attach(self, request, context) -> pb.AttachResponse:
+        return pb.AttachResponse(
+            arena_path=self._arena.path,
+            arena_token=self._arena.token,
+            arena_bytes=self._arena.size,
+            max_block_bytes=self._store.limits.max_block_bytes,
+            lease_ms=int(self._store.limits.lease_s * 1000),
+        )
+
+    def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
+        lease_s = _lease_s(request.lease_ms)
+        grants = self._store.allocate(
+            request.namespace,
+            [(b.key, b.size, b.parent_key, b.layout) for b in request.blocks],
+            lease_s,
+            _deadline(context),
+        )
+        lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
+        return pb.AllocateResponse(
+            slots=[
+                pb.Slot(key=g.key.key, present=g.present, slot_id=g.slot_id, offset=g.offset, size=g.size)
+                for g in grants
+            ],
+            lease_deadline_unix_ms=_to_ms(lease_deadline),
+        )
+
+    def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        done = self._store.commit([(i.slot_id, i.checksum) for i in request.items])
+        return pb.CommitResponse(
+            results=[pb.PutResult(key=key.key, stored=stored, tier=int(tier)) for key, stored, tier in done]
+        )
+
+    def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        self._store.abort(request.slot_ids)
+        return pb.AbortResponse()
+
+    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        lease_s = _lease_s(request.lease_ms)
+        found = self._store.lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
+        out = []
+        for key_bytes, loc in zip(request.keys, found):
+            if loc is None:
+                out.append(pb.Located(found=False, block=pb.BlockHeader(key=key_bytes)))
+            else:
+                out.append(
+                    pb.Located(
+                        found=True, block=_header(key_bytes, loc.meta), offset=loc.offset, lease_id=loc.lease_id,
+                        tier=int(loc.tier),
+                    )
+                )
+        lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
+        return pb.LookupResponse(blocks=out, lease_deadline_unix_ms=_to_ms(lease_deadline))
+
+    def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(valid=self._store.release(request.lease_ids))
+
+    # ---- control ------------------------------------------------------------
+
+    def Exists(self, request: pb.ExistsRequest, context) -> pb.ExistsResponse:
+        tiers = self._store.exists(request.namespace, list(request.keys))
+        return pb.ExistsResponse(prefix_blocks=len(tiers), tiers=[int(t) for t in tiers])
+
+    def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+        return pb.DeleteResponse(deleted=self._store.delete(request.namespace, list(request.keys)))
+
+    def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
+        lease, missing = self._store.pin(request.namespace, list(request.keys), _lease_s(request.lease_ms))
+        return pb.PinResponse(
+            lease_id=lease.id, pinned=len(lease.keys), missing=missing, lease_deadline_unix_ms=_to_ms(lease.deadline)
+        )
+
+    def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
+        return pb.UnpinResponse(released=self._store.unpin(request.lease_id))
+
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        s = self._store.stats(request.namespace)
+        return pb.StatsResponse(
+            tiers=[
+                pb.TierStats(tier=int(t.tier), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks)
+                for t in s.tiers
+            ],
+            blocks=s.blocks,
+            pinned_blocks=s.pinned_blocks,
+            active_leases=s.active_leases,
+            open_slots=s.open_slots,
+            demotion_queue_depth=s.demotion_queue_depth,
+            namespaces=s.namespaces,
+            node_id=self._node.node_id,
+            epoch=self._node.epoch,
+        )
+

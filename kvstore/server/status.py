@@ -1,0 +1,94 @@
+"""The one place Strata errors become gRPC statuses, and back.
+
+Each status code means one thing: bad input INVALID_ARGUMENT, an unknown
+namespace NOT_FOUND, a lease or slot that is no longer valid
+FAILED_PRECONDITION, full or overloaded RESOURCE_EXHAUSTED (with a
+``google.rpc.RetryInfo`` delay), a checksum mismatch DATA_LOSS, a failed
+device UNAVAILABLE. The exact error class travels as ``google.rpc.ErrorInfo``
+(domain ``strata``) so a client re-raises the same class the server raised.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from kvstore import errors
+
+DOMAIN = "strata"
+
+_CODES: list[tuple[type[errors.StrataError], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.UnknownNamespace, grpc.StatusCode.NOT_FOUND),
+    (errors.LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.CorruptBlock, grpc.StatusCode.DATA_LOSS),
+    (errors.TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+_BY_NAME = {
+    name: cls
+    for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, errors.StrataError)
+}
+
+_FALLBACK_BY_CODE = {code: cls for cls, code in _CODES}
+_FALLBACK_BY_CODE[grpc.StatusCode.UNAVAILABLE] = errors.DaemonUnavailable
+
+
+def code_for(err: errors.StrataError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(err, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def to_status(err: errors.StrataError) -> grpc.Status:
+    code = code_for(err)
+    details = []
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=type(err).__name__, domain=DOMAIN))
+    details.append(info)
+    if isinstance(err, errors.ResourceExhausted):
+        retry = any_pb2.Any()
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(max(1, int(err.retry_after_s * 1000)))
+        retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        details.append(retry)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(err), details=details)
+    return rpc_status.to_status(status)
+
+
+def from_rpc_error(err: grpc.RpcError) -> errors.StrataError:
+    """The Strata error a failed call stands for (client side)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    message = err.details() if hasattr(err, "details") else str(err)
+    cls: type[errors.StrataError] | None = None
+    retry_after = None
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except (ValueError, AttributeError):
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                if info.domain == DOMAIN:
+                    cls = _BY_NAME.get(info.reason)
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_after = retry.retry_delay.ToMilliseconds() / 1000
+    if cls is None:
+        cls = _FALLBACK_BY_CODE.get(code)
+    if cls is None:
+        return errors.StrataError(f"{code.name}: {message}")
+    if issubclass(cls, errors.ResourceExhausted):
+        return cls(message, retry_after_s=retry_after if retry_after is not None else 0.1)
+    if cls is errors.DaemonUnavailable or code is grpc.StatusCode.UNAVAILABLE and not issubclass(cls, errors.TierUnavailable):
+        return errors.DaemonUnavailable(f"strata daemon unavailable: {message}")
+    return cls(message)

@@ -1,0 +1,116 @@
+"""Leases: time-bounded claims on blocks and arena slots.
+
+Anything a client holds across RPCs is a lease with a deadline: a pin on
+blocks, a read of a block in the shared arena, an arena slot being written.
+A client that dies never releases what it held, so every lease expires by
+itself and the store reclaims it; no claim lives forever.
+
+The table is not thread-safe: :class:`~kvstore.store.tiered.TieredStore`
+calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import secrets
+from dataclasses import dataclass, field
+
+from kvstore.block import BlockKey, BlockMeta
+from kvstore.errors import LeaseExpired, Overloaded, SlotAlreadyCommitted, UnknownLease
+
+
+class LeaseKind(enum.Enum):
+    PIN = "pin"  # Pin RPC: protects blocks from eviction
+    READ = "read"  # Lookup: a block being read in place from the arena
+    SLOT = "slot"  # Allocate: an arena extent being written, not yet a block
+
+
+@dataclass(slots=True)
+class Lease:
+    id: int
+    kind: LeaseKind
+    deadline: float
+    keys: list[BlockKey] = field(default_factory=list)
+    # SLOT only: the reserved extent and what the block will be on commit.
+    offset: int = 0
+    meta: BlockMeta | None = None
+
+
+class LeaseTable:
+    def __init__(self, max_leases: int) -> None:
+        self._max = max_leases
+        self._leases: dict[int, Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        # Ids start at a random point so that an id a client kept from a
+        # previous daemon run is unlikely to name a live lease of this one.
+        self._ids = itertools.count(secrets.randbits(40) + 1)
+        # Recently ended leases and why, so an error can say "expired" or
+        # "already committed" rather than just "unknown".
+        self._ended: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def count(self, kind: LeaseKind) -> int:
+        return sum(1 for lease in self._leases.values() if lease.kind is kind)
+
+    def issue(self, kind: LeaseKind, deadline: float, **fields) -> Lease:
+        if len(self._leases) >= self._max:
+            raise Overloaded(
+                f"{len(self._leases)} leases are open, the limit (--max-leases) is {self._max}: "
+                "release leases you no longer need, or retry shortly",
+                retry_after_s=0.05,
+            )
+        lease = Lease(next(self._ids), kind, deadline, **fields)
+        self._leases[lease.id] = lease
+        heapq.heappush(self._deadlines, (deadline, lease.id))
+        return lease
+
+    def take(self, lease_id: int, kind: LeaseKind, now: float) -> Lease:
+        """Remove and return a live lease; raise if it expired or never existed."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind is not kind:
+            ended = self._ended.get(lease_id)
+            if ended == "expired":
+                raise LeaseExpired(
+                    f"{kind.value} lease {lease_id} expired before it was used: "
+                    "ask for a longer lease_ms or finish sooner"
+                )
+            if ended == "taken" and kind is LeaseKind.SLOT:
+                raise SlotAlreadyCommitted(f"slot {lease_id} was already committed or aborted: allocate a new slot")
+            if ended == "taken":
+                raise UnknownLease(f"{kind.value} lease {lease_id} was already released")
+            raise UnknownLease(f"no {kind.value} lease {lease_id}: it was never issued by this daemon (it may have restarted)")
+        if lease.deadline <= now:
+            # Let the caller treat it as expired; expire() does the reclaiming.
+            raise LeaseExpired(
+                f"{kind.value} lease {lease_id} expired before it was used: "
+                "ask for a longer lease_ms or finish sooner"
+            )
+        del self._leases[lease_id]
+        self._remember(lease_id, "taken")
+        return lease
+
+    def restore(self, lease: Lease) -> None:
+        """Put back a lease taken by a request that then failed as a whole."""
+        self._leases[lease.id] = lease
+        self._ended.pop(lease.id, None)
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(self._deadlines)
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                expired.append(lease)
+                self._remember(lease_id, "expired")
+        return expired
+
+    def _remember(self, lease_id: int, why: str) -> None:
+        self._ended[lease_id] = why
+        if len(self._ended) > 4 * self._max:
+            # Forget the oldest half; beyond that an id is simply "unknown".
+            for stale in list(itertools.islice(self._ended, 2 * self._max)):
+                del self._ended[stale]

@@ -1,0 +1,226 @@
+"""One fixed-size shared-memory region that the daemon and same-host clients map.
+
+The daemon creates the arena; a client on the same host attaches it by path
+and reads or writes block bytes in place, so gRPC carries only control
+messages. The arena is a plain file under a tmpfs directory (``/dev/shm`` by
+default), mapped with ``mmap``.
+
+Why not :mod:`multiprocessing.shared_memory`: on Python < 3.13 it registers
+every segment it opens, even one it only attaches to, with the resource
+tracker, and the tracker unlinks the segment when the attaching process
+exits. A client that exits would delete the daemon's arena under it. A file
+we open and map ourselves has no tracker: only :meth:`ShmArena.close` with
+``unlink=True`` removes it.
+
+Layout::
+
+    [0, 4096)           header: magic b"STRATAAR", format version (u32),
+                        16-byte random token, data size (u64), creator pid (u32)
+    [4096, 4096 + size) data region; offsets handed to clients are relative
+                        to its start
+
+The token is random per ``create``: a client checks it against the one the
+daemon sent over gRPC, so a path that names a different daemon's (or host's)
+file is refused instead of read as garbage.
+
+Errors, beyond :mod:`kvstore.errors`::
+
+    StrataError
+    └── ArenaMismatch    the file at the path is not the arena we were told about
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import mmap
+import os
+import secrets
+import struct
+
+from kvstore.errors import StrataError, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096
+MAGIC = b"STRATAAR"
+FORMAT_VERSION = 1
+TOKEN_BYTES = 16
+_HEADER = struct.Struct("<8sI16sQI")  # magic, version, token, data size, creator pid
+
+
+class ArenaMismatch(StrataError):
+    """The file is not the arena the caller expected (magic, version, token or size differ)."""
+
+
+class ShmArena:
+    """A mapped arena file: header plus data region. Create with :meth:`create` or :meth:`attach`.
+
+    :meth:`view` hands out memoryviews into the mapping. An mmap cannot be
+    closed while any view of it is alive (``BufferError``), so every caller
+    must ``release()`` its views (or let them be collected) before
+    :meth:`close`. The arena keeps one base view of the data region and slices
+    it, so closing releases exactly one export of its own.
+    """
+
+    def __init__(self, path: str, mapping: mmap.mmap, token: bytes, size: int) -> None:
+        self._path = path
+        self._mmap: mmap.mmap | None = mapping
+        self._token = token
+        self._size = size
+        self._data: memoryview | None = memoryview(mapping)[HEADER_BYTES : HEADER_BYTES + size]
+
+    @classmethod
+    def create(
+        cls,
+        size: int,
+        directory: str = "/dev/shm",
+        name: str = "strata-arena",
+        *,
+        mode: int = 0o600,
+    ) -> ShmArena:
+        """Create (replacing any stale file of the same name) and map a new arena.
+
+        ``mode`` is the file's permission bits: clients running as another
+        user need it widened (e.g. ``0o660`` with a shared group).
+        """
+        if size <= 0:
+            raise ValueError(f"arena size must be positive, got {size}")
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"arena name {name!r} must be a plain file name")
+        if not os.path.isdir(directory):
+            raise TierUnavailable(
+                f"shared-memory directory {directory!r} does not exist: create it "
+                "or set --shm-dir to a writable tmpfs directory"
+            )
+        path = os.path.join(directory, name)
+        total = HEADER_BYTES + size
+        try:
+            _remove_stale(path)
+            free = _free_bytes(directory)
+            if free < total:
+                raise TierUnavailable(
+                    f"shared-memory directory {directory!r} has {free} bytes free but the "
+                    f"arena needs {total}: enlarge it (docker --shm-size), point --shm-dir "
+                    "elsewhere or lower the host tier capacity"
+                )
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        except OSError as e:
+            raise TierUnavailable(
+                f"cannot create arena {path!r}: {e.strerror or e}; set --shm-dir "
+                "to a directory this process can write (a tmpfs such as /dev/shm)"
+            ) from e
+        token = secrets.token_bytes(TOKEN_BYTES)
+        try:
+            os.ftruncate(fd, total)
+            mapping = mmap.mmap(fd, total)
+            _HEADER.pack_into(mapping, 0, MAGIC, FORMAT_VERSION, token, size, os.getpid())
+        except OSError as e:
+            os.unlink(path)
+            raise TierUnavailable(f"cannot map arena {path!r}: {e.strerror or e}; check --shm-dir") from e
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+        log.info("created arena %s (%d data bytes)", path, size)
+        return cls(path, mapping, token, size)
+
+    @classmethod
+    def attach(cls, path: str, token: bytes) -> ShmArena:
+        """Map an existing arena read/write after checking that it is the expected one.
+
+        Raises :class:`ArenaMismatch` when the header does not match;
+        FileNotFoundError (and other OSErrors) pass through so a client can
+        fall back to streamed bytes.
+        """
+        fd = os.open(path, os.O_RDWR)
+        try:
+            file_bytes = os.fstat(fd).st_size
+            if file_bytes < HEADER_BYTES:
+                raise ArenaMismatch(f"{path!r} is {file_bytes} bytes, too short to be an arena")
+            magic, version, file_token, size, pid = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+            if magic != MAGIC:
+                raise ArenaMismatch(f"{path!r} is not a Strata arena (magic {magic!r})")
+            if version != FORMAT_VERSION:
+                raise ArenaMismatch(
+                    f"{path!r} has arena format {version}; this client reads {FORMAT_VERSION}: "
+                    "upgrade the client or the daemon so they match"
+                )
+            if not hmac.compare_digest(file_token, bytes(token)):
+                raise ArenaMismatch(
+                    f"{path!r} belongs to another daemon (token differs; creator pid {pid}): "
+                    "the daemon restarted or the path names another host's file"
+                )
+            if HEADER_BYTES + size != file_bytes:
+                raise ArenaMismatch(f"{path!r} header says {size} data bytes but the file is {file_bytes} bytes")
+            mapping = mmap.mmap(fd, file_bytes)
+        finally:
+            os.close(fd)
+        return cls(path, mapping, bytes(token), size)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def token(self) -> bytes:
+        return self._token
+
+    @property
+    def size(self) -> int:
+        """Bytes in the data region."""
+        return self._size
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A writable view of ``[offset, offset + length)`` of the data region. Release it when done."""
+        if self._data is None:
+            raise ValueError(f"arena {self._path!r} is closed")
+        if offset < 0 or length < 0 or offset + length > self._size:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside the arena's {self._size} data bytes")
+        return self._data[offset : offset + length]
+
+    def close(self, unlink: bool = False) -> None:
+        """Unmap the arena and, when ``unlink``, remove its file. Safe to call twice.
+
+        The file is unlinked first, so a leaked view cannot keep the name
+        around. Raises BufferError, leaving the arena mapped, while views from
+        :meth:`view` are still alive.
+        """
+        if unlink:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+        if self._mmap is None:
+            return
+        assert self._data is not None
+        self._data.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            self._data = memoryview(self._mmap)[HEADER_BYTES : HEADER_BYTES + self._size]
+            raise BufferError(
+                f"arena {self._path!r} still has views exported: release every view() before close()"
+            ) from None
+        self._mmap = None
+        self._data = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"ShmArena({self._path!r}, size={self._size}, {state})"
+
+
+def _remove_stale(path: str) -> None:
+    """Unlink a file left by a daemon that died; processes still mapping it keep their copy."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    log.warning("removed stale arena file %s", path)
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
