@@ -116,10 +116,13 @@ def copy_and_checksum(dst: memoryview, src: bytes | bytearray | memoryview) -> i
     than from memory, so the checksum costs much less than a second full pass.
     """
     src = memoryview(src).cast("B")
-    n = len(src)
-    h = xxhash.xxh3_64()
-    for off in range(0, n, COPY_CHUNK):
-        end = min(off + COPY_CHUNK, n)
-        dst[off:end] = src[off:end]
-        h.update(dst[off:end])
-    return h.intdigest()
+    try:
+        n = len(src)
+        h = xxhash.xxh3_64()
+        for off in range(0, n, COPY_CHUNK):
+            end = min(off + COPY_CHUNK, n)
+            dst[off:end] = src[off:end]
+            h.update(dst[off:end])
+        return h.intdigest()
+    finally:
+        src.release()

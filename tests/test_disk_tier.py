@@ -292,26 +292,31 @@ def test_sigkill_mid_stream_loses_nothing_committed_and_tears_nothing(root, kill
 
 
 def test_sigkill_while_a_block_is_half_written(root):
-    """Stop the writer again and again until it is caught between creating a temp file and renaming it.
+    """Kill the writer while a temp file provably exists, i.e. between create and rename.
 
-    Where a plain kill lands is up to the scheduler; stopping first (SIGSTOP)
-    lets the test look at the directory and kill only once a write is
-    provably in flight, so this state is covered on every run.
+    Where a plain kill lands is up to the scheduler. Here the test watches the
+    folder the next block will be written to, stops the writer (SIGSTOP) as
+    soon as a temp file shows up, confirms it is still there, and only then
+    kills, so this state is covered on every run.
     """
     child = start_writer(root, fsync=False)
+    seen, in_flight = [], []
     try:
-        first = child.stdout.readline()
-        assert first, "writer did not start"
-        for _ in range(5000):
-            os.kill(child.pid, signal.SIGSTOP)
-            os.waitpid(child.pid, os.WUNTRACED)
-            in_flight = temp_files(root)
-            if in_flight:
-                break
-            os.kill(child.pid, signal.SIGCONT)
+        while not in_flight:
+            line = child.stdout.readline()
+            assert line, f"writer exited early with {child.wait()}"
+            seen.append(int(line))
+            folder = root / block_name(key(seen[-1] + 1))[:2]
+            for _ in range(20_000):  # bounded: a small block may be written between two looks
+                if any(n.endswith(".tmp") for n in os.listdir(folder)):
+                    os.kill(child.pid, signal.SIGSTOP)
+                    os.waitpid(child.pid, os.WUNTRACED)
+                    in_flight = temp_files(root)
+                    if in_flight:
+                        break
+                    os.kill(child.pid, signal.SIGCONT)
     finally:
-        reported = [int(first)] + kill(child)
-    assert in_flight, "never caught a write in flight"
+        reported = seen + kill(child)
     assert all(p.exists() for p in in_flight), "the killed writer left its temp file"
     check_after_kill(root, reported)
 

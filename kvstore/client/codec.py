@@ -76,6 +76,20 @@ class Stats:
     epoch: int
 
 
+def stream_put_results(items: list[tuple[BlockPut, memoryview, BlockMeta]], response: pb.PutResponse) -> list[bool]:
+    """Per item of a streamed Put, whether it was newly stored."""
+    stored = {r.key: r.stored for r in response.results}
+    return [stored.get(item.key, False) for item, _, _ in items]
+
+
+def parse_exists(r: pb.ExistsResponse) -> list[TierName]:
+    return [TierName(t) for t in r.tiers]
+
+
+def parse_pin(r: pb.PinResponse) -> PinLease:
+    return PinLease(r.lease_id, r.pinned, list(r.missing), r.lease_deadline_unix_ms)
+
+
 def tier_name(value: int) -> TierName | None:
     return TierName(value) if value else None
 
@@ -88,6 +102,11 @@ def check_puts(namespace: str, items: Sequence[BlockPut]) -> list[tuple[BlockPut
         view = memoryview(item.value).cast("B")
         out.append((item, view, BlockMeta(len(view), 0, item.parent, item.layout)))
     return out
+
+
+def check_gets(namespace: str, keys: Sequence[bytes]) -> list[bytes]:
+    validate_namespace(namespace)
+    return [validate_key(k) for k in keys]
 
 
 def put_requests(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], chunk: int) -> Iterator[pb.PutRequest]:
@@ -175,6 +194,11 @@ def open_arena(attach: pb.AttachResponse) -> ShmArena:
         raise ArenaUnusable(f"cannot map the daemon's arena {attach.arena_path}: {err}") from None
 
 
+def arena_batch_bytes(arena: ShmArena) -> int:
+    """The most arena bytes one Allocate asks for (see :func:`batches_by_bytes`)."""
+    return arena.size // 4
+
+
 def batches_by_bytes(items: list, limit: int) -> Iterator[list]:
     """Split a batch so that no Allocate asks for more than ``limit`` bytes of arena.
 
@@ -237,6 +261,60 @@ def read_located(arena: ShmArena, located: pb.Located) -> bytearray | None:
     finally:
         src.release()
     return out if sum_ == b.checksum else None
+
+
+@dataclass(slots=True)
+class ArenaRead:
+    """One Lookup's blocks as copied out of the arena.
+
+    ``leased`` pairs the index of each block read in place with its read
+    lease, which the client must Release; ``refetch`` lists the indices to
+    stream instead: blocks the daemon could not place in the arena, and
+    blocks whose bytes failed the checksum or whose lease expired while they
+    were copied (torn).
+    """
+
+    blocks: list[Block | None]
+    leased: list[tuple[int, int]]
+    refetch: list[int]
+
+    def lease_ids(self) -> list[int]:
+        return [lease_id for _, lease_id in self.leased]
+
+
+def leased_bytes(response: pb.LookupResponse) -> int:
+    """Bytes :func:`read_lookup` will copy out of the arena."""
+    return sum(loc.block.size for loc in response.blocks if loc.found and loc.lease_id)
+
+
+def read_lookup(arena: ShmArena, response: pb.LookupResponse) -> ArenaRead:
+    """Copy every leased block of a Lookup out of the arena; None for misses and refetches."""
+    read = ArenaRead([], [], [])
+    for i, loc in enumerate(response.blocks):
+        if not loc.found:
+            read.blocks.append(None)
+            continue
+        if not loc.lease_id:  # could not be placed in the arena
+            read.blocks.append(None)
+            read.refetch.append(i)
+            continue
+        read.leased.append((i, loc.lease_id))
+        data = read_located(arena, loc)
+        if data is None:
+            read.blocks.append(None)
+            read.refetch.append(i)
+        else:
+            b = loc.block
+            read.blocks.append(Block(b.key, data, b.layout, b.parent_key or None, TierName(loc.tier)))
+    return read
+
+
+def drop_expired(read: ArenaRead, valid: Sequence[bool]) -> None:
+    """Apply a Release answer: a block whose lease had expired may be torn, so refetch it."""
+    for (i, _), ok in zip(read.leased, valid):
+        if not ok and i not in read.refetch:
+            read.refetch.append(i)
+            read.blocks[i] = None
 
 
 # ---- errors and retries -----------------------------------------------------

@@ -15,7 +15,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
-from kvstore.block import TierName, validate_key, validate_namespace
+from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, PinLease, Stats
 from kvstore.errors import ArenaUnusable, StrataError
@@ -111,11 +111,9 @@ class Client:
             return []
         arena = self._arena_or_none()
         if arena is None:
-            response = self._call_put(namespace, checked)
-            stored = {r.key: r.stored for r in response.results}
-            return [stored.get(item.key, False) for item, _, _ in checked]
+            return codec.stream_put_results(checked, self._call_put(namespace, checked))
         results: list[bool] = []
-        for group in codec.batches_by_bytes(checked, arena.size // 4):
+        for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(arena)):
             results += self._put_shm(arena, namespace, group)
         return results
 
@@ -146,46 +144,21 @@ class Client:
 
     def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
         """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
-        validate_namespace(namespace)
-        keys = [validate_key(k) for k in keys]
+        keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
         arena = self._arena_or_none()
         if arena is None:
             return self._get_streamed(namespace, keys)
         response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
-        out: list[Block | None] = []
-        refetch: list[int] = []
-        leases: list[int] = []
-        for i, loc in enumerate(response.blocks):
-            if not loc.found:
-                out.append(None)
-                continue
-            if not loc.lease_id:  # could not be placed in the arena
-                out.append(None)
-                refetch.append(i)
-                continue
-            leases.append(loc.lease_id)
-            data = codec.read_located(arena, loc)
-            if data is None:
-                refetch.append(i)
-                out.append(None)
-            else:
-                b = loc.block
-                out.append(Block(b.key, data, b.layout, b.parent_key or None, TierName(loc.tier)))
-        if leases:
-            valid = self._call("Release", pb.ReleaseRequest(lease_ids=leases)).valid
-            for lease_id, ok in zip(leases, valid):
-                if not ok:  # expired while we read: the bytes may be torn
-                    i = next(j for j, loc in enumerate(response.blocks) if loc.lease_id == lease_id)
-                    if i not in refetch:
-                        refetch.append(i)
-                        out[i] = None
-        if refetch:
-            again = self._get_streamed(namespace, [keys[i] for i in refetch])
-            for i, block in zip(refetch, again):
-                out[i] = block
-        return out
+        read = codec.read_lookup(arena, response)
+        if read.leased:
+            codec.drop_expired(read, self._call("Release", pb.ReleaseRequest(lease_ids=read.lease_ids())).valid)
+        if read.refetch:
+            again = self._get_streamed(namespace, [keys[i] for i in read.refetch])
+            for i, block in zip(read.refetch, again):
+                read.blocks[i] = block
+        return read.blocks
 
     def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
         def once() -> list[Block | None]:
@@ -200,15 +173,14 @@ class Client:
 
     def exists(self, namespace: str, keys: Sequence[bytes]) -> list[TierName]:
         """For a prefix chain (head first): the tier of each leading present block."""
-        r = self._call("Exists", pb.ExistsRequest(namespace=namespace, keys=list(keys)))
-        return [TierName(t) for t in r.tiers]
+        return codec.parse_exists(self._call("Exists", pb.ExistsRequest(namespace=namespace, keys=list(keys))))
 
     def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
         return self._call("Delete", pb.DeleteRequest(namespace=namespace, keys=list(keys))).deleted
 
     def pin(self, namespace: str, keys: Sequence[bytes], lease_s: float = 0) -> PinLease:
         r = self._call("Pin", pb.PinRequest(namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000)))
-        return PinLease(r.lease_id, r.pinned, list(r.missing), r.lease_deadline_unix_ms)
+        return codec.parse_pin(r)
 
     def unpin(self, lease_id: int) -> bool:
         return self._call("Unpin", pb.UnpinRequest(lease_id=lease_id)).released

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -124,7 +125,8 @@ class Daemon:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         stats = self.store.stats()
         log.info(
-            "strata serving",
+            "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
+            s.listen, self.port, self.metrics_port, self.node.node_id, self.node.epoch, stats.blocks,
             extra={
                 "listen": s.listen, "port": self.port, "unix_socket": s.unix_socket or None,
                 "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
@@ -160,6 +162,8 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.store is not None:
+            written = self.store.persist_ram(time.monotonic() + max(grace, 5.0))
+            log.info("wrote %d RAM blocks to disk before exit", written)
             self.store.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)

@@ -10,7 +10,7 @@ import grpc
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
-from kvstore.errors import InvalidArgument
+from kvstore.errors import BlockTooLarge, InvalidArgument
 from kvstore.node import NodeIdentity
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.arena import ShmArena
@@ -73,7 +73,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                 if not namespace:
                     raise InvalidArgument("the first Put message must carry the namespace")
                 if msg.header.size > limit:
-                    raise InvalidArgument(
+                    raise BlockTooLarge(
                         f"block is {msg.header.size} bytes; this daemon's limit is {limit} "
                         "(--max-block-bytes): split the value into smaller blocks"
                     )

@@ -22,6 +22,7 @@ mark. Lock order is store → tier; tiers never call back.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -544,6 +545,32 @@ class TieredStore:
             if key is not None:
                 self._demote(key)
 
+    def persist_ram(self, deadline: float) -> int:
+        """Write blocks held only in RAM down to disk, most recent first, until ``deadline``.
+
+        Called on a graceful stop so a restarted daemon finds its cache warm.
+        Returns the number of blocks written.
+        """
+        if self._disk is None:
+            return 0
+        written = 0
+        with self._cond:
+            keys = [k for k in reversed(self._lru[HOST]) if self._entries[k].tiers == {HOST}]
+        for key in keys:
+            if self._clock() >= deadline:
+                break
+            with self._cond:
+                entry = self._entries.get(key)
+                if entry is None or entry.deleted or entry.demoting or entry.tiers != {HOST}:
+                    continue
+                entry.demoting = True
+                self._demoting += 1
+            try:
+                self._demote(key)
+            finally:
+                written += DISK in entry.tiers
+        return written
+
     def close(self) -> None:
         self._closed.set()
         for _ in self._demoters:
@@ -553,7 +580,17 @@ class TieredStore:
                 pass
         for t in self._threads:
             t.join(timeout=5)
-        self._ram.close()
+        try:
+            self._ram.close()
+        except BufferError:
+            # A view still held somewhere (an RPC past its grace period, an
+            # exception's traceback): collect cycles and try once more. The
+            # file is already unlinked; the mapping goes with the process.
+            gc.collect()
+            try:
+                self._ram.close()
+            except BufferError:
+                log.warning("host RAM arena still mapped at close; it is unlinked and freed at exit")
         if self._disk is not None:
             self._disk.close()
 

@@ -231,7 +231,16 @@ class DiskTier(Tier):
         return payload
 
     def put(self, key: BlockKey, data: bytes | bytearray | memoryview, meta: BlockMeta) -> bool:
+        # Released explicitly: ``data`` may be a view of the shared arena, and
+        # an exception's traceback would otherwise keep this view (and so the
+        # arena's mapping) alive until the garbage collector runs.
         view = memoryview(data).cast("B")
+        try:
+            return self._put(key, view, meta)
+        finally:
+            view.release()
+
+    def _put(self, key: BlockKey, view: memoryview, meta: BlockMeta) -> bool:
         if view.nbytes != meta.size:
             raise CorruptBlock(f"{key}: got {view.nbytes} bytes but the metadata says {meta.size}")
         if checksum(view) != meta.checksum:

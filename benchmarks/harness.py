@@ -1,0 +1,364 @@
+"""What every benchmark shares: alternating A/B rounds, results, the table, private servers.
+
+Machines here are shared and noisy, so no absolute figure is trusted alone:
+every candidate runs in the same rounds as its baseline, in a rotating order
+(A B C, B C A, C A B …) after a warm-up, and a case reports the median of
+each and their ratio (see shared BENCHMARKS.md). Rotating the order keeps
+one measurement from always following the same neighbour (a put that leaves
+dirty pages to write back, say).
+
+Servers the benchmarks compare against run as private child processes on
+free loopback ports and are stopped when the benchmark ends: a private
+``redis-server`` (never the machine's 6379) and a Strata daemon in its own
+process, as it is deployed, so the client and the daemon do not share a GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import selectors
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BENCH_DIR = Path(__file__).resolve().parent
+
+# One round of one measurement: (bytes moved, seconds the timed part took).
+# Setup and cleanup (fresh keys, deletes) stay outside the timed part.
+RoundFn = Callable[[], tuple[int, float]]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def size_label(n: int) -> str:
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{name}"
+    return f"{n}B"
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Throughput in GB/s (10^9 bytes per second)."""
+    return nbytes / seconds / 1e9
+
+
+def _sig(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+# ---- measuring ---------------------------------------------------------------
+
+
+def interleave(fns: dict[str, RoundFn], *, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Run every measurement once per round, rotating the order; returns GB/s samples per name."""
+    if rounds < 5:
+        raise ValueError("BENCHMARKS.md asks for at least 5 rounds")
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            nbytes, seconds = fns[name]()
+            samples[name].append(gbps(nbytes, seconds))
+    return samples
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the results: a candidate's median against its baseline's, measured in the same rounds."""
+
+    case: str
+    value: float | None
+    baseline: str
+    baseline_value: float | None
+    target_ratio: float | None = None
+    higher_is_better: bool = True
+    metric: str = "throughput"
+    unit: str = "GB/s"
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.value is None or not self.baseline_value:
+            return None
+        return self.value / self.baseline_value
+
+    @property
+    def meets_target(self) -> bool | None:
+        ratio = self.ratio
+        if self.target_ratio is None or ratio is None:
+            return None
+        return ratio >= self.target_ratio if self.higher_is_better else ratio <= self.target_ratio
+
+    def to_json(self) -> dict:
+        out = {
+            "case": self.case,
+            "metric": self.metric,
+            "unit": self.unit,
+            "value": _sig(self.value),
+            "baseline": self.baseline,
+            "baseline_value": _sig(self.baseline_value),
+            "ratio": _sig(self.ratio, 3),
+            "higher_is_better": self.higher_is_better,
+            "target_ratio": self.target_ratio,
+            "meets_target": self.meets_target,
+        }
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def compare(
+    samples: dict[str, list[float]], candidate: str, baseline: str, *, case: str | None = None,
+    target_ratio: float | None = None, note: str = "",
+) -> Case:
+    """The case ``candidate`` vs ``baseline`` from samples of one :func:`interleave` run."""
+    return Case(
+        case=case or candidate,
+        value=statistics.median(samples[candidate]),
+        baseline=baseline,
+        baseline_value=statistics.median(samples[baseline]),
+        target_ratio=target_ratio,
+        note=note,
+    )
+
+
+# ---- reporting ---------------------------------------------------------------
+
+_COLUMNS = (("case", 36), ("GB/s", 8), ("baseline", 26), ("GB/s", 8), ("ratio", 7), ("target", 7), ("met", 5))
+
+
+class Benchmark:
+    """Parses ``--quick``, prints rows as cases finish, writes ``results/<name>.json``."""
+
+    def __init__(self, name: str, description: str, argv: list[str] | None = None) -> None:
+        parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+        parser.add_argument("--quick", action="store_true", help="fewer, smaller rounds: finishes in under 60 s")
+        self.args = parser.parse_args(argv)
+        self.name = name
+        self.quick: bool = self.args.quick
+        self.command = f"python -m benchmarks.{name}" + (" --quick" if self.quick else "")
+        self.when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.cases: list[Case] = []
+        self._started = time.monotonic()
+        self._header_printed = False
+
+    def add(self, case: Case) -> None:
+        if not self._header_printed:
+            self._print_row([title for title, _ in _COLUMNS])
+            self._print_row(["-" * width for _, width in _COLUMNS])
+            self._header_printed = True
+        self.cases.append(case)
+        ratio = case.ratio
+        met = {True: "yes", False: "NO", None: ""}[case.meets_target]
+        self._print_row([
+            case.case,
+            "n/a" if case.value is None else f"{case.value:.3f}",
+            case.baseline,
+            "n/a" if case.baseline_value is None else f"{case.baseline_value:.3f}",
+            "" if ratio is None else f"{ratio:.2f}",
+            "" if case.target_ratio is None else f"{case.target_ratio:g}",
+            met,
+        ])
+
+    @staticmethod
+    def _print_row(cells: list[str]) -> None:
+        print("  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _COLUMNS)).rstrip(), flush=True)
+
+    def finish(self) -> Path:
+        """Write the JSON results and print a summary; returns the results path."""
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = RESULTS_DIR / f"{self.name}.json"
+        doc = {
+            "benchmark": self.name,
+            "command": self.command,
+            "when": self.when,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "cases": [c.to_json() for c in self.cases],
+        }
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        judged = [c for c in self.cases if c.meets_target is not None]
+        missed = [c.case for c in judged if not c.meets_target]
+        print(
+            f"\n{len(self.cases)} cases in {time.monotonic() - self._started:.0f} s; "
+            f"targets met {len(judged) - len(missed)} of {len(judged)}"
+            + (f"; missed: {', '.join(missed)}" if missed else ""),
+            flush=True,
+        )
+        print(f"results: {path}", flush=True)
+        return path
+
+
+# ---- private servers ---------------------------------------------------------
+
+
+class ServerUnavailable(RuntimeError):
+    """A baseline or candidate server could not be started here; the message says why."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def private_redis(start_timeout_s: float = 10.0) -> Iterator[int]:
+    """A throwaway ``redis-server`` on a free loopback port, no persistence; yields its port.
+
+    Never the machine's own 6379: its contents belong to someone else, and
+    another client's load would skew the figures.
+    """
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise ServerUnavailable("redis-server is not installed (apt-get install redis-server)")
+    workdir = tempfile.mkdtemp(prefix="strata-bench-redis-")
+    log_path = os.path.join(workdir, "redis.log")
+    proc = None
+    reason = ""
+    try:
+        for _attempt in range(3):  # the free port can be taken between the probe and the bind
+            port = free_port()
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                )
+            deadline = time.monotonic() + start_timeout_s
+            while time.monotonic() < deadline and proc.poll() is None and not _redis_ping(port):
+                time.sleep(0.05)
+            if proc.poll() is None and _redis_ping(port):
+                break
+            _stop(proc, 2.0)
+            proc = None
+            with open(log_path, "rb") as log:
+                reason = log.read().decode(errors="replace").strip()[-500:]
+        else:
+            raise ServerUnavailable(f"redis-server did not start: {reason}")
+        yield port
+    finally:
+        if proc is not None:
+            _stop(proc, 5.0)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+_DAEMON_MAIN = r"""
+import json, sys
+from kvstore.config import load_settings
+from kvstore.server.daemon import Daemon
+
+daemon = Daemon(load_settings(**json.loads(sys.argv[1]))).start()
+print(daemon.port, flush=True)
+sys.stdin.read()  # the benchmark closes our stdin, or dies: either way, stop
+daemon.stop(0)
+"""
+
+
+@contextlib.contextmanager
+def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
+    """A Strata daemon in its own process on a free loopback port; yields its ``host:port``.
+
+    ``settings`` are :func:`kvstore.config.load_settings` overrides (sizes as
+    strings such as ``"1GiB"``). The daemon stops when its stdin closes, so
+    it cannot outlive a benchmark killed with SIGKILL.
+    """
+    settings = {"listen": "127.0.0.1:0", "metrics_listen": "", **settings}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DAEMON_MAIN, json.dumps(settings)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+    )
+    try:
+        port = _read_port(proc, start_timeout_s)
+        if port is None:
+            _stop(proc, 2.0)
+            log.seek(0)
+            reason = log.read().decode(errors="replace").strip()[-2000:]
+            raise ServerUnavailable(f"the Strata daemon did not start:\n{reason}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        if proc.stdin is not None and not proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(15.0)
+        except subprocess.TimeoutExpired:
+            _stop(proc, 5.0)
+        log.close()
+
+
+def _read_port(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            return None
+    line = proc.stdout.readline().strip()
+    return int(line) if line.isdigit() else None
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A temporary folder beside the benchmarks, on the repository's filesystem (not a tmpfs /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix=f".scratch-{prefix}-", dir=BENCH_DIR))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type mounted at ``path`` (from /proc/mounts), or ``"unknown"``."""
+    path = path.resolve()
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, fstype = mount, fields[2]
+    except OSError:
+        pass
+    return fstype

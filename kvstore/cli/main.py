@@ -1,0 +1,255 @@
+"""``strata``: run the node daemon and operate it.
+
+    strata serve                     start the daemon (embedded defaults: no Redis, S3 or GPU)
+    strata kv put NS KEY [FILE]      store a block (FILE or stdin)
+    strata kv get NS KEY [-o FILE]   read a block (to FILE or stdout)
+    strata kv stat NS KEY...         which tier holds each block
+    strata kv delete NS KEY...       remove blocks
+    strata stats                     tier usage, blocks, leases
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import typing
+from pathlib import Path
+
+from kvstore.config import Settings, SettingsError, load_settings
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+# ---- serve -----------------------------------------------------------------
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field, its help text taken from the field."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"STRATA_{name.upper()}"
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description} [env {env}; default {_show(default)}]"
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+            parser.add_argument(flag, dest=name, default=None, choices=choices, metavar=name.upper(), help=help_text)
+
+
+def _show(value) -> str:
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 20}MiB" if value < 1 << 30 else f"{value >> 30}GiB"
+    if isinstance(value, list):
+        return ",".join(value) or "none"
+    return str(value) if value != "" else "off"
+
+
+def _setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level"})
+        )
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
+    config = args.config or os.environ.get("STRATA_CONFIG")
+    try:
+        settings = load_settings(config, **overrides)
+    except SettingsError as err:
+        print(f"strata serve: {err}", file=sys.stderr)
+        return 2
+    _setup_logging(settings.log_level, settings.log_format)
+    from kvstore.errors import StrataError
+    from kvstore.server.daemon import serve
+
+    try:
+        return serve(settings)
+    except StrataError as err:
+        logging.getLogger("strata").error("cannot start: %s", err)
+        print(f"strata serve: {err}", file=sys.stderr)
+        return 1
+
+
+# ---- operator commands -------------------------------------------------------
+
+
+def _key(args: argparse.Namespace, text: str) -> bytes:
+    if args.hex:
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            raise SystemExit(f"strata: key {text!r} is not hex (drop --hex to use it as text)") from None
+    return text.encode()
+
+
+def _client(args: argparse.Namespace):
+    from kvstore.client.sync import Client
+
+    return Client(args.target, timeout=args.timeout, use_shm=False if args.no_shm else None)
+
+
+def cmd_kv_put(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvstore.client.codec import BlockPut
+
+    if args.from_dir:
+        files = sorted(p for p in Path(args.from_dir).iterdir() if p.is_file())
+        with _client(args) as client:
+            stored = 0
+            for path in tqdm(files, unit="block", desc="put", disable=None):
+                stored += client.put_many(args.namespace, [BlockPut(path.name.encode(), path.read_bytes(), None, args.layout)])[0]
+        print(f"stored {stored} new blocks of {len(files)} files from {args.from_dir}")
+        return 0
+    if args.key is None:
+        raise SystemExit("strata kv put: give a KEY (and a FILE, or data on stdin), or --from-dir DIR")
+    data = sys.stdin.buffer.read() if args.file in (None, "-") else Path(args.file).read_bytes()
+    parent = _key(args, args.parent) if args.parent else None
+    with _client(args) as client:
+        stored = client.put(args.namespace, _key(args, args.key), data, parent=parent, layout=args.layout)
+    print(f"{'stored' if stored else 'already present'}: {len(data)} bytes")
+    return 0
+
+
+def cmd_kv_get(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        data = client.get(args.namespace, _key(args, args.key))
+    if data is None:
+        print(f"strata kv get: no block {args.key!r} in namespace {args.namespace!r}", file=sys.stderr)
+        return 3
+    if args.output in (None, "-"):
+        sys.stdout.buffer.write(data)
+    else:
+        Path(args.output).write_bytes(data)
+    return 0
+
+
+def cmd_kv_stat(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        rows = []
+        for text in args.keys:
+            found = client.exists(args.namespace, [_key(args, text)])
+            rows.append({"key": text, "present": bool(found), "tier": found[0].label if found else None})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            print(f"{row['key']}\t{row['tier'] or 'absent'}")
+    return 0 if all(r["present"] for r in rows) else 3
+
+
+def cmd_kv_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        n = client.delete(args.namespace, [_key(args, k) for k in args.keys])
+    print(f"deleted {n} of {len(args.keys)} blocks")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        s = client.stats(args.namespace or "")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(s)))
+        return 0
+    print(f"node {s.node_id} (epoch {s.epoch}): {s.blocks} blocks, {s.pinned_blocks} pinned, "
+          f"{s.active_leases} leases, {s.open_slots} open slots, {s.demotion_queue_depth} queued for disk")
+    for tier, t in s.tiers.items():
+        pct = 100 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0
+        print(f"  {tier:5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.1f} MiB ({pct:.0f}%)  {t['blocks']} blocks")
+    print(f"  namespaces: {', '.join(s.namespaces) or 'none'}")
+    return 0
+
+
+# ---- parser ------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata",
+        description="Strata: a tiered KV-block cache daemon for LLM inference fleets.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 1)[1],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="start the node daemon",
+        description="Start the node daemon: gRPC KVService with health and reflection, Prometheus metrics, "
+        "a host-RAM tier (shared memory) over a disk tier. Every setting comes from a flag, a STRATA_* "
+        "environment variable or a TOML config file, in that order of precedence.",
+    )
+    serve.add_argument("--config", metavar="FILE", help="TOML file of settings (keys as the flag names with _) [env STRATA_CONFIG]")
+    _add_settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    client_opts = argparse.ArgumentParser(add_help=False)
+    client_opts.add_argument("--target", default=os.environ.get("STRATA_TARGET", DEFAULT_TARGET),
+                             help=f"daemon address host:port or unix:PATH [env STRATA_TARGET; default {DEFAULT_TARGET}]")
+    client_opts.add_argument("--timeout", type=float, default=10.0, help="seconds per call [default 10]")
+    client_opts.add_argument("--no-shm", action="store_true", help="stream bytes over gRPC even on the daemon's host")
+    key_opts = argparse.ArgumentParser(add_help=False)
+    key_opts.add_argument("--hex", action="store_true", help="keys are hex-encoded bytes, not text")
+
+    kv = sub.add_parser("kv", help="read and write blocks (operators, debugging)")
+    kv_sub = kv.add_subparsers(dest="kv_command", required=True, metavar="KV_COMMAND")
+    put = kv_sub.add_parser("put", parents=[client_opts, key_opts], help="store a block",
+                            description="Store FILE (or stdin) as one block; or every file of --from-dir as a block keyed by its name.")
+    put.add_argument("namespace", help="namespace (model or tenant)")
+    put.add_argument("key", nargs="?", help="block key")
+    put.add_argument("file", nargs="?", help="file to store; '-' or omitted: stdin")
+    put.add_argument("--parent", help="key of the previous block of a prefix chain")
+    put.add_argument("--layout", default="", help="free-form layout tag stored with the block")
+    put.add_argument("--from-dir", metavar="DIR", help="store each regular file of DIR (with a progress bar)")
+    put.set_defaults(func=cmd_kv_put)
+    get = kv_sub.add_parser("get", parents=[client_opts, key_opts], help="read a block",
+                            description="Write a block's bytes to -o FILE or stdout; exit 3 when absent.")
+    get.add_argument("namespace")
+    get.add_argument("key")
+    get.add_argument("-o", "--output", help="file to write; '-' or omitted: stdout")
+    get.set_defaults(func=cmd_kv_get)
+    stat = kv_sub.add_parser("stat", parents=[client_opts, key_opts], help="show where blocks are",
+                             description="For each key, the tier holding it; exit 3 when any is absent.")
+    stat.add_argument("namespace")
+    stat.add_argument("keys", nargs="+", metavar="KEY")
+    stat.add_argument("--json", action="store_true", help="print JSON")
+    stat.set_defaults(func=cmd_kv_stat)
+    delete = kv_sub.add_parser("delete", parents=[client_opts, key_opts], help="remove blocks")
+    delete.add_argument("namespace")
+    delete.add_argument("keys", nargs="+", metavar="KEY")
+    delete.set_defaults(func=cmd_kv_delete)
+
+    stats = sub.add_parser("stats", parents=[client_opts], help="show tier usage, blocks and leases")
+    stats.add_argument("--namespace", help="only this namespace")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.set_defaults(func=cmd_stats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return args.func(args)
+    from kvstore.errors import StrataError
+
+    try:
+        return args.func(args)
+    except StrataError as err:
+        print(f"strata {args.command}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""asyncio client of a Strata daemon: the twin of :class:`kvstore.client.sync.Client`.
+
+Same arguments, same methods, same results; each call is a coroutine. All
+request building, parsing, arena copies and the retry policy come from
+:mod:`kvstore.client.codec`, so only the loops over them live here.
+
+Copies and checksums of more than ``OFF_LOOP_BYTES`` run in a worker thread
+(``asyncio.to_thread``): a 64 MiB memcpy would otherwise stall every other
+task on the loop for tens of milliseconds. Smaller ones run inline, where a
+thread hop would cost more than the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from kvstore.api.v1 import kv_pb2 as pb
+from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.block import TierName
+from kvstore.client import codec
+from kvstore.client.codec import Block, BlockPut, PinLease, Stats
+from kvstore.errors import ArenaUnusable, StrataError
+from kvstore.tiers.arena import ShmArena
+
+OFF_LOOP_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """A connection to one daemon, bound to the event loop it was created on.
+
+    Create it inside a running loop (``async with AsyncClient(...) as c:``);
+    its calls may run concurrently as tasks of that loop. ``use_shm`` is as
+    for :class:`kvstore.client.sync.Client`.
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout: float = codec.DEFAULT_TIMEOUT_S,
+        retries: int = 3,
+        use_shm: bool | None = None,
+        lease_ms: int = 0,
+        chunk_bytes: int = codec.DEFAULT_CHUNK,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._use_shm = use_shm
+        self._lease_ms = lease_ms
+        self._chunk = chunk_bytes
+        self._channel = grpc.aio.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
+        self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
+        self._arena: ShmArena | None = None
+        self._arena_checked = False
+        self._attach_lock = asyncio.Lock()  # one Attach, however many first calls race
+        self._copies: set[asyncio.Future] = set()  # threads holding arena views
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel and unmap the arena, after copies still running in threads end."""
+        if self._copies:
+            await asyncio.wait(list(self._copies))
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        await self._channel.close()
+
+    # ---- calls ---------------------------------------------------------------
+
+    async def _retrying(self, method: str, attempt_once: Callable[[], Any]):
+        attempt = 0
+        while True:
+            try:
+                return await attempt_once()
+            except grpc.RpcError as rpc_err:
+                err = codec.translate(rpc_err)
+            delay = codec.retry_delay(err, method, attempt, self.retries)
+            if delay is None:
+                raise err
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _call(self, method: str, request):
+        fn = getattr(self._stub, method)
+        return await self._retrying(method, lambda: fn(request, timeout=self.timeout))
+
+    async def _off_loop(self, nbytes: int, fn: Callable[..., T], *args) -> T:
+        """Run ``fn(*args)`` inline when it moves few bytes, else in a worker thread.
+
+        A thread cannot be stopped mid-copy, so when the awaiting task is
+        cancelled this waits for the copy to end before letting the
+        cancellation through: the caller then gives back slots and leases
+        only once nothing writes into or reads from them any more.
+        """
+        if nbytes <= OFF_LOOP_BYTES:
+            return fn(*args)
+        copy = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._copies.add(copy)
+        copy.add_done_callback(self._copies.discard)
+        try:
+            return await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            while not copy.done():
+                try:
+                    await asyncio.wait([copy])
+                except asyncio.CancelledError:
+                    continue  # the copy ends within milliseconds
+            raise
+
+    async def uses_shared_memory(self) -> bool:
+        """Whether block bytes move through the daemon's arena (asks the daemon once)."""
+        return await self._arena_or_none() is not None
+
+    async def _arena_or_none(self) -> ShmArena | None:
+        if self._use_shm is False:
+            return None
+        if not self._arena_checked:
+            async with self._attach_lock:
+                if not self._arena_checked:
+                    try:
+                        self._arena = codec.open_arena(await self._call("Attach", pb.AttachRequest()))
+                    except ArenaUnusable:
+                        if self._use_shm:
+                            raise
+                    self._arena_checked = True
+        return self._arena
+
+    # ---- data ----------------------------------------------------------------
+
+    async def put(self, namespace: str, key: bytes, value, *, parent: bytes | None = None, layout: str = "") -> bool:
+        """Store one block; False when the key was already stored."""
+        return (await self.put_many(namespace, [BlockPut(key, value, parent, layout)]))[0]
+
+    async def put_many(self, namespace: str, items: Sequence[BlockPut]) -> list[bool]:
+        """Store blocks in one batch; per block, whether it was newly stored."""
+        checked = codec.check_puts(namespace, items)
+        if not checked:
+            return []
+        arena = await self._arena_or_none()
+        if arena is None:
+            return codec.stream_put_results(checked, await self._call_put(namespace, checked))
+        results: list[bool] = []
+        for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(arena)):
+            results += await self._put_shm(arena, namespace, group)
+        return results
+
+    async def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
+        alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
+        slot_ids: list[int] = []
+        try:
+            nbytes = sum(len(view) for _, view, _ in checked)
+            commit, slot_ids = await self._off_loop(nbytes, codec.write_slots, arena, checked, alloc)
+            done = await self._call("Commit", commit) if slot_ids else pb.CommitResponse()
+        except BaseException:
+            if slot_ids:
+                try:
+                    await self._call("Abort", pb.AbortRequest(slot_ids=slot_ids))
+                except StrataError:
+                    pass  # the slots expire by themselves
+            raise
+        return codec.put_results(alloc, done)
+
+    async def _call_put(self, namespace: str, checked) -> pb.PutResponse:
+        nbytes = sum(len(view) for _, view, _ in checked)
+
+        def once():
+            requests = codec.put_requests(namespace, checked, self._chunk)
+            if nbytes > OFF_LOOP_BYTES:  # each header checksums a whole block
+                requests = self._next_off_loop(requests)
+            return self._stub.Put(requests, timeout=self.timeout)
+
+        return await self._retrying("Put", once)
+
+    @staticmethod
+    async def _next_off_loop(messages: Iterator[T]) -> AsyncIterator[T]:
+        done = object()
+        while (msg := await asyncio.to_thread(next, messages, done)) is not done:
+            yield msg
+
+    async def get(self, namespace: str, key: bytes) -> bytes | bytearray | None:
+        """The block's bytes, or None on a miss."""
+        block = (await self.get_many(namespace, [key]))[0]
+        return None if block is None else block.data
+
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
+        """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
+        keys = codec.check_gets(namespace, keys)
+        if not keys:
+            return []
+        arena = await self._arena_or_none()
+        if arena is None:
+            return await self._get_streamed(namespace, keys)
+        response = await self._call(
+            "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
+        )
+        read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response)
+        if read.leased:
+            released = await self._call("Release", pb.ReleaseRequest(lease_ids=read.lease_ids()))
+            codec.drop_expired(read, released.valid)
+        if read.refetch:
+            again = await self._get_streamed(namespace, [keys[i] for i in read.refetch])
+            for i, block in zip(read.refetch, again):
+                read.blocks[i] = block
+        return read.blocks
+
+    async def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
+        async def once() -> list[Block | None]:
+            assembler = codec.GetAssembler()
+            large = False
+            async for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+                if msg.WhichOneof("part") == "header":
+                    large = msg.header.block.size > OFF_LOOP_BYTES
+                if large:  # the block's last chunk checksums all of it
+                    await asyncio.to_thread(assembler.feed, msg)
+                else:
+                    assembler.feed(msg)
+            return assembler.finish()
+
+        return await self._retrying("Get", once)
+
+    # ---- control -------------------------------------------------------------
+
+    async def exists(self, namespace: str, keys: Sequence[bytes]) -> list[TierName]:
+        """For a prefix chain (head first): the tier of each leading present block."""
+        return codec.parse_exists(await self._call("Exists", pb.ExistsRequest(namespace=namespace, keys=list(keys))))
+
+    async def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return (await self._call("Delete", pb.DeleteRequest(namespace=namespace, keys=list(keys)))).deleted
+
+    async def pin(self, namespace: str, keys: Sequence[bytes], lease_s: float = 0) -> PinLease:
+        r = await self._call("Pin", pb.PinRequest(namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000)))
+        return codec.parse_pin(r)
+
+    async def unpin(self, lease_id: int) -> bool:
+        return (await self._call("Unpin", pb.UnpinRequest(lease_id=lease_id))).released
+
+    async def stats(self, namespace: str = "") -> Stats:
+        return codec.parse_stats(await self._call("Stats", pb.StatsRequest(namespace=namespace)))

@@ -1,0 +1,330 @@
+"""AsyncClient against a real daemon over a real port, with and without shared memory.
+
+Each test runs its coroutine with ``asyncio.run`` (no pytest plugin) and uses
+its own namespace, so the tests share one daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+
+import pytest
+
+from kvstore import errors
+from kvstore.block import TierName
+from kvstore.client import AsyncClient, BlockPut, Client, codec
+from kvstore.client.aio import OFF_LOOP_BYTES
+from kvstore.config import load_settings
+from kvstore.server.daemon import Daemon
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    state = tmp_path_factory.mktemp("daemon")
+    settings = load_settings(
+        listen="127.0.0.1:0",
+        metrics_listen="",
+        disk_dir=str(state),
+        shm_dir=str(state),
+        ram_bytes="64MiB",
+        disk_bytes="256MiB",
+        max_block_bytes="16MiB",
+    )
+    daemon = Daemon(settings).start()
+    try:
+        yield f"127.0.0.1:{daemon.port}"
+    finally:
+        daemon.stop(0)
+
+
+@pytest.fixture(params=[True, False], ids=["shm", "stream"])
+def use_shm(request) -> bool:
+    return request.param
+
+
+@pytest.fixture
+def namespace(request) -> str:
+    """A namespace of this test alone."""
+    return "t-" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
+
+
+def key(name: str) -> bytes:
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+
+
+def run(target: str, use_shm: bool, body, **options):
+    async def main():
+        async with AsyncClient(target, use_shm=use_shm, **options) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "size", [1, 4095, 4096, 100_000, OFF_LOOP_BYTES, OFF_LOOP_BYTES + 1, 3 * MiB + 17, 16 * MiB]
+)
+def test_round_trip(target, use_shm, namespace, size):
+    value = os.urandom(size)
+
+    async def body(c: AsyncClient):
+        assert await c.uses_shared_memory() is use_shm
+        assert await c.put(namespace, key("a"), value, layout="f16[2,8]") is True
+        assert await c.put(namespace, key("a"), value) is False  # already stored
+        got = await c.get(namespace, key("a"))
+        [block] = await c.get_many(namespace, [key("a")])
+        return got, block
+
+    got, block = run(target, use_shm, body)
+    assert bytes(got) == value
+    assert block.key == key("a")
+    assert bytes(block.data) == value
+    assert block.layout == "f16[2,8]"
+    assert block.parent is None
+    assert block.tier is TierName.HOST
+
+
+def test_batch_with_a_miss_in_the_middle(target, use_shm, namespace):
+    values = {f"b{i}": os.urandom(1000 * (i + 1)) for i in range(4)}
+    values["big"] = os.urandom(2 * MiB)
+
+    async def body(c: AsyncClient):
+        stored = await c.put_many(namespace, [BlockPut(key(n), v) for n, v in values.items()])
+        assert stored == [True] * len(values)
+        again = await c.put_many(namespace, [BlockPut(key("b0"), values["b0"]), BlockPut(key("new"), b"n")])
+        assert again == [False, True]
+        asked = ["b0", "b1", "missing", "big", "b3"]
+        return asked, await c.get_many(namespace, [key(n) for n in asked])
+
+    asked, blocks = run(target, use_shm, body)
+    assert blocks[2] is None
+    for name, block in zip(asked, blocks):
+        if name != "missing":
+            assert block.key == key(name)
+            assert bytes(block.data) == values[name]
+
+
+def test_empty_batches(target, use_shm, namespace):
+    async def body(c: AsyncClient):
+        return await c.put_many(namespace, []), await c.get_many(namespace, [])
+
+    assert run(target, use_shm, body) == ([], [])
+
+
+def test_exists_over_a_chain(target, use_shm, namespace):
+    chain = [key(f"c{i}") for i in range(4)]
+
+    async def body(c: AsyncClient):
+        parents = [None] + chain[:-1]
+        await c.put_many(namespace, [BlockPut(k, b"x" * 64, parent=p) for k, p in zip(chain[:3], parents)])
+        full = await c.exists(namespace, chain)
+        headless = await c.exists(namespace, [key("nope")] + chain)
+        blocks = await c.get_many(namespace, chain[:2])
+        return full, headless, blocks
+
+    full, headless, blocks = run(target, use_shm, body)
+    assert full == [TierName.HOST] * 3  # stops at the first absent block
+    assert headless == []
+    assert blocks[0].parent is None
+    assert blocks[1].parent == chain[0]
+
+
+def test_delete(target, use_shm, namespace):
+    async def body(c: AsyncClient):
+        await c.put_many(namespace, [BlockPut(key("d1"), b"1"), BlockPut(key("d2"), b"2")])
+        deleted = await c.delete(namespace, [key("d1"), key("absent")])
+        return deleted, await c.get_many(namespace, [key("d1"), key("d2")])
+
+    deleted, (d1, d2) = run(target, use_shm, body)
+    assert deleted == 1
+    assert d1 is None
+    assert bytes(d2.data) == b"2"
+
+
+def test_pin_and_unpin(target, use_shm, namespace):
+    async def body(c: AsyncClient):
+        await c.put(namespace, key("p"), b"pinned")
+        lease = await c.pin(namespace, [key("p"), key("absent")], lease_s=30)
+        during = await c.stats(namespace)
+        first, second = await c.unpin(lease.lease_id), await c.unpin(lease.lease_id)
+        return lease, during, first, second
+
+    lease, during, first, second = run(target, use_shm, body)
+    assert lease.lease_id > 0
+    assert lease.pinned == 1
+    assert lease.missing == [key("absent")]
+    assert lease.deadline_unix_ms > 0
+    assert during.pinned_blocks >= 1
+    assert (first, second) == (True, False)  # a lease ends once
+
+
+def test_stats(target, use_shm, namespace):
+    async def body(c: AsyncClient):
+        await c.put_many(namespace, [BlockPut(key(f"s{i}"), b"v" * 100) for i in range(3)])
+        return await c.stats(), await c.stats(namespace)
+
+    everything, mine = run(target, use_shm, body)
+    assert namespace in everything.namespaces
+    assert everything.epoch >= 1 and everything.node_id
+    assert everything.tiers["host"]["capacity_bytes"] == 64 * MiB
+    assert everything.tiers["disk"]["capacity_bytes"] == 256 * MiB
+    assert mine.blocks == 3
+    assert everything.blocks >= mine.blocks
+
+
+def test_unknown_namespace(target, use_shm):
+    async def body(c: AsyncClient):
+        with pytest.raises(errors.UnknownNamespace):
+            await c.get("never-written", key("k"))
+        with pytest.raises(errors.UnknownNamespace):
+            await c.exists("never-written", [key("k")])
+
+    run(target, use_shm, body)
+
+
+def test_invalid_input_is_refused_before_any_call(target, use_shm):
+    async def body(c: AsyncClient):
+        with pytest.raises(errors.InvalidNamespace):
+            await c.put("", key("k"), b"v")
+        with pytest.raises(errors.InvalidKey):
+            await c.get_many("ns", [b""])
+
+    run(target, use_shm, body)
+
+
+@pytest.mark.parametrize(
+    "via_shm",
+    [
+        True,
+        pytest.param(
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=errors.InvalidArgument,
+                reason="KVServicer.Put raises InvalidArgument, not BlockTooLarge, for an oversized streamed block",
+            ),
+        ),
+    ],
+    ids=["shm", "stream"],
+)
+def test_oversized_block(target, via_shm, namespace):
+    async def body(c: AsyncClient):
+        with pytest.raises(errors.BlockTooLarge):
+            await c.put(namespace, key("huge"), bytes(16 * MiB + 1))
+
+    run(target, via_shm, body)
+
+
+def test_many_concurrent_gets(target, use_shm, namespace):
+    values = {key(f"g{i}"): os.urandom(37 * (i + 1) + (2 * MiB if i % 8 == 0 else 0)) for i in range(24)}
+
+    async def body(c: AsyncClient):
+        await c.put_many(namespace, [BlockPut(k, v) for k, v in values.items()])
+        order = list(values) * 4
+        singles = await asyncio.gather(*(c.get(namespace, k) for k in order))
+        batches = await asyncio.gather(*(c.get_many(namespace, list(values)[i::3]) for i in range(3)))
+        return order, singles, batches
+
+    order, singles, batches = run(target, use_shm, body)
+    assert [bytes(v) for v in singles] == [values[k] for k in order]
+    for i, batch in enumerate(batches):
+        assert [(b.key, bytes(b.data)) for b in batch] == [(k, values[k]) for k in list(values)[i::3]]
+
+
+def test_cancelled_put_leaves_the_client_usable(target, use_shm, namespace):
+    value = os.urandom(8 * MiB)
+
+    async def body(c: AsyncClient):
+        task = asyncio.ensure_future(c.put_many(namespace, [BlockPut(key(f"x{i}"), value) for i in range(4)]))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert await c.put(namespace, key("after"), b"still works")
+        return await c.get(namespace, key("after"))
+
+    assert bytes(run(target, use_shm, body)) == b"still works"  # and close() did not fail
+
+
+def test_sync_and_async_clients_read_each_other(target, use_shm, namespace):
+    value = os.urandom(3 * MiB)
+    with Client(target, use_shm=use_shm) as sync:
+        sync.put(namespace, key("from-sync"), value)
+
+    async def body(c: AsyncClient):
+        await c.put(namespace, key("from-async"), value[::-1])
+        return await c.get(namespace, key("from-sync"))
+
+    assert bytes(run(target, use_shm, body)) == value
+    with Client(target, use_shm=use_shm) as sync:
+        assert bytes(sync.get(namespace, key("from-async"))) == value[::-1]
+
+
+def test_no_daemon_raises_unavailable_after_retries(monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    delays = []
+    real_retry_delay = codec.retry_delay
+
+    def recording(err, method, attempt, retries):
+        delay = real_retry_delay(err, method, attempt, retries)
+        delays.append(delay)
+        return delay
+
+    monkeypatch.setattr(codec, "retry_delay", recording)
+
+    async def body(c: AsyncClient):
+        with pytest.raises(errors.DaemonUnavailable):
+            await c.stats()
+
+    run(f"127.0.0.1:{port}", False, body, timeout=1.0, retries=2)
+    assert len(delays) == 3 and delays[-1] is None  # two retries, then it gave up
+    assert all(d is not None and d > 0 for d in delays[:-1])
+
+
+def test_arena_read_refetches_unplaced_torn_and_expired_blocks(tmp_path):
+    """The Lookup handling both clients share: what is read in place, what is streamed again."""
+    from kvstore.api.v1 import kv_pb2 as pb
+    from kvstore.block import checksum
+    from kvstore.tiers.arena import ShmArena
+
+    arena = ShmArena.create(1 << 16, str(tmp_path), "arena")
+    try:
+        good, torn, late = b"good" * 10, b"torn" * 10, b"late" * 10
+        for offset, data in [(0, good), (4096, torn), (8192, late)]:
+            view = arena.view(offset, len(data))
+            view[:] = data
+            view.release()
+
+        def located(name, data, offset, lease_id, sum_=None):
+            header = pb.BlockHeader(key=key(name), size=len(data), checksum=sum_ if sum_ is not None else checksum(data))
+            return pb.Located(found=True, block=header, offset=offset, lease_id=lease_id, tier=TierName.HOST)
+
+        response = pb.LookupResponse(
+            blocks=[
+                located("good", good, 0, 11),
+                pb.Located(found=False, block=pb.BlockHeader(key=key("miss"))),
+                located("unplaced", good, 0, 0),  # found, but not leased in the arena
+                located("torn", torn, 4096, 12, sum_=checksum(torn) ^ 1),
+                located("late", late, 8192, 13),
+            ]
+        )
+        assert codec.leased_bytes(response) == len(good) + len(torn) + len(late)
+        read = codec.read_lookup(arena, response)
+        assert read.lease_ids() == [11, 12, 13]
+        assert read.refetch == [2, 3]
+        assert bytes(read.blocks[0].data) == good and read.blocks[0].tier is TierName.HOST
+        assert bytes(read.blocks[4].data) == late
+        codec.drop_expired(read, [True, False, False])  # "late" expired while it was copied
+        assert read.refetch == [2, 3, 4]
+        assert read.blocks[1:] == [None] * 4
+        assert bytes(read.blocks[0].data) == good
+    finally:
+        arena.close(unlink=True)
