@@ -233,7 +233,10 @@ from kvstore.tiers.disk import DiskTier
 {inspect.getsource(payload)}
 
 tier = DiskTier(sys.argv[1], 1 << 40, fsync=sys.argv[2] == "1")
+gated = sys.argv[3] == "1"
 for i in range(400):
+    if gated:
+        sys.stdin.readline()  # wait for the test to say go
     data = payload(i)
     tier.put(BlockKey("ns", f"key-{{i}}".encode()), data, BlockMeta(len(data), checksum(data)))
     print(i, flush=True)
@@ -241,10 +244,13 @@ sys.stdin.read()  # wait to be killed
 """
 
 
-def start_writer(root: Path, fsync: bool) -> subprocess.Popen:
-    """A child process putting blocks 0, 1, 2, ... and printing each index once its put returned."""
+def start_writer(root: Path, fsync: bool, gated: bool = False) -> subprocess.Popen:
+    """A child putting blocks 0, 1, 2, ... and printing each index once its put returned.
+
+    A gated writer waits for a line on stdin before each put.
+    """
     return subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(root), "1" if fsync else "0"],
+        [sys.executable, "-c", WRITER, str(root), "1" if fsync else "0", "1" if gated else "0"],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdin=subprocess.PIPE,
@@ -276,6 +282,7 @@ def check_after_kill(root: Path, reported: list[int]) -> None:
     tier.close()
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("fsync", [False, True], ids=["no-fsync", "fsync"])
 @pytest.mark.parametrize("kill_after", [1, 4, 9, 30])
 def test_sigkill_mid_stream_loses_nothing_committed_and_tears_nothing(root, kill_after, fsync):
@@ -291,32 +298,39 @@ def test_sigkill_mid_stream_loses_nothing_committed_and_tears_nothing(root, kill
     check_after_kill(root, reported)
 
 
+@pytest.mark.timeout(120)
 def test_sigkill_while_a_block_is_half_written(root):
     """Kill the writer while a temp file provably exists, i.e. between create and rename.
 
-    Where a plain kill lands is up to the scheduler. Here the test watches the
-    folder the next block will be written to, stops the writer (SIGSTOP) as
-    soon as a temp file shows up, confirms it is still there, and only then
-    kills, so this state is covered on every run.
+    Where a plain kill lands is up to the scheduler. Here the writer is gated:
+    the test lets it start block i, watches that block's folder until either
+    a temp file or the finished file shows up, and on a temp file stops the
+    writer (SIGSTOP), confirms the file is still there and only then kills.
+    Multi-MiB blocks take long enough to write that one is always caught.
     """
-    child = start_writer(root, fsync=False)
+    child = start_writer(root, fsync=False, gated=True)
     seen, in_flight = [], []
     try:
-        while not in_flight:
-            line = child.stdout.readline()
-            assert line, f"writer exited early with {child.wait()}"
-            seen.append(int(line))
-            folder = root / block_name(key(seen[-1] + 1))[:2]
-            for _ in range(20_000):  # bounded: a small block may be written between two looks
-                if any(n.endswith(".tmp") for n in os.listdir(folder)):
+        for i in range(400):
+            name = block_name(key(i))
+            folder, final = root / name[:2], root / name[:2] / name
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            while not final.exists():  # ends: the gated writer is putting block i
+                if folder.exists() and any(n.endswith(".tmp") for n in os.listdir(folder)):
                     os.kill(child.pid, signal.SIGSTOP)
                     os.waitpid(child.pid, os.WUNTRACED)
                     in_flight = temp_files(root)
                     if in_flight:
                         break
                     os.kill(child.pid, signal.SIGCONT)
+                assert child.poll() is None, f"writer exited with {child.returncode}"
+            if in_flight:
+                break
+            seen.append(int(child.stdout.readline()))
     finally:
         reported = seen + kill(child)
+    assert in_flight, "no write was caught in flight"
     assert all(p.exists() for p in in_flight), "the killed writer left its temp file"
     check_after_kill(root, reported)
 
@@ -495,14 +509,14 @@ class DiskTierMachine(RuleBasedStateMachine):
     @invariant()
     def matches_model(self):
         assert list(self.tier.lru()) == [key(i) for i in self.order]
-        files = list(self.dir.glob("??/*"))
-        assert self.tier.stats().blocks == len(files) == len(self.model)
-        assert self.tier.stats().used_bytes == sum(p.stat().st_size for p in files)
+        assert self.tier.stats().blocks == len(self.model)
+        assert self.tier.stats().used_bytes == sum(file_of(self.tier, key(i)).stat().st_size for i in self.model)
 
     def teardown(self):
+        assert len(list(self.dir.glob("??/*"))) == len(self.model), "no stray files"
         self.tier.close()
         shutil.rmtree(self.dir)
 
 
 TestDiskTierMachine = DiskTierMachine.TestCase
-TestDiskTierMachine.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
+TestDiskTierMachine.settings = settings(max_examples=20, stateful_step_count=30, deadline=None)

@@ -8,12 +8,18 @@ Copies and checksums of more than ``OFF_LOOP_BYTES`` run in a worker thread
 (``asyncio.to_thread``): a 64 MiB memcpy would otherwise stall every other
 task on the loop for tens of milliseconds. Smaller ones run inline, where a
 thread hop would cost more than the copy.
+
+One call does not go through grpc.aio: a streamed Put (no shared memory)
+runs as a future of a blocking channel, which the loop awaits while gRPC's
+own thread feeds the stream, because grpc.aio can report such a call's
+refusal as INTERNAL instead of the server's status (see
+``AsyncClient._put_stream``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -28,6 +34,8 @@ from kvstore.errors import ArenaUnusable, StrataError
 from kvstore.tiers.arena import ShmArena
 
 OFF_LOOP_BYTES = 1 << 20
+# Streamed Puts in flight per client; each holds a gRPC thread feeding it.
+MAX_PUT_STREAMS = 8
 
 T = TypeVar("T")
 
@@ -62,6 +70,9 @@ class AsyncClient:
         self._arena_checked = False
         self._attach_lock = asyncio.Lock()  # one Attach, however many first calls race
         self._copies: set[asyncio.Future] = set()  # threads holding arena views
+        self._put_streams = asyncio.Semaphore(MAX_PUT_STREAMS)
+        self._put_channel: grpc.Channel | None = None
+        self._put_stub: kv_pb2_grpc.KVServiceStub | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -76,6 +87,8 @@ class AsyncClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        if self._put_channel is not None:
+            self._put_channel.close()
         await self._channel.close()
 
     # ---- calls ---------------------------------------------------------------
@@ -174,21 +187,39 @@ class AsyncClient:
         return codec.put_results(alloc, done)
 
     async def _call_put(self, namespace: str, checked) -> pb.PutResponse:
-        nbytes = sum(len(view) for _, view, _ in checked)
+        async with self._put_streams:
+            return await self._retrying("Put", lambda: self._put_stream(namespace, checked))
 
-        def once():
-            requests = codec.put_requests(namespace, checked, self._chunk)
-            if nbytes > OFF_LOOP_BYTES:  # each header checksums a whole block
-                requests = self._next_off_loop(requests)
-            return self._stub.Put(requests, timeout=self.timeout)
+    async def _put_stream(self, namespace: str, checked) -> pb.PutResponse:
+        """One streamed Put, driven by the blocking stub's future.
 
-        return await self._retrying("Put", once)
+        grpc.aio loses the server's status when the server ends a
+        client-streaming call while the client still writes (a block over the
+        limit, a full tier): a write that fails after the status arrived
+        overwrites it with INTERNAL "Internal error from Core" (grpc/grpc
+        #36066). The blocking stack reports the server's status, and its
+        request thread also keeps the checksums and chunk copies off the loop.
+        """
+        if self._put_stub is None:
+            self._put_channel = grpc.insecure_channel(self.target, options=codec.CHANNEL_OPTIONS)
+            self._put_stub = kv_pb2_grpc.KVServiceStub(self._put_channel)
+        call = self._put_stub.Put.future(codec.put_requests(namespace, checked, self._chunk), timeout=self.timeout)
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
 
-    @staticmethod
-    async def _next_off_loop(messages: Iterator[T]) -> AsyncIterator[T]:
-        done = object()
-        while (msg := await asyncio.to_thread(next, messages, done)) is not done:
-            yield msg
+        def on_end(_) -> None:  # on a gRPC thread, or here when already ended
+            try:
+                loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits any more
+
+        call.add_done_callback(on_end)
+        try:
+            await ended
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        return call.result()  # raises the call, a grpc.RpcError, when it failed
 
     async def get(self, namespace: str, key: bytes) -> bytes | bytearray | None:
         """The block's bytes, or None on a miss."""

@@ -32,8 +32,11 @@ class Lease:
     id: int
     kind: LeaseKind
     deadline: float
-    keys: list[BlockKey] = field(default_factory=list)
-    # SLOT only: the reserved extent and what the block will be on commit.
+    keys: list[BlockKey] = field(default_factory=list)  # blocks this lease pins
+    # SLOT only: the block being written, its reserved extent and metadata.
+    # A slot pins the block's parent, so a prefix cannot be evicted while
+    # its next block is being written.
+    block: BlockKey | None = None
     offset: int = 0
     meta: BlockMeta | None = None
 

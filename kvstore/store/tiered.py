@@ -196,6 +196,15 @@ class TieredStore:
             if entry is not None and not entry.deleted:
                 self._touch_locked(key, entry)
                 return False, entry.best_tier
+            parent = self._pin_parent_locked(key, meta)
+        try:
+            return self._put_new(key, data, meta, deadline)
+        finally:
+            with self._cond:
+                for p in parent:
+                    self._unpin_locked(p, self._entries[p])
+
+    def _put_new(self, key: BlockKey, data: memoryview, meta: BlockMeta, deadline: float | None) -> tuple[bool, TierName]:
         offset = self._reserve(meta.size, deadline)
         view = self._ram.view(offset, meta.size)
         try:
@@ -303,9 +312,14 @@ class TieredStore:
                         continue
                 offset = self._reserve(size, deadline)
                 with self._cond:
-                    lease = self._leases.issue(
-                        LeaseKind.SLOT, self._clock() + lease_s, keys=[key], offset=offset, meta=meta
-                    )
+                    try:
+                        lease = self._leases.issue(
+                            LeaseKind.SLOT, self._clock() + lease_s, block=key, offset=offset, meta=meta
+                        )
+                    except BaseException:
+                        self._ram.unreserve(offset)
+                        raise
+                    lease.keys = self._pin_parent_locked(key, meta)
                 grants.append(SlotGrant(key, False, lease.id, offset, size))
         except BaseException:
             self.abort([g.slot_id for g in grants if not g.present])
@@ -341,23 +355,25 @@ class TieredStore:
                 view = self._ram.view(lease.offset, meta.size)
                 try:
                     if checksum(view) != meta.checksum:
-                        bad.append(lease.keys[0])
+                        bad.append(lease.block)
                 finally:
                     view.release()
         if bad:
             with self._cond:
                 for lease in taken:
                     self._ram.unreserve(lease.offset)
+                    self._end_pins_locked(lease)
                 self._cond.notify_all()
             self.metrics.corrupt.labels("host").inc(len(bad))
             raise CorruptBlock(
                 f"{len(bad)} slot(s) hold bytes that do not match their checksum (first: {bad[0]}); "
                 "nothing was committed: write the blocks again"
             )
-        return [
-            (lease.keys[0], *self._adopt(lease.keys[0], lease.offset, meta, verify=False))
-            for lease, meta in zip(taken, metas)
-        ]
+        done = [(lease.block, *self._adopt(lease.block, lease.offset, meta, verify=False)) for lease, meta in zip(taken, metas)]
+        with self._cond:
+            for lease in taken:
+                self._end_pins_locked(lease)
+        return done
 
     def abort(self, slot_ids: Iterable[int]) -> None:
         with self._cond:
@@ -368,6 +384,7 @@ class TieredStore:
                 except LeaseError:
                     continue  # expired or unknown: already given back
                 self._ram.unreserve(lease.offset)
+                self._end_pins_locked(lease)
             self._cond.notify_all()
 
     def lookup(self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None) -> list[Located | None]:
@@ -715,14 +732,16 @@ class TieredStore:
         """Evict from RAM, least recently used first; returns (freed now, demotions pending).
 
         A block that also has a disk copy leaves RAM at once; one without is
-        queued for demotion and stays readable until written; with no usable
-        disk, a block with no cached children is dropped. Background headroom
+        queued for demotion and stays readable until written (a chain's
+        deepest blocks first, its parents only when that is not enough); with
+        no usable disk, a block with no cached children is dropped. Background headroom
         only queues demotions. The scan decides first and acts after, so it
         never mutates the LRU it walks.
         """
         disk_ok = self._disk_usable()
         drop_copy: list[BlockKey] = []
         demote: list[BlockKey] = []
+        demote_later: list[BlockKey] = []  # parents of blocks in RAM: demoted only if leaves are not enough
         drop: list[BlockKey] = []
         budget = 0
         for key in self._lru[HOST]:
@@ -735,12 +754,19 @@ class TieredStore:
                 if not background:
                     drop_copy.append(key)
                     budget += entry.meta.size
-            elif disk_ok and not self._has_child_in_locked(key, HOST):
+            elif disk_ok and self._has_child_in_locked(key, HOST):
+                demote_later.append(key)
+            elif disk_ok:
                 demote.append(key)
                 budget += entry.meta.size
-            elif not disk_ok and not background and not self._children.get(key):
+            elif not background and not self._children.get(key):
                 drop.append(key)
                 budget += entry.meta.size
+        for key in demote_later:
+            if budget >= need:
+                break
+            demote.append(key)
+            budget += self._entries[key].meta.size
         for key in drop_copy:
             self._drop_copy_locked(key, self._entries[key], HOST)
             self.metrics.evictions.labels("host").inc()
@@ -756,6 +782,17 @@ class TieredStore:
             self._entries[key].demoting = True
             self._demoting += 1
         return bool(drop_copy or drop), self._demoting > 0
+
+    def _pin_parent_locked(self, key: BlockKey, meta: BlockMeta) -> list[BlockKey]:
+        """Pin the parent of a block being written, so eviction cannot take it meanwhile."""
+        if not meta.parent:
+            return []
+        parent = BlockKey(key.namespace, meta.parent)
+        entry = self._entries.get(parent)
+        if entry is None or entry.deleted:
+            return []
+        entry.pins += 1
+        return [parent]
 
     def _has_child_in_locked(self, key: BlockKey, tier: TierName) -> bool:
         return any(tier in self._entries[c].tiers for c in self._children.get(key, ()))
@@ -906,8 +943,7 @@ class TieredStore:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
             if lease.kind is LeaseKind.SLOT:
                 self._ram.unreserve(lease.offset)
-            else:
-                self._end_pins_locked(lease)
+            self._end_pins_locked(lease)
         if expired:
             self._cond.notify_all()
 

@@ -1,0 +1,165 @@
+"""The daemon and its clients as real processes, killed with real signals."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvstore import Client, TierName
+from tests.conftest import wait_until
+
+MiB = 1 << 20
+
+
+def value(i: int, size: int = 512 << 10) -> bytes:
+    seed = hashlib.sha256(b"%d" % i).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def test_sigkill_mid_stream_then_restart_loses_nothing_on_disk(daemon_process):
+    daemon = daemon_process()
+    acked: list[int] = []
+    stop = threading.Event()
+    on_disk_before_kill: list[int] = []
+
+    def writer():
+        with Client(daemon.target, use_shm=False, retries=0, timeout=5) as c:
+            i = 0
+            while not stop.is_set():
+                try:
+                    c.put("m", b"k%d" % i, value(i))
+                except Exception:
+                    return  # the daemon died under us
+                acked.append(i)
+                i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    wait_until(lambda: len(acked) >= 120, what="120 acknowledged puts")  # 60 MiB: well past the 32 MiB RAM tier
+    with Client(daemon.target, use_shm=False) as c:
+        snapshot = list(acked)
+        tiers = [c.exists("m", [b"k%d" % i]) for i in snapshot]
+        on_disk_before_kill = [i for i, t_ in zip(snapshot, tiers) if t_ == [TierName.DISK]]
+    assert on_disk_before_kill, "RAM pressure should have demoted blocks to disk"
+    assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL  # puts still streaming
+    stop.set()
+    t.join(10)
+
+    daemon.start()  # same cache directory
+    with Client(daemon.target) as c:
+        for i in on_disk_before_kill:  # everything that had reached disk survived, byte for byte
+            assert c.get("m", b"k%d" % i) == value(i), i
+        present = 0
+        for i in range(max(acked) + 2):  # and nothing present is torn
+            got = c.get("m", b"k%d" % i)
+            if got is not None:
+                assert got == value(i)
+                present += 1
+        assert present >= len(on_disk_before_kill)
+        assert c.stats().epoch == 2
+    assert not list(Path(daemon.disk_dir).rglob("*.tmp"))
+
+
+def test_sigterm_drains_and_keeps_ram_blocks(daemon_process):
+    daemon = daemon_process()
+    with Client(daemon.target) as c:
+        for i in range(10):
+            c.put("m", b"k%d" % i, value(i))
+    assert daemon.kill(signal.SIGTERM) == 0
+    daemon.start()
+    with Client(daemon.target) as c:
+        for i in range(10):
+            assert c.get("m", b"k%d" % i) == value(i)
+
+
+CLIENT_HOLDING_LEASES = r"""
+import sys, time
+from kvstore.api.v1 import kv_pb2 as pb
+from kvstore.client.sync import Client
+with Client(sys.argv[1], use_shm=True) as c:
+    assert c.shared_memory
+    c.put("m", b"kept", b"x" * 100000)
+    stub = c._stub
+    stub.Allocate(pb.AllocateRequest(namespace="m", blocks=[pb.BlockHeader(key=b"slot%d" % i, size=1 << 20) for i in range(8)]))
+    stub.Lookup(pb.LookupRequest(namespace="m", keys=[b"kept"]))
+    c.pin("m", [b"kept"])
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_client_killed_holding_leases_gives_its_space_back(daemon_process, tmp_path):
+    daemon = daemon_process("--lease-seconds", "1", "--pin-lease-seconds", "1")
+    with Client(daemon.target) as c:
+        c.put("m", b"warm", b"w")
+        baseline = c.stats().tiers["host"]["used_bytes"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_HOLDING_LEASES, daemon.target], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "holding"
+    with Client(daemon.target) as c:
+        held = c.stats()
+        assert held.open_slots == 8 and held.active_leases >= 10
+        assert held.tiers["host"]["used_bytes"] >= baseline + 8 * MiB
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        wait_until(lambda: c.stats().active_leases == 0, what="the dead client's leases to expire")
+        after = c.stats()
+        assert after.open_slots == 0 and after.pinned_blocks == 0
+        assert after.tiers["host"]["used_bytes"] == baseline + 102400  # only the committed block (25 pages) remains
+        assert c.get("m", b"kept") == b"x" * 100000
+
+
+def test_cli_against_a_running_daemon(daemon_process, tmp_path):
+    daemon = daemon_process()
+    src = tmp_path / "blob.bin"
+    src.write_bytes(value(5, 300_000))
+    cli = [sys.executable, "-m", "kvstore.cli.main"]
+
+    def run(*args, **kw):
+        return subprocess.run([*cli, *args, "--target", daemon.target], capture_output=True, **kw)
+
+    r = run("kv", "put", "m", "blob", str(src))
+    assert r.returncode == 0 and b"stored" in r.stdout
+    r = run("kv", "get", "m", "blob")
+    assert r.returncode == 0 and r.stdout == value(5, 300_000)
+    r = run("kv", "stat", "m", "blob", "nothing")
+    assert r.returncode == 3 and b"blob\thost" in r.stdout and b"nothing\tabsent" in r.stdout
+    r = run("kv", "get", "m", "nothing")
+    assert r.returncode == 3 and b"no block" in r.stderr
+    r = run("stats")
+    assert r.returncode == 0 and b"1 blocks" in r.stdout
+    r = run("kv", "get", "typo-ns", "blob")
+    assert r.returncode == 1 and b"unknown to this daemon" in r.stderr
+    d = tmp_path / "many"
+    d.mkdir()
+    for i in range(5):
+        (d / f"f{i}").write_bytes(value(i, 1000))
+    r = run("kv", "put", "m", "--from-dir", str(d))
+    assert r.returncode == 0 and b"stored 5 new blocks" in r.stdout
+
+
+def test_serve_refuses_bad_settings_with_the_fix(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "serve", "--ram-bytes", "lots", "--disk-dir", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 2
+    assert "ram_bytes (flag --ram-bytes, env STRATA_RAM_BYTES)" in r.stderr
+
+
+def test_second_daemon_on_the_same_directory_is_refused(daemon_process, tmp_path):
+    first = daemon_process()
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "",
+         "--disk-dir", str(first.disk_dir), "--shm-dir", str(tmp_path), "--ram-bytes", "32MiB", "--max-block-bytes", "8MiB"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1
+    assert "another strata daemon is using" in r.stderr

@@ -1,0 +1,183 @@
+"""Hypothesis state machine over TieredStore on real RAM and disk tiers.
+
+Invariants checked after every step:
+- RAM accounting: the arena's used bytes equal the page-rounded sizes of the
+  blocks it holds plus the open slots; used never exceeds capacity.
+- Disk used never exceeds its capacity.
+- A block pinned by a live lease is present.
+- A prefix outlives its descendants: a present block's parent, if it was
+  stored and not explicitly deleted, is present.
+- Whatever is read is exactly what was written for that key.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore.block import BlockKey, BlockMeta, checksum
+from kvstore.errors import TierFull
+from kvstore.store.tiered import StoreLimits, TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.ram import HostRamTier
+
+KiB = 1 << 10
+PAGE = 4 * KiB
+SIZES = [4 * KiB, 64 * KiB, 300 * KiB, 1024 * KiB]
+KEYS = [b"k%d" % i for i in range(16)]
+
+
+def size_of(key: bytes) -> int:
+    return SIZES[int(key[1:]) % len(SIZES)]
+
+
+def value_of(key: bytes) -> bytes:
+    return (key * (size_of(key) // len(key) + 1))[: size_of(key)]
+
+
+def round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp()
+        self.now = 0.0
+        ram = HostRamTier(2 << 20, shm_dir=self.dir, arena_name="arena")
+        disk = DiskTier(f"{self.dir}/disk", 3 << 20)
+        limits = StoreLimits(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
+        self.store = TieredStore(ram, disk, limits=limits, namespaces=["ns"], clock=lambda: self.now)
+        self.parents: dict[bytes, bytes | None] = {}  # every key ever stored -> its parent
+        self.deleted: set[bytes] = set()
+        self.pins: list[tuple[int, float, list[bytes]]] = []
+        self.slots: list[tuple[int, bytes]] = []
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def present(self, key: bytes) -> bool:
+        return bool(self.store.exists("ns", [key]))
+
+    @rule(key=st.sampled_from(KEYS), data=st.data())
+    def put(self, key, data):
+        stored = [k for k in self.parents if k != key and self.present(k)]
+        parent = data.draw(st.sampled_from([None, *stored])) if stored else None
+        parent = self.parents.get(key, parent) if key in self.parents else parent
+        try:
+            self.store.put(BlockKey("ns", key), value_of(key), BlockMeta(size_of(key), checksum(value_of(key)), parent))
+        except TierFull:
+            return  # everything pinned: refusing is allowed, losing is not
+        self.parents.setdefault(key, parent)
+        self.deleted.discard(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def get(self, key):
+        got = self.store.get(BlockKey("ns", key))
+        if got is not None:
+            assert got[0] == value_of(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def lookup_and_release(self, key):
+        [loc] = self.store.lookup("ns", [key])
+        if loc is None or not loc.lease_id:
+            return
+        view = self.store._ram.view(loc.offset, loc.meta.size)
+        try:
+            assert bytes(view) == value_of(key)
+        finally:
+            view.release()
+        assert self.store.release([loc.lease_id]) == [True]
+
+    @precondition(lambda self: self.parents)
+    @rule(data=st.data())
+    def pin(self, data):
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.parents)), min_size=1, max_size=3, unique=True))
+        lease, missing = self.store.pin("ns", keys)
+        self.pins.append((lease.id, lease.deadline, [k.key for k in lease.keys]))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        lease_id, deadline, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        assert self.store.unpin(lease_id) == (deadline > self.now)
+
+    @rule(seconds=st.sampled_from([1.0, 3.0, 6.0]))
+    def advance_clock(self, seconds):
+        self.now += seconds
+        self.store.expire_leases()
+        self.pins = [p for p in self.pins if p[1] > self.now]
+        self.slots = [s for s in self.slots if s[0] in self.live_slot_ids()]
+
+    def live_slot_ids(self) -> set[int]:
+        return {lease_id for lease_id, lease in self.store._leases._leases.items()}
+
+    @rule(key=st.sampled_from(KEYS))
+    def delete(self, key):
+        self.store.delete("ns", [key])
+        self.deleted.add(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def allocate(self, key):
+        try:
+            [grant] = self.store.allocate("ns", [(key, size_of(key), self.parents.get(key), "")])
+        except TierFull:
+            return
+        if not grant.present:
+            view = self.store._ram.view(grant.offset, grant.size)
+            view[:] = value_of(key)
+            view.release()
+            self.slots.append((grant.slot_id, key))
+
+    @precondition(lambda self: self.slots)
+    @rule(commit=st.booleans())
+    def finish_slot(self, commit):
+        slot_id, key = self.slots.pop()
+        if commit:
+            self.store.commit([(slot_id, checksum(value_of(key)))])
+            self.parents.setdefault(key, None)
+            self.deleted.discard(key)
+        else:
+            self.store.abort([slot_id])
+
+    @rule()
+    def flush(self):
+        self.store.flush_demotions()
+
+    @invariant()
+    def ram_accounting(self):
+        ram = self.store._ram
+        stats = ram.stats()
+        held = sum(round_up(e.meta.size) for k, e in self.store._entries.items() if ram.locate(k))
+        slots = sum(round_up(lease.meta.size) for lease in self.store._leases._leases.values() if lease.meta is not None)
+        assert stats.used_bytes == held + slots
+        assert stats.used_bytes <= stats.capacity_bytes
+
+    @invariant()
+    def disk_bounded(self):
+        disk = self.store.tier_stats()[1]
+        assert disk.used_bytes <= disk.capacity_bytes
+
+    @invariant()
+    def pinned_blocks_present(self):
+        for _, deadline, keys in self.pins:
+            if deadline > self.now:
+                for key in keys:
+                    assert self.present(key) or key in self.deleted, key
+
+    @invariant()
+    def prefixes_outlive_descendants(self):
+        for key, parent in self.parents.items():
+            if parent is not None and self.present(key) and parent not in self.deleted:
+                assert self.present(parent), f"{key!r} is cached but its parent {parent!r} is gone"
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
