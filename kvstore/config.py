@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "strata"
 
@@ -42,7 +48,7 @@ class Settings(BaseSettings):
     max_batch_blocks: int = Field(4096, ge=1, description="blocks in one request")
     demotion_queue_blocks: int = Field(256, ge=1, description="write-behind queue from RAM to disk, in blocks")
     verify_commits: bool = Field(True, description="verify checksums of blocks written through shared memory")
-    namespaces: list[str] = Field(default_factory=list, description="namespaces to create at start (comma-separated)")
+    namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list, description="namespaces to create at start (comma-separated)")
     auto_create_namespaces: bool = Field(True, description="create a namespace on its first write")
     grace_seconds: float = Field(10.0, ge=0, description="on SIGTERM, time given to in-flight RPCs")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import urllib.request
 import signal
 import subprocess
 import sys
@@ -163,3 +166,35 @@ def test_second_daemon_on_the_same_directory_is_refused(daemon_process, tmp_path
     )
     assert r.returncode == 1
     assert "another strata daemon is using" in r.stderr
+
+
+def test_serve_starts_with_embedded_defaults(tmp_path):
+    """`strata serve` with no flags: only the ports move, so tests never collide with a real daemon."""
+    from tests.conftest import free_port
+
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, HOME=str(tmp_path), STRATA_LISTEN=f"127.0.0.1:{port}",
+               STRATA_METRICS_LISTEN=f"127.0.0.1:{metrics_port}")
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", "serve"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up():
+            try:
+                with Client(f"127.0.0.1:{port}", timeout=1, retries=0) as c:
+                    return c.stats()
+            except Exception:
+                assert proc.poll() is None, proc.stdout.read()
+                return None
+
+        stats = wait_until(up, what="strata serve with defaults")
+        assert stats.tiers["host"]["capacity_bytes"] == 1 << 30
+        assert stats.tiers["disk"]["capacity_bytes"] == 10 << 30
+        assert (tmp_path / ".cache" / "strata" / "epoch").exists()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        assert 'strata_tier_capacity_bytes{tier="host"} 1.073741824e+09' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    line = next(l for l in out.splitlines() if "strata serving" in l)
+    assert json.loads(line)["level"] == "INFO"  # structured logs by default

@@ -59,6 +59,8 @@ class Daemon:
         self._metrics_server = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopping = False
         self.store: TieredStore | None = None
 
     def start(self) -> Daemon:
@@ -152,8 +154,11 @@ class Daemon:
         self._lock_fd = fd
 
     def stop(self, grace: float | None = None) -> None:
-        if self._stopped.is_set():
-            return
+        with self._stop_lock:
+            if self._stopping:
+                self._stopped.wait()
+                return
+            self._stopping = True
         grace = self.settings.grace_seconds if grace is None else grace
         log.info("strata stopping", extra={"grace_seconds": grace})
         self._health.enter_graceful_shutdown()

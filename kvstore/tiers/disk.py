@@ -73,6 +73,7 @@ _MAX_FIELD = 0xFFFF
 _MAX_HEADER = _FIXED.size + 4 * (_LEN.size + _MAX_FIELD) + _HEADER_SUM.size
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _LOCK_FILE = "LOCK"
+_FOLDERS = [f"{i:02x}" for i in range(256)]  # fan-out by the name's first byte
 
 
 class BadHeader(ValueError):
@@ -419,8 +420,10 @@ class DiskTier(Tier):
     def _open_directory(self) -> int:
         try:
             self._root.mkdir(parents=True, exist_ok=True)
-            for i in range(256):
-                (self._root / f"{i:02x}").mkdir(exist_ok=True)
+            present = set(os.listdir(self._root))
+            for folder in _FOLDERS:
+                if folder not in present:
+                    (self._root / folder).mkdir(exist_ok=True)
             # Read-only: flock needs no more, and a file open for writing would
             # keep the filesystem from being remounted read-only after errors.
             fd = os.open(self._root / _LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
@@ -441,8 +444,7 @@ class DiskTier(Tier):
 
     def _recover(self) -> None:
         found: list[tuple[int, str, _Entry]] = []
-        for i in range(256):
-            folder = self._root / f"{i:02x}"
+        for folder in map(self._root.joinpath, _FOLDERS):
             try:
                 with os.scandir(folder) as it:
                     files = [(d.name, d.path) for d in it if d.is_file(follow_symlinks=False)]
