@@ -61,7 +61,9 @@ class Tier(abc.ABC):
 
         Raises CorruptBlock when ``checksum(data) != meta.checksum`` or
         ``len(data) != meta.size``, TierFull when there is no room (the caller
-        evicts and retries), TierUnavailable/DiskFull when the device fails.
+        evicts and retries), BlockTooLarge when the block exceeds the whole
+        tier (no eviction could help), TierUnavailable/DiskFull when the
+        device fails.
         """
 
     @abc.abstractmethod
