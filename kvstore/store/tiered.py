@@ -826,10 +826,16 @@ class TieredStore:
             outcome = "corrupt"
             log.error("block %s failed its checksum in host RAM while being demoted: dropped", key)
             self.metrics.corrupt.labels("host").inc()
-        except (TierFull, TierUnavailable) as err:
+        except (TierFull, BlockTooLarge) as err:
+            outcome = "failed"
+            log.warning("no room on disk for %s, keeping it in RAM: %s", key, err)
+        except TierUnavailable as err:
             outcome = "failed"
             self.metrics.tier_errors.labels("disk").inc()
             log.warning("could not demote %s to disk, keeping it in RAM: %s", key, err)
+        except Exception:  # a bug: keep the block and the store consistent
+            outcome = "failed"
+            log.exception("demotion of %s failed unexpectedly", key)
         finally:
             view.release()
         self.metrics.demotions.labels(outcome).inc()
