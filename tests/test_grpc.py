@@ -299,3 +299,31 @@ def test_invalid_argument_maps_to_the_right_status(daemon):
         c.put("m", b"k", b"v")
         with pytest.raises(InvalidArgument, match="exceeds the limit"):
             c.pin("m", [b"k"], lease_s=10**6)
+
+
+def test_get_into_fills_caller_buffers(client):
+    import numpy as np
+
+    values = [blob(i, 200_000 + i) for i in range(3)]
+    client.put_many("m", [BlockPut(b"g%d" % i, v) for i, v in enumerate(values)])
+    bufs = [bytearray(300_000), np.zeros(300_000, dtype=np.uint8), memoryview(bytearray(300_000))]
+    got = client.get_into("m", [b"g0", b"g1", b"missing"], bufs)
+    assert got[2] is None
+    assert bytes(got[0].data) == values[0] and bytes(bufs[0][: len(values[0])]) == values[0]
+    assert bufs[1][: len(values[1])].tobytes() == values[1]
+    with pytest.raises(InvalidArgument, match="pass a larger buffer"):
+        client.get_into("m", [b"g2"], [bytearray(10)])
+    with pytest.raises(InvalidArgument, match="one buffer per key"):
+        client.get_into("m", [b"g0", b"g1"], [bytearray(300_000)])
+    with pytest.raises(InvalidArgument, match="read-only"):
+        client.get_into("m", [b"g0"], [bytes(300_000)])
+
+
+def test_in_place_reads_release_their_leases(make_daemon):
+    daemon = make_daemon(lease_seconds=300)  # so only a release, not expiry, can end them in time
+    with Client(daemon.target, use_shm=True) as c:
+        c.put_many("m", [BlockPut(b"r%d" % i, blob(i, 70_000)) for i in range(8)])
+        for _ in range(5):
+            assert all(c.get_many("m", [b"r%d" % i for i in range(8)]))
+        wait_until(lambda: c.stats().active_leases == 0, timeout=60, what="fire-and-forget releases to land")
+        assert c.stats().pinned_blocks == 0

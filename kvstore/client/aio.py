@@ -70,6 +70,7 @@ class AsyncClient:
         self._arena_checked = False
         self._attach_lock = asyncio.Lock()  # one Attach, however many first calls race
         self._copies: set[asyncio.Future] = set()  # threads holding arena views
+        self._releases: set[asyncio.Future] = set()  # lease releases not awaited by their caller
         self._put_streams = asyncio.Semaphore(MAX_PUT_STREAMS)
         self._put_channel: grpc.Channel | None = None
         self._put_stub: kv_pb2_grpc.KVServiceStub | None = None
@@ -84,6 +85,8 @@ class AsyncClient:
         """Close the channel and unmap the arena, after copies still running in threads end."""
         if self._copies:
             await asyncio.wait(list(self._copies))
+        if self._releases:  # let pending releases reach the daemon; failures expire by themselves
+            await asyncio.wait(list(self._releases), timeout=self.timeout)
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -228,24 +231,46 @@ class AsyncClient:
 
     async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
         """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
+        return await self._get(namespace, keys, None)
+
+    async def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[Block | None]:
+        """Read blocks straight into caller-owned buffers; see :meth:`kvstore.Client.get_into`."""
+        keys = codec.check_gets(namespace, keys)
+        return await self._get(namespace, keys, codec.check_buffers(keys, buffers))
+
+    async def _get(self, namespace: str, keys: Sequence[bytes], views: list | None) -> list[Block | None]:
         keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
         arena = await self._arena_or_none()
         if arena is None:
-            return await self._get_streamed(namespace, keys)
+            blocks = await self._get_streamed(namespace, keys)
+            return blocks if views is None else codec.place_streamed(blocks, views)
         response = await self._call(
             "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
         )
-        read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response)
+        read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response, views)
         if read.leased:
-            released = await self._call("Release", pb.ReleaseRequest(lease_ids=read.lease_ids()))
-            codec.drop_expired(read, released.valid)
+            release = pb.ReleaseRequest(lease_ids=read.lease_ids())
+            if codec.lease_held(response):
+                self._release_later(release)
+            else:
+                released = await self._call("Release", release)
+                codec.drop_expired(read, released.valid)
         if read.refetch:
             again = await self._get_streamed(namespace, [keys[i] for i in read.refetch])
+            if views is not None:
+                again = codec.place_streamed(again, [views[i] for i in read.refetch])
             for i, block in zip(read.refetch, again):
                 read.blocks[i] = block
         return read.blocks
+
+    def _release_later(self, request: pb.ReleaseRequest) -> None:
+        """Release read leases without awaiting the answer (the reads are already known good)."""
+        task = asyncio.ensure_future(self._stub.Release(request, timeout=self.timeout))
+        self._releases.add(task)
+        task.add_done_callback(_forget_release)
+        task.add_done_callback(self._releases.discard)
 
     async def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
         async def once() -> list[Block | None]:
@@ -280,3 +305,10 @@ class AsyncClient:
 
     async def stats(self, namespace: str = "") -> Stats:
         return codec.parse_stats(await self._call("Stats", pb.StatsRequest(namespace=namespace)))
+
+
+def _forget_release(task: asyncio.Future) -> None:
+    # A failed release is harmless (the lease expires); retrieve the error so
+    # asyncio does not report it as never retrieved.
+    if not task.cancelled():
+        task.exception()

@@ -7,6 +7,7 @@ Both clients are thin loops over these functions, so the two cannot drift.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
-from kvstore.errors import ArenaUnusable, CorruptBlock, DaemonUnavailable, ResourceExhausted, StrataError
+from kvstore.errors import ArenaUnusable, CorruptBlock, InvalidArgument, DaemonUnavailable, ResourceExhausted, StrataError
 from kvstore.server.status import from_rpc_error
 from kvstore.tiers.arena import ArenaMismatch, ShmArena
 
@@ -49,7 +50,7 @@ class BlockPut:
 @dataclass(frozen=True, slots=True)
 class Block:
     key: bytes
-    data: bytes | bytearray
+    data: bytes | bytearray | memoryview  # a view of the caller's buffer after get_into
     layout: str
     parent: bytes | None
     tier: TierName
@@ -251,16 +252,62 @@ def put_results(response: pb.AllocateResponse, commit: pb.CommitResponse) -> lis
     return [False if s.present else stored.get(s.key, False) for s in response.slots]
 
 
-def read_located(arena: ShmArena, located: pb.Located) -> bytearray | None:
-    """Copy a leased block out of the arena; None when its bytes fail the checksum (read again)."""
+def read_located(arena: ShmArena, located: pb.Located, into: memoryview | None = None) -> memoryview | bytearray | None:
+    """Copy a leased block out of the arena (into ``into`` when given); None when its bytes fail the checksum."""
     b = located.block
-    out = bytearray(b.size)
+    out = memoryview(bytearray(b.size)) if into is None else into[: b.size]
     src = arena.view(located.offset, b.size)
     try:
-        sum_ = copy_and_checksum(memoryview(out), src)
+        sum_ = copy_and_checksum(out, src)
     finally:
         src.release()
-    return out if sum_ == b.checksum else None
+    if sum_ != b.checksum:
+        return None
+    return out.obj if into is None else out
+
+
+def check_buffers(keys: Sequence[bytes], buffers: Sequence) -> list[memoryview]:
+    if len(buffers) != len(keys):
+        raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
+    views = []
+    for key, buf in zip(keys, buffers):
+        view = memoryview(buf).cast("B")
+        if view.readonly:
+            raise InvalidArgument(f"the buffer for key {key.hex()[:16]} is read-only: pass a bytearray, array or tensor")
+        views.append(view)
+    return views
+
+
+def fit(key: bytes, size: int, view: memoryview) -> memoryview:
+    if size > len(view):
+        raise InvalidArgument(
+            f"the buffer for key {key.hex()[:16]} holds {len(view)} bytes; the block has {size}: pass a larger buffer"
+        )
+    return view
+
+
+def place_streamed(blocks: list[Block | None], views: list[memoryview]) -> list[Block | None]:
+    """Copy streamed blocks into the caller's buffers (the fallback of ``get_into``)."""
+    out: list[Block | None] = []
+    for block, view in zip(blocks, views):
+        if block is None:
+            out.append(None)
+            continue
+        dst = fit(block.key, len(block.data), view)[: len(block.data)]
+        dst[:] = block.data
+        out.append(Block(block.key, dst, block.layout, block.parent, block.tier))
+    return out
+
+
+# A read in place is trusted without asking the daemon when it finished this
+# long before its lease's deadline (client and daemon share a host, so they
+# share a clock). Later than that, the client asks (Release) whether the lease
+# held, and reads again if it did not.
+LEASE_MARGIN_MS = 1000
+
+
+def lease_held(response: pb.LookupResponse) -> bool:
+    return time.time() * 1000 < response.lease_deadline_unix_ms - LEASE_MARGIN_MS
 
 
 @dataclass(slots=True)
@@ -287,8 +334,9 @@ def leased_bytes(response: pb.LookupResponse) -> int:
     return sum(loc.block.size for loc in response.blocks if loc.found and loc.lease_id)
 
 
-def read_lookup(arena: ShmArena, response: pb.LookupResponse) -> ArenaRead:
-    """Copy every leased block of a Lookup out of the arena; None for misses and refetches."""
+def read_lookup(arena: ShmArena, response: pb.LookupResponse, into: list[memoryview] | None = None) -> ArenaRead:
+    """Copy every leased block of a Lookup out of the arena (into the caller's buffers when
+    given); None for misses and refetches."""
     read = ArenaRead([], [], [])
     for i, loc in enumerate(response.blocks):
         if not loc.found:
@@ -299,7 +347,7 @@ def read_lookup(arena: ShmArena, response: pb.LookupResponse) -> ArenaRead:
             read.refetch.append(i)
             continue
         read.leased.append((i, loc.lease_id))
-        data = read_located(arena, loc)
+        data = read_located(arena, loc, None if into is None else fit(loc.block.key, loc.block.size, into[i]))
         if data is None:
             read.blocks.append(None)
             read.refetch.append(i)

@@ -8,6 +8,7 @@ the same results either way.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Sequence
 
@@ -49,6 +50,7 @@ class Client:
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._arena: ShmArena | None = None
         self._arena_checked = False
+        self._releases: collections.deque[grpc.Future] = collections.deque()
 
     def __enter__(self) -> Client:
         return self
@@ -57,6 +59,12 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        for future in self._releases:  # let pending releases reach the daemon
+            try:
+                future.result(timeout=self.timeout)
+            except grpc.RpcError:
+                pass  # the leases expire by themselves
+        self._releases.clear()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -144,21 +152,47 @@ class Client:
 
     def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
         """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
+        return self._get(namespace, keys, None)
+
+    def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[Block | None]:
+        """Read blocks straight into caller-owned buffers, one per key, each at least the block's size.
+
+        Saves allocating (and page-faulting) a fresh buffer per block: an
+        engine passes the memory the KV cache lives in. Each returned
+        ``Block.data`` is a view of the head of its buffer; None for a miss.
+        """
+        keys = codec.check_gets(namespace, keys)
+        return self._get(namespace, keys, codec.check_buffers(keys, buffers))
+
+    def _get(self, namespace: str, keys: Sequence[bytes], views: list[memoryview] | None) -> list[Block | None]:
         keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
         arena = self._arena_or_none()
         if arena is None:
-            return self._get_streamed(namespace, keys)
+            blocks = self._get_streamed(namespace, keys)
+            return blocks if views is None else codec.place_streamed(blocks, views)
         response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
-        read = codec.read_lookup(arena, response)
+        read = codec.read_lookup(arena, response, views)
         if read.leased:
-            codec.drop_expired(read, self._call("Release", pb.ReleaseRequest(lease_ids=read.lease_ids())).valid)
+            release = pb.ReleaseRequest(lease_ids=read.lease_ids())
+            if codec.lease_held(response):
+                self._release_later(release)
+            else:
+                codec.drop_expired(read, self._call("Release", release).valid)
         if read.refetch:
             again = self._get_streamed(namespace, [keys[i] for i in read.refetch])
+            if views is not None:
+                again = codec.place_streamed(again, [views[i] for i in read.refetch])
             for i, block in zip(read.refetch, again):
                 read.blocks[i] = block
         return read.blocks
+
+    def _release_later(self, request: pb.ReleaseRequest) -> None:
+        """Release read leases without waiting for the answer (the reads are already known good)."""
+        while self._releases and self._releases[0].done():
+            self._releases.popleft()
+        self._releases.append(self._stub.Release.future(request, timeout=self.timeout))
 
     def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
         def once() -> list[Block | None]:
