@@ -175,17 +175,21 @@ class AsyncClient:
 
     async def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
         alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
-        slot_ids: list[int] = []
+        received = codec.now_ms()
+        commits: list[asyncio.Task] = []
         try:
-            nbytes = sum(len(view) for _, view, _ in checked)
-            commit, slot_ids = await self._off_loop(nbytes, codec.write_slots, arena, checked, alloc)
-            done = await self._call("Commit", commit) if slot_ids else pb.CommitResponse()
+            for group in codec.slot_groups(checked, alloc):
+                nbytes = sum(slot.size for _, slot in group)
+                request = await self._off_loop(nbytes, codec.copy_into_slots, arena, alloc, received, group)
+                commits.append(asyncio.ensure_future(self._call("Commit", request)))
+            done = await asyncio.gather(*commits)
         except BaseException:
-            if slot_ids:
-                try:
-                    await self._call("Abort", pb.AbortRequest(slot_ids=slot_ids))
-                except StrataError:
-                    pass  # the slots expire by themselves
+            for task in commits:
+                task.cancel()
+            try:  # committed slots are skipped; the rest are given back
+                await self._call("Abort", pb.AbortRequest(slot_ids=codec.slot_ids(alloc)))
+            except StrataError:
+                pass  # the slots expire by themselves
             raise
         return codec.put_results(alloc, done)
 
@@ -249,10 +253,11 @@ class AsyncClient:
         response = await self._call(
             "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
         )
+        received = codec.now_ms()
         read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response, views)
         if read.leased:
             release = pb.ReleaseRequest(lease_ids=read.lease_ids())
-            if codec.lease_held(response):
+            if codec.lease_held(response.lease_deadline_unix_ms, received):
                 self._release_later(release)
             else:
                 released = await self._call("Release", release)

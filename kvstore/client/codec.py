@@ -15,7 +15,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
-from kvstore.errors import ArenaUnusable, CorruptBlock, InvalidArgument, DaemonUnavailable, ResourceExhausted, StrataError
+from kvstore.errors import ArenaUnusable, CorruptBlock, InvalidArgument, LeaseExpired, DaemonUnavailable, ResourceExhausted, StrataError
 from kvstore.server.status import from_rpc_error
 from kvstore.tiers.arena import ArenaMismatch, ShmArena
 
@@ -230,25 +230,60 @@ def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, Blo
     )
 
 
-def write_slots(arena: ShmArena, items, response: pb.AllocateResponse) -> tuple[pb.CommitRequest, list[int]]:
-    """Copy each value into its slot; returns the Commit request and the slot ids written."""
-    commit = pb.CommitRequest()
-    slot_ids = []
+# Slots are committed in a few groups, each group's Commit in flight while the
+# next group is copied: the daemon checksums one group on its own core while
+# the client copies the next. Each Commit costs a round trip of client CPU, so
+# groups are at least this big and at most MAX_COMMIT_GROUPS per batch.
+MIN_COMMIT_GROUP_BYTES = 8 << 20
+MAX_COMMIT_GROUPS = 3
+
+
+def slot_groups(items, response: pb.AllocateResponse) -> list[list[tuple[memoryview, pb.Slot]]]:
+    """The slots to write (keys already present need none), in commit groups."""
+    total = sum(slot.size for slot in response.slots if not slot.present)
+    group_bytes = max(MIN_COMMIT_GROUP_BYTES, -(-total // MAX_COMMIT_GROUPS))
+    groups: list[list[tuple[memoryview, pb.Slot]]] = []
+    group: list[tuple[memoryview, pb.Slot]] = []
+    size = 0
     for (_, view, _), slot in zip(items, response.slots):
         if slot.present:
             continue
-        slot_ids.append(slot.slot_id)
+        group.append((view, slot))
+        size += slot.size
+        if size >= group_bytes:
+            groups.append(group)
+            group, size = [], 0
+    if group:
+        groups.append(group)
+    return groups
+
+
+def copy_into_slots(
+    arena: ShmArena, response: pb.AllocateResponse, received_ms: float, group: list[tuple[memoryview, pb.Slot]]
+) -> pb.CommitRequest:
+    """Copy values into their slots and build their Commit.
+
+    No checksum is sent: the bytes do not travel, so the daemon checksums
+    them in place at commit. Slots are written only while their lease holds
+    with a margin: an expired slot may already belong to another block.
+    """
+    if not lease_held(response.lease_deadline_unix_ms, received_ms):
+        raise LeaseExpired("the arena slots' lease ran out before they were written: nothing was stored, put again")
+    for view, slot in group:
         dst = arena.view(slot.offset, slot.size)
         try:
-            sum_ = copy_and_checksum(dst, view)
+            dst[:] = view
         finally:
             dst.release()
-        commit.items.add(slot_id=slot.slot_id, checksum=sum_)
-    return commit, slot_ids
+    return pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=slot.slot_id) for _, slot in group])
 
 
-def put_results(response: pb.AllocateResponse, commit: pb.CommitResponse) -> list[bool]:
-    stored = {r.key: r.stored for r in commit.results}
+def slot_ids(response: pb.AllocateResponse) -> list[int]:
+    return [s.slot_id for s in response.slots if not s.present]
+
+
+def put_results(response: pb.AllocateResponse, commits: Sequence[pb.CommitResponse]) -> list[bool]:
+    stored = {r.key: r.stored for commit in commits for r in commit.results}
     return [False if s.present else stored.get(s.key, False) for s in response.slots]
 
 
@@ -299,15 +334,21 @@ def place_streamed(blocks: list[Block | None], views: list[memoryview]) -> list[
     return out
 
 
-# A read in place is trusted without asking the daemon when it finished this
-# long before its lease's deadline (client and daemon share a host, so they
-# share a clock). Later than that, the client asks (Release) whether the lease
-# held, and reads again if it did not.
+# A lease is relied on only until this margin before its deadline (client and
+# daemon share a host, so they share a clock): a read in place that finished
+# earlier is trusted without asking the daemon; later, the client asks
+# (Release) whether the lease held and reads again if it did not. Slots are
+# written only inside the margin too. Short leases get a quarter of their span.
 LEASE_MARGIN_MS = 1000
 
 
-def lease_held(response: pb.LookupResponse) -> bool:
-    return time.time() * 1000 < response.lease_deadline_unix_ms - LEASE_MARGIN_MS
+def now_ms() -> float:
+    return time.time() * 1000
+
+
+def lease_held(deadline_ms: int, received_ms: float) -> bool:
+    margin = min(LEASE_MARGIN_MS, (deadline_ms - received_ms) / 4)
+    return now_ms() < deadline_ms - margin
 
 
 @dataclass(slots=True)

@@ -127,18 +127,32 @@ class Client:
 
     def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
         alloc = self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
-        slot_ids: list[int] = []
+        received = codec.now_ms()
+        in_flight: list[tuple[grpc.Future, pb.CommitRequest]] = []
         try:
-            commit, slot_ids = codec.write_slots(arena, checked, alloc)
-            done = self._call("Commit", commit) if slot_ids else pb.CommitResponse()
+            for group in codec.slot_groups(checked, alloc):
+                request = codec.copy_into_slots(arena, alloc, received, group)
+                in_flight.append((self._stub.Commit.future(request, timeout=self.timeout), request))
+            done = [self._commit_result(future, request) for future, request in in_flight]
         except BaseException:
-            if slot_ids:
-                try:
-                    self._call("Abort", pb.AbortRequest(slot_ids=slot_ids))
-                except StrataError:
-                    pass  # the slots expire by themselves
+            for future, _ in in_flight:
+                future.cancel()
+            try:  # committed slots are skipped; the rest are given back
+                self._call("Abort", pb.AbortRequest(slot_ids=codec.slot_ids(alloc)))
+            except StrataError:
+                pass  # the slots expire by themselves
             raise
         return codec.put_results(alloc, done)
+
+    def _commit_result(self, future: grpc.Future, request: pb.CommitRequest) -> pb.CommitResponse:
+        try:
+            return future.result()
+        except grpc.RpcError as rpc_err:
+            err = codec.translate(rpc_err)
+        if codec.retry_delay(err, "Commit", 0, self.retries) is None:
+            raise err
+        time.sleep(codec.retry_delay(err, "Commit", 0, self.retries))
+        return self._call("Commit", request)
 
     def _call_put(self, namespace: str, checked) -> pb.PutResponse:
         return self._retrying(
@@ -173,10 +187,11 @@ class Client:
             blocks = self._get_streamed(namespace, keys)
             return blocks if views is None else codec.place_streamed(blocks, views)
         response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
+        received = codec.now_ms()
         read = codec.read_lookup(arena, response, views)
         if read.leased:
             release = pb.ReleaseRequest(lease_ids=read.lease_ids())
-            if codec.lease_held(response):
+            if codec.lease_held(response.lease_deadline_unix_ms, received):
                 self._release_later(release)
             else:
                 codec.drop_expired(read, self._call("Release", release).valid)

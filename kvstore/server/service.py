@@ -140,7 +140,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         )
 
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
-        done = self._store.commit([(i.slot_id, i.checksum) for i in request.items])
+        done = self._store.commit([(i.slot_id, i.checksum if i.HasField("checksum") else None) for i in request.items])
         return pb.CommitResponse(
             results=[pb.PutResult(key=key.key, stored=stored, tier=int(tier)) for key, stored, tier in done]
         )

@@ -326,11 +326,14 @@ class TieredStore:
             raise
         return grants
 
-    def commit(self, items: list[tuple[int, int]]) -> list[tuple[BlockKey, bool, TierName]]:
-        """Turn written slots into blocks; ``items`` holds (slot_id, checksum).
+    def commit(self, items: list[tuple[int, int | None]]) -> list[tuple[BlockKey, bool, TierName]]:
+        """Turn written slots into blocks; ``items`` holds (slot_id, checksum or None).
 
-        All or nothing: every slot must be live, else nothing is committed and
-        the live slots stay open. A checksum mismatch frees every slot of the
+        With no checksum the daemon computes it from the slot: the bytes were
+        written in place and never travelled, so this is where the block's
+        checksum is born. A given checksum is verified (``verify_commits``).
+        All or nothing: every slot must be live, else nothing is committed
+        and the live slots stay open. A mismatch frees every slot of the
         request and raises CorruptBlock.
         """
         self.check_batch(items)
@@ -345,19 +348,19 @@ class TieredStore:
                 for lease in taken:  # put them back untouched
                     self._leases.restore(lease)
                 raise
-        metas = [
-            BlockMeta(lease.meta.size, sum_, lease.meta.parent, lease.meta.layout)
-            for lease, (_, sum_) in zip(taken, items)
-        ]
-        bad = []
-        if self.limits.verify_commits:
-            for lease, meta in zip(taken, metas):
-                view = self._ram.view(lease.offset, meta.size)
+        metas, bad = [], []
+        for lease, (_, declared) in zip(taken, items):
+            if declared is None or self.limits.verify_commits:
+                view = self._ram.view(lease.offset, lease.meta.size)
                 try:
-                    if checksum(view) != meta.checksum:
-                        bad.append(lease.block)
+                    actual = checksum(view)
                 finally:
                     view.release()
+                if declared is not None and actual != declared:
+                    bad.append(lease.block)
+            else:
+                actual = declared
+            metas.append(BlockMeta(lease.meta.size, actual, lease.meta.parent, lease.meta.layout))
         if bad:
             with self._cond:
                 for lease in taken:
