@@ -327,3 +327,15 @@ def test_in_place_reads_release_their_leases(make_daemon):
             assert all(c.get_many("m", [b"r%d" % i for i in range(8)]))
         wait_until(lambda: c.stats().active_leases == 0, timeout=60, what="fire-and-forget releases to land")
         assert c.stats().pinned_blocks == 0
+
+
+def test_a_daemon_that_cannot_start_says_why_and_leaves_nothing(make_daemon, tmp_path):
+    from kvstore.server.daemon import DaemonError
+
+    first = make_daemon()
+    with pytest.raises(DaemonError, match="pick a free address with --listen"):
+        make_daemon(listen=first.target)
+    arenas = sorted(p.name for p in tmp_path.glob("strata-*"))
+    assert arenas == [Path(first.store._ram.arena.path).name]  # the failed one's arena is gone
+    second = make_daemon(disk_dir=str(tmp_path / "d1"))  # and its directory lock was released
+    assert second.port

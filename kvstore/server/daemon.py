@@ -64,6 +64,21 @@ class Daemon:
         self.store: TieredStore | None = None
 
     def start(self) -> Daemon:
+        """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
+        try:
+            return self._start()
+        except BaseException:
+            self._stopping = True
+            if self._server is not None:
+                self._server.stop(0)
+            if self.store is not None:
+                self.store.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+            raise
+
+    def _start(self) -> Daemon:
         s = self.settings
         state_dir = Path(s.disk_dir).expanduser().resolve()
         self._lock_state_dir(state_dir)
@@ -72,7 +87,11 @@ class Daemon:
         # stale file instead of leaking its RAM.
         arena_name = "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
         ram = HostRamTier(int(s.ram_bytes), shm_dir=str(s.shm_dir), arena_name=arena_name)
-        disk = DiskTier(state_dir / "blocks", int(s.disk_bytes), fsync=s.disk_fsync) if s.disk_bytes > 0 else None
+        try:
+            disk = DiskTier(state_dir / "blocks", int(s.disk_bytes), fsync=s.disk_fsync) if s.disk_bytes > 0 else None
+        except BaseException:
+            ram.close()
+            raise
         limits = StoreLimits(
             max_block_bytes=int(s.max_block_bytes),
             lease_s=s.lease_seconds,
