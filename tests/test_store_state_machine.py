@@ -8,6 +8,7 @@ Invariants checked after every step:
 - A prefix outlives its descendants: a present block's parent, if it was
   stored and not explicitly deleted, is present.
 - Whatever is read is exactly what was written for that key.
+- What the store told its listener (the prefix index's feed) equals what it holds.
 """
 
 from __future__ import annotations
@@ -51,11 +52,20 @@ class StoreMachine(RuleBasedStateMachine):
         ram = HostRamTier(2 << 20, shm_dir=self.dir, arena_name="arena")
         disk = DiskTier(f"{self.dir}/disk", 3 << 20)
         limits = StoreLimits(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
-        self.store = TieredStore(ram, disk, limits=limits, namespaces=["ns"], clock=lambda: self.now)
+        self.published: dict = {}  # what the store told its listener (the prefix index's feed)
+        self.store = TieredStore(
+            ram, disk, limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change
+        )
         self.parents: dict[bytes, bytes | None] = {}  # every key ever stored -> its parent
         self.deleted: set[bytes] = set()
         self.pins: list[tuple[int, float, list[bytes]]] = []
         self.slots: list[tuple[int, bytes]] = []
+
+    def on_change(self, key, tier) -> None:
+        if tier is None:
+            self.published.pop(key, None)
+        else:
+            self.published[key] = tier
 
     def teardown(self) -> None:
         self.store.close()
@@ -157,6 +167,10 @@ class StoreMachine(RuleBasedStateMachine):
         slots = sum(round_up(lease.meta.size) for lease in self.store._leases._leases.values() if lease.meta is not None)
         assert stats.used_bytes == held + slots
         assert stats.used_bytes <= stats.capacity_bytes
+
+    @invariant()
+    def index_feed_matches_holdings(self):
+        assert self.published == dict(self.store.holdings())
 
     @invariant()
     def disk_bounded(self):

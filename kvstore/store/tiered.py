@@ -127,6 +127,7 @@ class TieredStore:
         auto_create_namespaces: bool = True,
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        listener: Callable[[BlockKey, TierName | None], None] | None = None,
     ) -> None:
         if limits.max_block_bytes > ram.capacity_bytes:
             raise ValueError(
@@ -138,6 +139,9 @@ class TieredStore:
         self.limits = limits
         self.metrics = metrics or StoreMetrics()
         self._clock = clock
+        # Told (under the store lock: it must not block) whenever a block's
+        # best tier changes or the block goes (None): the prefix index's feed.
+        self._listener = listener
         self._auto_create = auto_create_namespaces
         self._namespaces = {validate_namespace(ns) for ns in namespaces}
         self._cond = threading.Condition(threading.Lock())
@@ -492,6 +496,7 @@ class TieredStore:
                     continue
                 entry.deleted = True
                 deleted += 1
+                self._publish_locked(key, entry)
                 self._maybe_remove_locked(key, entry)
             self._cond.notify_all()
         return deleted
@@ -653,6 +658,7 @@ class TieredStore:
                 entry.deleted = False
                 self._ram.unreserve(offset)
                 self._cond.notify_all()
+                self._publish_locked(key, entry)
                 return True, entry.best_tier
             if not self._ram.commit(key, offset, meta, verify=verify):
                 self._cond.notify_all()
@@ -664,6 +670,7 @@ class TieredStore:
             if meta.parent:
                 self._children.setdefault(BlockKey(key.namespace, meta.parent), set()).add(key)
             self.metrics.bytes_in.labels("host").inc(meta.size)
+            self._publish_locked(key, entry)
             self._keep_headroom_locked()
             return True, HOST
 
@@ -685,6 +692,7 @@ class TieredStore:
             self._ram.commit(key, offset, meta, verify=False)
             entry.tiers.add(HOST)
             self._lru[HOST][key] = None
+            self._publish_locked(key, entry)
             self.metrics.promotions.inc()
             self.metrics.bytes_in.labels("host").inc(meta.size)
             return True
@@ -846,6 +854,7 @@ class TieredStore:
             if outcome == "ok":
                 entry.tiers.add(DISK)
                 self._lru[DISK][key] = None
+                self._publish_locked(key, entry)
                 if not entry.pins:  # a reader may be copying it out of RAM right now
                     self._drop_copy_locked(key, entry, HOST)
                     self.metrics.evictions.labels("host").inc()
@@ -922,6 +931,7 @@ class TieredStore:
         self._tier(tier).delete(key)
         entry.tiers.discard(tier)
         self._lru[tier].pop(key, None)
+        self._publish_locked(key, entry)
         self._cond.notify_all()
 
     def _remove_locked(self, key: BlockKey, entry: _Entry) -> None:
@@ -930,6 +940,7 @@ class TieredStore:
             self._lru[tier].pop(key, None)
         entry.tiers.clear()
         del self._entries[key]
+        self._publish_locked(key, None)
         self._ns_blocks[key.namespace] -= 1
         if entry.meta.parent:
             parent = BlockKey(key.namespace, entry.meta.parent)
@@ -939,6 +950,16 @@ class TieredStore:
                 if not siblings:
                     del self._children[parent]
         self._cond.notify_all()
+
+    def _publish_locked(self, key: BlockKey, entry: _Entry | None) -> None:
+        if self._listener is not None:
+            gone = entry is None or entry.deleted or not entry.tiers
+            self._listener(key, None if gone else entry.best_tier)
+
+    def holdings(self) -> list[tuple[BlockKey, TierName]]:
+        """Every visible block and its best tier: what a full re-publish to the index sends."""
+        with self._cond:
+            return [(k, e.best_tier) for k, e in self._entries.items() if not e.deleted and e.tiers]
 
     def _tier(self, name: TierName) -> Tier:
         if name is HOST:
