@@ -20,6 +20,9 @@ says what was wrong and what to do about it.
     ├── TierUnavailable             a tier's device failed (UNAVAILABLE)
     │   └── DiskFull                the disk tier's filesystem is full
     ├── DeadlineExceeded            the caller's deadline passed (DEADLINE_EXCEEDED)
+    ├── PrefixIndexError            the prefix index
+    │   ├── IndexUnavailable        its backing service cannot be reached (UNAVAILABLE)
+    │   └── StaleEpoch              a write names an epoch older than the node's (FAILED_PRECONDITION)
     ├── DaemonUnavailable           client side: the daemon cannot be reached
     └── ArenaUnusable               client side: the daemon's arena cannot be mapped
                                     here (another host); the client streams instead
@@ -105,4 +108,16 @@ class DaemonUnavailable(StrataError):
 
 
 class ArenaUnusable(StrataError):
+    pass
+
+
+class PrefixIndexError(StrataError):
+    pass
+
+
+class IndexUnavailable(PrefixIndexError):
+    pass
+
+
+class StaleEpoch(PrefixIndexError):
     pass

@@ -26,6 +26,8 @@ _CODES: list[tuple[type[errors.StrataError], grpc.StatusCode]] = [
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.CorruptBlock, grpc.StatusCode.DATA_LOSS),
     (errors.TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.IndexUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
@@ -89,6 +91,8 @@ def from_rpc_error(err: grpc.RpcError) -> errors.StrataError:
         return errors.StrataError(f"{code.name}: {message}")
     if issubclass(cls, errors.ResourceExhausted):
         return cls(message, retry_after_s=retry_after if retry_after is not None else 0.1)
-    if cls is errors.DaemonUnavailable or code is grpc.StatusCode.UNAVAILABLE and not issubclass(cls, errors.TierUnavailable):
+    if cls is errors.DaemonUnavailable or (
+        code is grpc.StatusCode.UNAVAILABLE and not issubclass(cls, (errors.TierUnavailable, errors.IndexUnavailable))
+    ):
         return errors.DaemonUnavailable(f"strata daemon unavailable: {message}")
     return cls(message)

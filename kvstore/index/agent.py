@@ -1,0 +1,209 @@
+"""The daemon's side of the prefix index: membership, heartbeats, and its holdings.
+
+The agent owns one asyncio loop in its own thread (the index clients are
+asyncio; the store and the gRPC servicers are threads). The store tells it,
+without blocking, whenever a block's best tier changes or the block goes;
+the agent coalesces those changes per key in a bounded buffer and publishes
+them in batches. If the index is unreachable the daemon keeps serving local
+hits: the agent marks itself degraded (metric, health), keeps coalescing, and
+when the index answers again re-joins and re-publishes its full holdings
+(anything it missed is then corrected). A buffer overflow also triggers a
+full re-publish, so a burst never leaves the index silently wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvstore.block import BlockKey, TierName
+from kvstore.errors import StrataError
+from kvstore.index.base import IndexUnavailable, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class IndexAgent:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        node_id: str,
+        epoch: int,
+        holdings: Callable[[], list[tuple[BlockKey, TierName]]],
+        *,
+        ttl_s: float = 10.0,
+        flush_s: float = 0.05,
+        batch_blocks: int = 1024,
+        buffer_blocks: int = 1 << 18,
+        registry: CollectorRegistry | None = None,
+        on_degraded: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.node_id = node_id
+        self.epoch = epoch
+        self._holdings = holdings
+        self._ttl_s = ttl_s
+        self._flush_s = flush_s
+        self._batch = batch_blocks
+        self._buffer_max = buffer_blocks
+        self._on_degraded = on_degraded
+        self._lock = threading.Lock()
+        self._pending: dict[BlockKey, TierName | None] = {}
+        self._resync = True  # the first publication is a full one
+        self._degraded = False
+        self._stop = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="strata-index", daemon=True)
+        r = registry or CollectorRegistry()
+        self._m_degraded = Gauge("strata_index_degraded", "1 while the prefix index cannot be reached", registry=r)
+        self._m_published = Counter(
+            "strata_index_published_blocks_total", "Block changes published to the prefix index", ["op"], registry=r
+        )
+        self._m_resyncs = Counter("strata_index_resyncs_total", "Full re-publications of this node's holdings", registry=r)
+        self._m_overflows = Counter(
+            "strata_index_buffer_overflows_total", "Times the change buffer overflowed (a resync follows)", registry=r
+        )
+        self._m_pending = Gauge("strata_index_pending_blocks", "Block changes waiting to be published", registry=r)
+        self._m_pending.set_function(lambda: len(self._pending))
+        self._task: asyncio.Future | None = None
+
+    # ---- called from any thread ----------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self._degraded
+
+    def changed(self, key: BlockKey, tier: TierName | None) -> None:
+        """The store's listener: record a change; never blocks, never raises."""
+        with self._lock:
+            if len(self._pending) >= self._buffer_max and key not in self._pending:
+                self._pending.clear()
+                self._resync = True
+                self._m_overflows.inc()
+                return
+            self._pending[key] = tier
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run an index coroutine on the agent's loop from a worker thread."""
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop).result(timeout + 1)
+
+    def start(self) -> IndexAgent:
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(self._main(), self._loop)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Publish what is pending, leave the index (answers drop this node at once), stop."""
+        self._stop.set()
+        if self._task is not None:
+            try:
+                self._task.result(timeout)
+            except Exception as err:  # noqa: BLE001 - stopping: report, do not raise
+                log.warning("prefix index agent did not stop cleanly: %s", err)
+        try:
+            self.run(self.index.leave(self.node_id), timeout)
+        except Exception as err:  # noqa: BLE001
+            log.warning("could not leave the prefix index: %s", err)
+        try:
+            self.run(self.index.close(), timeout)
+        except Exception:  # noqa: BLE001
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    # ---- the loop ----------------------------------------------------------------
+
+    async def _main(self) -> None:
+        heartbeat_every = self._ttl_s / 3
+        next_beat = 0.0
+        backoff = self._flush_s
+        loop = asyncio.get_running_loop()
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                if self._resync:
+                    await self._republish()
+                    next_beat = loop.time() + heartbeat_every
+                elif loop.time() >= next_beat:
+                    await self.index.heartbeat(self.node_id, self.epoch, self._ttl_s)
+                    next_beat = loop.time() + heartbeat_every
+                await self._flush()
+                self._set_degraded(False)
+                backoff = self._flush_s
+            except IndexUnavailable as err:
+                self._set_degraded(True, err)
+                self._resync = True  # what changed meanwhile is re-sent whole
+                backoff = min(backoff * 2, 2.0)
+            except StrataError as err:
+                log.error("prefix index refused an update, re-publishing: %s", err)
+                self._resync = True
+            if stopping:
+                return
+            await asyncio.sleep(backoff)
+
+    async def _republish(self) -> None:
+        with self._lock:
+            self._pending.clear()
+            self._resync = False
+        try:
+            await self.index.join(self.node_id, self.epoch, self._ttl_s)
+            await self.index.clear(self.node_id)
+            by_ns: dict[str, list[tuple[bytes, TierName]]] = defaultdict(list)
+            for key, tier in self._holdings():
+                by_ns[key.namespace].append((key.key, tier))
+            for namespace, blocks in by_ns.items():
+                for i in range(0, len(blocks), self._batch):
+                    await self.index.add(namespace, self.node_id, self.epoch, blocks[i : i + self._batch])
+                    self._m_published.labels("add").inc(len(blocks[i : i + self._batch]))
+        except BaseException:
+            self._resync = True
+            raise
+        self._m_resyncs.inc()
+        log.info("published %d blocks to the prefix index", sum(len(b) for b in by_ns.values()))
+
+    async def _flush(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            pending, self._pending = self._pending, {}
+        adds: dict[str, list[tuple[bytes, TierName]]] = defaultdict(list)
+        removes: dict[str, list[bytes]] = defaultdict(list)
+        for key, tier in pending.items():
+            if tier is None:
+                removes[key.namespace].append(key.key)
+            else:
+                adds[key.namespace].append((key.key, tier))
+        try:
+            for namespace, blocks in adds.items():
+                for i in range(0, len(blocks), self._batch):
+                    await self.index.add(namespace, self.node_id, self.epoch, blocks[i : i + self._batch])
+                self._m_published.labels("add").inc(len(blocks))
+            for namespace, keys in removes.items():
+                for i in range(0, len(keys), self._batch):
+                    await self.index.remove(namespace, self.node_id, self.epoch, keys[i : i + self._batch])
+                self._m_published.labels("remove").inc(len(keys))
+        except BaseException:
+            with self._lock:  # keep what was not sent, unless newer changes replaced it
+                for key, tier in pending.items():
+                    self._pending.setdefault(key, tier)
+            raise
+
+    def _set_degraded(self, degraded: bool, err: Exception | None = None) -> None:
+        if degraded == self._degraded:
+            return
+        self._degraded = degraded
+        self._m_degraded.set(1 if degraded else 0)
+        if degraded:
+            log.warning("prefix index unreachable, serving local hits only: %s", err)
+        else:
+            log.info("prefix index reachable again; holdings re-published")
+        if self._on_degraded is not None:
+            self._on_degraded(degraded)
