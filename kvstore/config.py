@@ -50,6 +50,16 @@ class Settings(BaseSettings):
     verify_commits: bool = Field(True, description="verify checksums of blocks written through shared memory")
     namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list, description="namespaces to create at start (comma-separated)")
     auto_create_namespaces: bool = Field(True, description="create a namespace on its first write")
+    index_url: str = Field(
+        "memory://",
+        description="prefix index: memory:// (embedded, this node only), redis://HOST:PORT/DB, "
+        "or redis+cluster://HOST:PORT for a Redis Cluster",
+    )
+    index_ttl_seconds: float = Field(10.0, gt=0, description="node heartbeat TTL in the prefix index")
+    score_weights: str = Field(
+        "gpu=1,host=0.8,disk=0.5,peer=0.3,object=0.1",
+        description="router score weight per tier: a cached block counts this much (tier=weight,...)",
+    )
     grace_seconds: float = Field(10.0, ge=0, description="on SIGTERM, time given to in-flight RPCs")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     log_format: Literal["json", "text"] = Field("json", description="log lines as JSON objects or plain text")
@@ -59,6 +69,12 @@ class Settings(BaseSettings):
     def _split_namespaces(cls, value):
         if isinstance(value, str):
             return [ns.strip() for ns in value.split(",") if ns.strip()]
+        return value
+
+    @field_validator("score_weights")
+    @classmethod
+    def _check_weights(cls, value: str) -> str:
+        parse_weights(value)
         return value
 
     @model_validator(mode="after")
@@ -80,6 +96,26 @@ class Settings(BaseSettings):
     def max_message_bytes(self) -> int:
         # A chunk plus headroom for the header fields of a message.
         return int(self.chunk_bytes) + (64 << 10)
+
+
+def parse_weights(text: str) -> dict:
+    """``gpu=1,host=0.8`` → {TierName.GPU: 1.0, TierName.HOST: 0.8}."""
+    from kvstore.block import TierName
+
+    weights = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            tier = TierName[name.strip().upper()]
+            weight = float(value)
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"score weight {part!r} is not tier=number with tier one of gpu, host, disk, peer, object"
+            ) from None
+        if not sep or weight < 0:
+            raise ValueError(f"score weight {part!r} must be tier=number, the number non-negative")
+        weights[tier] = weight
+    return weights
 
 
 class SettingsError(ValueError):

@@ -35,7 +35,8 @@ CHANNEL_OPTIONS = [
 # slot) expires by itself. Commit and Pin are not: a repeat of a call that
 # succeeded fails or takes a second lease.
 RETRY_ON_UNAVAILABLE = frozenset(
-    {"Put", "Get", "Exists", "Delete", "Stats", "Attach", "Allocate", "Lookup", "Release", "Abort", "Unpin"}
+    {"Put", "Get", "Exists", "Delete", "Stats", "Attach", "Allocate", "Lookup", "Release", "Abort", "Unpin",
+     "Score", "Holders"}
 )
 
 
@@ -89,6 +90,45 @@ def parse_exists(r: pb.ExistsResponse) -> list[TierName]:
 
 def parse_pin(r: pb.PinResponse) -> PinLease:
     return PinLease(r.lease_id, r.pinned, list(r.missing), r.lease_deadline_unix_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointScore:
+    node_id: str
+    blocks: int
+    tier: TierName | None
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    node_id: str
+    tier: TierName
+    epoch: int
+
+
+def chain_request(cls, namespace: str, keys, tokens, block_size: int, hash_seed: str, lora_name: str, cache_salt: str):
+    """A Score or Holders request for a chain given as block keys or as token ids."""
+    if (keys is None) == (tokens is None):
+        raise InvalidArgument("give the chain either as keys or as tokens")
+    request = cls(namespace=namespace)
+    if keys is not None:
+        request.keys.keys.extend(keys)
+    else:
+        request.tokens.token_ids.extend(tokens)
+        request.tokens.block_size = block_size
+        request.tokens.hash_seed = hash_seed
+        request.tokens.lora_name = lora_name
+        request.tokens.cache_salt = cache_salt
+    return request
+
+
+def parse_scores(r) -> list[EndpointScore]:
+    return [EndpointScore(e.node_id, e.blocks, tier_name(e.tier), e.score) for e in r.endpoints]
+
+
+def parse_holders(r) -> list[list[Holder]]:
+    return [[Holder(h.node_id, TierName(h.tier), h.epoch) for h in b.holders] for b in r.blocks]
 
 
 def tier_name(value: int) -> TierName | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
-from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.api.v1 import index_pb2, index_pb2_grpc, kv_pb2_grpc
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, PinLease, Stats
@@ -48,6 +48,7 @@ class Client:
         self._chunk = chunk_bytes
         self._channel = grpc.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
+        self._index = index_pb2_grpc.IndexServiceStub(self._channel)
         self._arena: ShmArena | None = None
         self._arena_checked = False
         self._releases: collections.deque[grpc.Future] = collections.deque()
@@ -233,6 +234,32 @@ class Client:
 
     def unpin(self, lease_id: int) -> bool:
         return self._call("Unpin", pb.UnpinRequest(lease_id=lease_id)).released
+
+    # ---- prefix index --------------------------------------------------------
+
+    def score(
+        self, namespace: str, *, keys: Sequence[bytes] | None = None, tokens: Sequence[int] | None = None,
+        block_size: int = 16, hash_seed: str = "", lora_name: str = "", cache_salt: str = "",
+        candidates: Sequence[str] = (), weights: dict[TierName, float] | None = None,
+    ) -> list[codec.EndpointScore]:
+        """Nodes ranked by how much of this chain they hold (blocks x tier weight), best first.
+
+        Give the chain as block keys, or as token ids hashed as vLLM does
+        (``block_size`` and ``hash_seed``, the engines' PYTHONHASHSEED).
+        """
+        request = codec.chain_request(index_pb2.ScoreRequest, namespace, keys, tokens, block_size, hash_seed, lora_name, cache_salt)
+        request.candidates.extend(candidates)
+        for tier, weight in (weights or {}).items():
+            request.tier_weights.add(tier=int(tier), weight=weight)
+        return codec.parse_scores(self._retrying("Score", lambda: self._index.Score(request, timeout=self.timeout)))
+
+    def holders(
+        self, namespace: str, *, keys: Sequence[bytes] | None = None, tokens: Sequence[int] | None = None,
+        block_size: int = 16, hash_seed: str = "", lora_name: str = "", cache_salt: str = "",
+    ) -> list[list[codec.Holder]]:
+        """For each block of the chain, the nodes that hold it now (live, current epoch)."""
+        request = codec.chain_request(index_pb2.HoldersRequest, namespace, keys, tokens, block_size, hash_seed, lora_name, cache_salt)
+        return codec.parse_holders(self._retrying("Holders", lambda: self._index.Holders(request, timeout=self.timeout)))
 
     def stats(self, namespace: str = "") -> Stats:
         return codec.parse_stats(self._call("Stats", pb.StatsRequest(namespace=namespace)))

@@ -25,7 +25,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
 from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
-from kvstore.config import Settings
+from kvstore.api.v1 import index_pb2, index_pb2_grpc
+from kvstore.config import Settings, parse_weights
+from kvstore.index import open_index
+from kvstore.index.agent import IndexAgent
+from kvstore.server.index_service import DEFAULT_TIER_WEIGHTS, IndexServicer
 from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 disable_created_metrics()
 
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
+INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_name
 
 
 class DaemonError(StrataError):
@@ -62,6 +67,7 @@ class Daemon:
         self._stop_lock = threading.Lock()
         self._stopping = False
         self.store: TieredStore | None = None
+        self.index_agent: IndexAgent | None = None
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -71,6 +77,8 @@ class Daemon:
             self._stopping = True
             if self._server is not None:
                 self._server.stop(0)
+            if self.index_agent is not None and self.store is not None:
+                self.index_agent.stop(1.0)
             if self.store is not None:
                 self.store.close()
             if self._lock_fd is not None:
@@ -102,10 +110,22 @@ class Daemon:
             demotion_queue_blocks=s.demotion_queue_blocks,
             verify_commits=s.verify_commits,
         )
+        try:
+            index = open_index(s.index_url)
+        except BaseException:
+            ram.close()
+            if disk is not None:
+                disk.close()
+            raise
+        self.index_agent = IndexAgent(
+            index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
+            ttl_s=s.index_ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
+        )
         self.store = TieredStore(
             ram, disk, limits=limits, namespaces=s.namespaces, auto_create_namespaces=s.auto_create_namespaces,
-            metrics=self.metrics,
+            metrics=self.metrics, listener=self.index_agent.changed,
         )
+        self.index_agent.start()
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -119,9 +139,18 @@ class Daemon:
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes)), server
         )
+        index_pb2_grpc.add_IndexServiceServicer_to_server(
+            IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **parse_weights(s.score_weights)}), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+            (
+                SERVICE_NAME,
+                INDEX_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
         )
         try:
             self.port = server.add_insecure_port(s.listen)
@@ -144,6 +173,7 @@ class Daemon:
             self.metrics_port = self._metrics_server.server_port
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._index_degraded(self.index_agent.degraded)
         stats = self.store.stats()
         log.info(
             "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
@@ -156,6 +186,12 @@ class Daemon:
             },
         )
         return self
+
+    def _index_degraded(self, degraded: bool) -> None:
+        """Health detail: the index service reports NOT_SERVING while the index is unreachable;
+        the KV service keeps serving local hits."""
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if degraded else health_pb2.HealthCheckResponse.SERVING
+        self._health.set(INDEX_SERVICE_NAME, status)
 
     def _lock_state_dir(self, state_dir: Path) -> None:
         try:
@@ -183,6 +219,8 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self.index_agent is not None:
+            self.index_agent.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.store is not None:
