@@ -126,3 +126,31 @@ def _no_proxy():
     for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy"):
         os.environ.pop(var, None)
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
+
+
+# ---- private Redis servers (the prefix index contract) -------------------------
+# Session-scoped: started on first use, killed at the end. Tests isolate
+# themselves with a key prefix of their own instead of flushing.
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = redis_servers.start_standalone(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    servers = redis_servers.start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield f"redis+cluster://127.0.0.1:{servers[0].port}"
+    for s in servers:
+        s.stop()

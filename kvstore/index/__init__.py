@@ -30,6 +30,7 @@ BACKENDS: dict[str, Callable[[str], PrefixIndex]] = {
     "redis": _redis,
     "rediss": _redis,
     "redis+cluster": _redis,
+    "rediss+cluster": _redis,
     "unix": _redis,
 }
 

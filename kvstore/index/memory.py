@@ -1,0 +1,311 @@
+"""The embedded prefix index: plain dictionaries in this process, one event loop.
+
+The daemon's default when no Redis is configured (it then knows only its own
+holdings), and the reference the Redis index is tested against: both pass
+``tests/test_index_contract.py``.
+
+Every holder row is tagged with an *incarnation*, a number this index hands
+out each time a node (re)starts membership. An answer counts a row only if
+its incarnation is the node's current one and the node is alive, so a node
+that restarts, leaves or misses its heartbeats drops out of every answer at
+once while its rows wait for :meth:`MemoryIndex.sweep`. Membership rules
+(shared with :class:`~kvstore.index.redis.RedisIndex`):
+
+- ``join`` with a greater epoch, or with the same epoch after the node
+  expired, starts a new incarnation; the same epoch while alive only
+  refreshes the TTL; a smaller epoch raises ``StaleEpoch``;
+- an incarnation that expired never comes back: ``heartbeat`` and writes
+  then raise ``StaleEpoch`` and the node must join again and re-add its
+  blocks (its old rows may already be half swept);
+- ``leave`` forgets the node and deletes its rows at once.
+
+Time comes from an injectable monotonic clock so tests can move it.
+
+The input checks at the bottom are shared by every backend.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.block import TierName, validate_key, validate_namespace
+from kvstore.errors import InvalidArgument, StaleEpoch
+from kvstore.index.base import MAX_CHAIN_BLOCKS, Holder, NodeInfo, NodeMatch, PrefixIndex
+
+MAX_NODE_ID_CHARS = 256
+MAX_EPOCH = (1 << 63) - 1
+MAX_TTL_S = 86400.0
+
+
+@dataclass(slots=True)
+class _Member:
+    epoch: int
+    incarnation: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Incarnation:
+    node_id: str
+    epoch: int
+    rows: dict[str, set[bytes]] = field(default_factory=dict)  # namespace -> keys it holds (the reverse set)
+
+
+class MemoryIndex(PrefixIndex):
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._members: dict[str, _Member] = {}
+        self._incarnations: dict[int, _Incarnation] = {}  # every incarnation that still has rows, or is current
+        self._next_incarnation = 1
+        self._rows: dict[str, dict[bytes, dict[int, TierName]]] = {}  # namespace -> key -> incarnation -> tier
+
+    # ---- membership ------------------------------------------------------------
+
+    async def join(self, node_id: str, epoch: int, ttl_s: float) -> None:
+        check_node(node_id, epoch)
+        check_ttl(ttl_s)
+        now = self._clock()
+        m = self._members.get(node_id)
+        if m is not None:
+            if epoch < m.epoch:
+                raise StaleEpoch(_older(node_id, epoch, m.epoch))
+            if epoch == m.epoch and m.deadline > now:
+                m.deadline = now + ttl_s
+                return
+        inc = self._next_incarnation
+        self._next_incarnation += 1
+        self._incarnations[inc] = _Incarnation(node_id, epoch)
+        self._members[node_id] = _Member(epoch, inc, now + ttl_s)
+        if m is not None:
+            self._forget_if_empty(m.incarnation)
+
+    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float) -> None:
+        check_node(node_id, epoch)
+        check_ttl(ttl_s)
+        m = self._current(node_id, epoch)
+        m.deadline = self._clock() + ttl_s
+
+    async def leave(self, node_id: str) -> None:
+        check_node_id(node_id)
+        m = self._members.pop(node_id, None)
+        if m is not None:
+            self._drop_rows(m.incarnation, None)
+            self._forget_if_empty(m.incarnation)
+
+    async def nodes(self) -> list[NodeInfo]:
+        now = self._clock()
+        return sorted(
+            (NodeInfo(n, m.epoch, m.deadline > now) for n, m in self._members.items()), key=lambda i: i.node_id
+        )
+
+    # ---- writes ----------------------------------------------------------------
+
+    async def add(self, namespace: str, node_id: str, epoch: int, blocks: Sequence[tuple[bytes, TierName]]) -> None:
+        validate_namespace(namespace)
+        check_node(node_id, epoch)
+        checked = check_blocks(blocks)
+        inc = self._current(node_id, epoch).incarnation
+        rows = self._rows.setdefault(namespace, {})
+        mine = self._incarnations[inc].rows.setdefault(namespace, set())
+        for key, tier in checked:
+            rows.setdefault(key, {})[inc] = tier
+            mine.add(key)
+
+    async def remove(self, namespace: str, node_id: str, epoch: int, keys: Sequence[bytes]) -> None:
+        validate_namespace(namespace)
+        check_node(node_id, epoch)
+        checked = check_keys(keys, allow_empty=True)
+        inc = self._current(node_id, epoch).incarnation
+        mine = self._incarnations[inc].rows.get(namespace)
+        if not mine:
+            return
+        for key in checked:
+            if key in mine:
+                mine.discard(key)
+                self._drop_row(namespace, key, inc)
+
+    async def clear(self, node_id: str, namespace: str | None = None) -> None:
+        check_node_id(node_id)
+        if namespace is not None:
+            validate_namespace(namespace)
+        m = self._members.get(node_id)
+        if m is not None:
+            self._drop_rows(m.incarnation, namespace)
+
+    # ---- reads -----------------------------------------------------------------
+
+    async def lookup(
+        self, namespace: str, keys: Sequence[bytes], candidates: Sequence[str] | None = None
+    ) -> list[NodeMatch]:
+        validate_namespace(namespace)
+        chain = check_keys(keys)
+        wanted = check_candidates(candidates)
+        rows = self._rows.get(namespace, {})
+        live = self._live_incarnations()
+        counts: dict[str, int] = {}
+        tiers: dict[str, TierName] = {}
+        for depth, key in enumerate(chain):
+            extended = False
+            for inc, tier in rows.get(key, {}).items():
+                node = live.get(inc)
+                if node is None or (wanted is not None and node not in wanted) or counts.get(node, 0) != depth:
+                    continue
+                counts[node] = depth + 1
+                tiers[node] = max(tiers.get(node, tier), tier)
+                extended = True
+            if not extended:
+                break
+        return sort_matches(NodeMatch(n, c, tiers[n]) for n, c in counts.items())
+
+    async def holders(self, namespace: str, keys: Sequence[bytes]) -> list[list[Holder]]:
+        validate_namespace(namespace)
+        checked = check_keys(keys, allow_empty=True)
+        rows = self._rows.get(namespace, {})
+        live = self._live_incarnations()
+        out = []
+        for key in checked:
+            found = [
+                Holder(live[inc], tier, self._incarnations[inc].epoch)
+                for inc, tier in rows.get(key, {}).items()
+                if inc in live
+            ]
+            out.append(sorted(found, key=lambda h: h.node_id))
+        return out
+
+    # ---- maintenance -----------------------------------------------------------
+
+    async def sweep(self, max_entries: int = 1000) -> int:
+        check_budget(max_entries)
+        live = self._live_incarnations()
+        deleted = 0
+        for inc in [i for i in self._incarnations if i not in live]:
+            inc_rows = self._incarnations[inc].rows
+            while inc_rows and deleted < max_entries:
+                namespace, keys = next(iter(inc_rows.items()))
+                while keys and deleted < max_entries:
+                    self._drop_row(namespace, keys.pop(), inc)
+                    deleted += 1
+                if not keys:
+                    del inc_rows[namespace]
+            self._forget_if_empty(inc)
+            if deleted >= max_entries:
+                break
+        return deleted
+
+    # ---- internals -------------------------------------------------------------
+
+    def _current(self, node_id: str, epoch: int) -> _Member:
+        """The node's membership if ``epoch`` is its live, current one; StaleEpoch otherwise."""
+        m = self._members.get(node_id)
+        if m is None:
+            raise StaleEpoch(f"node {node_id!r} is not a member of the prefix index: join it first")
+        if epoch < m.epoch:
+            raise StaleEpoch(_older(node_id, epoch, m.epoch))
+        if epoch > m.epoch:
+            raise StaleEpoch(f"node {node_id!r} joined at epoch {m.epoch}, not {epoch}: join at epoch {epoch} first")
+        if m.deadline <= self._clock():
+            raise StaleEpoch(_expired(node_id))
+        return m
+
+    def _live_incarnations(self) -> dict[int, str]:
+        now = self._clock()
+        return {m.incarnation: n for n, m in self._members.items() if m.deadline > now}
+
+    def _drop_rows(self, inc: int, namespace: str | None) -> None:
+        inc_rows = self._incarnations[inc].rows
+        for ns in [namespace] if namespace is not None else list(inc_rows):
+            for key in inc_rows.pop(ns, ()):
+                self._drop_row(ns, key, inc)
+
+    def _drop_row(self, namespace: str, key: bytes, inc: int) -> None:
+        rows = self._rows[namespace]
+        holders = rows[key]
+        del holders[inc]
+        if not holders:
+            del rows[key]
+            if not rows:
+                del self._rows[namespace]
+
+    def _forget_if_empty(self, inc: int) -> None:
+        current = any(m.incarnation == inc for m in self._members.values())
+        if not current and not self._incarnations[inc].rows:
+            del self._incarnations[inc]
+
+
+def _older(node_id: str, epoch: int, current: int) -> str:
+    return (
+        f"node {node_id!r} is at epoch {current}; epoch {epoch} is older: "
+        "this process was replaced by a restarted one and must stop writing"
+    )
+
+
+def _expired(node_id: str) -> str:
+    return f"node {node_id!r} missed its heartbeats and expired: join again and re-add its blocks"
+
+
+def sort_matches(matches: Iterable[NodeMatch]) -> list[NodeMatch]:
+    """Longest prefix first; node id breaks ties so answers are deterministic."""
+    return sorted(matches, key=lambda m: (-m.blocks, m.node_id))
+
+
+# ---- input checks shared by the backends ----------------------------------------
+
+
+def check_node_id(node_id: str) -> str:
+    if not isinstance(node_id, str) or not node_id:
+        raise InvalidArgument("node id must be a non-empty string (the daemon's node_id)")
+    if len(node_id) > MAX_NODE_ID_CHARS:
+        raise InvalidArgument(f"node id is {len(node_id)} characters; the limit is {MAX_NODE_ID_CHARS}")
+    return node_id
+
+
+def check_node(node_id: str, epoch: int) -> None:
+    check_node_id(node_id)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidArgument(f"epoch must be an integer from 0 to 2**63-1, not {epoch!r}")
+
+
+def check_ttl(ttl_s: float) -> None:
+    if not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
+        raise InvalidArgument(f"ttl_s must be a number of seconds above 0 and at most {MAX_TTL_S:g}, not {ttl_s!r}")
+
+
+def check_budget(max_entries: int) -> None:
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+        raise InvalidArgument(f"max_entries must be a positive integer, not {max_entries!r}")
+
+
+def check_keys(keys: Sequence[bytes], *, allow_empty: bool = False) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise InvalidArgument("pass a sequence of keys, not a single key")
+    if not keys and not allow_empty:
+        raise InvalidArgument("the chain is empty: pass at least one block key")
+    if len(keys) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{len(keys)} keys in one call; the limit is {MAX_CHAIN_BLOCKS}: split the batch")
+    return [validate_key(k) for k in keys]
+
+
+def check_blocks(blocks: Sequence[tuple[bytes, TierName]]) -> list[tuple[bytes, TierName]]:
+    if len(blocks) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{len(blocks)} blocks in one call; the limit is {MAX_CHAIN_BLOCKS}: split the batch")
+    out = []
+    for key, tier in blocks:
+        try:
+            tier = TierName(tier)
+        except ValueError:
+            raise InvalidArgument(f"tier {tier!r} is not one of {[t.label for t in TierName]}") from None
+        out.append((validate_key(key), tier))
+    return out
+
+
+def check_candidates(candidates: Sequence[str] | None) -> frozenset[str] | None:
+    if candidates is None:
+        return None
+    if isinstance(candidates, str):
+        raise InvalidArgument("candidates must be a sequence of node ids, not one string")
+    if len(candidates) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{len(candidates)} candidates; the limit is {MAX_CHAIN_BLOCKS}")
+    return frozenset(check_node_id(c) for c in candidates)

@@ -1,0 +1,942 @@
+"""The prefix index in Redis (one server, or a Redis Cluster).
+
+URLs: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix:///path``) for
+one server; ``redis+cluster://host:port`` (or ``cluster=True``) for a Cluster,
+the address being any one of its masters.
+
+Key layout
+----------
+A namespace's keys share the hash tag ``{<prefix>:<namespace>}`` so that one
+Lua script sees them all in one Cluster slot; node membership lives under
+``{<prefix>}``::
+
+    {p:ns}:meta        hash   M, S (linear-hashing level and split pointer),
+                              N (blocks), seq (last holder id)
+    {p:ns}:b:<n>       hash   bucket n: block key -> its CRC-32 (4 bytes), then 4 bytes a holder
+    {p:ns}:m           hash   node id -> "<holder id> <incarnation>" ("0 <inc>": inc ended)
+    {p:ns}:i           hash   holder id -> "<epoch> <incarnation> <deadline ms> <node id>"
+    {p:ns}:dead        set    holder ids whose rows wait for the sweep
+    {p:ns}:r:<h>:<c>   hash   holder h's reverse index: bucket (c*128 + field) -> its rows there
+    {p:ns}:rc:<h>      set    chunks c of holder h's reverse index
+    {p}:nodes          hash   node id -> "<epoch> <incarnation> <deadline ms>"
+    {p}:dl             zset   node id by deadline (finds expired nodes without a scan)
+    {p}:seq            string last incarnation
+    {p}:gone           hash   incarnation -> node id, ended but not yet retired everywhere
+    {p}:nns:<inc>      set    namespaces incarnation <inc> wrote to (heartbeats refresh these)
+    {p}:ns             set    every namespace (the sweep visits them)
+
+Why this shape. A Redis key costs ~80 bytes before its value, so one key
+per block cannot meet ~100 bytes per (block, holder). Blocks are therefore
+fields of bucket hashes small enough to stay listpack-encoded (a packed
+array, no per-field pointers), and a holder is a 4-byte record
+(``holder id << 3 | tier``) appended to the field's value. Buckets split one
+at a time by linear hashing on the key's CRC-32, keeping ~``LOAD`` blocks a
+bucket at any size without a rehash pause. Clients compute the CRCs (C code,
+sent with the keys) and the value keeps them, so no script hashes in Lua
+(~10 us a key there). The reverse index does not repeat block keys: it counts
+a holder's rows per bucket, so clearing a holder visits only the buckets it
+has rows in: O(its blocks), the constant being one bucket scan. Measured with
+32-byte keys: ~55 bytes per block with one holder, ~4 more per extra holder
+(``tests/test_index_contract.py::test_bytes_per_entry``).
+
+Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as three
+arguments (CRCs, lengths, keys end to end), not one per key.
+
+A *holder id* names one node incarnation in one namespace. Answers count a
+record only if its holder id is listed in ``{p:ns}:i`` with a deadline in the
+future, so ``leave``, ``clear``, a restart (greater epoch) or an expiry drops
+a node at once by deleting one field; the rows follow in the sweep.
+
+Membership across slots. The lookup script can only read its own slot, so
+each namespace keeps a mirror of the liveness of the nodes that wrote to it
+(``{p:ns}:i``): a heartbeat updates ``{p}:nodes`` and then, in parallel, the
+mirror of every namespace the node wrote to (``{p}:nns:<inc>``). Lookups
+stay one round trip; a heartbeat costs one more per namespace of the node, a
+node's first write to a namespace two more. Each server computes deadlines
+from its own ``TIME`` plus the TTL, so client clocks never matter and server
+clocks need not agree. ``{p}:nodes`` decides death: a namespace deletes rows
+only of holder ids retired by ``leave``, ``clear``, a newer incarnation, or an
+expiry ``{p}:nodes`` saw; a mirror that lapses a moment early (its refresh
+still in flight) costs a brief false miss, never a deleted row.
+
+Limits: block keys and values over ``hash-max-listpack-value`` (64 bytes by
+default: keys longer than 64 bytes, or blocks with more than 15 holders) turn
+their bucket into a plain hash table, correct but several times larger; a
+namespace lives on one Cluster shard; holder ids are 29 bits per namespace
+(one per node incarnation or clear); the ``m`` tombstone of a node that left
+stays (a few dozen bytes) so that a late write of it is refused; buckets
+never merge when a namespace shrinks (an emptied bucket costs nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import sys
+import zlib
+from array import array
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from redis import exceptions as rexc
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from kvstore.block import TierName, validate_namespace
+from kvstore.errors import InvalidArgument, PrefixIndexError, StaleEpoch
+from kvstore.index.base import Holder, IndexUnavailable, NodeInfo, NodeMatch, PrefixIndex
+from kvstore.index.memory import (
+    check_blocks,
+    check_budget,
+    check_candidates,
+    check_keys,
+    check_node,
+    check_node_id,
+    check_ttl,
+    sort_matches,
+)
+
+log = logging.getLogger(__name__)
+
+LOAD = 40  # blocks per bucket on average; buckets stay under listpack's 128 entries
+PURGE_BATCH = 4096  # rows one script deletes for leave/clear (each call is short; Redis stays responsive)
+REAP_BATCH = 64  # ended incarnations retired per sweep call
+_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+# ---- Lua ------------------------------------------------------------------------
+
+_COMMON = r"""
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function ecmp(a, b)  -- epochs are decimal strings up to 2^63: compare without floats
+  if #a ~= #b then if #a < #b then return -1 else return 1 end end
+  if a == b then return 0 end
+  if a < b then return -1 else return 1 end
+end
+"""
+
+_NS = _COMMON + r"""
+local sbyte, ssub, floor = string.byte, string.sub, math.floor
+local META = KEYS[1]
+local BASE = ssub(META, 1, -5)
+local MK, IK, DEAD, BK = BASE .. 'm', BASE .. 'i', BASE .. 'dead', BASE .. 'b:'
+local LOAD = @LOAD@
+local M, S, NOW = 1, 0, 0
+
+local function load_meta()
+  local v = redis.call('HMGET', META, 'M', 'S')
+  M = tonumber(v[1]) or 1
+  S = tonumber(v[2]) or 0
+end
+local function addr(h)
+  local a = h % M
+  if a < S then a = h % (2 * M) end
+  return a
+end
+
+-- A chain of keys travels as three strings: bucket hashes (CRC-32, u32 little-endian),
+-- lengths (u16 little-endian) and the keys end to end. Yields key, hash, index.
+local function chain(i)
+  local hs, ls, ks = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local n, j, pos = #ls / 2, 0, 1
+  return function()
+    j = j + 1
+    if j > n then return nil end
+    local a, b, c, d = sbyte(hs, 4 * j - 3, 4 * j)
+    local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
+    local len = l1 + 256 * l2
+    local k = ssub(ks, pos, pos + len - 1)
+    pos = pos + len
+    return k, ((d * 256 + c) * 256 + b) * 256 + a, j
+  end
+end
+
+-- A block's value: its 4 hash bytes (so a split needs no hashing), then one 4-byte
+-- record per holder: big-endian holder id * 8 + tier.
+local function rec(lid, tier)
+  local x = lid * 8 + tier
+  return string.char(floor(x / 16777216), floor(x / 65536) % 256, floor(x / 256) % 256, x % 256)
+end
+local function rec_at(v, p)
+  local a, b, c, d = sbyte(v, p, p + 3)
+  local x = ((a * 256 + b) * 256 + c) * 256 + d
+  return floor(x / 8), x % 8
+end
+local function find(v, lid)
+  for p = 5, #v, 4 do
+    if rec_at(v, p) == lid then return p end
+  end
+  return nil
+end
+
+-- reverse index: how many rows holder lid has in bucket a
+local function rev(lid, a, delta)
+  local chunk = floor(a / 128)
+  local rk = BASE .. 'r:' .. lid .. ':' .. chunk
+  local n = redis.call('HINCRBY', rk, a % 128, delta)
+  if n <= 0 then
+    redis.call('HDEL', rk, a % 128)
+    if redis.call('EXISTS', rk) == 0 then redis.call('SREM', BASE .. 'rc:' .. lid, chunk) end
+  elseif n == delta then
+    redis.call('SADD', BASE .. 'rc:' .. lid, chunk)
+  end
+end
+
+local function member(node)
+  local cur = redis.call('HGET', MK, node)
+  if not cur then return 0, 0 end
+  local l, g = string.match(cur, '^(%d+) (%d+)$')
+  return tonumber(l), tonumber(g)
+end
+local function retire(lid)
+  redis.call('SADD', DEAD, lid)
+  redis.call('HDEL', IK, lid)
+end
+
+local live_cache = {}
+local function live(lid)  -- {node, epoch} if holder lid is current and alive, else false
+  local c = live_cache[lid]
+  if c == nil then
+    c = false
+    local r = redis.call('HGET', IK, lid)
+    if r then
+      local e, g, d, node = string.match(r, '^(%d+) (%d+) (%d+) (.*)$')
+      if tonumber(d) > NOW then c = {node, e} end
+    end
+    live_cache[lid] = c
+  end
+  return c
+end
+""".replace("@LOAD@", str(LOAD))
+
+# ARGV: number of candidates (-1: any node), the candidates, the chain (3 strings).
+# Returns node, blocks, tier, ... for every live node holding the chain's first block.
+_LOOKUP = _NS + r"""
+NOW = now_ms()
+load_meta()
+local nc = tonumber(ARGV[1])
+local cand, first = nil, 2
+if nc >= 0 then
+  cand = {}
+  for j = 2, nc + 1 do cand[ARGV[j]] = true end
+  first = nc + 2
+end
+local count, tier, order = {}, {}, {}
+local depth = 0
+for k, h in chain(first) do
+  local v = redis.call('HGET', BK .. addr(h), k)
+  if not v then break end
+  local grew = false
+  for p = 5, #v, 4 do
+    local lid, t = rec_at(v, p)
+    local who = live(lid)
+    if who and (cand == nil or cand[who[1]]) then
+      local node = who[1]
+      if (count[node] or 0) == depth then
+        if depth == 0 then
+          order[#order + 1] = node
+          tier[node] = t
+        elseif t > tier[node] then
+          tier[node] = t
+        end
+        count[node] = depth + 1
+        grew = true
+      end
+    end
+  end
+  if not grew then break end  -- no node that holds every block so far holds this one
+  depth = depth + 1
+end
+local out = {}
+for _, node in ipairs(order) do
+  out[#out + 1] = node
+  out[#out + 1] = count[node]
+  out[#out + 1] = tier[node]
+end
+return out
+"""
+
+# ARGV: the chain (3 strings). Returns per key {node, tier, epoch, ...}.
+_HOLDERS = _NS + r"""
+NOW = now_ms()
+load_meta()
+local out = {}
+for k, h, j in chain(1) do
+  local v = redis.call('HGET', BK .. addr(h), k)
+  local hs = {}
+  if v then
+    for p = 5, #v, 4 do
+      local lid, t = rec_at(v, p)
+      local who = live(lid)
+      if who then
+        hs[#hs + 1] = who[1]
+        hs[#hs + 1] = t
+        hs[#hs + 1] = who[2]
+      end
+    end
+  end
+  out[j] = hs
+end
+return out
+"""
+
+# ARGV: op ('add' | 'del'), node, epoch, incarnation to bind ('' = trust the mirror), its ms
+# left, the chain (3 strings), and for 'add' one tier byte per key.
+_WRITE = _NS + r"""
+local function hset_all(key, fv)
+  for j = 1, #fv, 200 do redis.call('HSET', key, unpack(fv, j, math.min(j + 199, #fv))) end
+end
+local function split()  -- linear hashing: bucket S splits into S and S + M
+  local a0, a1 = S, S + M
+  local k0 = BK .. a0
+  local all = redis.call('HGETALL', k0)
+  local keep, move, moved = {}, {}, {}
+  for j = 1, #all, 2 do
+    local f, v = all[j], all[j + 1]
+    local a, b, c, d = sbyte(v, 1, 4)
+    if (((d * 256 + c) * 256 + b) * 256 + a) % (2 * M) == a1 then
+      move[#move + 1] = f
+      move[#move + 1] = v
+      for p = 5, #v, 4 do
+        local lid = rec_at(v, p)
+        moved[lid] = (moved[lid] or 0) + 1
+      end
+    else
+      keep[#keep + 1] = f
+      keep[#keep + 1] = v
+    end
+  end
+  if #move > 0 then
+    redis.call('DEL', k0)  -- rewritten whole, so a bucket that outgrew listpack gets compact again
+    hset_all(k0, keep)
+    hset_all(BK .. a1, move)
+    for lid, n in pairs(moved) do
+      rev(lid, a0, -n)
+      rev(lid, a1, n)
+    end
+  end
+  S = S + 1
+  if S == M then
+    M = 2 * M
+    S = 0
+  end
+end
+
+NOW = now_ms()
+load_meta()
+local op, node, epoch, bind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local clid, cg = member(node)
+local lid
+if bind == '' then
+  if clid == 0 then return {'NOJOIN'} end
+  local r = redis.call('HGET', IK, clid)
+  if not r then return {'NOJOIN'} end
+  local e, g, d = string.match(r, '^(%d+) (%d+) (%d+) ')
+  local c = ecmp(epoch, e)
+  if c < 0 then return {'STALE', e} end
+  if c > 0 or tonumber(d) <= NOW then return {'NOJOIN'} end
+  lid = clid
+else
+  local g = tonumber(bind)
+  if cg > g then return {'NEWER'} end
+  if cg == g and clid == 0 then return {'GONE'} end
+  local deadline = NOW + tonumber(ARGV[5])
+  local r = nil
+  if cg == g then r = redis.call('HGET', IK, clid) end
+  if r then
+    lid = clid
+    local d = tonumber(string.match(r, '^%d+ %d+ (%d+) '))
+    if d > deadline then deadline = d end
+  else
+    if clid > 0 then retire(clid) end
+    lid = redis.call('HINCRBY', META, 'seq', 1)
+    if lid >= 536870912 then return redis.error_reply('holder ids of this namespace are exhausted') end
+  end
+  redis.call('HSET', MK, node, lid .. ' ' .. bind)
+  redis.call('HSET', IK, lid, epoch .. ' ' .. bind .. ' ' .. deadline .. ' ' .. node)
+end
+
+local fields = 0
+if op == 'add' then
+  local hashes, tiers = ARGV[6], ARGV[9]
+  for k, h, j in chain(6) do
+    local a = addr(h)
+    local bk = BK .. a
+    local r = rec(lid, sbyte(tiers, j))
+    local v = redis.call('HGET', bk, k)
+    if not v then
+      redis.call('HSET', bk, k, ssub(hashes, 4 * j - 3, 4 * j) .. r)
+      rev(lid, a, 1)
+      fields = fields + 1
+    else
+      local p = find(v, lid)
+      if not p then
+        redis.call('HSET', bk, k, v .. r)
+        rev(lid, a, 1)
+      elseif ssub(v, p, p + 3) ~= r then
+        redis.call('HSET', bk, k, ssub(v, 1, p - 1) .. r .. ssub(v, p + 4))
+      end
+    end
+  end
+  if fields > 0 then
+    local total = redis.call('HINCRBY', META, 'N', fields)
+    local budget = floor(fields / LOAD) + 2
+    local m0, s0 = M, S
+    while total > LOAD * (M + S) and budget > 0 do
+      split()
+      budget = budget - 1
+    end
+    if M ~= m0 or S ~= s0 then redis.call('HSET', META, 'M', M, 'S', S) end
+  end
+else
+  for k, h in chain(6) do
+    local a = addr(h)
+    local bk = BK .. a
+    local v = redis.call('HGET', bk, k)
+    local p = v and find(v, lid)
+    if p then
+      if #v == 8 then
+        redis.call('HDEL', bk, k)
+        fields = fields + 1
+      else
+        redis.call('HSET', bk, k, ssub(v, 1, p - 1) .. ssub(v, p + 4))
+      end
+      rev(lid, a, -1)
+    end
+  end
+  if fields > 0 then redis.call('HINCRBY', META, 'N', -fields) end
+end
+return {'OK'}
+"""
+
+# ARGV: node, incarnation, ttl ms. Extends the mirror's deadline if it names that incarnation.
+_REFRESH = _NS + r"""
+NOW = now_ms()
+local node = ARGV[1]
+local lid, g = member(node)
+if lid == 0 or g ~= tonumber(ARGV[2]) then return 0 end
+local r = redis.call('HGET', IK, lid)
+if not r then return 0 end
+local e = string.match(r, '^(%d+) ')
+redis.call('HSET', IK, lid, e .. ' ' .. g .. ' ' .. (NOW + tonumber(ARGV[3])) .. ' ' .. node)
+return 1
+"""
+
+# ARGV: node, ended incarnation ('' = clear whatever is current). Returns the retired holder id or 0.
+_RETIRE = _NS + r"""
+local node, ended = ARGV[1], ARGV[2]
+local lid, g = member(node)
+if ended ~= '' then
+  if g > tonumber(ended) then return 0 end  -- a newer incarnation writes here already
+  redis.call('HSET', MK, node, '0 ' .. ended)  -- tombstone: a late bind of the ended one is refused
+elseif lid > 0 then
+  redis.call('HDEL', MK, node)
+end
+if lid > 0 then retire(lid) end
+return lid
+"""
+
+# ARGV: holder id ('' = every retired one), budget. Returns {rows deleted, 1 if rows remain}.
+_PURGE = _NS + r"""
+local budget = tonumber(ARGV[2])
+local lids
+if ARGV[1] ~= '' then lids = {ARGV[1]} else lids = redis.call('SMEMBERS', DEAD) end
+local deleted, fields = 0, 0
+for _, ls in ipairs(lids) do
+  if deleted >= budget then break end
+  local lid = tonumber(ls)
+  local rc = BASE .. 'rc:' .. lid
+  for _, c in ipairs(redis.call('SMEMBERS', rc)) do
+    if deleted >= budget then break end
+    local rk = BASE .. 'r:' .. lid .. ':' .. c
+    local ents = redis.call('HGETALL', rk)
+    for j = 1, #ents, 2 do
+      if deleted >= budget then break end
+      local bk = BK .. (tonumber(c) * 128 + tonumber(ents[j]))
+      local all = redis.call('HGETALL', bk)
+      local n, whole = 0, true
+      for q = 1, #all, 2 do
+        local v = all[q + 1]
+        local p = find(v, lid)
+        if p then
+          if deleted >= budget then
+            whole = false
+            break
+          end
+          if #v == 8 then
+            redis.call('HDEL', bk, all[q])
+            fields = fields + 1
+          else
+            redis.call('HSET', bk, all[q], ssub(v, 1, p - 1) .. ssub(v, p + 4))
+          end
+          deleted = deleted + 1
+          n = n + 1
+        end
+      end
+      if whole then redis.call('HDEL', rk, ents[j]) else redis.call('HINCRBY', rk, ents[j], -n) end
+    end
+    if redis.call('EXISTS', rk) == 0 then redis.call('SREM', rc, c) end
+  end
+  if redis.call('EXISTS', rc) == 0 then redis.call('SREM', DEAD, lid) end
+end
+if fields > 0 then redis.call('HINCRBY', META, 'N', -fields) end
+local more
+if ARGV[1] ~= '' then more = redis.call('EXISTS', BASE .. 'rc:' .. ARGV[1]) else more = redis.call('SCARD', DEAD) end
+return {deleted, more}
+"""
+
+_GLOBAL = _COMMON + r"""
+local NODES = KEYS[1]
+local GB = string.sub(NODES, 1, -6)
+local DL, GONE, ALLNS = GB .. 'dl', GB .. 'gone', GB .. 'ns'
+local function record(node)
+  local r = redis.call('HGET', NODES, node)
+  if not r then return nil end
+  local e, g, d = string.match(r, '^(%d+) (%d+) (%d+)$')
+  return e, tonumber(g), tonumber(d)
+end
+local function nslist(g) return redis.call('SMEMBERS', GB .. 'nns:' .. g) end
+local function put(node, e, g, d)
+  redis.call('HSET', NODES, node, e .. ' ' .. g .. ' ' .. d)
+  redis.call('ZADD', DL, d, node)
+end
+-- the node's live incarnation at this epoch, or a refusal
+local function current(node, epoch, now)
+  local e, g, d = record(node)
+  if not e then return nil, {'NOJOIN'} end
+  local c = ecmp(epoch, e)
+  if c < 0 then return nil, {'STALE', e} end
+  if c > 0 then return nil, {'NEWER', e} end
+  if d <= now then return nil, {'EXPIRED'} end
+  return g, d
+end
+"""
+
+# ARGV: node, epoch, ttl ms
+_JOIN = _GLOBAL + r"""
+local now = now_ms()
+local node, epoch, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local e, g, d = record(node)
+if e then
+  local c = ecmp(epoch, e)
+  if c < 0 then return {'STALE', e} end
+  if c == 0 and d > now then
+    put(node, e, g, now + ttl)
+    return {'SAME', g, nslist(g)}
+  end
+  redis.call('HSET', GONE, g, node)
+end
+local ng = redis.call('INCR', GB .. 'seq')
+put(node, epoch, ng, now + ttl)
+if e then return {'NEW', ng, g, nslist(g)} end
+return {'NEW', ng}
+"""
+
+# ARGV: node, epoch, ttl ms
+_BEAT = _GLOBAL + r"""
+local now = now_ms()
+local node, epoch = ARGV[1], ARGV[2]
+local g, d = current(node, epoch, now)
+if not g then return d end
+local e = record(node)
+put(node, e, g, now + tonumber(ARGV[3]))
+return {'OK', g, nslist(g)}
+"""
+
+# ARGV: node, epoch, namespace. Records that the incarnation writes to the namespace.
+_ATTACH = _GLOBAL + r"""
+local now = now_ms()
+local g, d = current(ARGV[1], ARGV[2], now)
+if not g then return d end
+redis.call('SADD', GB .. 'nns:' .. g, ARGV[3])
+redis.call('SADD', ALLNS, ARGV[3])
+return {'OK', g, d - now}
+"""
+
+# ARGV: node
+_LEAVE = _GLOBAL + r"""
+local node = ARGV[1]
+local e, g = record(node)
+if not e then return {} end
+redis.call('HDEL', NODES, node)
+redis.call('ZREM', DL, node)
+redis.call('HSET', GONE, g, node)
+return {g, nslist(g)}
+"""
+
+# ARGV: node. The namespaces of its current incarnation.
+_SPREAD = _GLOBAL + r"""
+local e, g = record(ARGV[1])
+if not e then return {} end
+return nslist(g)
+"""
+
+# ARGV: limit. Ended incarnations (left, replaced, expired) still to retire: {node, inc, namespaces}.
+_REAP = _GLOBAL + r"""
+local now = now_ms()
+local lim = tonumber(ARGV[1])
+local out = {}
+local gone = redis.call('HGETALL', GONE)
+for j = 1, #gone, 2 do
+  if #out >= lim then break end
+  out[#out + 1] = {gone[j + 1], gone[j], nslist(gone[j])}
+end
+if #out < lim then
+  for _, node in ipairs(redis.call('ZRANGEBYSCORE', DL, '-inf', now, 'LIMIT', 0, lim - #out)) do
+    local e, g, d = record(node)
+    if e and d <= now then out[#out + 1] = {node, tostring(g), nslist(g)} end
+  end
+end
+return out
+"""
+
+# ARGV: node, inc, node, inc, ... retired everywhere.
+_FINISH = _GLOBAL + r"""
+for j = 1, #ARGV, 2 do
+  local node, g = ARGV[j], ARGV[j + 1]
+  redis.call('DEL', GB .. 'nns:' .. g)
+  redis.call('HDEL', GONE, g)
+  local e, cg = record(node)
+  if e and cg == tonumber(g) then redis.call('ZREM', DL, node) end
+end
+return 1
+"""
+
+_NODES = _GLOBAL + r"""
+local now = now_ms()
+local out = {}
+local all = redis.call('HGETALL', NODES)
+for j = 1, #all, 2 do
+  local e, g, d = string.match(all[j + 1], '^(%d+) (%d+) (%d+)$')
+  out[#out + 1] = {all[j], e, tonumber(d) > now and 1 or 0}
+end
+return out
+"""
+
+
+class _Script:
+    __slots__ = ("name", "source", "sha")
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+LOOKUP, HOLDERS, WRITE, REFRESH, RETIRE, PURGE = (
+    _Script(n, s)
+    for n, s in [
+        ("lookup", _LOOKUP), ("holders", _HOLDERS), ("write", _WRITE),
+        ("refresh", _REFRESH), ("retire", _RETIRE), ("purge", _PURGE),
+    ]
+)
+JOIN, BEAT, ATTACH, LEAVE, SPREAD, REAP, FINISH, NODES = (
+    _Script(n, s)
+    for n, s in [
+        ("join", _JOIN), ("heartbeat", _BEAT), ("attach", _ATTACH), ("leave", _LEAVE),
+        ("spread", _SPREAD), ("reap", _REAP), ("finish", _FINISH), ("nodes", _NODES),
+    ]
+)
+
+_UNAVAILABLE = (
+    rexc.ConnectionError,  # includes BusyLoadingError, AuthenticationError
+    rexc.TimeoutError,
+    rexc.ClusterError,  # ClusterDownError, MasterDownError
+    rexc.TryAgainError,
+    rexc.ReadOnlyError,
+    rexc.OutOfMemoryError,
+    rexc.RedisClusterException,  # no reachable startup node, slot not covered
+)
+_BUSY = ("BUSY", "LOADING", "MASTERDOWN")  # replies of a server that is there but cannot serve yet
+
+
+class RedisIndex(PrefixIndex):
+    """Use :meth:`from_url`; the constructor takes a ready ``redis.asyncio`` client."""
+
+    def __init__(self, client: Redis | RedisCluster, *, where: str = "redis", prefix: str = "strata") -> None:
+        if not prefix or not set(prefix) <= _PREFIX_CHARS:
+            raise InvalidArgument(f"key prefix {prefix!r} must be non-empty and use only [A-Za-z0-9._-]")
+        self._redis = client
+        self._where = where
+        self._prefix = prefix
+        self._nodes_key = "{%s}:nodes" % prefix
+        self._sweep_turn = 0
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        cluster: bool | None = None,
+        prefix: str = "strata",
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        retries: int = 2,
+    ) -> RedisIndex:
+        """``redis://host:port/db``, ``rediss://…``, ``unix:///path``, or ``redis+cluster://host:port``.
+
+        ``cluster=True`` treats a plain ``redis://`` URL as a Cluster's entry point. Every
+        command has ``timeout_s``; a failed connection is retried ``retries`` times, briefly.
+        """
+        parts = urlsplit(url)
+        scheme = parts.scheme
+        if scheme in ("redis+cluster", "rediss+cluster"):
+            cluster = True
+            scheme = scheme.removesuffix("+cluster")
+        elif scheme not in ("redis", "rediss", "unix"):
+            raise InvalidArgument(
+                f"index URL {url!r}: use redis://HOST:PORT/DB, rediss://…, unix:///PATH or redis+cluster://HOST:PORT"
+            )
+        plain = urlunsplit(parts._replace(scheme=scheme))
+        where = _redact(url)
+        options: dict[str, Any] = dict(
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+        )
+        try:
+            if cluster:
+                client: Redis | RedisCluster = RedisCluster.from_url(plain, **options)
+            else:
+                client = Redis.from_url(plain, **options)
+        except (ValueError, rexc.RedisError, rexc.RedisClusterException) as err:
+            raise InvalidArgument(f"index URL {where}: {err}") from None
+        return cls(client, where=where, prefix=prefix)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    # ---- membership ------------------------------------------------------------
+
+    async def join(self, node_id: str, epoch: int, ttl_s: float) -> None:
+        check_node(node_id, epoch)
+        check_ttl(ttl_s)
+        r = await self._global(JOIN, node_id, str(epoch), _ms(ttl_s))
+        if r[0] == b"STALE":
+            raise StaleEpoch(_older(node_id, epoch, r[1]))
+        if r[0] == b"SAME":
+            await self._refresh(node_id, r[1], r[2], ttl_s)
+        elif len(r) > 2:  # a new incarnation replaced a previous one: it stops counting now
+            await self._end(node_id, r[2], r[3], purge=False)
+
+    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float) -> None:
+        check_node(node_id, epoch)
+        check_ttl(ttl_s)
+        r = await self._global(BEAT, node_id, str(epoch), _ms(ttl_s))
+        self._raise_refusal(node_id, epoch, r)
+        await self._refresh(node_id, r[1], r[2], ttl_s)
+
+    async def leave(self, node_id: str) -> None:
+        check_node_id(node_id)
+        r = await self._global(LEAVE, node_id)
+        if r:
+            await self._end(node_id, r[0], r[1], purge=True)
+
+    async def nodes(self) -> list[NodeInfo]:
+        rows = await self._global(NODES)
+        return sorted((NodeInfo(n.decode(), int(e), bool(a)) for n, e, a in rows), key=lambda i: i.node_id)
+
+    # ---- writes ----------------------------------------------------------------
+
+    async def add(self, namespace: str, node_id: str, epoch: int, blocks: Sequence[tuple[bytes, TierName]]) -> None:
+        validate_namespace(namespace)
+        check_node(node_id, epoch)
+        checked = check_blocks(blocks)
+        if checked:
+            keys = [key for key, _ in checked]
+            await self._write(namespace, "add", node_id, epoch, [*_chain(keys), bytes(int(t) for _, t in checked)])
+
+    async def remove(self, namespace: str, node_id: str, epoch: int, keys: Sequence[bytes]) -> None:
+        validate_namespace(namespace)
+        check_node(node_id, epoch)
+        checked = check_keys(keys, allow_empty=True)
+        if checked:
+            await self._write(namespace, "del", node_id, epoch, _chain(checked))
+
+    async def clear(self, node_id: str, namespace: str | None = None) -> None:
+        check_node_id(node_id)
+        if namespace is not None:
+            namespaces = [validate_namespace(namespace)]
+        else:
+            namespaces = [n.decode() for n in await self._global(SPREAD, node_id)]
+        lids = await asyncio.gather(*(self._ns(RETIRE, ns, node_id, "") for ns in namespaces))
+        await asyncio.gather(*(self._purge(ns, lid) for ns, lid in zip(namespaces, lids) if lid))
+
+    # ---- reads -----------------------------------------------------------------
+
+    async def lookup(
+        self, namespace: str, keys: Sequence[bytes], candidates: Sequence[str] | None = None
+    ) -> list[NodeMatch]:
+        validate_namespace(namespace)
+        chain = check_keys(keys)
+        wanted = check_candidates(candidates)
+        if wanted is not None and not wanted:
+            return []
+        head = [-1] if wanted is None else [len(wanted), *sorted(wanted)]
+        flat = await self._ns(LOOKUP, namespace, *head, *_chain(chain))
+        return sort_matches(
+            NodeMatch(flat[i].decode(), int(flat[i + 1]), TierName(int(flat[i + 2]))) for i in range(0, len(flat), 3)
+        )
+
+    async def holders(self, namespace: str, keys: Sequence[bytes]) -> list[list[Holder]]:
+        validate_namespace(namespace)
+        checked = check_keys(keys, allow_empty=True)
+        if not checked:
+            return []
+        per_key = await self._ns(HOLDERS, namespace, *_chain(checked))
+        return [
+            sorted(
+                (Holder(f[i].decode(), TierName(int(f[i + 1])), int(f[i + 2])) for i in range(0, len(f), 3)),
+                key=lambda h: h.node_id,
+            )
+            for f in per_key
+        ]
+
+    # ---- maintenance -----------------------------------------------------------
+
+    async def sweep(self, max_entries: int = 1000) -> int:
+        check_budget(max_entries)
+        await self._reap()
+        namespaces = sorted(n.decode() for n in await self._call("SMEMBERS", "{%s}:ns" % self._prefix))
+        pending = await asyncio.gather(*(self._call("SCARD", self._ns_key(ns, "dead")) for ns in namespaces))
+        dirty = [ns for ns, n in zip(namespaces, pending) if n]
+        if not dirty:
+            return 0
+        self._sweep_turn = (self._sweep_turn + 1) % len(dirty)  # no namespace starves the others
+        deleted = 0
+        for ns in dirty[self._sweep_turn :] + dirty[: self._sweep_turn]:
+            if deleted >= max_entries:
+                break
+            n, _ = await self._ns(PURGE, ns, "", max_entries - deleted)
+            deleted += n
+        return deleted
+
+    # ---- internals -------------------------------------------------------------
+
+    async def _write(self, namespace: str, op: str, node_id: str, epoch: int, data: list) -> None:
+        args = [op, node_id, str(epoch), "", 0, *data]
+        r = await self._ns(WRITE, namespace, *args)
+        if r[0] == b"NOJOIN":  # the namespace's mirror does not know this incarnation yet (or lapsed)
+            a = await self._global(ATTACH, node_id, str(epoch), namespace)
+            self._raise_refusal(node_id, epoch, a)
+            args[3], args[4] = a[1], a[2]
+            r = await self._ns(WRITE, namespace, *args)
+        if r[0] == b"STALE":
+            raise StaleEpoch(_older(node_id, epoch, r[1]))
+        if r[0] in (b"NEWER", b"GONE"):
+            raise StaleEpoch(f"node {node_id!r} at epoch {epoch} ended while writing: join again and re-add its blocks")
+        if r[0] != b"OK":
+            raise PrefixIndexError(f"unexpected answer from the index script: {r!r}")
+
+    def _raise_refusal(self, node_id: str, epoch: int, r: list) -> None:
+        status = r[0] if r else b"NOJOIN"
+        if status == b"OK":
+            return
+        if status == b"STALE":
+            raise StaleEpoch(_older(node_id, epoch, r[1]))
+        if status == b"NEWER":
+            raise StaleEpoch(
+                f"node {node_id!r} joined at epoch {int(r[1])}, not {epoch}: join at epoch {epoch} first"
+            )
+        if status == b"EXPIRED":
+            raise StaleEpoch(f"node {node_id!r} missed its heartbeats and expired: join again and re-add its blocks")
+        raise StaleEpoch(f"node {node_id!r} is not a member of the prefix index: join it first")
+
+    async def _refresh(self, node_id: str, inc: int, namespaces: list[bytes], ttl_s: float) -> None:
+        ms = _ms(ttl_s)
+        await asyncio.gather(*(self._ns(REFRESH, ns.decode(), node_id, inc, ms) for ns in namespaces))
+
+    async def _end(self, node_id: str, inc: int | bytes, namespaces: list[bytes], *, purge: bool) -> None:
+        """Retire an ended incarnation in every namespace it wrote to, then tell the membership."""
+        names = [ns.decode() for ns in namespaces]
+        lids = await asyncio.gather(*(self._ns(RETIRE, ns, node_id, inc) for ns in names))
+        if purge:
+            await asyncio.gather(*(self._purge(ns, lid) for ns, lid in zip(names, lids) if lid))
+        await self._global(FINISH, node_id, inc)
+
+    async def _purge(self, namespace: str, lid: int) -> None:
+        while True:
+            _, more = await self._ns(PURGE, namespace, lid, PURGE_BATCH)
+            if not more:
+                return
+
+    async def _reap(self) -> None:
+        ended = await self._global(REAP, REAP_BATCH)
+        for node, inc, namespaces in ended:
+            await self._end(node.decode(), inc, namespaces, purge=False)
+
+    def _ns_key(self, namespace: str, suffix: str) -> str:
+        return "{%s:%s}:%s" % (self._prefix, namespace, suffix)
+
+    async def _ns(self, script: _Script, namespace: str, *args: Any) -> Any:
+        return await self._eval(script, self._ns_key(namespace, "meta"), args)
+
+    async def _global(self, script: _Script, *args: Any) -> Any:
+        return await self._eval(script, self._nodes_key, args)
+
+    async def _eval(self, script: _Script, key: str, args: Sequence[Any]) -> Any:
+        """EVALSHA; on NOSCRIPT (a restarted or flushed server) EVAL, which caches the script again."""
+        try:
+            try:
+                return await self._redis.evalsha(script.sha, 1, key, *args)
+            except rexc.NoScriptError:
+                log.debug("Redis at %s lacks the %s script; sending it", self._where, script.name)
+                return await self._redis.eval(script.source, 1, key, *args)
+        except _UNAVAILABLE as err:
+            raise self._unavailable(err) from err
+        except rexc.RedisError as err:
+            if str(err).startswith(_BUSY):
+                raise self._unavailable(err) from err
+            raise PrefixIndexError(f"Redis at {self._where} refused the {script.name} script: {err}") from err
+
+    async def _call(self, *command: Any) -> Any:
+        try:
+            return await self._redis.execute_command(*command)
+        except _UNAVAILABLE as err:
+            raise self._unavailable(err) from err
+        except rexc.RedisError as err:
+            if str(err).startswith(_BUSY):
+                raise self._unavailable(err) from err
+            raise PrefixIndexError(f"Redis at {self._where} refused {command[0]}: {err}") from err
+
+    def _unavailable(self, err: BaseException) -> IndexUnavailable:
+        return IndexUnavailable(
+            f"the prefix index at {self._where} cannot be reached ({type(err).__name__}: {err}): "
+            "check that Redis runs there and that index_url (STRATA_INDEX_URL) points at it"
+        )
+
+
+def _chain(keys: list[bytes]) -> list[bytes]:
+    """Keys as the scripts read them: bucket hashes, lengths, keys; three arguments, not one per key."""
+    hashes = array("I", map(zlib.crc32, keys))
+    lengths = array("H", map(len, keys))
+    if sys.byteorder == "big":
+        hashes.byteswap()
+        lengths.byteswap()
+    return [hashes.tobytes(), lengths.tobytes(), b"".join(keys)]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _older(node_id: str, epoch: int, current: bytes) -> str:
+    return (
+        f"node {node_id!r} is at epoch {int(current)}; epoch {epoch} is older: "
+        "this process was replaced by a restarted one and must stop writing"
+    )
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))

@@ -1,0 +1,121 @@
+"""Private Redis servers for tests: one standalone, one 3-master Cluster.
+
+Each server is Debian's ``redis-server`` on free loopback ports, in its own
+directory, with persistence off; it dies with the test session (and, on
+Linux, with this process even if pytest is killed). The machine's own Redis
+on 6379 is never used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+START_TIMEOUT_S = 30.0
+
+
+def available() -> bool:
+    return Path(REDIS_SERVER).exists() and Path(REDIS_CLI).exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class RedisServer:
+    def __init__(self, home: Path, *extra: str) -> None:
+        self.home = home
+        self.port = _free_port()
+        self.log = home / "redis.log"
+        home.mkdir(parents=True, exist_ok=True)
+        args = [
+            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(home),
+            "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log), *extra,
+        ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def wait_ready(self) -> RedisServer:
+        end = time.monotonic() + START_TIMEOUT_S
+        while not self.ping():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                log = self.log.read_text() if self.log.exists() else ""
+                self.stop()
+                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log[-2000:]}")
+            time.sleep(0.02)
+        return self
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run(
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        return out.stdout
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def start_standalone(home: Path) -> RedisServer:
+    return RedisServer(home).wait_ready()
+
+
+def start_cluster(home: Path, masters: int = 3) -> list[RedisServer]:
+    """A real Cluster: ``masters`` servers, slots spread by ``redis-cli --cluster create``."""
+    servers: list[RedisServer] = []
+    try:
+        for i in range(masters):
+            d = home / f"node{i}"
+            servers.append(
+                RedisServer(
+                    d, "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+                    "--cluster-port", str(_free_port()), "--cluster-node-timeout", "5000",
+                )
+            )
+        for s in servers:
+            s.wait_ready()
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        end = time.monotonic() + START_TIMEOUT_S
+        while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers):
+            if time.monotonic() > end:
+                raise RuntimeError("the Redis Cluster never reached cluster_state:ok")
+            time.sleep(0.05)
+        return servers
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise

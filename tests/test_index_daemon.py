@@ -1,0 +1,134 @@
+"""The daemon and the prefix index together: publication, routing scores, restarts, outages."""
+
+from __future__ import annotations
+
+import signal
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import redis_servers
+from kvstore import Client, TierName
+from kvstore.errors import IndexUnavailable, InvalidArgument
+from kvstore.index.keys import BlockHasher, event_key_bytes
+from tests.conftest import wait_until
+
+TOKENS = list(range(1000, 1000 + 16 * 6 + 5))  # six full blocks and a partial one
+HASHER = BlockHasher(16, "42")
+KEYS = [event_key_bytes(h) for h in HASHER.chain(TOKENS)]
+
+
+def put_chain(client: Client, keys: list[bytes], namespace: str = "m") -> None:
+    parent = None
+    for key in keys:
+        client.put(namespace, key, key * 1000, parent=parent)
+        parent = key
+
+
+def score_of(client: Client, node: str, **chain) -> tuple[int, TierName | None]:
+    for e in client.score("m", **chain):
+        if e.node_id == node:
+            return e.blocks, e.tier
+    return 0, None
+
+
+def test_scores_follow_what_the_store_holds(make_daemon):
+    daemon = make_daemon(node_id="node-a", ram_bytes="16MiB", max_block_bytes="4MiB")
+    with Client(daemon.target) as c:
+        put_chain(c, KEYS[:4])
+        wait_until(lambda: score_of(c, "node-a", keys=KEYS) == (4, TierName.HOST), what="the chain to be published")
+        # the same chain asked as vLLM token ids
+        [best] = c.score("m", tokens=TOKENS, block_size=16, hash_seed="42")
+        assert (best.node_id, best.blocks) == ("node-a", 4) and best.score == pytest.approx(4 * 0.8)
+        # a candidate that holds nothing is listed last with score 0
+        ranked = c.score("m", keys=KEYS, candidates=["node-a", "node-z"])
+        assert [e.node_id for e in ranked] == ["node-a", "node-z"] and ranked[1].score == 0
+        # deleting the second block cuts the prefix at one block
+        c.delete("m", [KEYS[1]])
+        wait_until(lambda: score_of(c, "node-a", keys=KEYS) == (1, TierName.HOST), what="the delete to be published")
+        holders = c.holders("m", keys=KEYS[:3])
+        assert [[h.node_id for h in hs] for hs in holders] == [["node-a"], [], ["node-a"]]
+        assert holders[0][0].epoch == c.stats().epoch
+        # blocks pushed down to disk are scored at the disk tier's weight
+        for i in range(8):
+            c.put("m", b"filler%d" % i, b"f" * (4 << 20))
+        wait_until(lambda: score_of(c, "node-a", keys=KEYS)[1] == TierName.DISK, what="the demotion to be published")
+
+
+def test_bad_queries_get_clear_errors(daemon):
+    with Client(daemon.target) as c:
+        with pytest.raises(InvalidArgument, match="hash_seed"):
+            c.score("m", tokens=TOKENS)
+        with pytest.raises(InvalidArgument, match="either as keys or as tokens"):
+            c.score("m")
+        with pytest.raises(InvalidArgument, match="limit"):
+            c.score("m", keys=[b"k%d" % i for i in range(5000)])
+        assert c.score("m", keys=[b"nothing"]) == []
+
+
+def test_two_daemons_share_a_redis_index_and_a_killed_node_drops_out(daemon_process, redis_url, tmp_path):
+    args = ("--index-url", redis_url, "--index-ttl-seconds", "1")
+    a = daemon_process("--node-id", "node-a", *args)
+    b_dir = tmp_path / "b"
+    b_dir.mkdir()
+    from tests.conftest import DaemonProcess
+
+    b = DaemonProcess(b_dir, "--node-id", "node-b", *args).start()
+    try:
+        with Client(a.target) as ca, Client(b.target) as cb:
+            put_chain(ca, KEYS[:5])
+            put_chain(cb, KEYS[:2])
+            wait_until(
+                lambda: [(e.node_id, e.blocks) for e in cb.score("m", keys=KEYS)] == [("node-a", 5), ("node-b", 2)],
+                what="both nodes' chains ranked, seen through node-b",
+            )
+            a.kill(signal.SIGKILL)
+            # no answer names the dead node once its heartbeat lapses
+            wait_until(lambda: score_of(cb, "node-a", keys=KEYS)[0] == 0, what="node-a to drop out after SIGKILL")
+            a.start()  # epoch 2: re-publishes what survived on disk (nothing: its blocks were in RAM)
+            with Client(a.target) as ca2:
+                assert ca2.stats().epoch == 2
+                put_chain(ca2, KEYS[:3])
+                wait_until(lambda: score_of(cb, "node-a", keys=KEYS)[0] == 3, what="node-a's new epoch published")
+                assert {h.epoch for h in cb.holders("m", keys=KEYS[:1])[0] if h.node_id == "node-a"} == {2}
+    finally:
+        b.stop()
+
+
+@pytest.mark.skipif(not redis_servers.available(), reason="redis-server is not installed (apt-get install redis-server)")
+def test_index_outage_degrades_then_republishes(make_daemon, tmp_path):
+    redis = redis_servers.start_standalone(tmp_path / "redis")
+    port = redis.port
+    daemon = make_daemon(node_id="node-a", index_url=redis.url, index_ttl_seconds=2, metrics_listen="127.0.0.1:0")
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(daemon.target))
+
+    def index_health():
+        return health.Check(health_pb2.HealthCheckRequest(service="strata.index.v1.IndexService")).status
+
+    def degraded() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read().decode()
+        return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("strata_index_degraded ")))
+
+    try:
+        with Client(daemon.target, retries=0) as c:
+            put_chain(c, KEYS[:3])
+            wait_until(lambda: score_of(c, "node-a", keys=KEYS)[0] == 3, what="publication to Redis")
+            redis.stop()
+            put_chain(c, KEYS[:5])  # local writes and hits go on
+            assert c.get("m", KEYS[4]) == KEYS[4] * 1000
+            wait_until(lambda: degraded() == 1.0, what="the agent to report the index degraded")
+            assert index_health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(IndexUnavailable):
+                c.score("m", keys=KEYS)
+            redis = redis_servers.RedisServer(tmp_path / "redis2", "--port", str(port))  # a new, empty Redis
+            redis.port = port  # the later --port wins; ping that one
+            redis.wait_ready()
+            wait_until(lambda: degraded() == 0.0, what="the agent to reconnect")
+            # the full holdings were re-published, including what was written during the outage
+            wait_until(lambda: score_of(c, "node-a", keys=KEYS)[0] == 5, what="the re-publication")
+            assert index_health() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        redis.stop()
