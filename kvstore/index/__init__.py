@@ -17,10 +17,8 @@ def _memory(url: str) -> PrefixIndex:
 
 
 def _redis(url: str) -> PrefixIndex:
-    try:
-        from kvstore.index.redis import RedisIndex
-    except ImportError as err:  # redis is an optional dependency
-        raise InvalidArgument(f"{url} needs the redis client: pip install 'strata[redis]' ({err})") from None
+    from kvstore.index.redis import RedisIndex
+
     return RedisIndex.from_url(url)
 
 
