@@ -89,12 +89,17 @@ class Workload:
         self.n_single = max(1, min(plan.max_calls, -(-plan.round_bytes // size)))
         self.n_batched = -(-self.n_single // self.batch) * self.batch  # whole batches only
         n = max(self.n_single, self.n_batched)
-        pool = np.random.default_rng(seed).bytes(n * size)
-        view = memoryview(pool)
+        # Page-aligned values, as an engine's KV tensors and the arena's slots are: on some
+        # CPUs a copy into a file whose offset and source disagree modulo a page runs at
+        # half speed, and unaligned Python bytes would bias every file-write case.
+        raw = np.empty(n * size + 4096, dtype=np.uint8)
+        start = -raw.ctypes.data % 4096
+        src = raw[start : start + n * size]
+        src[:] = np.frombuffer(np.random.default_rng(seed).bytes(n * size), dtype=np.uint8)
+        view = memoryview(src)
         self.values = [view[i * size : (i + 1) * size] for i in range(n)]
         self.metas = [BlockMeta(size, checksum(v)) for v in self.values]
         self.stored = [b"get-%d-%d" % (size, i) for i in range(n)]  # keys the get rounds read
-        src = np.frombuffer(pool, dtype=np.uint8)
         dst = np.zeros(self.n_single * size, dtype=np.uint8)  # touched now: no round pays its page faults
         self.copies = [(dst[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(self.n_single)]
         self._fresh = itertools.count()
