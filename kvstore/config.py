@@ -60,15 +60,28 @@ class Settings(BaseSettings):
         "gpu=1,host=0.8,disk=0.5,peer=0.3,object=0.1",
         description="router score weight per tier: a cached block counts this much (tier=weight,...)",
     )
+    kv_events: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="vLLM engines whose KV events to index, comma-separated, each "
+        "ENDPOINT?engine=ID&namespace=NS[&replay=ENDPOINT][&topic=T], "
+        "e.g. tcp://10.0.0.5:5557?engine=vllm-0&namespace=llama-3-8b",
+    )
     grace_seconds: float = Field(10.0, ge=0, description="on SIGTERM, time given to in-flight RPCs")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     log_format: Literal["json", "text"] = Field("json", description="log lines as JSON objects or plain text")
 
-    @field_validator("namespaces", mode="before")
+    @field_validator("namespaces", "kv_events", mode="before")
     @classmethod
     def _split_namespaces(cls, value):
         if isinstance(value, str):
             return [ns.strip() for ns in value.split(",") if ns.strip()]
+        return value
+
+    @field_validator("kv_events")
+    @classmethod
+    def _check_kv_events(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            parse_event_source(spec)
         return value
 
     @field_validator("score_weights")
@@ -116,6 +129,23 @@ def parse_weights(text: str) -> dict:
             raise ValueError(f"score weight {part!r} must be tier=number, the number non-negative")
         weights[tier] = weight
     return weights
+
+
+def parse_event_source(spec: str):
+    """``tcp://host:5557?engine=ID&namespace=NS&replay=tcp://host:5558`` → EngineSource."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from kvstore.index.events import EngineSource
+
+    endpoint, _, query = spec.partition("?")
+    params = {k: v[-1] for k, v in parse_qs(query).items()}
+    unknown = set(params) - {"engine", "namespace", "replay", "topic"}
+    if not urlsplit(endpoint).scheme or unknown or "engine" not in params or "namespace" not in params:
+        raise ValueError(
+            f"kv_events entry {spec!r} must look like "
+            "tcp://HOST:PORT?engine=ID&namespace=NS[&replay=tcp://HOST:PORT][&topic=T]"
+        )
+    return EngineSource(endpoint, params["engine"], params["namespace"], params.get("replay"), params.get("topic", ""))
 
 
 class SettingsError(ValueError):

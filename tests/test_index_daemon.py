@@ -132,3 +132,34 @@ def test_index_outage_degrades_then_republishes(make_daemon, tmp_path):
             assert index_health() == health_pb2.HealthCheckResponse.SERVING
     finally:
         redis.stop()
+
+
+def test_vllm_kv_events_reach_router_scores(make_daemon):
+    """A real ZMQ publisher sends what vLLM sends for a captured request; a router asking
+    with that request's token ids finds the engine, at tier GPU."""
+    import json
+    from pathlib import Path
+
+    import zmq
+
+    from tests.test_kv_events import TestEngine, stored
+
+    vector = json.loads((Path(__file__).parent / "data/vllm_kv_events/base_seed42_block16.json").read_text())
+    ctx = zmq.Context()
+    engine = TestEngine(ctx)
+    try:
+        daemon = make_daemon(node_id="router-node", kv_events=f"{engine.endpoint}?engine=vllm-0&namespace=qwen3")
+        event = stored(vector["block_hashes"], tokens=vector["token_ids"], block_size=vector["block_size"])
+        query = dict(tokens=vector["token_ids"], block_size=vector["block_size"], hash_seed=vector["hash_seed"])
+        with Client(daemon.target) as c:
+
+            def engine_ranked():
+                engine.publish([event])  # again until the subscriber has joined (ZMQ slow joiner)
+                return [(e.node_id, e.blocks, e.tier) for e in c.score("qwen3", **query)]
+
+            assert wait_until(engine_ranked, what="the engine's blocks in the index") == [
+                ("vllm-0", len(vector["block_hashes"]), TierName.GPU)
+            ]
+    finally:
+        engine.close()
+        ctx.term()

@@ -26,7 +26,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 
 from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
 from kvstore.api.v1 import index_pb2, index_pb2_grpc
-from kvstore.config import Settings, parse_weights
+from kvstore.config import Settings, parse_event_source, parse_weights
 from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent
 from kvstore.server.index_service import DEFAULT_TIER_WEIGHTS, IndexServicer
@@ -68,6 +68,7 @@ class Daemon:
         self._stopping = False
         self.store: TieredStore | None = None
         self.index_agent: IndexAgent | None = None
+        self.kv_events = None  # KVEventSubscriber, when engines are configured
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -126,6 +127,15 @@ class Daemon:
             metrics=self.metrics, listener=self.index_agent.changed,
         )
         self.index_agent.start()
+        if s.kv_events:
+            from kvstore.index.events import KVEventSubscriber, SubscriberConfig
+
+            ttl = max(s.index_ttl_seconds, 1.0)
+            self.kv_events = KVEventSubscriber(
+                index, [parse_event_source(spec) for spec in s.kv_events],
+                SubscriberConfig(ttl_s=ttl, heartbeat_interval_s=ttl / 3), registry=self.metrics.registry,
+            )
+            self.index_agent.run(self.kv_events.start(), timeout=10)
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -219,6 +229,11 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self.kv_events is not None:
+            try:
+                self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)
+            except Exception as err:  # noqa: BLE001 - stopping: report, go on
+                log.warning("KV-event subscriber did not stop cleanly: %s", err)
         if self.index_agent is not None:
             self.index_agent.stop()
         if self._metrics_server is not None:

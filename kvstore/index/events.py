@@ -1,0 +1,812 @@
+"""vLLM KV events into the prefix index: what each engine's GPU cache holds, as it changes.
+
+vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``)
+publishes every change of its prefix cache on a ZMQ PUB socket
+(``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``)::
+
+    multipart  (topic, seq, payload)      topic: KVEventsConfig.topic ("" by default)
+                                          seq:   8 bytes, big-endian, 0, 1, 2, ... per publisher
+                                          payload: msgpack of one EventBatch (msgspec encoder)
+
+    EventBatch       [ts, events, data_parallel_rank]        array_like (older releases: [ts, events])
+                  or {"ts": .., "events": [..], "data_parallel_rank": ..}   (newest: a map)
+    event, older     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                      lora_id, medium, lora_name, extra_keys, group_idx, ...]   (tag first)
+    event, newer     {"type": "BlockStored", "block_hashes": .., ...}           (tagged map)
+                     ["BlockRemoved", block_hashes, medium, group_idx] / {"type": "BlockRemoved", ..}
+                     ["AllBlocksCleared"] / {"type": "AllBlocksCleared"}
+
+The two levels changed form in different releases (an array batch of map events exists
+too); each level is accepted in either form. Newer fields (``kv_cache_spec_kind``, ...)
+follow ``group_idx`` and are ignored, as are unknown map keys.
+
+Block hashes are 64-bit ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the default) or the
+raw digest bytes; both become the same 8-byte key (vLLM's own conversion,
+``int.from_bytes(h, "big") & (2**64 - 1)``, as :mod:`kvstore.index.keys` computes it), so
+events and router-computed keys name a block alike. ``medium`` is ``"GPU"``, ``"CPU"`` or
+``"Disk"`` (``vllm/v1/kv_offload/mediums.py``); absent means GPU.
+
+Replay (``replay_endpoint``): a ROUTER socket. A client sends ``(b"", start_seq)`` (8 bytes
+big-endian; a REQ socket adds the empty frame itself) and receives, for every buffered batch
+with ``seq >= start_seq``, ``(b"", seq, payload)``, then the end marker
+``(b"", (-1).to_bytes(8, "big", signed=True), b"")``. The buffer holds the last
+``buffer_steps`` batches (10 000 by default), so a replay can come back short.
+
+:func:`decode_batch` is the pure parser. :class:`KVEventSubscriber` follows one or more
+engines and keeps the index equal to a subset of what each engine holds: a ``seq`` gap or
+reset (engine restarted, messages dropped at a high-water mark) is filled from the replay
+socket when it can be, and otherwise the engine's epoch is bumped, which drops all of its
+entries from answers at once. A message that cannot be read is a loss of the same kind.
+
+Errors, beyond :mod:`kvstore.errors`::
+
+    InvalidArgument
+    └── MalformedEvent        a message that is not a vLLM KV-event batch; ``reason`` says how
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from zmq.utils.monitor import parse_monitor_message
+
+from kvstore.block import TierName, validate_namespace
+from kvstore.errors import InvalidArgument
+from kvstore.index.base import PrefixIndex, PrefixIndexError, StaleEpoch
+
+log = logging.getLogger(__name__)
+
+SEQ_BYTES = 8
+REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+MAX_PAYLOAD_BYTES = 64 << 20
+MAX_HASH_BYTES = 64
+INDEX_BATCH_BLOCKS = 1024  # keys per index call (the index bounds what it accepts)
+_U64 = (1 << 64) - 1
+
+# Bounded label values of strata_kv_events_malformed_total.
+R_FRAMES = "frames"  # not three frames
+R_SEQ = "seq"  # the seq frame is not 8 bytes
+R_TOO_LARGE = "too_large"  # payload over the configured limit
+R_MSGPACK = "msgpack"  # not msgpack, truncated, or trailing bytes
+R_BATCH = "batch"  # msgpack, but not an EventBatch
+R_EVENT = "event"  # an event of a known type with missing or mistyped fields
+R_HASH = "hash"  # a block hash that is neither a 64-bit int nor digest bytes
+REASONS = (R_FRAMES, R_SEQ, R_TOO_LARGE, R_MSGPACK, R_BATCH, R_EVENT, R_HASH)
+
+
+class MalformedEvent(InvalidArgument):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"malformed KV-event message ({reason}): {message}")
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+
+
+BlockHash = int | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[KVEvent, ...]
+    data_parallel_rank: int | None = None
+    unknown_events: int = 0  # events of a type this parser does not know, left out of ``events``
+
+
+def _hashes(v: Any) -> tuple[BlockHash, ...]:
+    if not isinstance(v, list):
+        raise MalformedEvent(R_EVENT, f"block_hashes is {type(v).__name__}, not a list")
+    return tuple(_hash(h) for h in v)
+
+
+def _hash(h: Any) -> BlockHash:
+    if isinstance(h, int) and not isinstance(h, bool):
+        if 0 <= h <= _U64:
+            return h
+        if -(1 << 63) <= h < 0:  # a signed 64-bit form (other engines): the same 64 bits
+            return h & _U64
+        raise MalformedEvent(R_HASH, f"block hash {h} does not fit in 64 bits")
+    if isinstance(h, bytes) and 0 < len(h) <= MAX_HASH_BYTES:
+        return h
+    raise MalformedEvent(R_HASH, f"block hash is {type(h).__name__}, not a 64-bit int or digest bytes")
+
+
+def _opt_hash(v: Any) -> BlockHash | None:
+    return None if v is None else _hash(v)
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    raise MalformedEvent(R_EVENT, f"expected an int, got {type(v).__name__}")
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else _int(v)
+
+
+def _opt_str(v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    raise MalformedEvent(R_EVENT, f"expected a str or nil, got {type(v).__name__}")
+
+
+def _ints(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise MalformedEvent(R_EVENT, f"token_ids is {type(v).__name__}, not a list")
+    return tuple(v)  # not used to key anything; element types are not checked
+
+
+def _opt_list(v: Any) -> tuple[Any, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, list):
+        return tuple(v)
+    raise MalformedEvent(R_EVENT, f"expected a list or nil, got {type(v).__name__}")
+
+
+# Per event type: the fields in vLLM's declaration order (the positional form's order), how
+# to check each, and how many lead fields have no default (msgspec always writes those).
+_EVENT_SPECS: dict[str, tuple[type, tuple[tuple[str, Any], ...], int]] = {
+    "BlockStored": (
+        BlockStored,
+        (
+            ("block_hashes", _hashes),
+            ("parent_block_hash", _opt_hash),
+            ("token_ids", _ints),
+            ("block_size", _int),
+            ("lora_id", _opt_int),
+            ("medium", _opt_str),
+            ("lora_name", _opt_str),
+            ("extra_keys", _opt_list),
+            ("group_idx", _opt_int),
+        ),
+        4,
+    ),
+    "BlockRemoved": (BlockRemoved, (("block_hashes", _hashes), ("medium", _opt_str), ("group_idx", _opt_int)), 1),
+    "AllBlocksCleared": (AllBlocksCleared, (), 0),
+}
+
+
+def _decode_event(raw: Any) -> KVEvent | None:
+    """One event in either encoding; ``None`` for a type this parser does not know."""
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str):
+            raise MalformedEvent(R_EVENT, "a positional event does not start with its type name")
+        tag, values = raw[0], raw[1:]
+        spec = _EVENT_SPECS.get(tag)
+        if spec is None:
+            return None
+        cls, fields, required = spec
+        if len(values) < required:
+            raise MalformedEvent(R_EVENT, f"{tag} has {len(values)} fields; at least {required} expected")
+        kwargs = {name: check(v) for (name, check), v in zip(fields, values)}  # extra trailing fields ignored
+        return cls(**kwargs)
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise MalformedEvent(R_EVENT, "a map event has no str 'type'")
+        spec = _EVENT_SPECS.get(tag)
+        if spec is None:
+            return None
+        cls, fields, required = spec
+        kwargs = {}
+        for i, (name, check) in enumerate(fields):
+            if name in raw:
+                kwargs[name] = check(raw[name])
+            elif i < required:
+                raise MalformedEvent(R_EVENT, f"{tag} has no {name!r}")
+        return cls(**kwargs)
+    raise MalformedEvent(R_EVENT, f"an event is {type(raw).__name__}, not an array or a map")
+
+
+def decode_batch(payload: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> EventBatch:
+    """The batch in one message's payload, in either of vLLM's encodings.
+
+    Unknown event types are counted in ``unknown_events`` and left out; unknown extra
+    fields (trailing positional ones, or extra map keys) are ignored. Anything else that
+    does not match raises :class:`MalformedEvent`.
+    """
+    if len(payload) > max_bytes:
+        raise MalformedEvent(R_TOO_LARGE, f"payload is {len(payload)} bytes; the limit is {max_bytes}")
+    try:
+        raw = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as e:  # ExtraData, truncation, bad utf-8
+        raise MalformedEvent(R_MSGPACK, f"{type(e).__name__}: {e}") from None
+    if isinstance(raw, list):
+        if len(raw) < 2:
+            raise MalformedEvent(R_BATCH, f"a positional batch has {len(raw)} fields; [ts, events, dp_rank] expected")
+        ts, events, dp = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        if "ts" not in raw or "events" not in raw:
+            raise MalformedEvent(R_BATCH, "a map batch lacks 'ts' or 'events'")
+        ts, events, dp = raw["ts"], raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise MalformedEvent(R_BATCH, f"the payload is a msgpack {type(raw).__name__}, not a batch")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise MalformedEvent(R_BATCH, f"ts is {type(ts).__name__}, not a number")
+    if not isinstance(events, list):
+        raise MalformedEvent(R_BATCH, f"events is {type(events).__name__}, not a list")
+    if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int)):
+        raise MalformedEvent(R_BATCH, f"data_parallel_rank is {type(dp).__name__}, not an int")
+    decoded: list[KVEvent] = []
+    unknown = 0
+    for raw_event in events:
+        event = _decode_event(raw_event)
+        if event is None:
+            unknown += 1
+        else:
+            decoded.append(event)
+    return EventBatch(float(ts), tuple(decoded), dp, unknown)
+
+
+def split_message(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """``(topic, seq, payload)`` of one multipart message from the PUB socket."""
+    if len(frames) != 3:
+        raise MalformedEvent(R_FRAMES, f"{len(frames)} frames; (topic, seq, payload) expected")
+    topic, seq, payload = frames
+    if len(seq) != SEQ_BYTES:
+        raise MalformedEvent(R_SEQ, f"the seq frame is {len(seq)} bytes; {SEQ_BYTES} expected")
+    return bytes(topic), int.from_bytes(seq, "big"), bytes(payload)
+
+
+def block_key(block_hash: BlockHash) -> bytes:
+    """The index key of an event's block hash: 8 bytes big-endian of the 64-bit form.
+
+    A digest in bytes is folded the way vLLM folds it for int events, so both forms name
+    the block alike (and equal :func:`kvstore.index.keys.event_key_bytes`).
+    """
+    if isinstance(block_hash, bytes):
+        block_hash = int.from_bytes(block_hash, "big") & _U64
+    return block_hash.to_bytes(8, "big")
+
+
+_MEDIUM_TIERS = {"GPU": TierName.GPU, "CPU": TierName.HOST, "DISK": TierName.DISK}
+
+
+def medium_tier(medium: str | None) -> TierName | None:
+    """The tier of a vLLM medium; absent means GPU (vLLM's default); ``None`` if unknown."""
+    if medium is None:
+        return TierName.GPU
+    return _MEDIUM_TIERS.get(medium.upper())
+
+
+# ---------------------------------------------------------------------------------------------
+# The subscriber
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSource:
+    """One engine's event stream: where to read it and whom it describes in the index."""
+
+    endpoint: str  # the engine's PUB socket, e.g. "tcp://10.0.0.5:5557"
+    engine_id: str  # the engine's node id in the index
+    namespace: str  # the namespace its blocks are recorded in (the model)
+    replay_endpoint: str | None = None  # its ROUTER replay socket, e.g. "tcp://10.0.0.5:5558"
+    topic: str = ""  # vLLM KVEventsConfig.topic
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberConfig:
+    ttl_s: float = 30.0  # the engine's liveness in the index without messages or a connection
+    heartbeat_interval_s: float = 5.0
+    rcvhwm: int = 10_000  # messages ZMQ buffers per engine; beyond it they drop (seen as a gap)
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES
+    replay_timeout_s: float = 2.0  # one whole replay exchange
+    max_replay_batches: int = 10_000  # vLLM's default buffer_steps; a longer gap is not asked for
+    max_tracked_blocks: int = 1 << 20  # per engine: keys whose mediums are remembered
+    zmq_heartbeat_s: float = 5.0  # ZMTP pings, so a dead peer is seen as a disconnect
+
+    def __post_init__(self) -> None:
+        positive = ("ttl_s", "heartbeat_interval_s", "replay_timeout_s", "zmq_heartbeat_s")
+        for name in positive:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise InvalidArgument(f"SubscriberConfig.{name} is {v!r}; give a positive number of seconds")
+        if self.heartbeat_interval_s * 2 > self.ttl_s:
+            raise InvalidArgument(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most half of ttl_s ({self.ttl_s})"
+            )
+        for name in ("rcvhwm", "max_payload_bytes", "max_replay_batches", "max_tracked_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgument(f"SubscriberConfig.{name} is {v!r}; give a positive int")
+
+
+class KVEventMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.batches = Counter("strata_kv_events_batches_total", "Event batches applied", ["source"], registry=r)
+        self.events = Counter("strata_kv_events_total", "KV events read, by type", ["type"], registry=r)
+        self.malformed = Counter(
+            "strata_kv_events_malformed_total", "Messages that could not be read, skipped", ["reason"], registry=r
+        )
+        self.resyncs = Counter(
+            "strata_kv_events_resyncs_total", "Seq gaps and resets (lost messages, engine restarts)", ["kind"], registry=r
+        )
+        self.replays = Counter(
+            "strata_kv_events_replays_total", "Replay requests, by whether they filled the gap", ["outcome"], registry=r
+        )
+        self.epoch_bumps = Counter(
+            "strata_kv_events_epoch_bumps_total",
+            "Engine epochs raised: after lost events (loss) or index trouble (index)",
+            ["reason"],
+            registry=r,
+        )
+        self.index_errors = Counter("strata_kv_events_index_errors_total", "Index calls that failed", ["op"], registry=r)
+        self.connected = Gauge("strata_kv_events_engines_connected", "Engines whose event socket is connected", registry=r)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    engine_id: str
+    epoch: int
+    last_seq: int | None  # the last seq applied
+    connected: bool
+    batches: int
+
+
+class _Holdings:
+    """Which mediums hold each key of one engine, as its events since the last loss say.
+
+    vLLM reports GPU and offloaded (CPU, disk) copies separately; the index keeps one tier
+    per key. A removal from one medium must leave the key under the others, and the key's
+    tier is the fastest medium holding it. The same map lets the engine be re-published in
+    full when the index lost it (expired, restarted, unreachable for a while). Beyond
+    ``cap`` keys nothing new is remembered: such a key leaves the index on its first
+    removal from any medium and is not re-published (a miss, never a lie).
+    """
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._mask: dict[bytes, int] = {}
+
+    def store(self, key: bytes, tier: TierName) -> TierName:
+        mask = self._mask.get(key)
+        if mask is None:
+            if len(self._mask) >= self._cap:
+                return tier
+            mask = 0
+        mask |= 1 << tier
+        self._mask[key] = mask
+        return _fastest(mask)
+
+    def remove(self, key: bytes, tier: TierName) -> TierName | None:
+        mask = self._mask.pop(key, 0) & ~(1 << tier)
+        if not mask:
+            return None
+        self._mask[key] = mask
+        return _fastest(mask)
+
+    def clear(self) -> None:
+        self._mask.clear()
+
+    def snapshot(self) -> list[tuple[bytes, TierName]]:
+        return [(k, _fastest(m)) for k, m in self._mask.items()]
+
+
+def _fastest(mask: int) -> TierName:
+    return TierName((mask & -mask).bit_length() - 1)
+
+
+_Op = tuple[str, Any]  # ("add", [(key, tier)]) | ("remove", [key]) | ("clear", None)
+
+
+@dataclass(eq=False)
+class _Engine:
+    source: EngineSource
+    holdings: _Holdings
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer to the index per engine
+    epoch: int = 0
+    joined: bool = False
+    dirty: bool = False  # the index may lack what holdings say: re-join and re-publish
+    last_seq: int | None = None
+    last_message_at: float = -math.inf
+    connected: bool = False
+    batches: int = 0
+
+
+class KVEventSubscriber:
+    """Follows vLLM engines' KV events and records each engine as a holder in the index.
+
+    One SUB socket and one task per engine: messages are applied in ``seq`` order; ZMQ's
+    receive high-water mark is the only queue, and what overflows it is seen as a gap.
+    The engine is joined to the index under an epoch this subscriber owns (one more than
+    any the index knew at start) and heartbeated while its socket is connected or its
+    messages arrive; otherwise its entries leave answers after ``ttl_s``.
+
+    Two kinds of trouble, two remedies. Lost events (a gap replay cannot fill, a restart,
+    an unreadable batch) mean the engine's state is unknown: a new epoch, starting empty.
+    Index trouble (a failed write, an expired or displaced membership) leaves the event
+    stream intact: a new epoch, re-published from the holdings the events describe.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        sources: Iterable[EngineSource],
+        config: SubscriberConfig | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._index = index
+        self._config = config or SubscriberConfig()
+        self.metrics = KVEventMetrics(registry)
+        self._engines: dict[str, _Engine] = {}
+        for src in sources:
+            validate_namespace(src.namespace)
+            if src.engine_id in self._engines:
+                raise InvalidArgument(f"engine {src.engine_id!r} is configured twice; give each engine one source")
+            self._engines[src.engine_id] = _Engine(src, _Holdings(self._config.max_tracked_blocks))
+        if not self._engines:
+            raise InvalidArgument("no engine sources given; configure at least one (endpoint, engine_id, namespace)")
+        # Plain counters for tests and status pages, mirroring the Prometheus ones.
+        self.malformed: collections.Counter[str] = collections.Counter()
+        self.events: collections.Counter[str] = collections.Counter()
+        self.resyncs: collections.Counter[str] = collections.Counter()
+        self.replays: collections.Counter[str] = collections.Counter()
+        self.epoch_bumps: collections.Counter[str] = collections.Counter()
+        self.failure: BaseException | None = None  # an unexpected error that ended a task
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sockets: list[zmq.asyncio.Socket] = []
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._ctx is not None:
+            raise RuntimeError("KVEventSubscriber.start() called twice")
+        self._ctx = zmq.asyncio.Context()
+        cfg = self._config
+        for eng in self._engines.values():
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
+            # A message over the limit makes ZMQ drop the connection; the seq gap that
+            # follows is handled like any other loss.
+            sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes + 4096)
+            ivl_ms = int(cfg.zmq_heartbeat_s * 1000)
+            sub.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+            sub.setsockopt(zmq.SUBSCRIBE, eng.source.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sub.connect(eng.source.endpoint)
+            self._sockets += [sub, monitor]
+            self._spawn(self._receive(eng, sub), f"kv-events-{eng.source.engine_id}")
+            self._spawn(self._watch(eng, monitor), f"kv-events-monitor-{eng.source.engine_id}")
+        self._spawn(self._heartbeats(), "kv-events-heartbeat")
+
+    async def stop(self, *, leave: bool = False) -> None:
+        """Stop reading; with ``leave`` also drop the engines from the index now.
+
+        Without it their entries stay until the TTL runs out: nobody follows the engines
+        any more, so the index should not vouch for them for long.
+        """
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            s.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        for eng in self._engines.values():
+            if eng.connected:
+                eng.connected = False
+                self.metrics.connected.dec()
+            if leave and eng.joined:
+                eng.joined = False
+                try:
+                    await self._index.leave(eng.source.engine_id)
+                except PrefixIndexError as e:
+                    self._index_error("leave", eng, e)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()
+            log.error("KV-event task %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self, engine_id: str) -> EngineStatus:
+        eng = self._engines[engine_id]
+        return EngineStatus(engine_id, eng.epoch, eng.last_seq, eng.connected, eng.batches)
+
+    def epoch(self, engine_id: str) -> int:
+        return self._engines[engine_id].epoch
+
+    # -- the loops ----------------------------------------------------------------------------
+
+    async def _receive(self, eng: _Engine, sub: zmq.asyncio.Socket) -> None:
+        async with eng.lock:
+            await self._new_epoch(eng, republish=True)
+        while True:
+            frames = await sub.recv_multipart()
+            await self._on_message(eng, frames)
+
+    async def _watch(self, eng: _Engine, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if connected != eng.connected:
+                eng.connected = connected
+                self.metrics.connected.inc(1 if connected else -1)
+                log.info("KV events of engine %s: %s", eng.source.engine_id, "connected" if connected else "disconnected")
+
+    async def _heartbeats(self) -> None:
+        cfg = self._config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            now = time.monotonic()
+            for eng in self._engines.values():
+                if not (eng.connected or now - eng.last_message_at < cfg.ttl_s):
+                    continue  # neither connected nor heard from: let the engine expire
+                async with eng.lock:
+                    if eng.dirty or not eng.joined:
+                        await self._new_epoch(eng, republish=True)
+                        continue
+                    try:
+                        await self._index.heartbeat(eng.source.engine_id, eng.epoch, cfg.ttl_s)
+                    except StaleEpoch:
+                        await self._new_epoch(eng, republish=True)  # expired while quiet, or displaced
+                    except PrefixIndexError as e:
+                        self._index_error("heartbeat", eng, e)
+
+    # -- one message --------------------------------------------------------------------------
+
+    async def _on_message(self, eng: _Engine, frames: list[bytes]) -> None:
+        try:
+            _, seq, payload = split_message(frames)
+        except MalformedEvent as e:
+            self._count_malformed(eng, e)
+            return  # no seq to account for; the next message's seq shows whether anything was lost
+        eng.last_message_at = time.monotonic()
+        try:
+            batch: EventBatch | None = decode_batch(payload, max_bytes=self._config.max_payload_bytes)
+        except MalformedEvent as e:
+            self._count_malformed(eng, e)
+            batch = None
+        async with eng.lock:
+            last = eng.last_seq
+            if last is None:
+                # What the engine did before we listened is unknown (the index holds nothing
+                # for it at our fresh epoch): take whatever recent history replay still has.
+                await self._resync(eng, 0, seq, lost=False)
+            elif seq > last + 1:
+                self._count_resync("gap")
+                await self._resync(eng, last + 1, seq, lost=True)
+            elif seq <= last:
+                self._count_resync("reset")  # a new publisher: the engine restarted
+                await self._new_epoch(eng, republish=False)
+                await self._resync(eng, 0, seq, lost=False)
+            if batch is None:
+                # The batch at ``seq`` is lost to us: whatever it removed could still be listed.
+                await self._new_epoch(eng, republish=False)
+            else:
+                await self._apply(eng, batch, "live")
+            eng.last_seq = seq  # applied through ``seq``
+
+    async def _resync(self, eng: _Engine, start: int, end: int, *, lost: bool) -> None:
+        """Account for batches ``start .. end-1`` that never arrived.
+
+        Applying any contiguous run that ends at ``end - 1`` onto a state that is a subset
+        of the engine's keeps it a subset. So a replay covering the whole range is applied
+        as is; a short one (or none) after starting a new, empty epoch if ``lost`` says the
+        current state depends on the missing batches.
+        """
+        if start >= end:
+            return
+        run: list[EventBatch] = []
+        covered = False
+        src = eng.source
+        if src.replay_endpoint is not None and end - start <= self._config.max_replay_batches:
+            got = await self._fetch_replay(eng, src.replay_endpoint, start, end)
+            s = end - 1
+            while s >= start and s in got:
+                run.append(got[s])
+                s -= 1
+            run.reverse()
+            covered = s < start
+            outcome = "filled" if covered else ("short" if run else "failed")
+            self.replays[outcome] += 1
+            self.metrics.replays.labels(outcome).inc()
+        if lost and not covered:
+            await self._new_epoch(eng, republish=False)
+        for batch in run:
+            await self._apply(eng, batch, "replay")
+
+    async def _fetch_replay(self, eng: _Engine, endpoint: str, start: int, end: int) -> dict[int, EventBatch]:
+        """Batches ``start .. end-1`` the engine's replay socket still has (maybe none)."""
+        assert self._ctx is not None
+        cfg = self._config
+        got: dict[int, EventBatch] = {}
+        sock = self._ctx.socket(zmq.DEALER)  # a REQ socket would take only the first reply
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, cfg.max_replay_batches + 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes + 4096)
+        deadline = time.monotonic() + cfg.replay_timeout_s
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
+            for _ in range(cfg.max_replay_batches + 1):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await sock.poll(remaining * 1000):
+                    break
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != SEQ_BYTES:
+                    self._count_malformed(eng, MalformedEvent(R_FRAMES, "a replay reply is not (seq, payload)"))
+                    break
+                if frames[0] == REPLAY_END:
+                    break
+                seq = int.from_bytes(frames[0], "big")
+                if start <= seq < end:
+                    try:
+                        got[seq] = decode_batch(frames[1], max_bytes=cfg.max_payload_bytes)
+                    except MalformedEvent as e:
+                        self._count_malformed(eng, e)
+                if seq >= end - 1:
+                    break  # the rest is what the live socket brings
+        finally:
+            sock.close(linger=0)
+        return got
+
+    # -- the index (callers hold eng.lock) -----------------------------------------------------
+
+    async def _new_epoch(self, eng: _Engine, *, republish: bool) -> bool:
+        """Join the engine under a greater epoch: every entry recorded for it so far stops
+        counting at once. ``republish`` re-adds what its holdings say it has; otherwise the
+        holdings are forgotten too (events were lost, nobody knows what it has)."""
+        engine_id, first = eng.source.engine_id, not eng.joined and eng.epoch == 0
+        if not republish:
+            eng.holdings.clear()
+        eng.dirty = True  # until the join and the re-publication both went through
+        try:
+            known = max((n.epoch for n in await self._index.nodes() if n.node_id == engine_id), default=0)
+            epoch = max(known, eng.epoch) + 1
+            await self._index.join(engine_id, epoch, self._config.ttl_s)
+            eng.epoch, eng.joined = epoch, True
+            blocks = eng.holdings.snapshot()
+            for i in range(0, len(blocks), INDEX_BATCH_BLOCKS):
+                await self._index.add(eng.source.namespace, engine_id, epoch, blocks[i : i + INDEX_BATCH_BLOCKS])
+        except PrefixIndexError as e:
+            self._index_error("join", eng, e)
+            return False
+        eng.dirty = False
+        if not first:
+            reason = "index" if republish else "loss"
+            self.epoch_bumps[reason] += 1
+            self.metrics.epoch_bumps.labels(reason).inc()
+            log.info("engine %s: epoch %d after %s (%d blocks re-published)", engine_id, epoch, reason, len(blocks))
+        return True
+
+    async def _apply(self, eng: _Engine, batch: EventBatch, source: str) -> None:
+        self._count_events(batch)
+        ops = self._plan(eng, batch)  # the holdings change even when the index cannot be written
+        if eng.joined and not eng.dirty:
+            try:
+                await self._write(eng, ops)
+            except StaleEpoch:
+                eng.dirty = True  # the engine expired while quiet, or another writer displaced it
+            except PrefixIndexError as e:
+                eng.dirty = True
+                self._index_error("write", eng, e)
+        if eng.dirty and not await self._new_epoch(eng, republish=True):
+            return  # the index is down; the heartbeat loop re-publishes once it answers
+        eng.batches += 1
+        self.metrics.batches.labels(source).inc()
+
+    @staticmethod
+    def _plan(eng: _Engine, batch: EventBatch) -> list[_Op]:
+        ops: list[_Op] = []
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                eng.holdings.clear()
+                ops.append(("clear", None))
+                continue
+            tier = medium_tier(event.medium) or TierName.GPU  # a medium newer than this code: vLLM's default
+            keys = [block_key(h) for h in event.block_hashes]
+            if isinstance(event, BlockStored):
+                ops.append(("add", [(k, eng.holdings.store(k, tier)) for k in keys]))
+                continue
+            gone: list[bytes] = []
+            kept: list[tuple[bytes, TierName]] = []  # still held in another medium
+            for k in keys:
+                left = eng.holdings.remove(k, tier)
+                if left is None:
+                    gone.append(k)
+                else:
+                    kept.append((k, left))
+            ops += [("remove", gone), ("add", kept)]
+        return ops
+
+    async def _write(self, eng: _Engine, ops: list[_Op]) -> None:
+        src, index, epoch = eng.source, self._index, eng.epoch
+        for op, arg in ops:
+            if op == "clear":
+                await index.clear(src.engine_id, src.namespace)
+                continue
+            for i in range(0, len(arg), INDEX_BATCH_BLOCKS):
+                chunk = arg[i : i + INDEX_BATCH_BLOCKS]
+                if op == "add":
+                    await index.add(src.namespace, src.engine_id, epoch, chunk)
+                else:
+                    await index.remove(src.namespace, src.engine_id, epoch, chunk)
+
+    # -- counting -----------------------------------------------------------------------------
+
+    def _count_events(self, batch: EventBatch) -> None:
+        if batch.unknown_events:
+            self.events["unknown"] += batch.unknown_events
+            self.metrics.events.labels("unknown").inc(batch.unknown_events)
+        for event in batch.events:
+            kind = type(event).__name__
+            self.events[kind] += 1
+            self.metrics.events.labels(kind).inc()
+            if not isinstance(event, AllBlocksCleared) and medium_tier(event.medium) is None:
+                self.events["unknown_medium"] += 1
+                self.metrics.events.labels("unknown_medium").inc()
+
+    def _count_malformed(self, eng: _Engine, e: MalformedEvent) -> None:
+        self.malformed[e.reason] += 1
+        self.metrics.malformed.labels(e.reason).inc()
+        log.warning("engine %s: skipped a message: %s", eng.source.engine_id, e)
+
+    def _count_resync(self, kind: str) -> None:
+        self.resyncs[kind] += 1
+        self.metrics.resyncs.labels(kind).inc()
+
+    def _index_error(self, op: str, eng: _Engine, e: PrefixIndexError) -> None:
+        self.metrics.index_errors.labels(op).inc()
+        log.warning("engine %s: index %s failed: %s", eng.source.engine_id, op, e)
