@@ -769,7 +769,7 @@ class KVEventSubscriber:
                 else:
                     kept.append((k, left))
             ops += [("remove", gone), ("add", kept)]
-        return ops
+        return _coalesce(ops)
 
     async def _write(self, eng: _Engine, ops: list[_Op]) -> None:
         src, index, epoch = eng.source, self._index, eng.epoch
@@ -810,3 +810,20 @@ class KVEventSubscriber:
     def _index_error(self, op: str, eng: _Engine, e: PrefixIndexError) -> None:
         self.metrics.index_errors.labels(op).inc()
         log.warning("engine %s: index %s failed: %s", eng.source.engine_id, op, e)
+
+
+def _coalesce(ops: list[_Op]) -> list[_Op]:
+    """Merge runs of adds (or of removes) into one index call each, keeping their order.
+
+    A batch of decode steps is many one-block BlockStored events: one index
+    round trip for the run instead of one per event.
+    """
+    merged: list[_Op] = []
+    for op, arg in ops:
+        if op != "clear" and not arg:
+            continue
+        if op != "clear" and merged and merged[-1][0] == op:
+            merged[-1] = (op, [*merged[-1][1], *arg])
+        else:
+            merged.append((op, arg))
+    return merged
