@@ -65,6 +65,10 @@ def test_bad_queries_get_clear_errors(daemon):
             c.score("m")
         with pytest.raises(InvalidArgument, match="limit"):
             c.score("m", keys=[b"k%d" % i for i in range(5000)])
+        with pytest.raises(InvalidArgument, match="chain is empty"):
+            c.score("m", tokens=[1, 2, 3], block_size=16, hash_seed="0")
+        with pytest.raises(InvalidArgument, match="chain is empty"):
+            c.holders("m", keys=[])
         assert c.score("m", keys=[b"nothing"]) == []
 
 
@@ -163,3 +167,23 @@ def test_vllm_kv_events_reach_router_scores(make_daemon):
     finally:
         engine.close()
         ctx.term()
+
+
+def test_index_cli(daemon_process, tmp_path):
+    import subprocess
+    import sys
+
+    d = daemon_process("--node-id", "node-cli")
+    with Client(d.target) as c:
+        put_chain(c, KEYS[:3])
+        wait_until(lambda: score_of(c, "node-cli", keys=KEYS)[0] == 3, what="publication")
+    cli = [sys.executable, "-m", "kvstore.cli.main", "index"]
+    tokens = ",".join(map(str, TOKENS))
+    r = subprocess.run([*cli, "lookup", "m", "--tokens", tokens, "--hash-seed", "42", "--target", d.target],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("node-cli\t3 blocks\thost"), r.stdout + r.stderr
+    r = subprocess.run([*cli, "holders", "--hex", "--target", d.target, "m", *(k.hex() for k in KEYS[:4])],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.splitlines()[3] == "block 3\tnobody", r.stdout + r.stderr
+    r = subprocess.run([*cli, "lookup", "m", "--tokens", tokens, "--target", d.target], capture_output=True, text=True)
+    assert r.returncode != 0 and "--hash-seed" in r.stderr

@@ -41,6 +41,10 @@ def chain_keys(namespace: str, request) -> list[bytes]:
         keys = [validate_key(k) for k in request.keys.keys]
     else:
         raise InvalidArgument("give the chain as tokens or as keys")
+    if not keys:
+        raise InvalidArgument(
+            "the chain is empty: give at least one key, or at least block_size tokens (only full blocks have keys)"
+        )
     if len(keys) > MAX_CHAIN_BLOCKS:
         raise InvalidArgument(f"{len(keys)} blocks in one chain; the limit is {MAX_CHAIN_BLOCKS}: send a shorter prefix")
     return keys
@@ -76,17 +80,13 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
                 raise InvalidArgument("tier weights must be non-negative")
             weights[TierName(tw.tier)] = tw.weight
         candidates = list(request.candidates)
-        matches = (
-            self._agent.run(self._agent.index.lookup(request.namespace, keys, candidates or None), self._deadline(context))
-            if keys
-            else []
+        matches = self._agent.run(
+            self._agent.index.lookup(request.namespace, keys, candidates or None), self._deadline(context)
         )
         return pb.ScoreResponse(endpoints=rank(matches, candidates, weights), chain_blocks=len(keys))
 
     def Holders(self, request: pb.HoldersRequest, context) -> pb.HoldersResponse:
         keys = chain_keys(request.namespace, request)
-        if not keys:
-            return pb.HoldersResponse()
         found = self._agent.run(self._agent.index.holders(request.namespace, keys), self._deadline(context))
         return pb.HoldersResponse(
             blocks=[
