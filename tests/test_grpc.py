@@ -29,7 +29,7 @@ from kvstore.errors import (
     UnknownLease,
     UnknownNamespace,
 )
-from tests.conftest import wait_until
+from conftest import wait_until
 
 MiB = 1 << 20
 

@@ -13,7 +13,7 @@ import redis_servers
 from kvstore import Client, TierName
 from kvstore.errors import IndexUnavailable, InvalidArgument
 from kvstore.index.keys import BlockHasher, event_key_bytes
-from tests.conftest import wait_until
+from conftest import wait_until
 
 TOKENS = list(range(1000, 1000 + 16 * 6 + 5))  # six full blocks and a partial one
 HASHER = BlockHasher(16, "42")
@@ -77,7 +77,7 @@ def test_two_daemons_share_a_redis_index_and_a_killed_node_drops_out(daemon_proc
     a = daemon_process("--node-id", "node-a", *args)
     b_dir = tmp_path / "b"
     b_dir.mkdir()
-    from tests.conftest import DaemonProcess
+    from conftest import DaemonProcess
 
     b = DaemonProcess(b_dir, "--node-id", "node-b", *args).start()
     try:
@@ -146,7 +146,7 @@ def test_vllm_kv_events_reach_router_scores(make_daemon):
 
     import zmq
 
-    from tests.test_kv_events import TestEngine, stored
+    from test_kv_events import TestEngine, stored
 
     vector = json.loads((Path(__file__).parent / "data/vllm_kv_events/base_seed42_block16.json").read_text())
     ctx = zmq.Context()

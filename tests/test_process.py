@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import Client, TierName
-from tests.conftest import wait_until
+from conftest import wait_until
 
 MiB = 1 << 20
 
@@ -170,7 +170,7 @@ def test_second_daemon_on_the_same_directory_is_refused(daemon_process, tmp_path
 
 def test_serve_starts_with_embedded_defaults(tmp_path):
     """`strata serve` with no flags: only the ports move, so tests never collide with a real daemon."""
-    from tests.conftest import free_port
+    from conftest import free_port
 
     port, metrics_port = free_port(), free_port()
     env = dict(os.environ, HOME=str(tmp_path), STRATA_LISTEN=f"127.0.0.1:{port}",

@@ -5,7 +5,7 @@ import warnings
 
 from kvstore.api.v1 import index_pb2 as kvstore_dot_api_dot_v1_dot_index__pb2
 
-GRPC_GENERATED_VERSION = '1.78.2'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -1,0 +1,353 @@
+"""Strata as LMCache's remote storage, through a real LMCacheEngine on CPU.
+
+The engine is LMCache's own (``LMCacheEngineBuilder``, its storage manager,
+its RemoteBackend loading the plugin from config); only the GPU side is
+replaced by a connector that copies to and from a CPU tensor, so what
+comes back can be compared byte for byte with what went in. Daemons are
+real: in-process on a real port, or ``strata serve`` child processes that
+are restarted and killed. Engines of other processes run this file as a
+script (``python tests/test_lmcache.py store|retrieve ...``) with a fixed
+PYTHONHASHSEED, as LMCache's token hashing without vLLM requires.
+
+Skipped when lmcache is not installed (``pip install -e ".[test,lmcache]"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache")
+
+import torch  # noqa: E402  (lmcache brings torch)
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey  # noqa: E402
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+from kvstore import Client  # noqa: E402
+from kvstore.block import validate_namespace  # noqa: E402
+from kvstore.integrations.lmcache import (  # noqa: E402
+    ChunkLayout,
+    PluginSettings,
+    StrataConnector,
+    block_key,
+    cache_key,
+    namespace_of,
+)
+
+# conftest by the name pytest gave it: lmcache's dependencies (cufile-python)
+# install a top-level "tests" package, so "tests.conftest" is not ours unless
+# tests/ is a package; run as a script, tests/ is on sys.path.
+_conftest = sys.modules.get("tests.conftest") or importlib.import_module("conftest")
+free_port, wait_until = _conftest.free_port, _conftest.wait_until
+
+MODEL = "acme/tiny-llm"
+LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 32, 256
+KV_SHAPE = (LAYERS, 2, CHUNK, HEADS, HEAD_SIZE)
+TOKENS = 1000  # three full chunks and a partial one of 232 tokens
+CHUNKS = -(-TOKENS // CHUNK)
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+
+class CPUKVConnector(MockGPUConnector):
+    """LMCache's mock GPU connector, made to copy: the "GPU" KV cache is a CPU
+    tensor [2, layers, tokens, heads*head_size] (LMCache's KV_2LTD order)."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        super().__init__(KV_SHAPE)
+        self.kv = kv
+
+    def from_gpu(self, memory_obj, start, end, **kwargs):
+        memory_obj.tensor.copy_(self.kv[:, :, start:end])
+
+    def to_gpu(self, memory_obj, start, end, **kwargs):
+        self.kv[:, :, start:end].copy_(memory_obj.tensor)
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+        for obj, start, end in zip(memory_objs, starts, ends):
+            self.from_gpu(obj, start, end)
+
+    def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+        for obj, start, end in zip(memory_objs, starts, ends):
+            self.to_gpu(obj, start, end)
+
+
+def kv_source(seed: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, LAYERS, TOKENS, HEADS * HEAD_SIZE, generator=g).to(torch.bfloat16)
+
+
+def token_ids() -> torch.Tensor:
+    return torch.arange(1000, 1000 + TOKENS)
+
+
+def lmcache_config(target: str, **options) -> LMCacheEngineConfig:
+    extra = {
+        "remote_storage_plugin.strata.module_path": "kvstore.integrations.lmcache",
+        "remote_storage_plugin.strata.class_name": "StrataConnector",
+        "remote_storage_plugin.strata.target": target,
+        "remote_storage_plugin.strata.timeout_s": 2.0,
+    }
+    extra.update({f"remote_storage_plugin.strata.{k}": v for k, v in options.items()})
+    # local_cpu off: every lookup and retrieve goes to Strata, none is served from LMCache's own RAM.
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05, remote_serde="naive",
+        remote_storage_plugins=["strata"], save_unfull_chunk=True, blocking_timeout_secs=5, extra_config=extra,
+    )
+
+
+def metadata() -> LMCacheMetadata:
+    return LMCacheMetadata(
+        model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK,
+    )
+
+
+class Engine:
+    """One LMCacheEngine with the Strata plugin, destroyed on exit."""
+
+    def __init__(self, target: str, **options) -> None:
+        self.instance_id = f"strata-{uuid.uuid4().hex[:8]}"
+        self.kv = CPUKVConnector(torch.zeros(2, LAYERS, TOKENS, HEADS * HEAD_SIZE, dtype=torch.bfloat16))
+        self.engine = LMCacheEngineBuilder.get_or_create(
+            self.instance_id, lmcache_config(target, **options), metadata(), self.kv,
+            lambda *a: None, lambda *a: None,
+        )
+        self.engine.post_init()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        LMCacheEngineBuilder.destroy(self.instance_id)
+
+    @property
+    def connector(self) -> StrataConnector:
+        backend = self.engine.storage_manager.storage_backends["RemoteBackend-strata"]
+        return backend.connection.getWrappedConnector()
+
+    def store(self, kv: torch.Tensor) -> None:
+        self.kv.kv = kv
+        self.engine.store(token_ids())
+
+    def lookup(self) -> int:
+        return self.engine.lookup(token_ids())
+
+    def retrieve(self) -> tuple[int, torch.Tensor]:
+        self.kv.kv = torch.zeros_like(self.kv.kv)
+        mask = self.engine.retrieve(token_ids())
+        return int(mask.sum()), self.kv.kv
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ---- mapping: keys, namespaces, layouts, settings ------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        CacheEngineKey(MODEL, 2, 1, 0x1234ABCD, torch.bfloat16),
+        CacheEngineKey(MODEL, 1, 0, -5, torch.float16, {"lmcache.tag.user": "alice", "lmcache.tag.x": "1"}),
+        CacheEngineKey(MODEL, 1, 0, 2**63 - 1, torch.float8_e4m3fn),
+        LayerCacheEngineKey(MODEL, 1, 0, 77, torch.bfloat16, layer_id=5),
+    ],
+    ids=["plain", "tags", "fp8", "layer"],
+)
+def test_block_keys_map_back_to_the_same_lmcache_key(key):
+    mapped = block_key(key)
+    assert cache_key(mapped) == key
+    assert type(cache_key(mapped)) is type(key)
+
+
+def test_namespace_is_the_model_name_or_a_safe_stand_in():
+    assert namespace_of("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    odd = namespace_of("my model (v2)")
+    assert odd != namespace_of("my model (v3)")
+    validate_namespace(odd)  # the stand-in is a namespace Strata accepts
+
+
+def test_layout_round_trips_and_rejects_foreign_blocks():
+    layout = ChunkLayout((torch.Size([2, 4, 232, 64]),), (torch.bfloat16,), MemoryFormat.KV_2LTD)
+    assert ChunkLayout.decode(layout.encode()) == layout
+    for foreign in ("", "bf16[2,32,16,128]", '{"v":"other"}'):
+        with pytest.raises(ValueError):
+            ChunkLayout.decode(foreign)
+
+
+def test_settings_are_read_from_extra_config_and_checked():
+    extra = {"remote_storage_plugin.kv.target": "10.0.0.5:50051", "remote_storage_plugin.kv.shared_memory": "false"}
+    s = PluginSettings.from_extra_config(extra, "kv")
+    assert (s.target, s.shared_memory, s.namespace) == ("10.0.0.5:50051", False, "")
+    with pytest.raises(ValueError, match="unknown option"):
+        PluginSettings.from_extra_config({"remote_storage_plugin.kv.tagret": "x"}, "kv")
+    with pytest.raises(ValueError, match="shared_memory"):
+        PluginSettings.from_extra_config({"remote_storage_plugin.kv.shared_memory": "maybe"}, "kv")
+
+
+# ---- one engine, one daemon ------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared_memory", ["auto", "false"], ids=["shm", "stream"])
+def test_engine_stores_and_retrieves_byte_for_byte(make_daemon, shared_memory):
+    daemon = make_daemon()
+    source = kv_source()
+    with Engine(daemon.target, shared_memory=shared_memory) as e:
+        e.store(source)
+        wait_for_blocks(daemon.target, CHUNKS)
+        assert e.lookup() == TOKENS
+        retrieved, kv = e.retrieve()
+        assert retrieved == TOKENS
+        assert same_bytes(kv, source)
+    with Client(daemon.target) as c:  # one block per chunk, its layout the MemoryObj's own
+        blocks = c.get_many(MODEL, [block_key(k) for k in chunk_keys(e)])
+    layouts = [ChunkLayout.decode(b.layout) for b in blocks]
+    assert [s[0][2] for s in (lay.shapes for lay in layouts)] == [256, 256, 256, 232]
+
+
+def test_connector_contracts_on_the_engines_cpu_backend(make_daemon):
+    """put keeps the caller's reference; get returns objects of LMCache's allocator,
+    one reference each; unknown keys and namespaces are misses."""
+    daemon = make_daemon()
+    with Engine(daemon.target) as e:
+        backend = e.engine.storage_manager.local_cpu_backend
+        conn = StrataConnector(asyncio.new_event_loop(), backend, e.engine.config)
+        loop = conn.loop
+        key = CacheEngineKey(MODEL, 1, 0, 42, torch.bfloat16)
+        other = CacheEngineKey("never-written", 1, 0, 42, torch.bfloat16)
+        obj = backend.allocate([torch.Size([2, LAYERS, 100, HEADS * HEAD_SIZE])], [torch.bfloat16])
+        obj.tensor.copy_(kv_source()[:, :, :100])
+        try:
+            assert loop.run_until_complete(conn.get(other)) is None  # UnknownNamespace: a miss
+            loop.run_until_complete(conn.put(key, obj))
+            assert obj.get_ref_count() == 1
+            assert loop.run_until_complete(conn.exists(key)) and conn.exists_sync(key)
+            got = loop.run_until_complete(conn.get(key))
+            assert got is not None and got.get_ref_count() == 1
+            assert got.get_shapes() == obj.get_shapes() and got.get_memory_format() == obj.get_memory_format()
+            assert same_bytes(got.tensor, obj.tensor)
+            got.ref_count_down()
+            objs = loop.run_until_complete(conn.batched_get_non_blocking("l", [key, other, key]))
+            assert len(objs) == 1
+            objs[0].ref_count_down()
+            assert conn.remove_sync(key) and not conn.exists_sync(key)
+        finally:
+            obj.ref_count_down()
+            loop.run_until_complete(conn.close())
+            loop.close()
+
+
+# ---- other processes, restarts, a daemon that is gone ----------------------------
+
+
+@pytest.mark.slow  # two fresh processes importing lmcache (seconds each)
+def test_second_process_retrieves_after_daemon_restart(daemon_process):
+    daemon = daemon_process()
+    assert run_engine("store", daemon.target)["stored"] == CHUNKS
+    assert daemon.kill(signal.SIGTERM) == 0  # a clean stop writes RAM blocks to disk
+    daemon.start()
+    result = run_engine("retrieve", daemon.target)
+    assert result == {"lookup": TOKENS, "retrieved": TOKENS, "same_bytes": True}
+
+
+@pytest.mark.slow
+def test_sigkilled_daemon_loses_at_most_a_suffix_and_never_returns_torn_bytes(daemon_process):
+    daemon = daemon_process()
+    assert run_engine("store", daemon.target)["stored"] == CHUNKS
+    daemon.kill(signal.SIGKILL)  # what was only in RAM is gone; what was demoted survives
+    daemon.start()
+    result = run_engine("retrieve", daemon.target)
+    assert result["same_bytes"] and (result["retrieved"] % CHUNK == 0 or result["retrieved"] == TOKENS)
+
+
+@pytest.mark.timeout(60)
+def test_daemon_down_is_a_miss_nothing_hangs_and_close_returns(daemon_process):
+    daemon = daemon_process()
+    source = kv_source()
+    e = Engine(daemon.target)
+    try:
+        e.store(source)
+        wait_for_blocks(daemon.target, CHUNKS)
+        daemon.kill(signal.SIGKILL)
+        assert e.lookup() == 0  # LMCache recomputes
+        assert e.retrieve()[0] == 0
+        e.store(source)  # dropped, not raised, not queued forever
+        assert e.lookup() == 0  # answered from the backoff, without calling the daemon
+    finally:
+        e.close()  # returns: the connector's close() does not wait for a daemon
+
+
+@pytest.mark.timeout(60)
+def test_engine_started_without_a_daemon_serves_misses(tmp_path):
+    with Engine(f"127.0.0.1:{free_port()}") as e:
+        e.store(kv_source())
+        assert e.lookup() == 0
+        assert e.retrieve()[0] == 0
+
+
+# ---- helpers -------------------------------------------------------------------
+
+
+def chunk_keys(e: Engine) -> list[CacheEngineKey]:
+    return [key for _, _, key in e.engine.token_database.process_tokens(token_ids())]
+
+
+def wait_for_blocks(target: str, n: int) -> None:
+    def count() -> int:
+        with Client(target, use_shm=False, timeout=2) as c:
+            try:
+                return c.stats(namespace_of(MODEL)).blocks
+            except Exception:  # noqa: BLE001 - the namespace appears with the first block
+                return 0
+
+    wait_until(lambda: count() >= n, what=f"{n} LMCache chunks stored in Strata")
+
+
+def run_engine(action: str, target: str) -> dict:
+    """Run an engine in a fresh process (fixed PYTHONHASHSEED) and return what it reports."""
+    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false", NO_PROXY="127.0.0.1,localhost")
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__)), action, target],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _main(action: str, target: str) -> dict:
+    sys.path.insert(0, str(REPO))
+    with Engine(target) as e:
+        if action == "store":
+            e.store(kv_source())
+            wait_for_blocks(target, CHUNKS)
+            with Client(target, use_shm=False) as c:
+                return {"stored": c.stats(namespace_of(MODEL)).blocks}
+        lookup = e.lookup()
+        retrieved, kv = e.retrieve()
+        return {"lookup": lookup, "retrieved": retrieved, "same_bytes": same_bytes(kv[:, :, :retrieved], kv_source()[:, :, :retrieved])}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_main(sys.argv[1], sys.argv[2])), flush=True)
+    # The engine is destroyed and the connector closed by now; skip the seconds
+    # the interpreter would spend joining LMCache's idle periodic threads.
+    os._exit(0)
