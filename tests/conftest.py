@@ -13,6 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, settings
+
+# The same examples on every run: CI must not find (and then spend minutes
+# shrinking) a case that no developer run can reproduce. Hunt with a fresh
+# seed locally: HYPOTHESIS_PROFILE=explore python -m pytest ...
+settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", deadline=None, max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
