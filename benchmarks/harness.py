@@ -205,6 +205,37 @@ class Benchmark:
         return path
 
 
+class UnitBenchmark(Benchmark):
+    """The shared runner, with a table that shows each row's unit (for cases that are not all GB/s)."""
+
+    baseline_width = 44
+
+    def _columns(self) -> tuple[tuple[str, int], ...]:
+        return (("case", 40), ("value", 10), ("unit", 9), ("baseline", self.baseline_width), ("value", 10),
+                ("ratio", 7), ("target", 7), ("met", 4))
+
+    def add(self, case: Case) -> None:
+        if not self._header_printed:
+            self._unit_row([t for t, _ in self._columns()])
+            self._unit_row(["-" * w for _, w in self._columns()])
+            self._header_printed = True
+        self.cases.append(case)
+        ratio = case.ratio
+        self._unit_row([
+            case.case,
+            "n/a" if case.value is None else f"{case.value:.4g}",
+            case.unit,
+            case.baseline,
+            "n/a" if case.baseline_value is None else f"{case.baseline_value:.4g}",
+            "" if ratio is None else f"{ratio:.3g}",
+            "" if case.target_ratio is None else f"{case.target_ratio:.3g}",
+            {True: "yes", False: "NO", None: ""}[case.meets_target],
+        ])
+
+    def _unit_row(self, cells: list[str]) -> None:
+        print("  ".join(c.ljust(w) for c, (_, w) in zip(cells, self._columns())).rstrip(), flush=True)
+
+
 # ---- private servers ---------------------------------------------------------
 
 

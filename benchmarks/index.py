@@ -53,7 +53,7 @@ import hiredis
 import msgpack
 from redis.asyncio import Redis
 
-from benchmarks.harness import Benchmark, Case, ServerUnavailable, private_redis
+from benchmarks.harness import Case, ServerUnavailable, UnitBenchmark, private_redis
 from kvstore.block import TierName
 from kvstore.index.keys import BlockHasher, event_key_bytes
 from kvstore.index.memory import MemoryIndex
@@ -452,34 +452,7 @@ async def bench_ingestion(bench: IndexBenchmark, plan: Plan, redis_ix, r: Redis 
 
 # ---- the run --------------------------------------------------------------------
 
-_COLUMNS = (("case", 40), ("value", 10), ("unit", 9), ("baseline", 44), ("value", 10), ("ratio", 7),
-            ("target", 7), ("met", 4))
-
-
-class IndexBenchmark(Benchmark):
-    """The shared runner, with a table that shows each row's unit (these are not all GB/s)."""
-
-    def add(self, case: Case) -> None:
-        if not self._header_printed:
-            self._row([t for t, _ in _COLUMNS])
-            self._row(["-" * w for _, w in _COLUMNS])
-            self._header_printed = True
-        self.cases.append(case)
-        ratio = case.ratio
-        self._row([
-            case.case,
-            "n/a" if case.value is None else f"{case.value:.4g}",
-            case.unit,
-            case.baseline,
-            "n/a" if case.baseline_value is None else f"{case.baseline_value:.4g}",
-            "" if ratio is None else f"{ratio:.3g}",
-            "" if case.target_ratio is None else f"{case.target_ratio:.3g}",
-            {True: "yes", False: "NO", None: ""}[case.meets_target],
-        ])
-
-    @staticmethod
-    def _row(cells: list[str]) -> None:
-        print("  ".join(c.ljust(w) for c, (_, w) in zip(cells, _COLUMNS)).rstrip(), flush=True)
+IndexBenchmark = UnitBenchmark
 
 
 def lookup_cases(bench: IndexBenchmark, samples: dict, h: Holdings, server: str) -> None:

@@ -49,7 +49,7 @@ import uuid  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
-from benchmarks.harness import Benchmark, Case, ServerUnavailable, free_port, private_redis, scratch_dir, strata_daemon  # noqa: E402
+from benchmarks.harness import Case, ServerUnavailable, UnitBenchmark, free_port, private_redis, scratch_dir, strata_daemon  # noqa: E402
 
 NAME = "lmcache"
 MODEL = "bench/strata-lmcache"
@@ -72,34 +72,8 @@ FULL = Plan(sizes=(8192, 16384, 32768), rounds=5, warmup=1, op_timeout_s=120.0, 
 QUICK = Plan(sizes=(8192,), rounds=3, warmup=1, op_timeout_s=10.0, close_timeout_s=3.0)
 
 
-_COLUMNS = (("case", 40), ("value", 10), ("unit", 9), ("baseline", 30), ("value", 10), ("ratio", 7),
-            ("target", 7), ("met", 4))
-
-
-class UnitBenchmark(Benchmark):
-    """The shared runner, with a table that shows each row's unit (as benchmarks.index's)."""
-
-    def add(self, case: Case) -> None:
-        if not self._header_printed:
-            self._row([t for t, _ in _COLUMNS])
-            self._row(["-" * w for _, w in _COLUMNS])
-            self._header_printed = True
-        self.cases.append(case)
-        ratio = case.ratio
-        self._row([
-            case.case,
-            "n/a" if case.value is None else f"{case.value:.4g}",
-            case.unit,
-            case.baseline,
-            "n/a" if case.baseline_value is None else f"{case.baseline_value:.4g}",
-            "" if ratio is None else f"{ratio:.3g}",
-            "" if case.target_ratio is None else f"{case.target_ratio:.3g}",
-            {True: "yes", False: "NO", None: ""}[case.meets_target],
-        ])
-
-    @staticmethod
-    def _row(cells: list[str]) -> None:
-        print("  ".join(c.ljust(w) for c, (_, w) in zip(cells, _COLUMNS)).rstrip(), flush=True)
+class LMCacheBenchmark(UnitBenchmark):
+    baseline_width = 30
 
 
 class Hung(RuntimeError):
@@ -404,7 +378,7 @@ def median(b: Backend, op: str, size: int) -> float | None:
     return statistics.median(values)
 
 
-def report(bench: UnitBenchmark, backends: list[Backend], plan: Plan) -> None:
+def report(bench: LMCacheBenchmark, backends: list[Backend], plan: Plan) -> None:
     strata, others = backends[0], backends[1:]
     for size in plan.sizes:
         label = f"{size // 1024}k tokens"
@@ -431,7 +405,7 @@ def report(bench: UnitBenchmark, backends: list[Backend], plan: Plan) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    bench = UnitBenchmark(NAME, __doc__.splitlines()[0], argv)
+    bench = LMCacheBenchmark(NAME, __doc__.splitlines()[0], argv)
     plan = QUICK if bench.quick else FULL
     logging.getLogger("lmcache").setLevel(logging.ERROR)
     torch = _lmcache()[0]
