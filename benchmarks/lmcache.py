@@ -9,7 +9,11 @@ backend, all built the same way (LMCache's own engine on CPU, its
   Strata daemon in its own process, shared-memory path (checked), no disk tier;
 - LMCache's ``redis://`` to a private ``redis-server`` (never 6379);
 - LMCache's ``resp://`` (its native RESP client) to the same ``redis-server``;
-- LMCache's own ``lm://`` server (``lmcache_server 127.0.0.1 PORT cpu``).
+- LMCache's own ``lm://`` server (``lmcache_server 127.0.0.1 PORT cpu``);
+- the floor: an in-process plugin that keeps chunks in a dict and copies
+  them once each way (``benchmarks.lmcache_floor``). No remote backend can
+  beat it; each one's ratio to it shows how much of an operation is
+  LMCache's own work and how much the backend adds.
 
 LMCache's ``local_cpu`` is off, so its CPU backend is only an allocator and
 every lookup and retrieve goes to the remote backend. The workload is a
@@ -57,6 +61,7 @@ LAYERS, HEADS, HEAD_SIZE, CHUNK = 8, 4, 64, 256
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD_SIZE * 2  # K and V, bf16
 TARGET = 2.0  # the issue: Strata's retrieve >= 2x the best of LMCache's backends
 STRATA = "Strata"
+FLOOR = "floor"
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,8 @@ def make_kv_connector(kv):
 class Backend:
     name: str
     remote_url: str | None = None
-    plugin: dict | None = None  # extra_config of the Strata plugin
+    plugin: dict | None = None  # extra_config of a remote-storage plugin
+    plugin_name: str = "strata"
     cleanup: Callable[[list], None] | None = None  # deletes the chunks of these keys, untimed
     failed: str = ""  # why it is out (hung / failed); empty while it runs
     notes: list[str] = field(default_factory=list)
@@ -159,7 +165,7 @@ class Backend:
         extra = dict(self.plugin or {})
         config = Config.from_defaults(
             chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=1.0, remote_url=self.remote_url,
-            remote_serde="naive", remote_storage_plugins=["strata"] if self.plugin else None,
+            remote_serde="naive", remote_storage_plugins=[self.plugin_name] if self.plugin else None,
             save_unfull_chunk=False, blocking_timeout_secs=int(timeout_s), extra_config=extra or None,
         )
         metadata = Metadata(
@@ -207,6 +213,11 @@ class Backend:
 
         for name in ("put", "batched_put"):
             setattr(conn, name, wrap(getattr(conn, name)))
+
+    def connector(self):
+        """The plugin or connector object under LMCache's instrumentation wrapper."""
+        conn = self.remote.connection
+        return conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
 
     def keys(self, tokens) -> list:
         return [key for _, _, key in self.engine.token_database.process_tokens(tokens)]
@@ -378,8 +389,13 @@ def median(b: Backend, op: str, size: int) -> float | None:
     return statistics.median(values)
 
 
+def floor_clear(backend: Backend) -> Callable[[list], None]:
+    return lambda keys: backend.connector().clear(keys)
+
+
 def report(bench: LMCacheBenchmark, backends: list[Backend], plan: Plan) -> None:
-    strata, others = backends[0], backends[1:]
+    strata, floor = backends[0], backends[-1]
+    others = backends[1:-1]
     for size in plan.sizes:
         label = f"{size // 1024}k tokens"
         for op, unit, higher in (("store", "tokens/s", True), ("lookup", "ms", False), ("retrieve", "tokens/s", True)):
@@ -402,6 +418,14 @@ def report(bench: LMCacheBenchmark, backends: list[Backend], plan: Plan) -> None
                         + (f"; not in the comparison: {', '.join(out)}" if out else ""))
                 bench.add(Case(f"retrieve {label}: {STRATA} vs best", mine, f"best of LMCache's ({best_name})", best,
                                target_ratio=TARGET, unit="tokens/s", note=note))
+        for op, unit, higher in (("store", "tokens/s", True), ("lookup", "ms", False), ("retrieve", "tokens/s", True)):
+            theirs = median(floor, op, size)
+            for b in (strata, *others):
+                bench.add(Case(f"{op} {label}: {b.name} vs floor", median(b, op, size), "in-process floor", theirs,
+                               higher_is_better=higher, metric="latency" if op == "lookup" else "throughput", unit=unit,
+                               note="the floor is LMCache's own work plus one copy; no remote backend reaches 1.0"
+                               + (f"; {b.name} out: {b.failed}" if b.failed else "")
+                               + (f"; floor out: {floor.failed}" if floor.failed else "")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
             backends.append(Backend("lm://", remote_url=f"lm://127.0.0.1:{lport}"))
         except ServerUnavailable as err:
             backends.append(Backend("lm://", failed=str(err)))
+        floor = Backend(FLOOR, plugin_name="floor", plugin={
+            "remote_storage_plugin.floor.module_path": "benchmarks.lmcache_floor",
+            "remote_storage_plugin.floor.class_name": "InProcessFloor",
+        })
+        floor.cleanup = floor_clear(floor)
+        backends.append(floor)
 
         for b in backends:
             if b.failed:

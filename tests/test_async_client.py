@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import threading
 
 import pytest
 
@@ -275,6 +276,91 @@ def test_sync_and_async_clients_read_each_other(target, use_shm, namespace):
     assert bytes(run(target, use_shm, body)) == value
     with Client(target, use_shm=use_shm) as sync:
         assert bytes(sync.get(namespace, key("from-async"))) == value[::-1]
+
+
+def test_get_into_placement_runs_on_the_loop_and_takes_the_bytes(target, use_shm, namespace):
+    """Large blocks are copied in a worker thread, but the placement (an engine's
+    allocator, often not thread-safe) is always called on the event loop."""
+    sizes = {key("small"): 1000, key("large"): 3 * MiB + 5}
+    values = {k: os.urandom(n) for k, n in sizes.items()}
+
+    async def body(c: AsyncClient):
+        await c.put_many(namespace, [BlockPut(k, v, layout=str(len(v))) for k, v in values.items()])
+        loop_thread, threads, buffers = threading.get_ident(), [], {}
+
+        def place(i, info):
+            threads.append(threading.get_ident())
+            assert info.layout == str(info.size)
+            buffers[info.key] = bytearray(info.size)
+            return buffers[info.key]
+
+        got = await c.get_into(namespace, [key("large"), key("nope"), key("small")], place)
+        assert threads == [loop_thread, loop_thread]
+        return got, buffers
+
+    got, buffers = run(target, use_shm, body)
+    assert got[1] is None
+    for block in (got[0], got[2]):
+        assert bytes(block.data) == values[block.key] and block.data.obj is buffers[block.key]
+
+
+def test_list_blocks_page_by_page(target, use_shm, namespace):
+    names = [key(f"l{i}") for i in range(7)]
+
+    async def body(c: AsyncClient):
+        await c.put_many(namespace, [BlockPut(k, b"x" * (i + 1)) for i, k in enumerate(names)])
+        page = await c.list_blocks(namespace, page_size=3)
+        return page, [b async for b in c.iter_blocks(namespace, page_size=3)]
+
+    page, listed = run(target, use_shm, body)
+    assert [b.key for b in page.blocks] == sorted(names)[:3] and page.next_page_token
+    assert [b.key for b in listed] == sorted(names)
+    assert {b.key: b.size for b in listed} == {k: i + 1 for i, k in enumerate(names)}
+
+
+def test_streamed_reads_go_where_they_are_placed():
+    """GetAssembler with a placement: bytes land in the placed buffers (under the caller's
+    indices), a declined block's chunks are consumed and dropped, a refetch reuses the buffer
+    its arena read was placed in."""
+    from kvstore.api.v1 import kv_pb2 as pb
+    from kvstore.block import checksum
+
+    a, b = os.urandom(5000), os.urandom(3000)
+
+    def stream(*blocks):
+        for name, data in blocks:
+            header = pb.BlockHeader(key=key(name), size=len(data), checksum=checksum(data), layout=name)
+            yield pb.GetResponse(header=pb.GetHeader(found=True, block=header, tier=int(TierName.DISK)))
+            for off in range(0, len(data), 1024):
+                yield pb.GetResponse(chunk=data[off : off + 1024])
+
+    buffers, seen = {}, []
+
+    def place(i, info):
+        seen.append(i)
+        if info.layout == "b":
+            return None
+        buffers[i] = memoryview(bytearray(info.size + 10))
+        return buffers[i]
+
+    assembler = codec.GetAssembler(place, indices=[4, 9])
+    for msg in stream(("a", a), ("b", b)):
+        assembler.feed(msg)
+    got = assembler.finish()
+    assert seen == [4, 9] and got[1] is None
+    assert bytes(got[0].data) == a and got[0].data.obj is buffers[4].obj and got[0].tier is TierName.DISK
+
+    placed = [None, memoryview(bytearray(5000)), None]
+    again = codec.refetch_placement(place, placed)
+    assert again(1, codec.BlockInfo(key("a"), 5000, "a", None)) is placed[1]
+    assert again(2, codec.BlockInfo(key("a"), 5000, "a", None)).obj is buffers[2].obj
+    with pytest.raises(errors.CorruptBlock):
+        bad = codec.GetAssembler(place)
+        for msg in stream(("a", a)):
+            if msg.WhichOneof("part") == "chunk":
+                msg = pb.GetResponse(chunk=bytes(len(msg.chunk)))
+            bad.feed(msg)
+        bad.finish()
 
 
 def test_no_daemon_raises_unavailable_after_retries(monkeypatch):

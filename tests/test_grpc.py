@@ -319,6 +319,66 @@ def test_get_into_fills_caller_buffers(client):
         client.get_into("m", [b"g0"], [bytes(300_000)])
 
 
+def test_get_into_places_each_block_by_what_the_daemon_says_of_it(client):
+    """A placement function sees each found block's size and layout before its bytes
+    are read, once per block; what it declines reads as a miss."""
+    values = {b"p%d" % i: blob(i, 50_000 + 1000 * i) for i in range(4)}
+    client.put_many("m", [BlockPut(k, v, layout=f"len={len(v)}") for k, v in values.items()])
+    calls, placed = [], {}
+
+    def place(i, info):
+        calls.append((i, info.key, info.size, info.layout))
+        if info.key == b"p2":
+            return None
+        placed[info.key] = bytearray(info.size)  # exactly the block's size
+        return placed[info.key]
+
+    keys = [b"p0", b"missing", b"p1", b"p2", b"p3"]
+    got = client.get_into("m", keys, place)
+    assert calls == [(i, k, len(values[k]), f"len={len(values[k])}") for i, k in enumerate(keys) if k in values]
+    assert got[1] is None and got[3] is None
+    for i in (0, 2, 4):
+        assert bytes(got[i].data) == values[keys[i]]
+        assert got[i].data.obj is placed[keys[i]]  # read into the placed buffer, not copied again
+    with pytest.raises(InvalidArgument, match="pass a larger buffer"):
+        client.get_into("m", [b"p0"], lambda i, info: bytearray(info.size - 1))
+
+
+def test_list_pages_through_a_namespace_in_key_order(client):
+    keys = [b"a/%02d" % i for i in range(23)] + [b"b/%02d" % i for i in range(5)]
+    client.put_many("ls", [BlockPut(k, blob(i, 100 + i), layout="l%d" % i) for i, k in enumerate(keys)])
+    client.delete("ls", [b"a/07"])
+    live = sorted(k for k in keys if k != b"a/07")
+
+    first = client.list_blocks("ls", page_size=10)
+    assert [b.key for b in first.blocks] == live[:10] and first.next_page_token
+    assert first.blocks[0].size == 100 and first.blocks[0].layout == "l0" and first.blocks[0].tier is TierName.HOST
+    assert [b.key for b in client.iter_blocks("ls", page_size=10)] == live
+    assert [b.key for b in client.iter_blocks("ls", b"b/", page_size=2)] == keys[23:]
+    assert client.list_blocks("ls", b"a/2").next_page_token == b""
+    assert [b.key for b in client.list_blocks("ls", b"a/2").blocks] == [b"a/20", b"a/21", b"a/22"]
+    assert client.list_blocks("ls", b"zz").blocks == []
+
+    with pytest.raises(InvalidArgument, match="page_token was not issued"):
+        client.list_blocks("ls", b"b/", page_token=first.next_page_token)
+    with pytest.raises(InvalidArgument, match="over the limit"):
+        client.list_blocks("ls", page_size=10_001)
+    with pytest.raises(UnknownNamespace):
+        client.list_blocks("never-written")
+    with pytest.raises(InvalidNamespace):
+        client.list_blocks("bad namespace!")
+
+
+def test_list_resumes_after_its_token_whatever_changed_in_between(client):
+    client.put_many("lr", [BlockPut(b"k%d" % i, b"v") for i in (1, 3, 5, 7)])
+    page = client.list_blocks("lr", page_size=2)
+    assert [b.key for b in page.blocks] == [b"k1", b"k3"]
+    client.put_many("lr", [BlockPut(b"k0", b"v"), BlockPut(b"k4", b"v")])  # one behind the token, one ahead
+    client.delete("lr", [b"k3", b"k5"])  # the token's own key may go
+    rest = client.list_blocks("lr", page_size=10, page_token=page.next_page_token)
+    assert [b.key for b in rest.blocks] == [b"k4", b"k7"] and rest.next_page_token == b""
+
+
 def test_in_place_reads_release_their_leases(make_daemon):
     daemon = make_daemon(lease_seconds=300)  # so only a release, not expiry, can end them in time
     with Client(daemon.target, use_shm=True) as c:

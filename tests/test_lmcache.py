@@ -224,6 +224,35 @@ def test_engine_stores_and_retrieves_byte_for_byte(make_daemon, shared_memory):
     assert [s[0][2] for s in (lay.shapes for lay in layouts)] == [256, 256, 256, 232]
 
 
+@pytest.mark.parametrize("shared_memory", ["auto", "false"], ids=["shm", "stream"])
+def test_retrieve_allocates_each_chunk_once_in_its_own_shape(make_daemon, shared_memory):
+    """The daemon names a block's layout before its bytes move, so every chunk, the short
+    last one included, is read straight into one MemoryObj of its exact shape."""
+    daemon = make_daemon()
+    source = kv_source()
+    with Engine(daemon.target, shared_memory=shared_memory) as e:
+        e.store(source)
+        wait_for_blocks(daemon.target, CHUNKS)
+        counted = CountingAllocator(e.connector.local_cpu_backend)
+        e.connector.local_cpu_backend = counted
+        retrieved, kv = e.retrieve()
+        assert retrieved == TOKENS and same_bytes(kv, source)
+    assert [shape[2] for shape in counted.shapes] == [256, 256, 256, 232]
+
+
+def test_list_names_every_chunk_the_daemon_holds(make_daemon):
+    daemon = make_daemon()
+    with Engine(daemon.target) as e:
+        e.store(kv_source())
+        wait_for_blocks(daemon.target, CHUNKS)
+        with Client(daemon.target) as c:  # not an LMCache chunk: not listed
+            c.put(namespace_of(MODEL), b"operator-note", b"x")
+        conn = e.connector
+        listed = asyncio.run_coroutine_threadsafe(conn.list(), conn.loop).result(timeout=30)
+        assert sorted(listed) == sorted(k.to_string() for k in chunk_keys(e))
+        assert {CacheEngineKey.from_string(k) for k in listed} == set(chunk_keys(e))
+
+
 def test_connector_contracts_on_the_engines_cpu_backend(make_daemon):
     """put keeps the caller's reference; get returns objects of LMCache's allocator,
     one reference each; unknown keys and namespaces are misses."""
@@ -249,6 +278,7 @@ def test_connector_contracts_on_the_engines_cpu_backend(make_daemon):
             objs = loop.run_until_complete(conn.batched_get_non_blocking("l", [key, other, key]))
             assert len(objs) == 1
             objs[0].ref_count_down()
+            assert loop.run_until_complete(conn.list()) == [key.to_string()]
             assert conn.remove_sync(key) and not conn.exists_sync(key)
         finally:
             obj.ref_count_down()
@@ -305,6 +335,21 @@ def test_engine_started_without_a_daemon_serves_misses(tmp_path):
 
 
 # ---- helpers -------------------------------------------------------------------
+
+
+class CountingAllocator:
+    """LMCache's CPU backend, recording the shape of each allocation made through it."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self.shapes: list[tuple[int, ...]] = []
+
+    def allocate(self, shapes, dtypes, fmt=None, **kwargs):
+        self.shapes += [tuple(s) for s in shapes]
+        return self._backend.allocate(shapes, dtypes, fmt, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
 
 
 def chunk_keys(e: Engine) -> list[CacheEngineKey]:

@@ -12,7 +12,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 
 from kvstore import Client, TierName
 from conftest import wait_until
@@ -146,6 +145,10 @@ def test_cli_against_a_running_daemon(daemon_process, tmp_path):
         (d / f"f{i}").write_bytes(value(i, 1000))
     r = run("kv", "put", "m", "--from-dir", str(d))
     assert r.returncode == 0 and b"stored 5 new blocks" in r.stdout
+    r = run("kv", "list", "m", "--prefix", "f", "--limit", "3")
+    assert r.returncode == 0 and r.stdout == b"f0\t1000\thost\nf1\t1000\thost\nf2\t1000\thost\n"
+    r = run("kv", "list", "m", "--json")
+    assert [json.loads(line)["key"] for line in r.stdout.splitlines()] == ["blob", "f0", "f1", "f2", "f3", "f4"]
 
 
 def test_serve_refuses_bad_settings_with_the_fix(tmp_path):

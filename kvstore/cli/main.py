@@ -152,6 +152,31 @@ def cmd_kv_stat(args: argparse.Namespace) -> int:
     return 0 if all(r["present"] for r in rows) else 3
 
 
+def _show_key(args: argparse.Namespace, key: bytes) -> str:
+    if args.hex:
+        return key.hex()
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return "hex:" + key.hex()
+
+
+def cmd_kv_list(args: argparse.Namespace) -> int:
+    prefix = _key(args, args.prefix) if args.prefix else b""
+    shown = 0
+    with _client(args) as client:
+        for block in client.iter_blocks(args.namespace, prefix, page_size=min(args.limit or 1000, 1000)):
+            if args.limit and shown == args.limit:
+                break
+            key = _show_key(args, block.key)
+            if args.json:
+                print(json.dumps({"key": key, "size": block.size, "tier": block.tier.label, "layout": block.layout}))
+            else:
+                print(f"{key}\t{block.size}\t{block.tier.label}")
+            shown += 1
+    return 0
+
+
 def cmd_kv_delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
         n = client.delete(args.namespace, [_key(args, k) for k in args.keys])
@@ -266,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("keys", nargs="+", metavar="KEY")
     stat.add_argument("--json", action="store_true", help="print JSON")
     stat.set_defaults(func=cmd_kv_stat)
+    ls = kv_sub.add_parser("list", parents=[client_opts, key_opts], help="list a namespace's blocks",
+                           description="Print the namespace's keys in byte order, one per line: key, size in bytes, "
+                                       "tier (--json: one JSON object per line, with the layout). Keys that are not "
+                                       "UTF-8 are shown as hex:... unless --hex.")
+    ls.add_argument("namespace")
+    ls.add_argument("--prefix", help="only keys that start with this")
+    ls.add_argument("--limit", type=int, default=0, help="print at most this many [default: all]")
+    ls.add_argument("--json", action="store_true", help="print JSON lines")
+    ls.set_defaults(func=cmd_kv_list)
     delete = kv_sub.add_parser("delete", parents=[client_opts, key_opts], help="remove blocks")
     delete.add_argument("namespace")
     delete.add_argument("keys", nargs="+", metavar="KEY")

@@ -1,5 +1,5 @@
 from kvstore.client.aio import AsyncClient
-from kvstore.client.codec import Block, BlockPut, PinLease, Stats
+from kvstore.client.codec import Block, BlockInfo, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.client.sync import Client
 
-__all__ = ["AsyncClient", "Block", "BlockPut", "Client", "PinLease", "Stats"]
+__all__ = ["AsyncClient", "Block", "BlockInfo", "BlockPut", "Client", "ListPage", "Listed", "PinLease", "Stats"]

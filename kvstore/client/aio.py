@@ -19,7 +19,7 @@ refusal as INTERNAL instead of the server's status (see
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -29,7 +29,7 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import TierName
 from kvstore.client import codec
-from kvstore.client.codec import Block, BlockPut, PinLease, Stats
+from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import ArenaUnusable, StrataError
 from kvstore.tiers.arena import ShmArena
 
@@ -237,24 +237,27 @@ class AsyncClient:
         """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
         return await self._get(namespace, keys, None)
 
-    async def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[Block | None]:
-        """Read blocks straight into caller-owned buffers; see :meth:`kvstore.Client.get_into`."""
-        keys = codec.check_gets(namespace, keys)
-        return await self._get(namespace, keys, codec.check_buffers(keys, buffers))
+    async def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence | codec.Placement) -> list[Block | None]:
+        """Read blocks straight into caller-owned memory; see :meth:`kvstore.Client.get_into`.
 
-    async def _get(self, namespace: str, keys: Sequence[bytes], views: list | None) -> list[Block | None]:
+        A placement function runs on the event loop, never in a worker thread.
+        """
+        keys = codec.check_gets(namespace, keys)
+        return await self._get(namespace, keys, codec.placement(keys, buffers))
+
+    async def _get(self, namespace: str, keys: Sequence[bytes], place) -> list[Block | None]:
         keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
         arena = await self._arena_or_none()
         if arena is None:
-            blocks = await self._get_streamed(namespace, keys)
-            return blocks if views is None else codec.place_streamed(blocks, views)
+            return await self._get_streamed(namespace, keys, place)
         response = await self._call(
             "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
         )
         received = codec.now_ms()
-        read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response, views)
+        placed = None if place is None else codec.place_lookup(response, place)
+        read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response, placed)
         if read.leased:
             release = pb.ReleaseRequest(lease_ids=read.lease_ids())
             if codec.lease_held(response.lease_deadline_unix_ms, received):
@@ -263,9 +266,9 @@ class AsyncClient:
                 released = await self._call("Release", release)
                 codec.drop_expired(read, released.valid)
         if read.refetch:
-            again = await self._get_streamed(namespace, [keys[i] for i in read.refetch])
-            if views is not None:
-                again = codec.place_streamed(again, [views[i] for i in read.refetch])
+            again = await self._get_streamed(
+                namespace, [keys[i] for i in read.refetch], codec.refetch_placement(place, placed), read.refetch
+            )
             for i, block in zip(read.refetch, again):
                 read.blocks[i] = block
         return read.blocks
@@ -277,14 +280,15 @@ class AsyncClient:
         task.add_done_callback(_forget_release)
         task.add_done_callback(self._releases.discard)
 
-    async def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
+    async def _get_streamed(self, namespace: str, keys: list[bytes], place=None, indices=None) -> list[Block | None]:
         async def once() -> list[Block | None]:
-            assembler = codec.GetAssembler()
+            assembler = codec.GetAssembler(place, indices)
             large = False
             async for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
-                if msg.WhichOneof("part") == "header":
+                if msg.WhichOneof("part") == "header":  # on the loop: it may call the placement
                     large = msg.header.block.size > OFF_LOOP_BYTES
-                if large:  # the block's last chunk checksums all of it
+                    assembler.feed(msg)
+                elif large:  # the block's last chunk checksums all of it
                     await asyncio.to_thread(assembler.feed, msg)
                 else:
                     assembler.feed(msg)
@@ -307,6 +311,21 @@ class AsyncClient:
 
     async def unpin(self, lease_id: int) -> bool:
         return (await self._call("Unpin", pb.UnpinRequest(lease_id=lease_id))).released
+
+    async def list_blocks(self, namespace: str, prefix: bytes = b"", *, page_size: int = 0, page_token: bytes = b"") -> ListPage:
+        """One page of a listing; see :meth:`kvstore.Client.list_blocks`."""
+        return codec.parse_list(await self._call("List", codec.list_request(namespace, prefix, page_size, page_token)))
+
+    async def iter_blocks(self, namespace: str, prefix: bytes = b"", *, page_size: int = 0) -> AsyncIterator[Listed]:
+        """Every block of the namespace whose key starts with ``prefix``, page by page."""
+        token = b""
+        while True:
+            page = await self.list_blocks(namespace, prefix, page_size=page_size, page_token=token)
+            for block in page.blocks:
+                yield block
+            token = page.next_page_token
+            if not token:
+                return
 
     async def stats(self, namespace: str = "") -> Stats:
         return codec.parse_stats(await self._call("Stats", pb.StatsRequest(namespace=namespace)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -36,7 +36,7 @@ CHANNEL_OPTIONS = [
 # succeeded fails or takes a second lease.
 RETRY_ON_UNAVAILABLE = frozenset(
     {"Put", "Get", "Exists", "Delete", "Stats", "Attach", "Allocate", "Lookup", "Release", "Abort", "Unpin",
-     "Score", "Holders"}
+     "Score", "Holders", "List"}
 )
 
 
@@ -55,6 +55,43 @@ class Block:
     layout: str
     parent: bytes | None
     tier: TierName
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What the daemon says of a found block before its bytes are read: enough to
+    choose where they go (see ``get_into`` with a placement function)."""
+
+    key: bytes
+    size: int
+    layout: str
+    parent: bytes | None
+
+    @classmethod
+    def of(cls, header: pb.BlockHeader) -> BlockInfo:
+        return cls(header.key, header.size, header.layout, header.parent_key or None)
+
+
+# get_into's placement: for the i-th key's found block, the writable buffer to
+# read it into (at least info.size bytes), or None to skip it (a miss).
+Placement = Callable[[int, BlockInfo], object | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One block of a listing."""
+
+    key: bytes
+    size: int
+    layout: str
+    parent: bytes | None
+    tier: TierName
+
+
+@dataclass(frozen=True, slots=True)
+class ListPage:
+    blocks: list[Listed]
+    next_page_token: bytes  # empty after the last page
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +200,21 @@ def put_requests(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMe
 
 
 class GetAssembler:
-    """Rebuilds blocks from a Get stream and verifies each one's checksum."""
+    """Rebuilds blocks from a Get stream and verifies each one's checksum.
 
-    def __init__(self) -> None:
+    With ``place`` each found block is read straight into the buffer it
+    returns (``indices`` maps the stream's blocks to the caller's key
+    indices); a block it declines (None) is read and dropped, a miss.
+    """
+
+    def __init__(self, place: Callable[[int, BlockInfo], memoryview | None] | None = None,
+                 indices: Sequence[int] | None = None) -> None:
         self.blocks: list[Block | None] = []
+        self._place = place
+        self._indices = indices
         self._header: pb.GetHeader | None = None
-        self._buf: bytearray | None = None
+        self._buf: bytearray | memoryview | None = None
+        self._skip = False
         self._filled = 0
 
     def feed(self, msg: pb.GetResponse) -> None:
@@ -176,19 +222,29 @@ class GetAssembler:
             self._close_current()
             if msg.header.found:
                 self._header = msg.header
-                self._buf = bytearray(msg.header.block.size)
+                self._buf = self._target(msg.header.block)
                 self._filled = 0
                 if msg.header.block.size == 0:
                     self._close_current()
             else:
                 self.blocks.append(None)
         else:
-            assert self._buf is not None, "chunk before header"
+            assert self._header is not None, "chunk before header"
             end = self._filled + len(msg.chunk)
-            self._buf[self._filled : end] = msg.chunk
+            if end > self._header.block.size:
+                raise CorruptBlock("the daemon sent more bytes than the block's header declared: retry the read")
+            if self._buf is not None:
+                self._buf[self._filled : end] = msg.chunk
             self._filled = end
-            if end == len(self._buf):
+            if end == self._header.block.size:
                 self._close_current()
+
+    def _target(self, header: pb.BlockHeader) -> bytearray | memoryview | None:
+        if self._place is None:
+            return bytearray(header.size)
+        i = len(self.blocks) if self._indices is None else self._indices[len(self.blocks)]
+        view = self._place(i, BlockInfo.of(header))
+        return None if view is None else view[: header.size]
 
     def _close_current(self) -> None:
         if self._header is None:
@@ -196,6 +252,9 @@ class GetAssembler:
         header, buf = self._header, self._buf
         self._header = self._buf = None
         b = header.block
+        if buf is None:  # declined by the placement
+            self.blocks.append(None)
+            return
         if self._filled != b.size or checksum(buf) != b.checksum:
             raise CorruptBlock(
                 f"block {b.key.hex()[:16]} arrived with a bad checksum or length; it was discarded: retry the read"
@@ -205,6 +264,18 @@ class GetAssembler:
     def finish(self) -> list[Block | None]:
         self._close_current()
         return self.blocks
+
+
+def list_request(namespace: str, prefix: bytes, page_size: int, page_token: bytes) -> pb.ListRequest:
+    validate_namespace(namespace)
+    return pb.ListRequest(namespace=namespace, prefix=prefix, page_size=page_size, page_token=page_token)
+
+
+def parse_list(r: pb.ListResponse) -> ListPage:
+    return ListPage(
+        [Listed(x.block.key, x.block.size, x.block.layout, x.block.parent_key or None, TierName(x.tier)) for x in r.blocks],
+        r.next_page_token,
+    )
 
 
 def parse_stats(r: pb.StatsResponse) -> Stats:
@@ -341,16 +412,11 @@ def read_located(arena: ShmArena, located: pb.Located, into: memoryview | None =
     return out.obj if into is None else out
 
 
-def check_buffers(keys: Sequence[bytes], buffers: Sequence) -> list[memoryview]:
-    if len(buffers) != len(keys):
-        raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
-    views = []
-    for key, buf in zip(keys, buffers):
-        view = memoryview(buf).cast("B")
-        if view.readonly:
-            raise InvalidArgument(f"the buffer for key {key.hex()[:16]} is read-only: pass a bytearray, array or tensor")
-        views.append(view)
-    return views
+def writable(key: bytes, buffer) -> memoryview:
+    view = memoryview(buffer).cast("B")
+    if view.readonly:
+        raise InvalidArgument(f"the buffer for key {key.hex()[:16]} is read-only: pass a bytearray, array or tensor")
+    return view
 
 
 def fit(key: bytes, size: int, view: memoryview) -> memoryview:
@@ -361,18 +427,26 @@ def fit(key: bytes, size: int, view: memoryview) -> memoryview:
     return view
 
 
-def place_streamed(blocks: list[Block | None], views: list[memoryview]) -> list[Block | None]:
-    """Copy streamed blocks into the caller's buffers (the fallback of ``get_into``)."""
-    out: list[Block | None] = []
-    for block, view in zip(blocks, views):
-        if block is None:
-            out.append(None)
-            continue
-        dst = fit(block.key, len(block.data), view)[: len(block.data)]
-        dst[:] = block.data
-        out.append(Block(block.key, dst, block.layout, block.parent, block.tier))
-    return out
+def placement(keys: Sequence[bytes], buffers: Sequence | Placement) -> Callable[[int, BlockInfo], memoryview | None]:
+    """``get_into``'s buffers as one function: index and block info to a writable view, or None to skip."""
+    if callable(buffers):
+        def place(i: int, info: BlockInfo) -> memoryview | None:
+            buffer = buffers(i, info)
+            return None if buffer is None else fit(info.key, info.size, writable(info.key, buffer))
 
+        return place
+    if len(buffers) != len(keys):
+        raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
+    views = [writable(key, buf) for key, buf in zip(keys, buffers)]
+    return lambda i, info: fit(info.key, info.size, views[i])
+
+
+def place_lookup(response: pb.LookupResponse, place: Callable[[int, BlockInfo], memoryview | None]) -> list[memoryview | None]:
+    """Where each block a Lookup leased goes (None for the others, and for those declined)."""
+    return [
+        place(i, BlockInfo.of(loc.block)) if loc.found and loc.lease_id else None
+        for i, loc in enumerate(response.blocks)
+    ]
 
 # A lease is relied on only until this margin before its deadline (client and
 # daemon share a host, so they share a clock): a read in place that finished
@@ -415,9 +489,26 @@ def leased_bytes(response: pb.LookupResponse) -> int:
     return sum(loc.block.size for loc in response.blocks if loc.found and loc.lease_id)
 
 
-def read_lookup(arena: ShmArena, response: pb.LookupResponse, into: list[memoryview] | None = None) -> ArenaRead:
-    """Copy every leased block of a Lookup out of the arena (into the caller's buffers when
-    given); None for misses and refetches."""
+def refetch_placement(
+    place: Callable[[int, BlockInfo], memoryview | None] | None, placed: list[memoryview | None] | None
+) -> Callable[[int, BlockInfo], memoryview | None] | None:
+    """Where streamed refetches go: into the buffer their arena read was placed in, if any."""
+    if place is None:
+        return None
+
+    def again(i: int, info: BlockInfo) -> memoryview | None:
+        view = placed[i] if placed is not None else None
+        return place(i, info) if view is None else fit(info.key, info.size, view)
+
+    return again
+
+
+def read_lookup(arena: ShmArena, response: pb.LookupResponse, into: list[memoryview | None] | None = None) -> ArenaRead:
+    """Copy every leased block of a Lookup out of the arena; None for misses and refetches.
+
+    ``into`` (from :func:`place_lookup`) gives the caller's buffer per block;
+    a leased block without one was declined: a miss, its lease still released.
+    """
     read = ArenaRead([], [], [])
     for i, loc in enumerate(response.blocks):
         if not loc.found:
@@ -428,7 +519,10 @@ def read_lookup(arena: ShmArena, response: pb.LookupResponse, into: list[memoryv
             read.refetch.append(i)
             continue
         read.leased.append((i, loc.lease_id))
-        data = read_located(arena, loc, None if into is None else fit(loc.block.key, loc.block.size, into[i]))
+        if into is not None and into[i] is None:
+            read.blocks.append(None)
+            continue
+        data = read_located(arena, loc, None if into is None else into[i])
         if data is None:
             read.blocks.append(None)
             read.refetch.append(i)

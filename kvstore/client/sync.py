@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -18,7 +18,7 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import index_pb2, index_pb2_grpc, kv_pb2_grpc
 from kvstore.block import TierName
 from kvstore.client import codec
-from kvstore.client.codec import Block, BlockPut, PinLease, Stats
+from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import ArenaUnusable, StrataError
 from kvstore.tiers.arena import ShmArena
 
@@ -169,27 +169,33 @@ class Client:
         """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
         return self._get(namespace, keys, None)
 
-    def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence) -> list[Block | None]:
-        """Read blocks straight into caller-owned buffers, one per key, each at least the block's size.
+    def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence | codec.Placement) -> list[Block | None]:
+        """Read blocks straight into caller-owned memory: no buffer allocated per block.
 
-        Saves allocating (and page-faulting) a fresh buffer per block: an
-        engine passes the memory the KV cache lives in. Each returned
-        ``Block.data`` is a view of the head of its buffer; None for a miss.
+        ``buffers`` is one writable buffer per key, each at least its block's
+        size, or a placement function ``place(i, info) -> buffer | None``
+        called with each found block's :class:`BlockInfo` (size, layout)
+        before its bytes are read: return a buffer of at least ``info.size``
+        bytes, or None to skip the block (it reads as a miss). An engine
+        passes the memory its KV cache lives in, sized from the layout. Each
+        returned ``Block.data`` is a view of the head of its buffer; None for
+        a miss. A block placed but then not delivered (a miss after a
+        refetch) leaves its buffer untouched.
         """
         keys = codec.check_gets(namespace, keys)
-        return self._get(namespace, keys, codec.check_buffers(keys, buffers))
+        return self._get(namespace, keys, codec.placement(keys, buffers))
 
-    def _get(self, namespace: str, keys: Sequence[bytes], views: list[memoryview] | None) -> list[Block | None]:
+    def _get(self, namespace: str, keys: Sequence[bytes], place) -> list[Block | None]:
         keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
         arena = self._arena_or_none()
         if arena is None:
-            blocks = self._get_streamed(namespace, keys)
-            return blocks if views is None else codec.place_streamed(blocks, views)
+            return self._get_streamed(namespace, keys, place)
         response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
         received = codec.now_ms()
-        read = codec.read_lookup(arena, response, views)
+        placed = None if place is None else codec.place_lookup(response, place)
+        read = codec.read_lookup(arena, response, placed)
         if read.leased:
             release = pb.ReleaseRequest(lease_ids=read.lease_ids())
             if codec.lease_held(response.lease_deadline_unix_ms, received):
@@ -197,9 +203,9 @@ class Client:
             else:
                 codec.drop_expired(read, self._call("Release", release).valid)
         if read.refetch:
-            again = self._get_streamed(namespace, [keys[i] for i in read.refetch])
-            if views is not None:
-                again = codec.place_streamed(again, [views[i] for i in read.refetch])
+            again = self._get_streamed(
+                namespace, [keys[i] for i in read.refetch], codec.refetch_placement(place, placed), read.refetch
+            )
             for i, block in zip(read.refetch, again):
                 read.blocks[i] = block
         return read.blocks
@@ -210,9 +216,9 @@ class Client:
             self._releases.popleft()
         self._releases.append(self._stub.Release.future(request, timeout=self.timeout))
 
-    def _get_streamed(self, namespace: str, keys: list[bytes]) -> list[Block | None]:
+    def _get_streamed(self, namespace: str, keys: list[bytes], place=None, indices=None) -> list[Block | None]:
         def once() -> list[Block | None]:
-            assembler = codec.GetAssembler()
+            assembler = codec.GetAssembler(place, indices)
             for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
                 assembler.feed(msg)
             return assembler.finish()
@@ -260,6 +266,24 @@ class Client:
         """For each block of the chain, the nodes that hold it now (live, current epoch)."""
         request = codec.chain_request(index_pb2.HoldersRequest, namespace, keys, tokens, block_size, hash_seed, lora_name, cache_salt)
         return codec.parse_holders(self._retrying("Holders", lambda: self._index.Holders(request, timeout=self.timeout)))
+
+    def list_blocks(self, namespace: str, prefix: bytes = b"", *, page_size: int = 0, page_token: bytes = b"") -> ListPage:
+        """One page of the namespace's keys starting with ``prefix``, in byte order.
+
+        Pass ``next_page_token`` back for the next page (empty after the last).
+        ``page_size`` 0 is the daemon's default (1000); at most 10000.
+        """
+        return codec.parse_list(self._call("List", codec.list_request(namespace, prefix, page_size, page_token)))
+
+    def iter_blocks(self, namespace: str, prefix: bytes = b"", *, page_size: int = 0) -> Iterator[Listed]:
+        """Every block of the namespace whose key starts with ``prefix``, page by page."""
+        token = b""
+        while True:
+            page = self.list_blocks(namespace, prefix, page_size=page_size, page_token=token)
+            yield from page.blocks
+            token = page.next_page_token
+            if not token:
+                return
 
     def stats(self, namespace: str = "") -> Stats:
         return codec.parse_stats(self._call("Stats", pb.StatsRequest(namespace=namespace)))

@@ -21,9 +21,14 @@ the model name, so models never see each other's blocks. The block's
 which ``get`` rebuilds it exactly, partial last chunks included.
 
 Bytes. On the daemon's host the client copies between LMCache's MemoryObj
-buffers and the daemon's shared-memory arena (one copy each way: ``get``
-reads straight into a buffer from ``local_cpu_backend.allocate``); elsewhere
-it streams over gRPC. Both are the client's choice, not this module's.
+buffers and the daemon's shared-memory arena, one copy each way; elsewhere
+it streams over gRPC (the client's choice, not this module's). ``get``
+learns each block's size and layout from the daemon before any byte moves,
+allocates a MemoryObj of exactly that layout from ``local_cpu_backend``
+(a short last chunk included) and has the bytes read straight into it.
+
+``list`` names every LMCache chunk the daemon holds, as the key strings
+``CacheEngineKey.from_string`` reads back.
 
 A down daemon is a miss, never a hang: every call has a short deadline, and
 after the daemon is found unreachable the connector answers misses (and
@@ -54,12 +59,11 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.block import MAX_KEY_BYTES, MAX_NAMESPACE_CHARS, validate_namespace
-from kvstore.client import AsyncClient, Block, BlockPut, Client
+from kvstore.client import AsyncClient, BlockInfo, BlockPut, Client
 from kvstore.errors import (
     CorruptBlock,
     DaemonUnavailable,
     DeadlineExceeded,
-    InvalidArgument,
     InvalidNamespace,
     ResourceExhausted,
     StrataError,
@@ -72,8 +76,6 @@ T = TypeVar("T")
 
 DEFAULT_PLUGIN_NAME = "strata"
 LAYOUT_VERSION = "lmcache/1"
-# Copies larger than this leave LMCache's event loop for a worker thread.
-OFF_LOOP_BYTES = 1 << 20
 # Errors that say the daemon itself is gone or stuck (not a refusal of one call).
 DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)
 # Errors after which a read is a miss: the daemon refused for now, or the bytes were bad.
@@ -301,7 +303,6 @@ class StrataConnector(RemoteConnector):
         self.local_cpu_backend = local_cpu_backend
         name = plugin_name or plugin_name_of(config, type(self))
         self.settings = PluginSettings.from_extra_config(getattr(config, "extra_config", None), name)
-        self._full_chunk = _full_chunk_layout(metadata)
         self._health = DaemonHealth(self.settings.down_backoff_s)
         self._aio: AsyncClient | None = None
         self._sync: Client | None = None
@@ -454,79 +455,55 @@ class StrataConnector(RemoteConnector):
         return objs[:hits]
 
     async def _read(self, namespace: str, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Read blocks straight into full-chunk MemoryObjs when the chunk geometry is known
-        (one copy from the arena); a block of another shape (a partial last chunk) is moved
-        into a MemoryObj of its own shape."""
+        """Read blocks straight into MemoryObjs: the daemon names each found block's size
+        and layout first, a MemoryObj of exactly that layout is allocated (a partial last
+        chunk included), and the bytes are copied into it once."""
         client = self._async_client()
-        skeys = [block_key(k) for k in keys]
-        guesses = self._allocate_full_chunks(len(keys))
-        blocks = None
+        objs: list[MemoryObj | None] = [None] * len(keys)
+
+        def place(i: int, info: BlockInfo):
+            obj = objs[i]
+            if obj is None:  # a retried read lands in the same MemoryObj
+                obj = objs[i] = self._allocate_for(keys[i], info)
+            return None if obj is None else obj.byte_array
+
         try:
-            if guesses is not None:
-                try:
-                    blocks = await self._guard(client.get_into(namespace, skeys, [g.byte_array for g in guesses]), None)
-                except InvalidArgument:  # a block larger than a full chunk: not this model's geometry
-                    _release(guesses)
-                    guesses = None
-            if guesses is None:
-                blocks = await self._guard(client.get_many(namespace, skeys), None)
+            blocks = await self._guard(client.get_into(namespace, [block_key(k) for k in keys], place), None)
         except READ_MISS as err:
             log.warning("Strata read of %d chunks failed (%s): misses", len(keys), err)
+            blocks = None
         except BaseException:
-            _release(guesses)
+            _release(objs)
             raise
         if blocks is None:
-            _release(guesses)
+            _release(objs)
             return [None] * len(keys)
         out: list[MemoryObj | None] = []
-        for i, (key, block) in enumerate(zip(keys, blocks)):
-            try:
-                out.append(await self._rebuild(key, block, None if guesses is None else guesses[i]))
-            except BaseException:
-                _release(out)
-                _release(guesses[i:] if guesses is not None else None)
-                raise
+        for obj, block in zip(objs, blocks):
+            if block is None:
+                _release([obj])  # placed, then not delivered
+                out.append(None)
+            else:
+                out.append(obj)
         return out
 
-    async def _rebuild(self, key: CacheEngineKey, block: Block | None, guess: MemoryObj | None) -> MemoryObj | None:
-        """The MemoryObj of one block; consumes ``guess`` (returned, or given back)."""
-        if block is None:
-            _release([guess])
-            return None
+    def _allocate_for(self, key: CacheEngineKey, info: BlockInfo) -> MemoryObj | None:
+        """A MemoryObj for one block, from its layout; None (a miss) when it cannot be had."""
         try:
-            layout = ChunkLayout.decode(block.layout)
+            layout = ChunkLayout.decode(info.layout)
         except ValueError as err:
             log.warning("Strata block %s is not a LMCache chunk (%s); treating it as a miss", key.to_string(), err)
-            _release([guess])
             return None
-        if guess is not None and layout == self._full_chunk and guess.get_size() == len(block.data):
-            return guess
         obj = self.local_cpu_backend.allocate(list(layout.shapes), list(layout.dtypes), layout.fmt, busy_loop=False)
         if obj is None:
             log.debug("no local CPU memory for chunk %s: miss", key.to_string())
-        elif obj.get_size() != len(block.data):
-            log.warning("Strata block %s holds %d bytes but its layout %s needs %d: miss",
-                        key.to_string(), len(block.data), block.layout, obj.get_size())
-            _release([obj])
-            obj = None
-        else:
-            await _copy(obj.byte_array.cast("B"), block.data)
-        _release([guess])  # after the copy: block.data may be a view of it
-        return obj
-
-    def _allocate_full_chunks(self, n: int) -> list[MemoryObj] | None:
-        """``n`` full-chunk MemoryObjs to read into, or None (geometry unknown, or no memory)."""
-        layout = self._full_chunk
-        if layout is None:
             return None
-        objs: list[MemoryObj] = []
-        for _ in range(n):
-            obj = self.local_cpu_backend.allocate(list(layout.shapes), list(layout.dtypes), layout.fmt, busy_loop=False)
-            if obj is None:
-                _release(objs)
-                return None
-            objs.append(obj)
-        return objs
+        if obj.get_size() != info.size:
+            log.warning("Strata block %s holds %d bytes but its layout %s needs %d: miss",
+                        key.to_string(), info.size, info.layout, obj.get_size())
+            _release([obj])
+            return None
+        return obj
 
     # ---- the rest of the interface --------------------------------------------
 
@@ -537,9 +514,35 @@ class StrataConnector(RemoteConnector):
         return self._guard_sync(lambda: self._sync_client().delete(namespace, [skey]), 0) > 0
 
     async def list(self) -> list[str]:
-        """Always empty: Strata addresses blocks and has no key listing (LMCache lists
-        keys only in its file-system chunk loader)."""
-        return []
+        """The key strings (``CacheEngineKey.to_string()``) of every LMCache chunk the daemon
+        holds: in the configured namespace, or in every namespace when there is one per model.
+        Blocks that are not LMCache chunks are left out; empty when the daemon is down."""
+        if not self._usable():
+            return []
+        client = self._async_client()
+        if self.settings.namespace:
+            namespaces = [self.settings.namespace]
+        else:
+            stats = await self._guard(client.stats(), None)
+            namespaces = [] if stats is None else stats.namespaces
+        keys: list[str] = []
+        for namespace in namespaces:
+            listed = await self._guard(self._list_namespace(client, namespace), None)
+            keys += listed or []
+        return keys
+
+    @staticmethod
+    async def _list_namespace(client: AsyncClient, namespace: str) -> list[str]:
+        keys = []
+        async for block in client.iter_blocks(namespace):
+            if block.key.startswith(b"#"):
+                continue  # a digest of a long key: not invertible
+            try:
+                ChunkLayout.decode(block.layout)
+            except ValueError:
+                continue  # not written by this plugin
+            keys.append(block.key.decode())
+        return keys
 
     def support_ping(self) -> bool:
         return True
@@ -574,14 +577,6 @@ class StrataConnector(RemoteConnector):
 # ---- helpers -------------------------------------------------------------------
 
 
-def _full_chunk_layout(metadata) -> ChunkLayout | None:
-    """The layout of a full chunk as LMCache's engine allocates it (MLA or 2LTD)."""
-    if metadata is None:
-        return None
-    fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
-    return ChunkLayout(tuple(torch.Size(s) for s in metadata.get_shapes()), tuple(metadata.get_dtypes()), fmt)
-
-
 def _namespace_runs(items: Sequence, namespace_of_item: Callable) -> list[tuple[str, list]]:
     """Consecutive items of one namespace, in order (all of them, for one model)."""
     runs: list[tuple[str, list]] = []
@@ -598,10 +593,3 @@ def _release(objs: Sequence[MemoryObj | None] | None) -> None:
     for obj in objs or ():
         if obj is not None:
             obj.ref_count_down()
-
-
-async def _copy(dst: memoryview, src) -> None:
-    if len(src) > OFF_LOOP_BYTES:
-        await asyncio.to_thread(dst.__setitem__, slice(0, len(src)), src)
-    else:
-        dst[: len(src)] = src

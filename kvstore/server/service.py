@@ -187,6 +187,12 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
         return pb.UnpinResponse(released=self._store.unpin(request.lease_id))
 
+    def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
+        page, token = self._store.list_keys(request.namespace, request.prefix, request.page_size, request.page_token)
+        return pb.ListResponse(
+            blocks=[pb.Listed(block=_header(b.key, b.meta), tier=int(b.tier)) for b in page], next_page_token=token
+        )
+
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         s = self._store.stats(request.namespace)
         return pb.StatsResponse(

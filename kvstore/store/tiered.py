@@ -27,11 +27,22 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
+from sortedcontainers import SortedList
+
+from kvstore.block import (
+    MAX_KEY_BYTES,
+    BlockKey,
+    BlockMeta,
+    TierName,
+    checksum,
+    copy_and_checksum,
+    validate_key,
+    validate_namespace,
+)
 from kvstore.errors import (
     BlockTooLarge,
     CorruptBlock,
@@ -49,6 +60,9 @@ from kvstore.tiers.ram import HostRamTier
 log = logging.getLogger(__name__)
 
 HOST, DISK = TierName.HOST, TierName.DISK
+
+DEFAULT_LIST_PAGE = 1000
+MAX_LIST_PAGE = 10000
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +120,13 @@ class SlotGrant:
 
 
 @dataclass(frozen=True, slots=True)
+class Listed:
+    key: bytes
+    meta: BlockMeta
+    tier: TierName
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     tiers: list[TierStats]
     blocks: int
@@ -148,7 +169,8 @@ class TieredStore:
         self._entries: dict[BlockKey, _Entry] = {}
         self._children: dict[BlockKey, set[BlockKey]] = {}
         self._lru: dict[TierName, OrderedDict[BlockKey, None]] = {HOST: OrderedDict(), DISK: OrderedDict()}
-        self._ns_blocks: Counter[str] = Counter()
+        # Each namespace's keys in byte order: block counts and paged listings.
+        self._ns_keys: dict[str, SortedList] = {}
         self._leases = LeaseTable(limits.max_leases)
         self._disk_unhealthy_until = 0.0
         self._demoting = 0  # blocks marked for demotion, queued or being written
@@ -501,6 +523,41 @@ class TieredStore:
             self._cond.notify_all()
         return deleted
 
+    def list_keys(self, namespace: str, prefix: bytes = b"", page_size: int = 0, page_token: bytes = b"") -> tuple[list[Listed], bytes]:
+        """One page of a namespace's keys that start with ``prefix``, in byte order.
+
+        Returns the page and the token of the next one (empty after the last
+        page). The token is the last key returned, so a listing resumes where
+        it stopped whatever was stored or evicted in between.
+        """
+        if len(prefix) > MAX_KEY_BYTES:
+            raise InvalidArgument(f"list prefix is {len(prefix)} bytes; keys have at most {MAX_KEY_BYTES}")
+        if page_size > MAX_LIST_PAGE:
+            raise InvalidArgument(f"list page_size {page_size} is over the limit of {MAX_LIST_PAGE}: ask for smaller pages")
+        if page_token and (len(page_token) > MAX_KEY_BYTES or not page_token.startswith(prefix)):
+            raise InvalidArgument(
+                "page_token was not issued for this listing's prefix: pass back next_page_token unchanged, "
+                "with the same prefix, or none to start over"
+            )
+        page_size = page_size or DEFAULT_LIST_PAGE
+        with self._cond:
+            self._known_namespace(namespace)
+            keys = self._ns_keys.get(namespace)
+            if keys is None:
+                return [], b""
+            start = page_token or prefix
+            page: list[Listed] = []
+            for k in keys.irange(minimum=start, inclusive=(not page_token, True)):
+                if not k.startswith(prefix):
+                    return page, b""
+                entry = self._entries[BlockKey(namespace, k)]
+                if entry.deleted or not entry.tiers:
+                    continue
+                if len(page) == page_size:
+                    return page, page[-1].key
+                page.append(Listed(k, entry.meta, entry.best_tier))
+            return page, b""
+
     def pin(self, namespace: str, keys: list[bytes], lease_s: float | None = None) -> tuple[Lease, list[bytes]]:
         """Protect present blocks from eviction until the lease ends; returns (lease, missing keys)."""
         self.check_batch(keys)
@@ -539,11 +596,11 @@ class TieredStore:
             if namespace:
                 self._known_namespace(namespace)
                 pinned = sum(1 for k, e in self._entries.items() if e.pins and k.namespace == namespace)
-                blocks = self._ns_blocks[namespace]
+                blocks = len(self._ns_keys.get(namespace, ()))
                 namespaces = [namespace]
             else:
                 pinned = sum(1 for e in self._entries.values() if e.pins)
-                blocks = sum(self._ns_blocks.values())
+                blocks = len(self._entries)
                 namespaces = sorted(self._namespaces)
             return StoreStats(
                 tiers=self.tier_stats(),
@@ -666,7 +723,7 @@ class TieredStore:
             entry = _Entry(meta, {HOST})
             self._entries[key] = entry
             self._lru[HOST][key] = None
-            self._ns_blocks[key.namespace] += 1
+            self._index_key_locked(key)
             if meta.parent:
                 self._children.setdefault(BlockKey(key.namespace, meta.parent), set()).add(key)
             self.metrics.bytes_in.labels("host").inc(meta.size)
@@ -941,7 +998,10 @@ class TieredStore:
         entry.tiers.clear()
         del self._entries[key]
         self._publish_locked(key, None)
-        self._ns_blocks[key.namespace] -= 1
+        keys = self._ns_keys[key.namespace]
+        keys.remove(key.key)
+        if not keys:
+            del self._ns_keys[key.namespace]
         if entry.meta.parent:
             parent = BlockKey(key.namespace, entry.meta.parent)
             siblings = self._children.get(parent)
@@ -950,6 +1010,12 @@ class TieredStore:
                 if not siblings:
                     del self._children[parent]
         self._cond.notify_all()
+
+    def _index_key_locked(self, key: BlockKey) -> None:
+        keys = self._ns_keys.get(key.namespace)
+        if keys is None:
+            keys = self._ns_keys[key.namespace] = SortedList()
+        keys.add(key.key)
 
     def _publish_locked(self, key: BlockKey, entry: _Entry | None) -> None:
         if self._listener is not None:
@@ -991,7 +1057,7 @@ class TieredStore:
                 continue
             self._entries[key] = _Entry(meta, {DISK})
             self._lru[DISK][key] = None
-            self._ns_blocks[key.namespace] += 1
+            self._index_key_locked(key)
             self._namespaces.add(key.namespace)
             if meta.parent:
                 self._children.setdefault(BlockKey(key.namespace, meta.parent), set()).add(key)

@@ -275,6 +275,34 @@ class UnpinResponse(_message.Message):
     released: bool
     def __init__(self, released: bool = ...) -> None: ...
 
+class ListRequest(_message.Message):
+    __slots__ = ("namespace", "prefix", "page_size", "page_token")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prefix: bytes
+    page_size: int
+    page_token: bytes
+    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[bytes] = ..., page_size: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+
+class Listed(_message.Message):
+    __slots__ = ("block", "tier")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    block: BlockHeader
+    tier: Tier
+    def __init__(self, block: _Optional[_Union[BlockHeader, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("blocks", "next_page_token")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[Listed]
+    next_page_token: bytes
+    def __init__(self, blocks: _Optional[_Iterable[_Union[Listed, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("namespace",)
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class KVServiceStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.List = channel.unary_unary(
+                '/strata.kv.v1.KVService/List',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.ListRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.ListResponse.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/strata.kv.v1.KVService/Attach',
                 request_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.AttachRequest.SerializeToString,
@@ -141,6 +146,12 @@ class KVServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,6 +230,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.StatsResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.ListRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.ListResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -440,6 +456,33 @@ class KVService(object):
             '/strata.kv.v1.KVService/Stats',
             kvstore_dot_api_dot_v1_dot_kv__pb2.StatsRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_kv__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.kv.v1.KVService/List',
+            kvstore_dot_api_dot_v1_dot_kv__pb2.ListRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kv__pb2.ListResponse.FromString,
             options,
             channel_credentials,
             insecure,
