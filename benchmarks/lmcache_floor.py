@@ -26,7 +26,10 @@ class InProcessFloor(RemoteConnector):
             super().__init__(config, metadata)
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self._chunks: dict = {}  # CacheEngineKey -> (shapes, dtypes, fmt, tensor)
+        self._chunks: dict = {}  # CacheEngineKey -> (shapes, dtypes, fmt, bytearray)
+        # Buffers of cleared chunks, reused by later puts: a copy into memory
+        # already mapped, as a long-running store's would be.
+        self._free: dict[int, list[bytearray]] = {}
         self._lock = threading.Lock()
 
     # ---- lookups -----------------------------------------------------------
@@ -65,9 +68,13 @@ class InProcessFloor(RemoteConnector):
             meta = obj.meta
             shapes = meta.shapes if meta.shapes else [meta.shape]
             dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
-            chunk = (list(shapes), list(dtypes), obj.get_memory_format(), obj.byte_array.tobytes())
+            src = obj.byte_array.cast("B")
             with self._lock:
-                self._chunks[key] = chunk
+                pool = self._free.get(len(src))
+                buf = pool.pop() if pool else bytearray(len(src))
+            buf[:] = src
+            with self._lock:
+                self._chunks[key] = (list(shapes), list(dtypes), obj.get_memory_format(), buf)
 
     # ---- reads: one copy -----------------------------------------------------
 
@@ -109,9 +116,12 @@ class InProcessFloor(RemoteConnector):
             return self._chunks.pop(key, None) is not None
 
     def clear(self, keys) -> None:
+        """Forget these chunks, keeping their buffers for later puts."""
         with self._lock:
             for key in keys:
-                self._chunks.pop(key, None)
+                chunk = self._chunks.pop(key, None)
+                if chunk is not None:
+                    self._free.setdefault(len(chunk[3]), []).append(chunk[3])
 
     async def list(self) -> list[str]:
         return [key.to_string() for key in list(self._chunks)]

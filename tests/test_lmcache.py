@@ -286,6 +286,24 @@ def test_connector_contracts_on_the_engines_cpu_backend(make_daemon):
             loop.close()
 
 
+def test_chunks_stored_through_lmcache_are_found_in_the_shared_prefix_index(make_daemon, redis_url):
+    """Another node asks the Redis index who holds a sequence's chunks (a P/D handoff or
+    a router) and is told the node the engine stored them on."""
+    holder = make_daemon(node_id="prefill-0", index_url=redis_url)
+    other = make_daemon(node_id="decode-0", index_url=redis_url)
+    with Engine(holder.target) as e:
+        e.store(kv_source())
+        wait_for_blocks(holder.target, CHUNKS)
+        keys = [block_key(k) for k in chunk_keys(e)]
+    with Client(other.target) as c:
+        def holders():
+            return [[h.node_id for h in hs] for hs in c.holders(namespace_of(MODEL), keys=keys)]
+
+        wait_until(lambda: holders() == [["prefill-0"]] * CHUNKS, what="the chunks to be published to the index")
+        [best, *_] = c.score(namespace_of(MODEL), keys=keys)
+        assert (best.node_id, best.blocks) == ("prefill-0", CHUNKS)
+
+
 # ---- other processes, restarts, a daemon that is gone ----------------------------
 
 
