@@ -4,6 +4,7 @@
     strata kv put NS KEY [FILE]      store a block (FILE or stdin)
     strata kv get NS KEY [-o FILE]   read a block (to FILE or stdout)
     strata kv stat NS KEY...         which tier holds each block
+    strata kv list NS [--prefix P]   keys in byte order, with size and tier
     strata kv delete NS KEY...       remove blocks
     strata stats                     tier usage, blocks, leases
     strata index lookup NS KEY...    nodes ranked by the cached prefix they hold (or --tokens)
