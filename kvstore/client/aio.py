@@ -256,8 +256,12 @@ class AsyncClient:
             "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
         )
         received = codec.now_ms()
-        placed = None if place is None else codec.place_lookup(response, place)
-        read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response, placed)
+        try:
+            placed = None if place is None else codec.place_lookup(response, place)
+            read = await self._off_loop(codec.leased_bytes(response), codec.read_lookup, arena, response, placed)
+        except BaseException:  # a placement refused, or cancelled: give the read leases back now
+            self._release_later(pb.ReleaseRequest(lease_ids=codec.lookup_lease_ids(response)))
+            raise
         if read.leased:
             release = pb.ReleaseRequest(lease_ids=read.lease_ids())
             if codec.lease_held(response.lease_deadline_unix_ms, received):

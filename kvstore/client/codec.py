@@ -214,7 +214,6 @@ class GetAssembler:
         self._indices = indices
         self._header: pb.GetHeader | None = None
         self._buf: bytearray | memoryview | None = None
-        self._skip = False
         self._filled = 0
 
     def feed(self, msg: pb.GetResponse) -> None:
@@ -447,6 +446,11 @@ def place_lookup(response: pb.LookupResponse, place: Callable[[int, BlockInfo], 
         place(i, BlockInfo.of(loc.block)) if loc.found and loc.lease_id else None
         for i, loc in enumerate(response.blocks)
     ]
+
+
+def lookup_lease_ids(response: pb.LookupResponse) -> list[int]:
+    return [loc.lease_id for loc in response.blocks if loc.found and loc.lease_id]
+
 
 # A lease is relied on only until this margin before its deadline (client and
 # daemon share a host, so they share a clock): a read in place that finished

@@ -180,7 +180,8 @@ class Client:
         passes the memory its KV cache lives in, sized from the layout. Each
         returned ``Block.data`` is a view of the head of its buffer; None for
         a miss. A block placed but then not delivered (a miss after a
-        refetch) leaves its buffer untouched.
+        refetch) leaves its buffer untouched. A block whose read is retried
+        may be placed again: return the same buffer for the same index.
         """
         keys = codec.check_gets(namespace, keys)
         return self._get(namespace, keys, codec.placement(keys, buffers))
@@ -194,8 +195,12 @@ class Client:
             return self._get_streamed(namespace, keys, place)
         response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
         received = codec.now_ms()
-        placed = None if place is None else codec.place_lookup(response, place)
-        read = codec.read_lookup(arena, response, placed)
+        try:
+            placed = None if place is None else codec.place_lookup(response, place)
+            read = codec.read_lookup(arena, response, placed)
+        except BaseException:  # a placement refused: give the read leases back now
+            self._release_later(pb.ReleaseRequest(lease_ids=codec.lookup_lease_ids(response)))
+            raise
         if read.leased:
             release = pb.ReleaseRequest(lease_ids=read.lease_ids())
             if codec.lease_held(response.lease_deadline_unix_ms, received):
