@@ -75,6 +75,8 @@ class BlockInfo:
 # get_into's placement: for the i-th key's found block, the writable buffer to
 # read it into (at least info.size bytes), or None to skip it (a miss).
 Placement = Callable[[int, BlockInfo], object | None]
+# The same after the client has checked the buffer: a view of it, fitted.
+Place = Callable[[int, BlockInfo], memoryview | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +209,7 @@ class GetAssembler:
     indices); a block it declines (None) is read and dropped, a miss.
     """
 
-    def __init__(self, place: Callable[[int, BlockInfo], memoryview | None] | None = None,
+    def __init__(self, place: Place | None = None,
                  indices: Sequence[int] | None = None) -> None:
         self.blocks: list[Block | None] = []
         self._place = place
@@ -426,7 +428,7 @@ def fit(key: bytes, size: int, view: memoryview) -> memoryview:
     return view
 
 
-def placement(keys: Sequence[bytes], buffers: Sequence | Placement) -> Callable[[int, BlockInfo], memoryview | None]:
+def placement(keys: Sequence[bytes], buffers: Sequence | Placement) -> Place:
     """``get_into``'s buffers as one function: index and block info to a writable view, or None to skip."""
     if callable(buffers):
         def place(i: int, info: BlockInfo) -> memoryview | None:
@@ -440,7 +442,7 @@ def placement(keys: Sequence[bytes], buffers: Sequence | Placement) -> Callable[
     return lambda i, info: fit(info.key, info.size, views[i])
 
 
-def place_lookup(response: pb.LookupResponse, place: Callable[[int, BlockInfo], memoryview | None]) -> list[memoryview | None]:
+def place_lookup(response: pb.LookupResponse, place: Place) -> list[memoryview | None]:
     """Where each block a Lookup leased goes (None for the others, and for those declined)."""
     return [
         place(i, BlockInfo.of(loc.block)) if loc.found and loc.lease_id else None
@@ -494,8 +496,8 @@ def leased_bytes(response: pb.LookupResponse) -> int:
 
 
 def refetch_placement(
-    place: Callable[[int, BlockInfo], memoryview | None] | None, placed: list[memoryview | None] | None
-) -> Callable[[int, BlockInfo], memoryview | None] | None:
+    place: Place | None, placed: list[memoryview | None] | None
+) -> Place | None:
     """Where streamed refetches go: into the buffer their arena read was placed in, if any."""
     if place is None:
         return None
