@@ -147,6 +147,9 @@ def test_cli_against_a_running_daemon(daemon_process, tmp_path):
     assert r.returncode == 0 and b"stored 5 new blocks" in r.stdout
     r = run("kv", "list", "m", "--prefix", "f", "--limit", "3")
     assert r.returncode == 0 and r.stdout == b"f0\t1000\thost\nf1\t1000\thost\nf2\t1000\thost\n"
+    many = subprocess.Popen([*cli, "kv", "list", "m", "--target", daemon.target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    many.stdout.close()  # as `| head -0` would: the listing meets a closed pipe
+    assert many.wait(timeout=60) == 0 and b"Traceback" not in many.stderr.read()
     r = run("kv", "list", "m", "--json")
     assert [json.loads(line)["key"] for line in r.stdout.splitlines()] == ["blob", "f0", "f1", "f2", "f3", "f4"]
 

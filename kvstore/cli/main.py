@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     except StrataError as err:
         print(f"strata {args.command}: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as ls and cat do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
