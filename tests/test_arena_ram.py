@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.block import BlockKey, BlockMeta, checksum
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
-from kvstore.tiers.arena import HEADER_BYTES, MAGIC, ArenaMismatch, ShmArena
+from kvstore.shm.arena import HEADER_BYTES, MAGIC, ArenaMismatch, ShmArena
 from kvstore.tiers.ram import HostRamTier
 
 PAGE = 4096
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 # A client process: attach, write bytes at an offset, close without unlinking.
 CHILD_WRITER = """
 import sys
-from kvstore.tiers.arena import ShmArena
+from kvstore.shm.arena import ShmArena
 path, token, offset, payload = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
 arena = ShmArena.attach(path, token)
 view = arena.view(offset, len(payload))

@@ -390,7 +390,7 @@ def test_arena_read_refetches_unplaced_torn_and_expired_blocks(tmp_path):
     """The Lookup handling both clients share: what is read in place, what is streamed again."""
     from kvstore.api.v1 import kv_pb2 as pb
     from kvstore.block import checksum
-    from kvstore.tiers.arena import ShmArena
+    from kvstore.shm.arena import ShmArena
 
     arena = ShmArena.create(1 << 16, str(tmp_path), "arena")
     try:

@@ -149,7 +149,7 @@ def test_commit_of_unknown_or_committed_slot(daemon):
         with pytest.raises(grpc.RpcError) as info:
             s.Commit(request)
         assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        from kvstore.server.status import from_rpc_error
+        from kvstore.rpc.status import from_rpc_error
 
         assert type(from_rpc_error(info.value)) is cls
     assert Client(daemon.target, use_shm=False).get("m", b"s") == b"0123456789"

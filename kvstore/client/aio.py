@@ -31,7 +31,7 @@ from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import ArenaUnusable, StrataError
-from kvstore.tiers.arena import ShmArena
+from kvstore.shm.arena import ShmArena
 
 OFF_LOOP_BYTES = 1 << 20
 # Streamed Puts in flight per client; each holds a gRPC thread feeding it.

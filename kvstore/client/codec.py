@@ -16,8 +16,8 @@ import grpc
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
 from kvstore.errors import ArenaUnusable, CorruptBlock, InvalidArgument, LeaseExpired, DaemonUnavailable, ResourceExhausted, StrataError
-from kvstore.server.status import from_rpc_error
-from kvstore.tiers.arena import ArenaMismatch, ShmArena
+from kvstore.rpc.status import from_rpc_error
+from kvstore.shm.arena import ArenaMismatch, ShmArena
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 One interceptor, so that no handler can forget: it refuses work beyond the
 in-flight limit (RESOURCE_EXHAUSTED with a retry delay) and work whose
 deadline has already passed, times each RPC, and turns Strata errors into
-statuses through :mod:`kvstore.server.status`. An unexpected exception
+statuses through :mod:`kvstore.rpc.status`. An unexpected exception
 becomes INTERNAL and a log line; it never takes the daemon down.
 
 Health and reflection are not throttled: an overloaded daemon must still
@@ -20,7 +20,7 @@ import grpc
 
 from kvstore.errors import DeadlineExceeded, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
-from kvstore.server.status import code_for, to_status
+from kvstore.rpc.status import code_for, to_status
 
 log = logging.getLogger(__name__)
 

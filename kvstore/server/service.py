@@ -13,7 +13,7 @@ from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.errors import BlockTooLarge, InvalidArgument
 from kvstore.node import NodeIdentity
 from kvstore.store.tiered import TieredStore
-from kvstore.tiers.arena import ShmArena
+from kvstore.shm.arena import ShmArena
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:

@@ -1,6 +1,6 @@
 """The host-RAM tier: blocks are extents of one shared-memory arena.
 
-All block bytes live in a single :class:`~kvstore.tiers.arena.ShmArena`, carved
+All block bytes live in a single :class:`~kvstore.shm.arena.ShmArena`, carved
 by an :class:`~kvstore.tiers.allocator.ExtentAllocator`. Keeping them in the
 arena (rather than in Python ``bytes`` objects) is what lets a same-host
 client read or write a block in place: the daemon tells it an offset, never
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull
 from kvstore.tiers.allocator import ExtentAllocator
-from kvstore.tiers.arena import ShmArena
+from kvstore.shm.arena import ShmArena
 from kvstore.tiers.base import Tier, TierStats
 
 

@@ -1,0 +1,1 @@
+"""What every RPC surface shares: the mapping between Strata errors and gRPC statuses."""

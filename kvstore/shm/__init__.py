@@ -1,0 +1,1 @@
+"""Shared memory that the daemon, its tiers and same-host clients all map."""
