@@ -12,7 +12,8 @@ says what was wrong and what to do about it.
     ├── LeaseError                  FAILED_PRECONDITION
     │   ├── LeaseExpired            lease or slot deadline passed
     │   ├── UnknownLease            lease or slot id never issued, or released
-    │   └── SlotAlreadyCommitted    a second commit of the same slot
+    │   ├── SlotAlreadyCommitted    a second commit of the same slot
+    │   └── LeaseOwnedElsewhere     a lease or slot ended by a client other than its owner
     ├── ResourceExhausted           RESOURCE_EXHAUSTED, carries retry_after_s
     │   ├── TierFull                no space even after eviction
     │   └── Overloaded              too many requests in flight
@@ -70,6 +71,10 @@ class UnknownLease(LeaseError):
 
 
 class SlotAlreadyCommitted(LeaseError):
+    pass
+
+
+class LeaseOwnedElsewhere(LeaseError):
     pass
 
 

@@ -181,7 +181,7 @@ def test_read_through_an_expired_lease_is_discarded_and_refetched(make_daemon):
 def test_client_falls_back_to_streaming_when_the_arena_cannot_be_mapped(daemon, tmp_path):
     with Client(daemon.target) as c:
         c.put("m", b"x", b"y" * 1000)
-    arena = Path(daemon.store._ram.arena.path)
+    arena = Path(daemon.store.head.arena.path)
     hidden = arena.with_name("moved-away")
     arena.rename(hidden)  # as seen from another host: no such file
     try:
@@ -398,6 +398,6 @@ def test_a_daemon_that_cannot_start_says_why_and_leaves_nothing(make_daemon, tmp
     with pytest.raises(DaemonError, match="pick a free address with --listen"):
         make_daemon(listen=first.target)
     arenas = sorted(p.name for p in tmp_path.glob("strata-*"))
-    assert arenas == [Path(first.store._ram.arena.path).name]  # the failed one's arena is gone
+    assert arenas == [Path(first.store.head.arena.path).name]  # the failed one's arena is gone
     second = make_daemon(disk_dir=str(tmp_path / "d1"))  # and its directory lock was released
     assert second.port

@@ -56,7 +56,7 @@ def make_store(tmp_path, clock):
         limits.setdefault("demotion_threads", 0)
         ram = HostRamTier(ram_mib * MiB, shm_dir=str(tmp_path), arena_name=f"arena{len(stores)}")
         disk = DiskTier(disk_dir or tmp_path / f"disk{len(stores)}", disk_mib * MiB) if disk_mib else None
-        store = TieredStore(ram, disk, limits=StoreLimits(**limits), clock=clock)
+        store = TieredStore([ram] + ([disk] if disk else []), limits=StoreLimits(**limits), clock=clock)
         stores.append(store)
         return store
 
@@ -180,7 +180,7 @@ def test_slots_commit_once_and_expire(make_store, clock):
     store = make_store(lease_s=5)
     data = value(7)
     [grant] = store.allocate("m", [(b"s", len(data), None, "fp16")])
-    view = store._ram.view(grant.offset, grant.size)
+    view = store.head.view(grant.offset, grant.size)
     view[:] = data
     view.release()
     assert store.commit([(grant.slot_id, checksum(data))]) == [(BlockKey("m", b"s"), True, HOST)]
@@ -232,7 +232,7 @@ def test_lookup_promotes_disk_blocks_into_the_arena(make_store):
     assert on_disk
     [loc] = store.lookup("m", [b"k%d" % on_disk[0]])
     assert loc.tier is DISK and loc.lease_id
-    view = store._ram.view(loc.offset, loc.meta.size)
+    view = store.head.view(loc.offset, loc.meta.size)
     assert bytes(view) == value(on_disk[0])
     view.release()
     store.release([loc.lease_id])
@@ -244,7 +244,7 @@ def test_deleting_a_block_being_read_waits_for_the_reader(make_store):
     [loc] = store.lookup("m", [b"a"])
     assert store.delete("m", [b"a"]) == 1
     assert store.get(BlockKey("m", b"a")) is None  # invisible at once
-    view = store._ram.view(loc.offset, loc.meta.size)
+    view = store.head.view(loc.offset, loc.meta.size)
     assert bytes(view) == value(1)  # but its bytes stay until the lease ends
     view.release()
     used = store.tier_stats()[0].used_bytes

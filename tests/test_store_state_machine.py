@@ -54,7 +54,7 @@ class StoreMachine(RuleBasedStateMachine):
         limits = StoreLimits(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
         self.published: dict = {}  # what the store told its listener (the prefix index's feed)
         self.store = TieredStore(
-            ram, disk, limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change
+            [ram, disk], limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change
         )
         self.parents: dict[bytes, bytes | None] = {}  # every key ever stored -> its parent
         self.deleted: set[bytes] = set()
@@ -98,7 +98,7 @@ class StoreMachine(RuleBasedStateMachine):
         [loc] = self.store.lookup("ns", [key])
         if loc is None or not loc.lease_id:
             return
-        view = self.store._ram.view(loc.offset, loc.meta.size)
+        view = self.store.head.view(loc.offset, loc.meta.size)
         try:
             assert bytes(view) == value_of(key)
         finally:
@@ -140,7 +140,7 @@ class StoreMachine(RuleBasedStateMachine):
         except TierFull:
             return
         if not grant.present:
-            view = self.store._ram.view(grant.offset, grant.size)
+            view = self.store.head.view(grant.offset, grant.size)
             view[:] = value_of(key)
             view.release()
             self.slots.append((grant.slot_id, key))
@@ -162,9 +162,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def ram_accounting(self):
-        ram = self.store._ram
+        ram = self.store.head
         stats = ram.stats()
-        held = sum(round_up(e.meta.size) for k, e in self.store._entries.items() if ram.locate(k))
+        held = sum(round_up(e.meta.size) for k, e in self.store._catalog.entries.items() if ram.locate(k))
         slots = sum(round_up(lease.meta.size) for lease in self.store._leases._leases.values() if lease.meta is not None)
         assert stats.used_bytes == held + slots
         assert stats.used_bytes <= stats.capacity_bytes
@@ -184,7 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
                 break
         assert listed == present
         # the sorted key index holds every entry (deleted-but-pinned ones included), no more
-        assert list(self.store._ns_keys.get("ns", ())) == sorted(k.key for k in self.store._entries)
+        assert self.store._catalog.keys_of("ns") == sorted(k.key for k in self.store._catalog.entries)
 
     @invariant()
     def disk_bounded(self):

@@ -123,7 +123,7 @@ class Daemon:
             ttl_s=s.index_ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
         )
         self.store = TieredStore(
-            ram, disk, limits=limits, namespaces=s.namespaces, auto_create_namespaces=s.auto_create_namespaces,
+            [ram] + ([disk] if disk is not None else []), limits=limits, namespaces=s.namespaces, auto_create_namespaces=s.auto_create_namespaces,
             metrics=self.metrics, listener=self.index_agent.changed,
         )
         self.index_agent.start()

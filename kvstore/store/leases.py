@@ -5,26 +5,47 @@ blocks, a read of a block in the shared arena, an arena slot being written.
 A client that dies never releases what it held, so every lease expires by
 itself and the store reclaims it; no claim lives forever.
 
+A lease has a kind, an owner, a deadline and the blocks it holds. Kinds are
+open: the store knows three of its own (``PIN``, ``READ``, ``SLOT``) and any
+component defines another (a prefill/decode handoff, a replication copy, a
+weights reader) with ``LeaseKind("handoff")`` and uses the store's generic
+``lease``/``end_lease``, without editing the store. An owner, when set, is
+the only one that may end the lease early: another client presenting the
+id is refused.
+
 The table is not thread-safe: :class:`~kvstore.store.tiered.TieredStore`
 calls it under its own lock.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
+import re
 import secrets
 from dataclasses import dataclass, field
 
 from kvstore.block import BlockKey, BlockMeta
-from kvstore.errors import LeaseExpired, Overloaded, SlotAlreadyCommitted, UnknownLease
+from kvstore.errors import InvalidArgument, LeaseExpired, LeaseOwnedElsewhere, Overloaded, SlotAlreadyCommitted, UnknownLease
+
+_KIND_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
-class LeaseKind(enum.Enum):
-    PIN = "pin"  # Pin RPC: protects blocks from eviction
-    READ = "read"  # Lookup: a block being read in place from the arena
-    SLOT = "slot"  # Allocate: an arena extent being written, not yet a block
+@dataclass(frozen=True, slots=True)
+class LeaseKind:
+    """What a lease is for. ``value`` names it in errors and in the ``kind`` metric label,
+    so kinds must be few and fixed in code, never made up per request."""
+
+    value: str
+
+    def __post_init__(self) -> None:
+        if not _KIND_RE.match(self.value):
+            raise InvalidArgument(f"lease kind {self.value!r} must be a short lowercase word such as 'handoff'")
+
+
+LeaseKind.PIN = LeaseKind("pin")  # Pin RPC: protects blocks from eviction
+LeaseKind.READ = LeaseKind("read")  # Lookup: a block being read in place from the arena
+LeaseKind.SLOT = LeaseKind("slot")  # Allocate: an arena extent being written, not yet a block
 
 
 @dataclass(slots=True)
@@ -33,6 +54,7 @@ class Lease:
     kind: LeaseKind
     deadline: float
     keys: list[BlockKey] = field(default_factory=list)  # blocks this lease pins
+    owner: str = ""  # who may end it early; empty: whoever holds the id
     # SLOT only: the block being written, its reserved extent and metadata.
     # A slot pins the block's parent, so a prefix cannot be evicted while
     # its next block is being written.
@@ -57,7 +79,7 @@ class LeaseTable:
         return len(self._leases)
 
     def count(self, kind: LeaseKind) -> int:
-        return sum(1 for lease in self._leases.values() if lease.kind is kind)
+        return sum(1 for lease in self._leases.values() if lease.kind == kind)
 
     def issue(self, kind: LeaseKind, deadline: float, **fields) -> Lease:
         if len(self._leases) >= self._max:
@@ -71,17 +93,21 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (deadline, lease.id))
         return lease
 
-    def take(self, lease_id: int, kind: LeaseKind, now: float) -> Lease:
-        """Remove and return a live lease; raise if it expired or never existed."""
+    def take(self, lease_id: int, kind: LeaseKind, now: float, owner: str = "") -> Lease:
+        """Remove and return a live lease; raise if it expired, never existed or is another's."""
         lease = self._leases.get(lease_id)
-        if lease is None or lease.kind is not kind:
+        if lease is not None and lease.kind == kind and lease.owner and owner != lease.owner:
+            raise LeaseOwnedElsewhere(
+                f"{kind.value} lease {lease_id} belongs to another client: only the client that took it may end it"
+            )
+        if lease is None or lease.kind != kind:
             ended = self._ended.get(lease_id)
             if ended == "expired":
                 raise LeaseExpired(
                     f"{kind.value} lease {lease_id} expired before it was used: "
                     "ask for a longer lease_ms or finish sooner"
                 )
-            if ended == "taken" and kind is LeaseKind.SLOT:
+            if ended == "taken" and kind == LeaseKind.SLOT:
                 raise SlotAlreadyCommitted(f"slot {lease_id} was already committed or aborted: allocate a new slot")
             if ended == "taken":
                 raise UnknownLease(f"{kind.value} lease {lease_id} was already released")

@@ -1,37 +1,52 @@
-"""TieredStore: host RAM over local disk, with leases and prefix-aware eviction.
+"""TieredStore: an ordered chain of tiers with leases and prefix-aware eviction.
 
-Policy lives here; the tiers only hold bytes.
+Policy lives here; the tiers only hold bytes. The store composes its parts:
 
-- Writes land in host RAM (the shared arena), so a same-host reader can map
-  them at once.
-- Reads fall through RAM then disk; a disk hit is copied up into RAM
-  (promotion) and keeps its disk copy, so evicting it from RAM later is free.
-- When RAM runs short, the least recently used blocks move down to disk
-  through a bounded write-behind queue; a block stays readable in RAM until
-  its disk copy is complete. Disk evictions drop the block.
-- A block that is the parent of a cached block is never dropped, and RAM
-  demotes a chain from its deepest cached block up, so a prefix always
-  outlives its descendants.
+- :mod:`~kvstore.store.chain`: the tiers in order, a mappable head first, and
+  the policy of each edge (demote on eviction, write-through, promote on read);
+- :mod:`~kvstore.store.entries`: every block, where its copies are, its children;
+- :mod:`~kvstore.store.recency`: the one least-recently-used order per tier,
+  written back to persistent tiers in batches;
+- :mod:`~kvstore.store.eviction`: which blocks leave a tier, and how;
+- :mod:`~kvstore.store.demotion`: the bounded write-behind queue and its workers;
+- :mod:`~kvstore.store.recovery`: what persistent tiers kept from the last run;
+- :mod:`~kvstore.store.leases`: pins, reads in place, arena slots, and any kind
+  a component defines.
+
+The rules:
+
+- Writes land in the head (the shared arena), so a same-host reader can map
+  them at once; with write-through on an edge a copy also goes down at once.
+- Reads fall through the chain; a hit below the head is copied up into it
+  (promotion) and keeps its lower copy, so evicting it later is free.
+- When the head runs short, its least recently used blocks move down
+  through the bounded write-behind queue; a block stays readable above until
+  its lower copy is complete. A lower tier that is full evicts the same way,
+  down to the bottom of the chain, where eviction drops.
+- A block that is the parent of a cached block is never dropped, and a chain
+  leaves a tier from its deepest cached block up, so a prefix always outlives
+  its descendants.
 - Pinned, leased and in-flight blocks are never evicted. Every lease expires
   by itself, so a client that dies gives its space back.
 
 Thread model: one lock (``self._cond``) guards all metadata; byte copies and
-disk I/O happen outside it, protected by pin counts and the ``demoting``
-mark. Lock order is store → tier; tiers never call back.
+tier I/O happen outside it, protected by pin counts and the ``demoting``
+mark. The head's extents are freed under the lock (a waiting writer must see
+the room at once); every other tier's deletes (an unlink on disk) are queued
+under the lock and run after it is released (:meth:`_run_deletes`), and a
+copy down to a tier never races a queued delete of the same block there.
+Lock order is store → tier; tiers never call back.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
-from sortedcontainers import SortedList
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from kvstore.block import (
     MAX_KEY_BYTES,
@@ -48,51 +63,28 @@ from kvstore.errors import (
     CorruptBlock,
     InvalidArgument,
     LeaseError,
+    LeaseOwnedElsewhere,
     TierFull,
     TierUnavailable,
     UnknownNamespace,
 )
 from kvstore.metrics import StoreMetrics
+from kvstore.store.chain import Level, TierChain
+from kvstore.store.demotion import Copy, Demoter
+from kvstore.store.entries import Catalog, Entry
+from kvstore.store.eviction import plan_eviction
 from kvstore.store.leases import Lease, LeaseKind, LeaseTable
+from kvstore.store.limits import EdgePolicy, StoreLimits
+from kvstore.store.recency import Recency
+from kvstore.store.recovery import recover
 from kvstore.tiers.base import Tier, TierStats
-from kvstore.tiers.ram import HostRamTier
 
 log = logging.getLogger(__name__)
-
-HOST, DISK = TierName.HOST, TierName.DISK
 
 DEFAULT_LIST_PAGE = 1000
 MAX_LIST_PAGE = 10000
 
-
-@dataclass(frozen=True, slots=True)
-class StoreLimits:
-    max_block_bytes: int = 64 << 20
-    lease_s: float = 30.0  # default for reads in place and arena slots
-    pin_lease_s: float = 300.0  # default for Pin
-    max_lease_s: float = 3600.0
-    max_leases: int = 65536
-    max_batch_blocks: int = 4096
-    demotion_queue_blocks: int = 256
-    demotion_threads: int = 1  # 0: demote inline in the writer (deterministic tests)
-    high_watermark: float = 0.95  # start demoting when RAM is this full ...
-    low_watermark: float = 0.85  # ... until it is this full
-    disk_retry_s: float = 5.0  # after a disk failure, evict by dropping for this long
-    verify_commits: bool = True  # verify checksums of blocks written through the arena
-    put_wait_s: float = 5.0  # longest a writer waits for RAM to free up when no deadline is given
-
-
-@dataclass(slots=True)
-class _Entry:
-    meta: BlockMeta
-    tiers: set[TierName] = field(default_factory=set)
-    pins: int = 0
-    demoting: bool = False
-    deleted: bool = False
-
-    @property
-    def best_tier(self) -> TierName:
-        return HOST if HOST in self.tiers else DISK
+__all__ = ["Located", "Listed", "SlotGrant", "StoreLimits", "StoreStats", "TieredStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +92,7 @@ class Located:
     """A block found by :meth:`TieredStore.lookup`.
 
     ``lease_id`` 0 means the block exists but could not be brought into the
-    arena (RAM full of pinned blocks): read it with :meth:`TieredStore.get`.
+    head (it is full of pinned blocks): read it with :meth:`TieredStore.get`.
     """
 
     key: BlockKey
@@ -140,9 +132,9 @@ class StoreStats:
 class TieredStore:
     def __init__(
         self,
-        ram: HostRamTier,
-        disk: Tier | None = None,
+        tiers: TierChain | Sequence[Tier],
         *,
+        edges: Sequence[EdgePolicy] = (),
         limits: StoreLimits = StoreLimits(),
         namespaces: Iterable[str] = (),
         auto_create_namespaces: bool = True,
@@ -150,13 +142,13 @@ class TieredStore:
         clock: Callable[[], float] = time.monotonic,
         listener: Callable[[BlockKey, TierName | None], None] | None = None,
     ) -> None:
-        if limits.max_block_bytes > ram.capacity_bytes:
+        self._chain = tiers if isinstance(tiers, TierChain) else TierChain(list(tiers), edges)
+        self._head = self._chain.head
+        if limits.max_block_bytes > self._head.capacity_bytes:
             raise ValueError(
-                f"max block size {limits.max_block_bytes} exceeds host RAM {ram.capacity_bytes}: "
-                "raise --ram-bytes or lower --max-block-bytes"
+                f"max block size {limits.max_block_bytes} exceeds the {self._head.name.label} tier's "
+                f"{self._head.capacity_bytes} bytes: raise its size or lower --max-block-bytes"
             )
-        self._ram = ram
-        self._disk = disk
         self.limits = limits
         self.metrics = metrics or StoreMetrics()
         self._clock = clock
@@ -166,25 +158,30 @@ class TieredStore:
         self._auto_create = auto_create_namespaces
         self._namespaces = {validate_namespace(ns) for ns in namespaces}
         self._cond = threading.Condition(threading.Lock())
-        self._entries: dict[BlockKey, _Entry] = {}
-        self._children: dict[BlockKey, set[BlockKey]] = {}
-        self._lru: dict[TierName, OrderedDict[BlockKey, None]] = {HOST: OrderedDict(), DISK: OrderedDict()}
-        # Each namespace's keys in byte order: block counts and paged listings.
-        self._ns_keys: dict[str, SortedList] = {}
+        self._catalog = Catalog()
+        self._recency = Recency(self._chain.names, self._chain.persistent())
         self._leases = LeaseTable(limits.max_leases)
-        self._disk_unhealthy_until = 0.0
-        self._demoting = 0  # blocks marked for demotion, queued or being written
-        self._demote_q: queue.Queue[BlockKey | None] = queue.Queue(maxsize=limits.demotion_queue_blocks)
+        self._unhealthy_until: dict[TierName, float] = {}
+        self._demoting = 0  # blocks marked for a copy down, queued or being written
+        # Deletes of copies in tiers other than the head, run outside the lock.
+        self._deletes: list[tuple[Tier, BlockKey]] = []
+        self._deleting: dict[tuple[TierName, BlockKey], int] = {}
         self._closed = threading.Event()
-        self._recover_disk()
-        self.metrics.watch_tiers(self.tier_stats, self._demote_q.qsize)
-        self._demoters = [
-            threading.Thread(target=self._demote_loop, name=f"strata-demote-{i}", daemon=True)
-            for i in range(limits.demotion_threads if disk is not None else 0)
-        ]
-        self._threads = [*self._demoters, threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._namespaces |= recover(self._chain, self._catalog, self._recency)
+        threads = limits.demotion_threads if len(self._chain) > 1 else 0
+        self._demoter = Demoter(self._copy_down, limits.demotion_queue_blocks, threads)
+        self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
+        self._reaper = threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)
+        self._reaper.start()
+
+    @property
+    def chain(self) -> TierChain:
+        return self._chain
+
+    @property
+    def head(self):
+        """The mappable tier at the top of the chain (the shared arena)."""
+        return self._head
 
     # ---- namespaces -------------------------------------------------------
 
@@ -208,6 +205,14 @@ class TieredStore:
             "(check the model or tenant name), or declare it with --namespaces"
         )
 
+    @contextmanager
+    def _locked(self):
+        """The store lock; deletes queued while it was held run once it is released."""
+        with self._cond:
+            yield
+        if self._deletes:
+            self._run_deletes()
+
     # ---- streamed put / get -----------------------------------------------
 
     def put(self, key: BlockKey, data: bytes | bytearray | memoryview, meta: BlockMeta, deadline: float | None = None) -> tuple[bool, TierName]:
@@ -218,34 +223,34 @@ class TieredStore:
             raise InvalidArgument(f"block {key} declares {meta.size} bytes but {len(data)} were sent")
         with self._cond:
             self._known_namespace(key.namespace, write=True)
-            entry = self._entries.get(key)
-            if entry is not None and not entry.deleted:
+            entry = self._catalog.live(key)
+            if entry is not None:
                 self._touch_locked(key, entry)
-                return False, entry.best_tier
+                return False, self._best(entry)
             parent = self._pin_parent_locked(key, meta)
         try:
             return self._put_new(key, data, meta, deadline)
         finally:
-            with self._cond:
+            with self._locked():
                 for p in parent:
-                    self._unpin_locked(p, self._entries[p])
+                    self._unpin_locked(p, self._catalog.entries[p])
 
     def _put_new(self, key: BlockKey, data: memoryview, meta: BlockMeta, deadline: float | None) -> tuple[bool, TierName]:
         offset = self._reserve(meta.size, deadline)
-        view = self._ram.view(offset, meta.size)
+        view = self._head.view(offset, meta.size)
         try:
             got = copy_and_checksum(view, data)
         except BaseException:
             view.release()
             with self._cond:
-                self._ram.unreserve(offset)
+                self._head.unreserve(offset)
             raise
         view.release()
         if got != meta.checksum:
             with self._cond:
-                self._ram.unreserve(offset)
+                self._head.unreserve(offset)
                 self._cond.notify_all()
-            self.metrics.corrupt.labels("host").inc()
+            self.metrics.corrupt.labels(self._head.name.label).inc()
             raise CorruptBlock(
                 f"block {key}: the bytes received do not match the checksum the writer declared "
                 f"({got:#018x} != {meta.checksum:#018x}); nothing was stored: send it again"
@@ -253,53 +258,74 @@ class TieredStore:
         return self._adopt(key, offset, meta, verify=False)
 
     def get(self, key: BlockKey) -> tuple[bytes, BlockMeta, TierName] | None:
-        """A verified copy of the block, or None on a miss. Disk hits are promoted to RAM."""
+        """A verified copy of the block, or None on a miss. Hits below the head are promoted."""
         with self._cond:
             self._expire_locked()
             self._known_namespace(key.namespace)
-            entry = self._entries.get(key)
-            if entry is None or entry.deleted:
+            entry = self._catalog.live(key)
+            if entry is None or not entry.tiers:
                 self.metrics.misses.inc()
                 return None
-            tier = entry.best_tier
             entry.pins += 1
             self._touch_locked(key, entry)
         try:
-            data = self._read(key, entry.meta, tier)
+            found = self._read_best(key, entry)
         finally:
-            with self._cond:
+            with self._locked():
                 self._unpin_locked(key, entry)
-        if data is None:
+        if found is None:
             self.metrics.misses.inc()
             return None
+        data, tier = found
         self.metrics.hits.labels(tier.label).inc()
         self.metrics.bytes_out.labels(tier.label).inc(len(data))
-        if tier is DISK:
+        if self._chain.promotes(tier):
             self._promote(key, data, entry.meta, deadline=self._clock())
         return data, entry.meta, tier
 
+    def _read_best(self, key: BlockKey, entry: Entry) -> tuple[bytes, TierName] | None:
+        """Read a pinned block from the highest tier that holds it, verified.
+
+        A tier whose copy went meanwhile (a race with a move down) or turned
+        out corrupt is passed over for the next one down; a tier that fails
+        raises TierUnavailable.
+        """
+        with self._cond:
+            order = self._chain.ordered(entry.tiers)
+        corrupt: CorruptBlock | None = None
+        for tier in order:
+            try:
+                data = self._read(key, entry.meta, tier)
+            except CorruptBlock as err:
+                corrupt = err
+                continue
+            if data is not None:
+                return data, tier
+        if corrupt is not None:  # no sound copy was left: the caller learns why it is gone
+            raise corrupt
+        return None
+
     def _read(self, key: BlockKey, meta: BlockMeta, tier: TierName) -> bytes | None:
-        """Read a pinned block from one tier, verified; drop it if corrupt."""
+        """Read a pinned block from one tier, verified; drop that copy if corrupt."""
         try:
-            if tier is HOST:
-                loc = self._ram.locate(key)
-                if loc is None:  # raced with a move to disk: read there
-                    return self._read(key, meta, DISK) if self._disk is not None else None
-                view = self._ram.view(loc[0], meta.size)
+            if self._chain.is_head(tier):
+                loc = self._head.locate(key)
+                if loc is None:
+                    return None
+                view = self._head.view(loc[0], meta.size)
                 try:
                     data = bytes(view)
                 finally:
                     view.release()
                 if checksum(data) != meta.checksum:
-                    raise CorruptBlock(f"block {key} failed its checksum in host RAM")
+                    raise CorruptBlock(f"block {key} failed its checksum in the {tier.label} tier")
                 return data
-            assert self._disk is not None
-            return self._disk.get(key)
+            return self._chain.tier(tier).get(key)
         except CorruptBlock:
             log.error("dropping corrupt block %s found in tier %s", key, tier.label)
             self.metrics.corrupt.labels(tier.label).inc()
-            with self._cond:
-                entry = self._entries.get(key)
+            with self._locked():
+                entry = self._catalog.get(key)
                 if entry is not None:
                     self._drop_copy_locked(key, entry, tier)
             raise
@@ -312,9 +338,9 @@ class TieredStore:
 
     def allocate(
         self, namespace: str, blocks: list[tuple[bytes, int, bytes | None, str]], lease_s: float | None = None,
-        deadline: float | None = None,
+        deadline: float | None = None, owner: str = "",
     ) -> list[SlotGrant]:
-        """Reserve arena slots for blocks a same-host client will write itself.
+        """Reserve head extents for blocks a same-host client will write itself.
 
         ``blocks`` holds (key, size, parent_key, layout). A key already stored
         gets ``present=True`` and no slot. All slots or none: if one cannot be
@@ -331,8 +357,8 @@ class TieredStore:
                 meta = BlockMeta(size=size, checksum=0, parent=parent or None, layout=layout)
                 self._check_block(key, meta)
                 with self._cond:
-                    entry = self._entries.get(key)
-                    if entry is not None and not entry.deleted:
+                    entry = self._catalog.live(key)
+                    if entry is not None:
                         self._touch_locked(key, entry)
                         grants.append(SlotGrant(key, present=True))
                         continue
@@ -340,19 +366,19 @@ class TieredStore:
                 with self._cond:
                     try:
                         lease = self._leases.issue(
-                            LeaseKind.SLOT, self._clock() + lease_s, block=key, offset=offset, meta=meta
+                            LeaseKind.SLOT, self._clock() + lease_s, block=key, offset=offset, meta=meta, owner=owner
                         )
                     except BaseException:
-                        self._ram.unreserve(offset)
+                        self._head.unreserve(offset)
                         raise
                     lease.keys = self._pin_parent_locked(key, meta)
                 grants.append(SlotGrant(key, False, lease.id, offset, size))
         except BaseException:
-            self.abort([g.slot_id for g in grants if not g.present])
+            self.abort([g.slot_id for g in grants if not g.present], owner=owner)
             raise
         return grants
 
-    def commit(self, items: list[tuple[int, int | None]]) -> list[tuple[BlockKey, bool, TierName]]:
+    def commit(self, items: list[tuple[int, int | None]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
         """Turn written slots into blocks; ``items`` holds (slot_id, checksum or None).
 
         With no checksum the daemon computes it from the slot: the bytes were
@@ -369,7 +395,7 @@ class TieredStore:
             taken: list[Lease] = []
             try:
                 for slot_id, _ in items:
-                    taken.append(self._leases.take(slot_id, LeaseKind.SLOT, now))
+                    taken.append(self._leases.take(slot_id, LeaseKind.SLOT, now, owner))
             except LeaseError:
                 for lease in taken:  # put them back untouched
                     self._leases.restore(lease)
@@ -377,7 +403,7 @@ class TieredStore:
         metas, bad = [], []
         for lease, (_, declared) in zip(taken, items):
             if declared is None or self.limits.verify_commits:
-                view = self._ram.view(lease.offset, lease.meta.size)
+                view = self._head.view(lease.offset, lease.meta.size)
                 try:
                     actual = checksum(view)
                 finally:
@@ -388,39 +414,42 @@ class TieredStore:
                 actual = declared
             metas.append(BlockMeta(lease.meta.size, actual, lease.meta.parent, lease.meta.layout))
         if bad:
-            with self._cond:
+            with self._locked():
                 for lease in taken:
-                    self._ram.unreserve(lease.offset)
+                    self._head.unreserve(lease.offset)
                     self._end_pins_locked(lease)
                 self._cond.notify_all()
-            self.metrics.corrupt.labels("host").inc(len(bad))
+            self.metrics.corrupt.labels(self._head.name.label).inc(len(bad))
             raise CorruptBlock(
                 f"{len(bad)} slot(s) hold bytes that do not match their checksum (first: {bad[0]}); "
                 "nothing was committed: write the blocks again"
             )
         done = [(lease.block, *self._adopt(lease.block, lease.offset, meta, verify=False)) for lease, meta in zip(taken, metas)]
-        with self._cond:
+        with self._locked():
             for lease in taken:
                 self._end_pins_locked(lease)
         return done
 
-    def abort(self, slot_ids: Iterable[int]) -> None:
-        with self._cond:
+    def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
+        with self._locked():
             now = self._clock()
             for slot_id in slot_ids:
                 try:
-                    lease = self._leases.take(slot_id, LeaseKind.SLOT, now)
+                    lease = self._leases.take(slot_id, LeaseKind.SLOT, now, owner)
                 except LeaseError:
                     continue  # expired or unknown: already given back
-                self._ram.unreserve(lease.offset)
+                self._head.unreserve(lease.offset)
                 self._end_pins_locked(lease)
             self._cond.notify_all()
 
-    def lookup(self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None) -> list[Located | None]:
-        """Lease each present block in place in the arena (None for a miss).
+    def lookup(
+        self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None,
+        owner: str = "",
+    ) -> list[Located | None]:
+        """Lease each present block in place in the head (None for a miss).
 
-        A block only on disk is promoted first; the reader then copies it out
-        of the arena, verifies its checksum and releases the lease.
+        A block only below the head is promoted first; the reader then copies
+        it out of the arena, verifies its checksum and releases the lease.
         """
         self.check_batch(keys)
         lease_s = self._lease_seconds(lease_s, self.limits.lease_s)
@@ -429,59 +458,60 @@ class TieredStore:
         out: list[Located | None] = []
         for key_bytes in keys:
             key = BlockKey(namespace, validate_key(key_bytes))
-            located = self._lease_in_arena(key, lease_s)
-            if located is None:
-                with self._cond:
-                    entry = self._entries.get(key)
-                    if entry is None or entry.deleted:
-                        self.metrics.misses.inc()
-                        out.append(None)
-                        continue
-                    entry.pins += 1
-                try:
-                    data = self._read(key, entry.meta, DISK)
-                except CorruptBlock:
-                    data = None
-                finally:
-                    with self._cond:
-                        self._unpin_locked(key, entry)
-                if data is None:
+            located = self._lease_in_head(key, lease_s, owner)
+            if located is not None:
+                self.metrics.hits.labels(self._head.name.label).inc()
+                out.append(located)
+                continue
+            with self._cond:
+                entry = self._catalog.live(key)
+                if entry is None or not entry.tiers:
                     self.metrics.misses.inc()
                     out.append(None)
                     continue
-                self.metrics.hits.labels("disk").inc()
-                if self._promote(key, data, entry.meta, deadline):
-                    located = self._lease_in_arena(key, lease_s, found_in=DISK)
-                out.append(located or Located(key, entry.meta, DISK))
-            else:
-                self.metrics.hits.labels("host").inc()
-                out.append(located)
+                entry.pins += 1
+            try:
+                found = self._read_best(key, entry)
+            except CorruptBlock:
+                found = None  # dropped and counted; for a batch read it is a miss
+            finally:
+                with self._locked():
+                    self._unpin_locked(key, entry)
+            if found is None:
+                self.metrics.misses.inc()
+                out.append(None)
+                continue
+            data, tier = found
+            self.metrics.hits.labels(tier.label).inc()
+            if self._chain.is_head(tier) or (self._chain.promotes(tier) and self._promote(key, data, entry.meta, deadline)):
+                located = self._lease_in_head(key, lease_s, owner, found_in=tier)
+            out.append(located or Located(key, entry.meta, tier))
         return out
 
-    def _lease_in_arena(self, key: BlockKey, lease_s: float, found_in: TierName = HOST) -> Located | None:
+    def _lease_in_head(self, key: BlockKey, lease_s: float, owner: str, found_in: TierName | None = None) -> Located | None:
         with self._cond:
             self._expire_locked()
-            entry = self._entries.get(key)
-            if entry is None or entry.deleted or HOST not in entry.tiers:
+            entry = self._catalog.live(key)
+            if entry is None or self._head.name not in entry.tiers:
                 return None
-            loc = self._ram.locate(key)
+            loc = self._head.locate(key)
             if loc is None:
                 return None
-            lease = self._leases.issue(LeaseKind.READ, self._clock() + lease_s, keys=[key])
+            lease = self._leases.issue(LeaseKind.READ, self._clock() + lease_s, keys=[key], owner=owner)
             entry.pins += 1
             self._touch_locked(key, entry)
-            self.metrics.bytes_out.labels("host").inc(entry.meta.size)
-            return Located(key, entry.meta, found_in, loc[0], lease.id)
+            self.metrics.bytes_out.labels(self._head.name.label).inc(entry.meta.size)
+            return Located(key, entry.meta, found_in or self._head.name, loc[0], lease.id)
 
-    def release(self, lease_ids: Iterable[int]) -> list[bool]:
+    def release(self, lease_ids: Iterable[int], owner: str = "") -> list[bool]:
         """End read leases; per lease, whether it was still valid (the bytes read were stable)."""
         out = []
-        with self._cond:
+        with self._locked():
             self._expire_locked()
             now = self._clock()
             for lease_id in lease_ids:
                 try:
-                    lease = self._leases.take(lease_id, LeaseKind.READ, now)
+                    lease = self._leases.take(lease_id, LeaseKind.READ, now, owner)
                 except LeaseError:
                     out.append(False)
                     continue
@@ -499,22 +529,22 @@ class TieredStore:
             self._known_namespace(namespace)
             tiers = []
             for k in keys:
-                entry = self._entries.get(BlockKey(namespace, k))
-                if entry is None or entry.deleted:
+                entry = self._catalog.live(BlockKey(namespace, k))
+                if entry is None or not entry.tiers:
                     break
-                tiers.append(entry.best_tier)
+                tiers.append(self._best(entry))
             return tiers
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
         deleted = 0
-        with self._cond:
+        with self._locked():
             self._known_namespace(namespace)
             for k in keys:
                 key = BlockKey(namespace, k)
-                entry = self._entries.get(key)
-                if entry is None or entry.deleted:
+                entry = self._catalog.live(key)
+                if entry is None:
                     continue
                 entry.deleted = True
                 deleted += 1
@@ -539,27 +569,21 @@ class TieredStore:
                 "page_token was not issued for this listing's prefix: pass back next_page_token unchanged, "
                 "with the same prefix, or none to start over"
             )
-        page_size = page_size or DEFAULT_LIST_PAGE
         with self._cond:
             self._known_namespace(namespace)
-            keys = self._ns_keys.get(namespace)
-            if keys is None:
-                return [], b""
-            start = page_token or prefix
-            page: list[Listed] = []
-            for k in keys.irange(minimum=start, inclusive=(not page_token, True)):
-                if not k.startswith(prefix):
-                    return page, b""
-                entry = self._entries[BlockKey(namespace, k)]
-                if entry.deleted or not entry.tiers:
-                    continue
-                if len(page) == page_size:
-                    return page, page[-1].key
-                page.append(Listed(k, entry.meta, entry.best_tier))
-            return page, b""
+            page, token = self._catalog.page(namespace, prefix, page_size or DEFAULT_LIST_PAGE, page_token)
+            return [Listed(k, e.meta, self._best(e)) for k, e in page], token
 
-    def pin(self, namespace: str, keys: list[bytes], lease_s: float | None = None) -> tuple[Lease, list[bytes]]:
-        """Protect present blocks from eviction until the lease ends; returns (lease, missing keys)."""
+    def lease(
+        self, namespace: str, keys: list[bytes], kind: LeaseKind, lease_s: float | None = None, owner: str = "",
+    ) -> tuple[Lease, list[bytes]]:
+        """Hold present blocks under a lease of ``kind`` (never evicted until it ends); returns (lease, missing keys).
+
+        Any component defines its own kind (a handoff, a replication copy, a
+        weights reader) and ends it with :meth:`end_lease`.
+        """
+        if kind in (LeaseKind.READ, LeaseKind.SLOT):
+            raise InvalidArgument(f"{kind.value} leases come from lookup and allocate, not from lease()")
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
         lease_s = self._lease_seconds(lease_s, self.limits.pin_lease_s)
@@ -569,38 +593,50 @@ class TieredStore:
             present, missing = [], []
             for k in keys:
                 key = BlockKey(namespace, k)
-                entry = self._entries.get(key)
-                (missing.append(k) if entry is None or entry.deleted else present.append(key))
-            lease = self._leases.issue(LeaseKind.PIN, self._clock() + lease_s, keys=present)
+                (missing.append(k) if self._catalog.live(key) is None else present.append(key))
+            lease = self._leases.issue(kind, self._clock() + lease_s, keys=present, owner=owner)
             for key in present:
-                self._entries[key].pins += 1
+                self._catalog.entries[key].pins += 1
             return lease, missing
 
-    def unpin(self, lease_id: int) -> bool:
-        with self._cond:
+    def end_lease(self, lease_id: int, kind: LeaseKind, owner: str = "") -> bool:
+        """End a lease early; False when it already ended (expired or released)."""
+        with self._locked():
             self._expire_locked()
             try:
-                lease = self._leases.take(lease_id, LeaseKind.PIN, self._clock())
+                lease = self._leases.take(lease_id, kind, self._clock(), owner)
+            except LeaseOwnedElsewhere:
+                raise
             except LeaseError:
                 return False
             self._end_pins_locked(lease)
             return True
 
+    def pin(self, namespace: str, keys: list[bytes], lease_s: float | None = None, owner: str = "") -> tuple[Lease, list[bytes]]:
+        """Protect present blocks from eviction until the lease ends; returns (lease, missing keys)."""
+        return self.lease(namespace, keys, LeaseKind.PIN, lease_s, owner)
+
+    def unpin(self, lease_id: int, owner: str = "") -> bool:
+        return self.end_lease(lease_id, LeaseKind.PIN, owner)
+
     def tier_stats(self) -> list[TierStats]:
-        tiers: list[Tier] = [self._ram] + ([self._disk] if self._disk is not None else [])
-        return [t.stats() for t in tiers]
+        return [lvl.tier.stats() for lvl in self._chain]
+
+    def demotion_queue_depth(self) -> int:
+        return self._demoter.depth()
 
     def stats(self, namespace: str = "") -> StoreStats:
-        with self._cond:
+        with self._locked():
             self._expire_locked()
+            entries = self._catalog.entries
             if namespace:
                 self._known_namespace(namespace)
-                pinned = sum(1 for k, e in self._entries.items() if e.pins and k.namespace == namespace)
-                blocks = len(self._ns_keys.get(namespace, ()))
+                pinned = sum(1 for k, e in entries.items() if e.pins and k.namespace == namespace)
+                blocks = self._catalog.count(namespace)
                 namespaces = [namespace]
             else:
-                pinned = sum(1 for e in self._entries.values() if e.pins)
-                blocks = len(self._entries)
+                pinned = sum(1 for e in entries.values() if e.pins)
+                blocks = len(entries)
                 namespaces = sorted(self._namespaces)
             return StoreStats(
                 tiers=self.tier_stats(),
@@ -608,73 +644,86 @@ class TieredStore:
                 pinned_blocks=pinned,
                 active_leases=len(self._leases),
                 open_slots=self._leases.count(LeaseKind.SLOT),
-                demotion_queue_depth=self._demote_q.qsize(),
+                demotion_queue_depth=self._demoter.depth(),
                 namespaces=namespaces,
             )
 
+    def holdings(self) -> list[tuple[BlockKey, TierName]]:
+        """Every visible block and its best tier: what a full re-publish to the index sends."""
+        with self._cond:
+            return [(k, self._best(e)) for k, e in self._catalog.visible()]
+
     def expire_leases(self) -> None:
         """Reclaim leases past their deadline now (the reaper does this every 100 ms)."""
-        with self._cond:
+        with self._locked():
             self._expire_locked()
 
     def flush_demotions(self) -> None:
-        """Write every queued demotion now, in the calling thread."""
+        """Write every queued copy now, in the calling thread."""
+        self._demoter.flush()
+
+    def flush_recency(self) -> int:
+        """Write the recency of persistent tiers back to them now (the reaper does this every second)."""
+        written = 0
         while True:
-            try:
-                key = self._demote_q.get_nowait()
-            except queue.Empty:
-                return
-            if key is not None:
-                self._demote(key)
+            with self._cond:
+                touched = self._recency.take_touched(self.limits.touch_batch_blocks)
+            if not touched:
+                return written
+            for tier, key in touched:
+                try:
+                    self._chain.tier(tier).touch(key)
+                except TierUnavailable as err:  # the order is a hint: a failed stamp loses no block
+                    log.warning("could not record the use of %s in tier %s: %s", key, tier.label, err)
+                    return written
+                written += 1
 
     def persist_ram(self, deadline: float) -> int:
-        """Write blocks held only in RAM down to disk, most recent first, until ``deadline``.
+        """Write blocks held only in the head down the chain, most recent first, until ``deadline``.
 
         Called on a graceful stop so a restarted daemon finds its cache warm.
         Returns the number of blocks written.
         """
-        if self._disk is None:
+        below = self._chain.below(self._head.name)
+        if below is None:
             return 0
+        head = self._head.name
         written = 0
         with self._cond:
-            keys = [k for k in reversed(self._lru[HOST]) if self._entries[k].tiers == {HOST}]
+            keys = [k for k in self._recency.newest(head) if self._catalog.entries[k].tiers == {head}]
         for key in keys:
             if self._clock() >= deadline:
                 break
             with self._cond:
-                entry = self._entries.get(key)
-                if entry is None or entry.deleted or entry.demoting or entry.tiers != {HOST}:
+                entry = self._catalog.live(key)
+                if entry is None or entry.tiers != {head} or not self._mark_copy_locked(key, below.name):
                     continue
-                entry.demoting = True
-                self._demoting += 1
-            try:
-                self._demote(key)
-            finally:
-                written += DISK in entry.tiers
+            self._copy_down(Copy(key, head, below.name, evict=True))
+            written += below.name in entry.tiers
+        self.flush_recency()
         return written
 
     def close(self) -> None:
         self._closed.set()
-        for _ in self._demoters:
-            try:
-                self._demote_q.put_nowait(None)
-            except queue.Full:
-                pass
-        for t in self._threads:
-            t.join(timeout=5)
+        self._demoter.close()
+        self._reaper.join(timeout=5)
+        self._run_deletes()
         try:
-            self._ram.close()
-        except BufferError:
-            # A view still held somewhere (an RPC past its grace period, an
-            # exception's traceback): collect cycles and try once more. The
-            # file is already unlinked; the mapping goes with the process.
-            gc.collect()
+            self.flush_recency()
+        except Exception as err:  # noqa: BLE001 - closing: the order is a hint, report and go on
+            log.warning("recency not written back at close: %s", err)
+        for level in self._chain:
             try:
-                self._ram.close()
+                level.tier.close()
             except BufferError:
-                log.warning("host RAM arena still mapped at close; it is unlinked and freed at exit")
-        if self._disk is not None:
-            self._disk.close()
+                # A view still held somewhere (an RPC past its grace period, an
+                # exception's traceback): collect cycles and try once more. The
+                # file is already unlinked; the mapping goes with the process.
+                gc.collect()
+                try:
+                    level.tier.close()
+                except BufferError:
+                    log.warning("%s tier still mapped at close; it is unlinked and freed at exit", level.name.label)
 
     # ---- internals: checks ----------------------------------------------
 
@@ -700,69 +749,69 @@ class TieredStore:
             raise InvalidArgument(f"lease of {requested:.0f}s exceeds the limit of {self.limits.max_lease_s:.0f}s")
         return requested
 
-    # ---- internals: placement ---------------------------------------------
+    # ---- internals: placement in the head ----------------------------------
 
     def _adopt(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool) -> tuple[bool, TierName]:
+        head = self._head.name
         with self._cond:
-            entry = self._entries.get(key)
+            entry = self._catalog.get(key)
             if entry is not None and not entry.deleted:
-                self._ram.unreserve(offset)  # lost a race with another writer of the same key
+                self._head.unreserve(offset)  # lost a race with another writer of the same key
                 self._cond.notify_all()
-                return False, entry.best_tier
+                return False, self._best(entry)
             if entry is not None:
                 # Deleted but still pinned by a reader: revive it. Keys are
                 # content- or prefix-addressed, so the bytes are the same.
                 entry.deleted = False
-                self._ram.unreserve(offset)
+                self._head.unreserve(offset)
                 self._cond.notify_all()
                 self._publish_locked(key, entry)
-                return True, entry.best_tier
-            if not self._ram.commit(key, offset, meta, verify=verify):
+                return True, self._best(entry)
+            if not self._head.commit(key, offset, meta, verify=verify):
                 self._cond.notify_all()
-                return False, HOST
-            entry = _Entry(meta, {HOST})
-            self._entries[key] = entry
-            self._lru[HOST][key] = None
-            self._index_key_locked(key)
-            if meta.parent:
-                self._children.setdefault(BlockKey(key.namespace, meta.parent), set()).add(key)
-            self.metrics.bytes_in.labels("host").inc(meta.size)
+                return False, head
+            entry = Entry(meta, {head})
+            self._catalog.add(key, entry)
+            self._recency.add(head, key)
+            self.metrics.bytes_in.labels(head.label).inc(meta.size)
             self._publish_locked(key, entry)
+            self._write_through_locked(key, entry)
             self._keep_headroom_locked()
-            return True, HOST
+            return True, head
 
     def _promote(self, key: BlockKey, data: bytes, meta: BlockMeta, deadline: float | None) -> bool:
-        """Copy a disk block up into RAM (keeping the disk copy); False when RAM has no room in time."""
+        """Copy a block read below up into the head (keeping the lower copy); False when there is no room in time."""
+        head = self._head.name
         try:
             offset = self._reserve(meta.size, deadline)
         except TierFull:
             return False
-        view = self._ram.view(offset, meta.size)
+        view = self._head.view(offset, meta.size)
         view[:] = data
         view.release()
         with self._cond:
-            entry = self._entries.get(key)
-            if entry is None or entry.deleted or HOST in entry.tiers:
-                self._ram.unreserve(offset)
+            entry = self._catalog.live(key)
+            if entry is None or head in entry.tiers:
+                self._head.unreserve(offset)
                 self._cond.notify_all()
-                return entry is not None and not entry.deleted and HOST in entry.tiers
-            self._ram.commit(key, offset, meta, verify=False)
-            entry.tiers.add(HOST)
-            self._lru[HOST][key] = None
+                return entry is not None and head in entry.tiers
+            self._head.commit(key, offset, meta, verify=False)
+            entry.tiers.add(head)
+            self._recency.add(head, key)
             self._publish_locked(key, entry)
             self.metrics.promotions.inc()
-            self.metrics.bytes_in.labels("host").inc(meta.size)
+            self.metrics.bytes_in.labels(head.label).inc(meta.size)
             return True
 
     def _reserve(self, size: int, deadline: float | None) -> int:
-        """An arena extent of ``size`` bytes, evicting and waiting (until ``deadline``) as needed."""
+        """A head extent of ``size`` bytes, evicting and waiting (until ``deadline``) as needed."""
         if deadline is None:
             deadline = self._clock() + self.limits.put_wait_s
-        with self._cond:
+        with self._locked():
             while True:
                 self._expire_locked()
                 try:
-                    return self._ram.reserve(size)
+                    return self._head.reserve(size)
                 except TierFull:
                     pass
                 freed, pending = self._make_room_locked(size)
@@ -770,201 +819,204 @@ class TieredStore:
                     continue
                 remaining = deadline - self._clock()
                 if not pending or remaining <= 0:
-                    stats = self._ram.stats()
+                    stats = self._head.stats()
                     raise TierFull(
-                        f"host RAM has no room for {size} bytes ({stats.used_bytes} of {stats.capacity_bytes} used, "
-                        f"largest free extent {self._ram.largest_free_bytes}; the rest is pinned, leased or being "
-                        "demoted): retry later, unpin blocks, or raise --ram-bytes",
+                        f"the {self._head.name.label} tier has no room for {size} bytes ({stats.used_bytes} of "
+                        f"{stats.capacity_bytes} used, largest free extent {self._head.largest_free_bytes}; the rest "
+                        "is pinned, leased or being demoted): retry later, unpin blocks, or raise --ram-bytes",
                         retry_after_s=0.1,
                     )
-                if not self._demoters:
+                if not self._demoter.threaded:
                     # No demotion thread: write the queued blocks down here.
                     self._cond.release()
                     try:
-                        self.flush_demotions()
+                        self._run_deletes()
+                        self._demoter.flush()
                     finally:
                         self._cond.acquire()
                 else:
                     self._cond.wait(timeout=min(remaining, 0.05))
 
     def _keep_headroom_locked(self) -> None:
-        stats = self._ram.stats()
-        if stats.used_bytes > self.limits.high_watermark * stats.capacity_bytes and self._disk_usable():
+        stats = self._head.stats()
+        if stats.used_bytes > self.limits.high_watermark * stats.capacity_bytes and self._usable_below(self._head.name):
             target_free = int((1 - self.limits.low_watermark) * stats.capacity_bytes)
             self._make_room_locked(target_free - (stats.capacity_bytes - stats.used_bytes), background=True)
 
-    def _disk_usable(self) -> bool:
-        return self._disk is not None and self._clock() >= self._disk_unhealthy_until
-
     def _make_room_locked(self, need: int, background: bool = False) -> tuple[bool, bool]:
-        """Evict from RAM, least recently used first; returns (freed now, demotions pending).
+        """Evict from the head; returns (freed now, copies down pending)."""
+        head = self._head.name
+        below = self._usable_below(head)
+        plan = plan_eviction(head, need, self._catalog, self._recency, can_demote=below is not None, background=background)
+        self._apply_plan_locked(head, plan, below)
+        return plan.frees_now, self._demoting > 0
 
-        A block that also has a disk copy leaves RAM at once; one without is
-        queued for demotion and stays readable until written (a chain's
-        deepest blocks first, its parents only when that is not enough); with
-        no usable disk, a block with no cached children is dropped. Background headroom
-        only queues demotions. The scan decides first and acts after, so it
-        never mutates the LRU it walks.
-        """
-        disk_ok = self._disk_usable()
-        drop_copy: list[BlockKey] = []
-        demote: list[BlockKey] = []
-        demote_later: list[BlockKey] = []  # parents of blocks in RAM: demoted only if leaves are not enough
-        drop: list[BlockKey] = []
-        budget = 0
-        for key in self._lru[HOST]:
-            if budget >= need:
-                break
-            entry = self._entries[key]
-            if entry.pins or entry.demoting:
-                continue
-            if DISK in entry.tiers:
-                if not background:
-                    drop_copy.append(key)
-                    budget += entry.meta.size
-            elif disk_ok and self._has_child_in_locked(key, HOST):
-                demote_later.append(key)
-            elif disk_ok:
-                demote.append(key)
-                budget += entry.meta.size
-            elif not background and not self._children.get(key):
-                drop.append(key)
-                budget += entry.meta.size
-        for key in demote_later:
-            if budget >= need:
-                break
-            demote.append(key)
-            budget += self._entries[key].meta.size
-        for key in drop_copy:
-            self._drop_copy_locked(key, self._entries[key], HOST)
-            self.metrics.evictions.labels("host").inc()
-        for key in drop:
-            self._remove_locked(key, self._entries[key])
-            self.metrics.evictions.labels("host").inc()
+    def _apply_plan_locked(self, tier: TierName, plan, below: Level | None) -> list[BlockKey]:
+        """Carry out an eviction plan in ``tier``; returns the blocks marked for a copy down (not yet queued
+        when the tier is not the head: the caller writes them itself)."""
+        for key in plan.drop_copy:
+            self._drop_copy_locked(key, self._catalog.entries[key], tier)
+            self.metrics.evictions.labels(tier.label).inc()
+        for key in plan.drop:
+            self._remove_locked(key, self._catalog.entries[key])
+            self.metrics.evictions.labels(tier.label).inc()
             self.metrics.drops.inc()
-        for key in demote:
-            try:
-                self._demote_q.put_nowait(key)
-            except queue.Full:
+        marked = []
+        for key in plan.demote:
+            if below is None:
                 break
-            self._entries[key].demoting = True
-            self._demoting += 1
-        return bool(drop_copy or drop), self._demoting > 0
+            if not self._mark_copy_locked(key, below.name):
+                continue  # its old copy below is still being deleted: try it next time
+            if self._chain.is_head(tier) and not self._demoter.offer(Copy(key, tier, below.name, evict=True)):
+                self._unmark_copy_locked(key)
+                break
+            marked.append(key)
+        return marked
 
     def _pin_parent_locked(self, key: BlockKey, meta: BlockMeta) -> list[BlockKey]:
         """Pin the parent of a block being written, so eviction cannot take it meanwhile."""
         if not meta.parent:
             return []
         parent = BlockKey(key.namespace, meta.parent)
-        entry = self._entries.get(parent)
-        if entry is None or entry.deleted:
+        entry = self._catalog.live(parent)
+        if entry is None:
             return []
         entry.pins += 1
         return [parent]
 
-    def _has_child_in_locked(self, key: BlockKey, tier: TierName) -> bool:
-        return any(tier in self._entries[c].tiers for c in self._children.get(key, ()))
+    # ---- internals: copies down the chain ----------------------------------
 
-    # ---- internals: demotion to disk --------------------------------------
+    def _usable_below(self, tier: TierName) -> Level | None:
+        """The next level down when it takes copies now (its edge demotes and it has not just failed)."""
+        below = self._chain.below(tier)
+        if below is None or not self._chain.edge_below(tier).demote:
+            return None
+        if self._clock() < self._unhealthy_until.get(below.name, 0.0):
+            return None
+        return below
 
-    def _demote_loop(self) -> None:
-        while True:
-            key = self._demote_q.get()
-            if key is None:
-                return
-            try:
-                self._demote(key)
-            except Exception:  # a bug: keep demoting the rest rather than stall RAM
-                log.exception("demotion of %s failed unexpectedly", key)
+    def _write_through_locked(self, key: BlockKey, entry: Entry) -> None:
+        head = self._head.name
+        below = self._chain.below(head)
+        if below is None or not self._chain.edge_below(head).write_through:
+            return
+        if self._clock() < self._unhealthy_until.get(below.name, 0.0):
+            return
+        if self._mark_copy_locked(key, below.name):
+            if not self._demoter.offer(Copy(key, head, below.name, evict=False)):
+                self._unmark_copy_locked(key)  # queue full: eviction will demote it later
 
-    def _demote(self, key: BlockKey) -> None:
+    def _mark_copy_locked(self, key: BlockKey, dst: TierName) -> bool:
+        entry = self._catalog.entries[key]
+        if entry.demoting or (dst, key) in self._deleting:
+            return False
+        entry.demoting = True
+        self._demoting += 1
+        return True
+
+    def _unmark_copy_locked(self, key: BlockKey) -> None:
+        entry = self._catalog.entries[key]
+        entry.demoting = False
+        self._demoting -= 1
+
+    def _copy_down(self, job: Copy) -> None:
+        """Write one marked block from ``job.src`` into ``job.dst``; then, for a demotion, drop the upper copy."""
         with self._cond:
-            entry = self._entries.get(key)
+            entry = self._catalog.get(job.key)
             if entry is None or not entry.demoting:
                 return
-            loc = None if entry.deleted else self._ram.locate(key)
-            if loc is None:
-                self._end_demotion_locked(key, entry)
+            if entry.deleted or job.src not in entry.tiers:
+                self._end_copy_locked(job.key, entry)
                 return
-        outcome = "ok"
-        view = self._ram.view(loc[0], entry.meta.size)
-        try:
-            self._put_disk(key, view, entry.meta)
-        except CorruptBlock:
-            outcome = "corrupt"
-            log.error("block %s failed its checksum in host RAM while being demoted: dropped", key)
-            self.metrics.corrupt.labels("host").inc()
-        except (TierFull, BlockTooLarge) as err:
-            outcome = "failed"
-            log.warning("no room on disk for %s, keeping it in RAM: %s", key, err)
-        except TierUnavailable as err:
-            outcome = "failed"
-            self.metrics.tier_errors.labels("disk").inc()
-            log.warning("could not demote %s to disk, keeping it in RAM: %s", key, err)
-        except Exception:  # a bug: keep the block and the store consistent
-            outcome = "failed"
-            log.exception("demotion of %s failed unexpectedly", key)
-        finally:
-            view.release()
+        outcome = self._write_copy(job, entry)
         self.metrics.demotions.labels(outcome).inc()
-        with self._cond:
+        with self._locked():
             if outcome == "ok":
-                entry.tiers.add(DISK)
-                self._lru[DISK][key] = None
-                self._publish_locked(key, entry)
-                if not entry.pins:  # a reader may be copying it out of RAM right now
-                    self._drop_copy_locked(key, entry, HOST)
-                    self.metrics.evictions.labels("host").inc()
+                if job.dst not in entry.tiers:
+                    entry.tiers.add(job.dst)
+                    self._recency.add(job.dst, job.key)
+                self._publish_locked(job.key, entry)
+                if job.evict and not entry.pins:  # a reader may be copying it out right now
+                    self._drop_copy_locked(job.key, entry, job.src)
+                    self.metrics.evictions.labels(job.src.label).inc()
             elif outcome == "corrupt":
-                self._drop_copy_locked(key, entry, HOST)
-            else:
-                self._disk_unhealthy_until = self._clock() + self.limits.disk_retry_s
-            self._end_demotion_locked(key, entry)
+                self._drop_copy_locked(job.key, entry, job.src)
+            elif outcome == "failed":
+                self._unhealthy_until[job.dst] = self._clock() + self.limits.tier_retry_s
+            self._end_copy_locked(job.key, entry)
 
-    def _end_demotion_locked(self, key: BlockKey, entry: _Entry) -> None:
+    def _write_copy(self, job: Copy, entry: Entry) -> str:
+        """Move the bytes of one copy down; the outcome names what happened (a metric label)."""
+        try:
+            if self._chain.is_head(job.src):
+                loc = self._head.locate(job.key)
+                if loc is None:
+                    return "gone"
+                view = self._head.view(loc[0], entry.meta.size)
+                try:
+                    self._put_below(job.dst, job.key, view, entry.meta)
+                finally:
+                    view.release()
+            else:
+                data = self._chain.tier(job.src).get(job.key)
+                if data is None:
+                    return "gone"
+                self._put_below(job.dst, job.key, data, entry.meta)
+            return "ok"
+        except CorruptBlock:
+            log.error("block %s failed its checksum in the %s tier while being copied down: dropped", job.key, job.src.label)
+            self.metrics.corrupt.labels(job.src.label).inc()
+            return "corrupt"
+        except (TierFull, BlockTooLarge) as err:
+            log.warning("no room in the %s tier for %s, keeping it above: %s", job.dst.label, job.key, err)
+            return "failed"
+        except TierUnavailable as err:
+            self.metrics.tier_errors.labels(job.dst.label).inc()
+            log.warning("could not copy %s down to the %s tier, keeping it above: %s", job.key, job.dst.label, err)
+            return "failed"
+
+    def _end_copy_locked(self, key: BlockKey, entry: Entry) -> None:
         entry.demoting = False
         self._demoting -= 1
         self._maybe_remove_locked(key, entry)
         self._cond.notify_all()
 
-    def _put_disk(self, key: BlockKey, data: memoryview, meta: BlockMeta) -> None:
-        assert self._disk is not None
-        if meta.size > self._disk.capacity_bytes:
-            raise TierFull(f"block {key} ({meta.size} bytes) is larger than the whole disk tier")
+    def _put_below(self, dst: TierName, key: BlockKey, data, meta: BlockMeta) -> None:
+        """Write a block into a lower tier, evicting from it (and further down) as it fills."""
+        tier = self._chain.tier(dst)
+        if meta.size > tier.capacity_bytes:
+            raise TierFull(f"block {key} ({meta.size} bytes) is larger than the whole {dst.label} tier")
         while True:
             try:
-                self._disk.put(key, data, meta)
+                tier.put(key, data, meta)
             except TierFull:
-                with self._cond:
-                    if not self._evict_disk_locked():
-                        raise
+                if not self._evict_one_below(dst):
+                    raise
                 continue
-            self.metrics.bytes_in.labels("disk").inc(meta.size)
+            self.metrics.bytes_in.labels(dst.label).inc(meta.size)
             return
 
-    def _evict_disk_locked(self) -> bool:
-        for key in self._lru[DISK]:
-            entry = self._entries[key]
-            if entry.pins or entry.demoting:
-                continue
-            if HOST in entry.tiers:
-                self._drop_copy_locked(key, entry, DISK)
-            elif not self._children.get(key):
-                self._remove_locked(key, entry)
-                self.metrics.drops.inc()
-            else:
-                continue
-            self.metrics.evictions.labels("disk").inc()
-            return True
-        return False
+    def _evict_one_below(self, tier: TierName) -> bool:
+        """Make room in a lower tier by one block: drop a copy held elsewhere, demote it further, or drop it."""
+        below = self._usable_below(tier)
+        with self._locked():
+            plan = plan_eviction(tier, 1, self._catalog, self._recency, can_demote=below is not None, max_victims=1)
+            marked = self._apply_plan_locked(tier, plan, below)
+            if not (plan.frees_now or marked):
+                return False
+        for key in marked:  # this thread writes it further down itself: it is already a copy in flight
+            self._copy_down(Copy(key, tier, below.name, evict=True))
+        return True
 
     # ---- internals: bookkeeping -------------------------------------------
 
-    def _touch_locked(self, key: BlockKey, entry: _Entry) -> None:
-        for tier in entry.tiers:
-            self._lru[tier].move_to_end(key)
+    def _best(self, entry: Entry) -> TierName:
+        return self._chain.best(entry.tiers)
 
-    def _unpin_locked(self, key: BlockKey, entry: _Entry) -> None:
+    def _touch_locked(self, key: BlockKey, entry: Entry) -> None:
+        self._recency.touch(key, entry.tiers)
+
+    def _unpin_locked(self, key: BlockKey, entry: Entry) -> None:
         entry.pins -= 1
         self._maybe_remove_locked(key, entry)
 
@@ -972,94 +1024,81 @@ class TieredStore:
         # A pinned entry cannot be removed, so each key still maps to the
         # entry the lease pinned.
         for key in lease.keys:
-            self._unpin_locked(key, self._entries[key])
+            self._unpin_locked(key, self._catalog.entries[key])
         self._cond.notify_all()
 
-    def _maybe_remove_locked(self, key: BlockKey, entry: _Entry) -> None:
-        if entry.deleted and not entry.pins and not entry.demoting and self._entries.get(key) is entry:
+    def _maybe_remove_locked(self, key: BlockKey, entry: Entry) -> None:
+        if entry.deleted and not entry.pins and not entry.demoting and self._catalog.get(key) is entry:
             self._remove_locked(key, entry)
 
-    def _drop_copy_locked(self, key: BlockKey, entry: _Entry, tier: TierName) -> None:
+    def _drop_copy_locked(self, key: BlockKey, entry: Entry, tier: TierName) -> None:
         if tier not in entry.tiers:
             return
         if len(entry.tiers) == 1:
             self._remove_locked(key, entry)
             return
-        self._tier(tier).delete(key)
+        self._free_copy_locked(tier, key)
         entry.tiers.discard(tier)
-        self._lru[tier].pop(key, None)
         self._publish_locked(key, entry)
         self._cond.notify_all()
 
-    def _remove_locked(self, key: BlockKey, entry: _Entry) -> None:
+    def _remove_locked(self, key: BlockKey, entry: Entry) -> None:
         for tier in entry.tiers:
-            self._tier(tier).delete(key)
-            self._lru[tier].pop(key, None)
+            self._free_copy_locked(tier, key)
         entry.tiers.clear()
-        del self._entries[key]
+        self._catalog.remove(key)
         self._publish_locked(key, None)
-        keys = self._ns_keys[key.namespace]
-        keys.remove(key.key)
-        if not keys:
-            del self._ns_keys[key.namespace]
-        if entry.meta.parent:
-            parent = BlockKey(key.namespace, entry.meta.parent)
-            siblings = self._children.get(parent)
-            if siblings is not None:
-                siblings.discard(key)
-                if not siblings:
-                    del self._children[parent]
         self._cond.notify_all()
 
-    def _index_key_locked(self, key: BlockKey) -> None:
-        keys = self._ns_keys.get(key.namespace)
-        if keys is None:
-            keys = self._ns_keys[key.namespace] = SortedList()
-        keys.add(key.key)
+    def _free_copy_locked(self, tier: TierName, key: BlockKey) -> None:
+        """Forget a copy now; free its bytes now in the head, after the lock elsewhere."""
+        self._recency.discard(tier, key)
+        if self._chain.is_head(tier):
+            self._head.delete(key)
+            return
+        self._deletes.append((self._chain.tier(tier), key))
+        self._deleting[(tier, key)] = self._deleting.get((tier, key), 0) + 1
 
-    def _publish_locked(self, key: BlockKey, entry: _Entry | None) -> None:
-        if self._listener is not None:
-            gone = entry is None or entry.deleted or not entry.tiers
-            self._listener(key, None if gone else entry.best_tier)
-
-    def holdings(self) -> list[tuple[BlockKey, TierName]]:
-        """Every visible block and its best tier: what a full re-publish to the index sends."""
+    def _run_deletes(self) -> None:
+        """Delete the copies queued under the lock (disk unlinks), outside it."""
         with self._cond:
-            return [(k, e.best_tier) for k, e in self._entries.items() if not e.deleted and e.tiers]
+            deletes, self._deletes = self._deletes, []
+        for tier, key in deletes:
+            try:
+                tier.delete(key)
+            except TierUnavailable as err:  # the copy is forgotten; recovery drops or re-finds the file
+                self.metrics.tier_errors.labels(tier.name.label).inc()
+                log.warning("could not delete %s from the %s tier: %s", key, tier.name.label, err)
+            finally:
+                with self._cond:
+                    left = self._deleting[(tier.name, key)] - 1
+                    if left:
+                        self._deleting[(tier.name, key)] = left
+                    else:
+                        del self._deleting[(tier.name, key)]
 
-    def _tier(self, name: TierName) -> Tier:
-        if name is HOST:
-            return self._ram
-        assert self._disk is not None
-        return self._disk
+    def _publish_locked(self, key: BlockKey, entry: Entry | None) -> None:
+        if self._listener is not None:
+            visible = entry is not None and entry.visible
+            self._listener(key, self._best(entry) if visible else None)
 
     def _expire_locked(self) -> None:
         expired = self._leases.pop_expired(self._clock())
         for lease in expired:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
-            if lease.kind is LeaseKind.SLOT:
-                self._ram.unreserve(lease.offset)
+            if lease.kind == LeaseKind.SLOT:
+                self._head.unreserve(lease.offset)
             self._end_pins_locked(lease)
         if expired:
             self._cond.notify_all()
 
     def _reap_loop(self) -> None:
+        ticks = 0
         while not self._closed.wait(0.1):
             self.expire_leases()
-
-    def _recover_disk(self) -> None:
-        """Index the blocks a previous run left on disk."""
-        if self._disk is None:
-            return
-        for key in self._disk.lru():
-            meta = self._disk.meta(key)
-            if meta is None:
-                continue
-            self._entries[key] = _Entry(meta, {DISK})
-            self._lru[DISK][key] = None
-            self._index_key_locked(key)
-            self._namespaces.add(key.namespace)
-            if meta.parent:
-                self._children.setdefault(BlockKey(key.namespace, meta.parent), set()).add(key)
-        if self._entries:
-            log.info("recovered %d blocks from disk", len(self._entries))
+            ticks += 1
+            if ticks % 10 == 0:
+                try:
+                    self.flush_recency()
+                except Exception:  # a bug: the order is a hint; keep reaping leases
+                    log.exception("writing recency back failed unexpectedly")

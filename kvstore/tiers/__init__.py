@@ -1,0 +1,48 @@
+"""Local tiers and their registry: a tier name in config -> a constructor.
+
+The daemon builds its chain from names (``ram``, ``disk``; later ``gpu``)
+with :func:`open_tier`; a new tier is one module plus one entry in
+``_REGISTRY`` (and a row in the tier contract suite), never an ``if`` on a
+name somewhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.errors import InvalidArgument
+from kvstore.tiers.base import MappableTier, Tier, TierStats
+
+__all__ = ["MappableTier", "Tier", "TierStats", "known_tiers", "open_tier", "register_tier"]
+
+
+def _ram(**options) -> Tier:
+    from kvstore.tiers.ram import HostRamTier
+
+    return HostRamTier(**options)
+
+
+def _disk(**options) -> Tier:
+    from kvstore.tiers.disk import DiskTier
+
+    return DiskTier(**options)
+
+
+_REGISTRY: dict[str, Callable[..., Tier]] = {"ram": _ram, "disk": _disk}
+
+
+def register_tier(name: str, factory: Callable[..., Tier]) -> None:
+    """Make ``name`` usable in a chain; ``factory(**options)`` builds the tier."""
+    _REGISTRY[name] = factory
+
+
+def known_tiers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def open_tier(name: str, **options) -> Tier:
+    """The tier registered as ``name``, built with its section's options."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise InvalidArgument(f"unknown tier {name!r}: the known tiers are {', '.join(known_tiers())}")
+    return factory(**options)

@@ -1,10 +1,20 @@
-"""The contract every storage tier keeps.
+"""The contracts of the store's local tiers.
 
-A tier is one place bytes can live (host RAM, local disk, later a peer or an
-object store). It knows nothing of other tiers, pins, leases or prefix chains:
-:class:`kvstore.store.tiered.TieredStore` composes tiers and owns policy.
+A tier is one place bytes can live. It knows nothing of other tiers, pins,
+leases or prefix chains: :class:`kvstore.store.TieredStore` composes an
+ordered chain of them and owns every policy (placement, eviction, demotion,
+promotion, recency). Three kinds, from the top of the chain down:
 
-A tier:
+- :class:`MappableTier`: bytes addressable in place, so a same-host client
+  reads and writes them through its own mapping (the host-RAM arena; later
+  device memory). The head of every chain is one.
+- :class:`Tier` (a *local* tier): bounded latency, bytes copied in and out
+  (local NVMe).
+- a *remote source* (:mod:`kvstore.remote`): asynchronous, deadline-bound,
+  may fail part-way (peers, object storage). A different interface, because a
+  blocking whole-payload call fits neither a peer nor S3.
+
+Every local tier:
 
 - is safe to call from several threads; it does its blocking I/O outside its
   own lock so that one slow read does not stall the others;
@@ -14,7 +24,14 @@ A tier:
   ``get`` (they cross out), drops a block that fails and raises
   :class:`~kvstore.errors.CorruptBlock`;
 - makes a repeated ``put`` of a present key a no-op (keys are content- or
-  prefix-addressed, so the bytes are the same).
+  prefix-addressed, so the bytes are the same);
+- keeps an order of its blocks (``lru``/``touch``) only so that a
+  ``persistent`` tier can hand its recency back after a restart. While the
+  daemon runs the store's own recency decides every eviction and tells a
+  persistent tier, in batches, which blocks were used (``touch``).
+
+New tiers join by a factory in :mod:`kvstore.tiers`' registry and a row in
+``tests/test_tier_contract.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ class TierStats:
 
 class Tier(abc.ABC):
     name: TierName
+    persistent: bool = False  # keeps its blocks across a restart (the store recovers them)
 
     @property
     @abc.abstractmethod
@@ -83,3 +101,39 @@ class Tier(abc.ABC):
 
     def close(self) -> None:
         """Release the tier's resources. Blocks on a persistent tier stay."""
+
+
+class MappableTier(Tier):
+    """A tier whose bytes are addressable in place: the slot protocol.
+
+    ``reserve`` an extent, write it (through :meth:`view` or a client's own
+    mapping of the same memory), then ``commit`` it as a block or
+    ``unreserve`` it. ``locate`` gives a present block's offset without
+    copying, for readers that copy it out themselves under a lease. The store
+    frees extents of a mappable tier under its own lock (accounting must be
+    exact when a writer waits for room), so ``delete`` must be cheap.
+    """
+
+    @property
+    @abc.abstractmethod
+    def largest_free_bytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def reserve(self, size: int) -> int:
+        """Offset of a fresh extent; TierFull when none fits now, BlockTooLarge when none ever could."""
+
+    @abc.abstractmethod
+    def unreserve(self, offset: int) -> None:
+        """Give back a reserved extent that will not be committed."""
+
+    @abc.abstractmethod
+    def view(self, offset: int, size: int) -> memoryview:
+        """A writable view of ``size`` bytes at ``offset``; the caller releases it."""
+
+    @abc.abstractmethod
+    def commit(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool = True) -> bool:
+        """Adopt a reserved, written extent as block ``key``; False when ``key`` was present (extent freed)."""
+
+    @abc.abstractmethod
+    def locate(self, key: BlockKey) -> tuple[int, BlockMeta] | None:
+        """Offset and meta of a present block; copies nothing."""

@@ -199,6 +199,7 @@ class DiskTier(Tier):
     """
 
     name = TierName.DISK
+    persistent = True
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False) -> None:
         if capacity_bytes <= 0:

@@ -29,10 +29,10 @@ from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_chec
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull
 from kvstore.tiers.allocator import ExtentAllocator
 from kvstore.shm.arena import ShmArena
-from kvstore.tiers.base import Tier, TierStats
+from kvstore.tiers.base import MappableTier, TierStats
 
 
-class HostRamTier(Tier):
+class HostRamTier(MappableTier):
     """Blocks in a shared-memory arena, LRU-ordered; the store decides what to evict.
 
     ``get`` counts as a use and moves the block to the most-recently-used end;

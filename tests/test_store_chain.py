@@ -1,0 +1,313 @@
+"""The store over several chains of tiers, edge policies, recency, lease kinds.
+
+``CHAINS`` is the row a new tier adds: one suite of chain-agnostic
+behaviour runs over each (RAM only; RAM + disk; more as tiers join).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.errors import InvalidArgument, LeaseOwnedElsewhere, TierFull
+from kvstore.store import EdgePolicy, LeaseKind, StoreLimits, TierChain, TieredStore
+from kvstore.tiers import known_tiers, open_tier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.ram import HostRamTier
+
+MiB = 1 << 20
+HOST, DISK = TierName.HOST, TierName.DISK
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def value(tag: int, size: int = MiB) -> bytes:
+    return (tag.to_bytes(4, "big") * (size // 4 + 1))[:size]
+
+
+def put(store: TieredStore, key: bytes, data: bytes, parent: bytes | None = None, ns: str = "m"):
+    return store.put(BlockKey(ns, key), data, BlockMeta(len(data), checksum(data), parent))
+
+
+def ram_only(tmp_path, n):
+    return [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name=f"a{n}")]
+
+
+def ram_disk(tmp_path, n):
+    return [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name=f"a{n}"), DiskTier(tmp_path / f"d{n}", 32 * MiB)]
+
+
+CHAINS = {"ram": ram_only, "ram+disk": ram_disk}
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def stores():
+    made: list[TieredStore] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(params=sorted(CHAINS))
+def store(request, tmp_path, clock, stores):
+    s = TieredStore(CHAINS[request.param](tmp_path, len(stores)), limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    stores.append(s)
+    return s
+
+
+# ---- one suite over every chain ------------------------------------------------
+
+
+def test_round_trip_and_repeat(store):
+    assert put(store, b"a", value(1)) == (True, HOST)
+    assert put(store, b"a", value(1))[0] is False
+    data, meta, tier = store.get(BlockKey("m", b"a"))
+    assert data == value(1) and tier is HOST
+
+
+def test_pressure_loses_only_what_the_chain_cannot_hold(store):
+    for i in range(12):
+        put(store, b"k%d" % i, value(i))
+    store.flush_demotions()
+    present = [i for i in range(12) if store.exists("m", [b"k%d" % i])]
+    if len(store.chain) > 1:
+        assert present == list(range(12)), "a chain with room below never drops"
+    else:
+        assert 11 in present and len(present) < 12
+    for i in present:
+        assert store.get(BlockKey("m", b"k%d" % i))[0] == value(i)
+
+
+def test_pin_protects_under_pressure(store):
+    put(store, b"p", value(99))
+    lease, _ = store.pin("m", [b"p"])
+    for i in range(12):
+        try:
+            put(store, b"k%d" % i, value(i))
+        except TierFull:
+            pass
+        store.flush_demotions()
+    assert store.get(BlockKey("m", b"p"))[0] == value(99)
+    assert store.unpin(lease.id)
+
+
+def test_lookup_in_place_then_release(store):
+    put(store, b"a", value(7))
+    [loc] = store.lookup("m", [b"a"])
+    view = store.head.view(loc.offset, loc.meta.size)
+    try:
+        assert bytes(view) == value(7)
+    finally:
+        view.release()
+    assert store.release([loc.lease_id]) == [True]
+
+
+def test_delete_and_listing(store):
+    for k in (b"a", b"b", b"c"):
+        put(store, k, value(1))
+    assert store.delete("m", [b"b", b"zz"]) == 1
+    page, token = store.list_keys("m")
+    assert [b.key for b in page] == [b"a", b"c"] and token == b""
+
+
+def test_holdings_name_best_tiers(store):
+    put(store, b"a", value(1))
+    assert store.holdings() == [(BlockKey("m", b"a"), HOST)]
+
+
+# ---- chain construction and the tier registry ------------------------------------
+
+
+def test_chain_head_must_be_mappable(tmp_path):
+    with pytest.raises(ValueError, match="put 'ram' first"):
+        TierChain([DiskTier(tmp_path / "d", 8 * MiB)])
+
+
+def test_chain_refuses_a_tier_twice_and_extra_edges(tmp_path):
+    ram = HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a")
+    try:
+        with pytest.raises(ValueError, match="twice"):
+            TierChain([ram, ram])
+        with pytest.raises(ValueError, match="at most one per edge"):
+            TierChain([ram], [EdgePolicy()])
+    finally:
+        ram.close()
+
+
+def test_tier_registry_builds_by_name_and_lists_known(tmp_path):
+    assert {"ram", "disk"} <= set(known_tiers())
+    disk = open_tier("disk", directory=tmp_path / "d", capacity_bytes=8 * MiB)
+    assert disk.name is DISK and disk.persistent
+    disk.close()
+    with pytest.raises(InvalidArgument, match="known tiers are .*disk.*ram"):
+        open_tier("tape")
+
+
+# ---- edge policies ------------------------------------------------------------------
+
+
+def make(tmp_path, clock, stores, edge: EdgePolicy, ram_mib: int = 4, name: str = "x") -> TieredStore:
+    tiers = [HostRamTier(ram_mib * MiB, shm_dir=str(tmp_path), arena_name=f"a-{name}"), DiskTier(tmp_path / f"d-{name}", 32 * MiB)]
+    s = TieredStore(tiers, edges=[edge], limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    stores.append(s)
+    return s
+
+
+def test_write_through_copies_down_at_once_and_eviction_is_then_free(tmp_path, clock, stores):
+    store = make(tmp_path, clock, stores, EdgePolicy(write_through=True))
+    put(store, b"a", value(1))
+    store.flush_demotions()
+    ram, disk = store.tier_stats()
+    assert ram.blocks == 1 and disk.blocks == 1, "the copy below exists while the block is still in RAM"
+    copies = store.metrics.demotions.labels("ok")._value.get()
+    for i in range(8):
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    assert store.exists("m", [b"a"]) == [DISK]
+    assert store.get(BlockKey("m", b"a"))[0] == value(1)
+    # every block was copied once on its way in; RAM eviction needed no further copy
+    assert store.metrics.demotions.labels("ok")._value.get() == copies + 8
+
+
+def test_no_promotion_edge_serves_from_below(tmp_path, clock, stores):
+    store = make(tmp_path, clock, stores, EdgePolicy(promote=False))
+    for i in range(8):
+        put(store, b"k%d" % i, value(i))
+    store.flush_demotions()
+    assert store.exists("m", [b"k0"]) == [DISK]
+    data, _, tier = store.get(BlockKey("m", b"k0"))
+    assert data == value(0) and tier is DISK
+    assert store.exists("m", [b"k0"]) == [DISK]
+    assert store.metrics.promotions._value.get() == 0
+    [loc] = store.lookup("m", [b"k0"])
+    assert loc.tier is DISK and loc.lease_id == 0, "not brought into the arena: the client streams it"
+
+
+def test_no_demotion_edge_drops_instead(tmp_path, clock, stores):
+    store = make(tmp_path, clock, stores, EdgePolicy(demote=False))
+    for i in range(8):
+        put(store, b"k%d" % i, value(i))
+    store.flush_demotions()
+    assert store.tier_stats()[1].blocks == 0
+    assert store.exists("m", [b"k7"]) == [HOST] and store.exists("m", [b"k0"]) == []
+
+
+# ---- recency -------------------------------------------------------------------------
+
+
+def test_disk_recency_survives_a_restart(tmp_path, clock, stores):
+    """Reads move blocks to the recent end of the disk tier's order, and a restart keeps that order."""
+    store = make(tmp_path, clock, stores, EdgePolicy(promote=False), name="r")
+    for i in range(8):
+        put(store, b"k%d" % i, value(i))
+    store.flush_demotions()
+    on_disk = [i for i in range(8) if store.exists("m", [b"k%d" % i]) == [DISK]]
+    assert len(on_disk) >= 3
+    first = on_disk[0]
+    store.get(BlockKey("m", b"k%d" % first))  # the oldest write is now the newest use
+    assert store.flush_recency() >= 1
+    stores.remove(store)
+    store.close()
+    disk = DiskTier(tmp_path / "d-r", 32 * MiB)
+    try:
+        order = [k.key for k in disk.lru()]
+        assert order[-1] == b"k%d" % first, order
+    finally:
+        disk.close()
+
+
+def test_recovered_store_evicts_least_recently_used_first(tmp_path, clock, stores):
+    store = make(tmp_path, clock, stores, EdgePolicy(promote=False), name="e")
+    for i in range(8):
+        put(store, b"k%d" % i, value(i))
+    store.flush_demotions()
+    on_disk = [i for i in range(8) if store.exists("m", [b"k%d" % i]) == [DISK]]
+    store.get(BlockKey("m", b"k%d" % on_disk[0]))
+    stores.remove(store)
+    store.close()  # writes recency back
+    again = TieredStore(
+        [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-e2"), DiskTier(tmp_path / "d-e", 32 * MiB)],
+        edges=[EdgePolicy(promote=False)], limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock,
+    )
+    stores.append(again)
+    assert [k.key for k in again._recency.oldest(DISK)][-1] == b"k%d" % on_disk[0]
+
+
+# ---- deletes run outside the store lock -----------------------------------------------
+
+
+class WatchedDisk(DiskTier):
+    """A disk tier that checks, at each delete, whether the store lock is free."""
+
+    store: TieredStore | None = None
+    under_lock: list[bool]
+
+    def delete(self, key):
+        if self.store is not None:
+            got = self.store._cond.acquire(timeout=2)  # the store lock is not re-entrant: held here, this times out
+            self.under_lock.append(not got)
+            if got:
+                self.store._cond.release()
+        return super().delete(key)
+
+
+def test_disk_deletes_run_outside_the_store_lock(tmp_path, clock, stores):
+    disk = WatchedDisk(tmp_path / "w", 32 * MiB)
+    disk.under_lock = []
+    store = TieredStore(
+        [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-w"), disk],
+        limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock,
+    )
+    stores.append(store)
+    disk.store = store
+    for i in range(8):
+        put(store, b"k%d" % i, value(i))
+    store.flush_demotions()
+    victims = [b"k%d" % i for i in range(8) if store.exists("m", [b"k%d" % i]) == [DISK]]
+    assert store.delete("m", victims) == len(victims)
+    assert disk.stats().blocks == 0, "deleted before delete() returned"
+    assert disk.under_lock == [False] * len(victims)
+
+
+# ---- lease kinds and owners -----------------------------------------------------------
+
+
+def test_a_new_lease_kind_needs_no_store_change(store, clock):
+    handoff = LeaseKind("handoff")
+    put(store, b"a", value(1))
+    lease, missing = store.lease("m", [b"a", b"gone"], handoff, lease_s=30, owner="decode-7")
+    assert missing == [b"gone"] and lease.kind == handoff
+    with pytest.raises(LeaseOwnedElsewhere, match="another client"):
+        store.end_lease(lease.id, handoff, owner="someone-else")
+    assert store.end_lease(lease.id, LeaseKind.PIN, owner="decode-7") is False, "a lease is ended by its own kind"
+    assert store.end_lease(lease.id, handoff, owner="decode-7") is True
+    assert store.end_lease(lease.id, handoff, owner="decode-7") is False
+    late, _ = store.lease("m", [b"a"], handoff, lease_s=5)
+    clock.now += 10
+    store.expire_leases()
+    assert store.metrics.leases_expired.labels("handoff")._value.get() == 1
+    assert store.stats().pinned_blocks == 0
+
+
+def test_lease_kinds_are_fixed_words():
+    with pytest.raises(InvalidArgument, match="lowercase word"):
+        LeaseKind("Req 42!")
+
+
+def test_reads_and_slots_are_not_generic_leases(store):
+    put(store, b"a", value(1))
+    with pytest.raises(InvalidArgument, match="come from lookup and allocate"):
+        store.lease("m", [b"a"], LeaseKind.READ)
