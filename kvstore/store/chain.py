@@ -37,6 +37,9 @@ class TierChain:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"a tier appears twice in the chain {[n.label for n in names]}: list each tier once")
+        kinds = [t.remote for t in tiers]
+        if kinds != sorted(kinds):
+            raise ValueError("remote tiers (peers, object storage) come after every local tier in the chain")
         if len(edges) > max(len(tiers) - 1, 0):
             raise ValueError(f"{len(edges)} edge policies for a chain of {len(tiers)} tiers: give at most one per edge")
         padded = list(edges) + [EdgePolicy()] * (len(tiers) - len(edges))
@@ -82,6 +85,10 @@ class TierChain:
         """Whether a read served from ``name`` is copied up into the head (every edge on the way allows it)."""
         pos = self._by_name[name].position
         return pos > 0 and all(self.levels[i].edge.promote for i in range(pos))
+
+    def remote(self) -> list[Level]:
+        """The remote levels, in order: where a local miss reads through."""
+        return [lvl for lvl in self.levels if lvl.tier.remote]
 
     def persistent(self) -> list[TierName]:
         return [lvl.name for lvl in self.levels if lvl.tier.persistent]

@@ -205,6 +205,54 @@ class TieredStore:
             "(check the model or tenant name), or declare it with --namespaces"
         )
 
+    def _readable_namespace(self, namespace: str) -> None:
+        """Reads of a namespace this node never saw are errors, unless a remote tier may hold it."""
+        try:
+            self._known_namespace(namespace)
+        except UnknownNamespace:
+            if not self._chain.remote():
+                raise
+
+    def _read_through(self, key: BlockKey, deadline: float | None) -> tuple[bytes, BlockMeta, TierName] | None:
+        """A block no local tier holds, read from the first remote tier that has it, verified.
+
+        The block joins the catalogue as held by that remote tier, and is
+        promoted into the head when the edges allow. A remote tier that is
+        down, slow or answers with a corrupt block is a miss here: local
+        serving never waits on it beyond its call deadline.
+        """
+        for level in self._chain.remote():
+            try:
+                found = level.tier.fetch(key)
+            except CorruptBlock as err:
+                self.metrics.corrupt.labels(level.name.label).inc()
+                log.error("remote tier %s sent a corrupt copy of %s: %s", level.name.label, key, err)
+                continue
+            except TierUnavailable as err:
+                self.metrics.tier_errors.labels(level.name.label).inc()
+                log.warning("remote tier %s could not be read for %s: %s", level.name.label, key, err)
+                continue
+            if found is None:
+                continue
+            data, meta = found
+            if meta.size <= 0 or meta.size > self.limits.max_block_bytes:
+                log.warning("remote tier %s holds %s of %d bytes, outside this daemon's limits: ignored",
+                            level.name.label, key, meta.size)
+                continue
+            with self._locked():
+                self._namespaces.add(key.namespace)
+                if self._catalog.get(key) is None:
+                    entry = Entry(meta, {level.name})
+                    self._catalog.add(key, entry)
+                    self._recency.add(level.name, key)
+                    self._publish_locked(key, entry)
+            self.metrics.hits.labels(level.name.label).inc()
+            self.metrics.bytes_out.labels(level.name.label).inc(meta.size)
+            if self._chain.promotes(level.name):
+                self._promote(key, data, meta, deadline)
+            return bytes(data), meta, level.name
+        return None
+
     @contextmanager
     def _locked(self):
         """The store lock; deletes queued while it was held run once it is released."""
@@ -261,13 +309,16 @@ class TieredStore:
         """A verified copy of the block, or None on a miss. Hits below the head are promoted."""
         with self._cond:
             self._expire_locked()
-            self._known_namespace(key.namespace)
+            self._readable_namespace(key.namespace)
             entry = self._catalog.live(key)
-            if entry is None or not entry.tiers:
+            if entry is not None:
+                entry.pins += 1
+                self._touch_locked(key, entry)
+        if entry is None:
+            got = self._read_through(key, self._clock() + self.limits.put_wait_s)
+            if got is None:
                 self.metrics.misses.inc()
-                return None
-            entry.pins += 1
-            self._touch_locked(key, entry)
+            return got
         try:
             found = self._read_best(key, entry)
         finally:
@@ -299,6 +350,10 @@ class TieredStore:
             except CorruptBlock as err:
                 corrupt = err
                 continue
+            except TierUnavailable:
+                if self._chain.tier(tier).remote:  # another machine's copy, unreachable now: not a local failure
+                    continue
+                raise
             if data is not None:
                 return data, tier
         if corrupt is not None:  # no sound copy was left: the caller learns why it is gone
@@ -454,7 +509,7 @@ class TieredStore:
         self.check_batch(keys)
         lease_s = self._lease_seconds(lease_s, self.limits.lease_s)
         with self._cond:
-            self._known_namespace(namespace)
+            self._readable_namespace(namespace)
         out: list[Located | None] = []
         for key_bytes in keys:
             key = BlockKey(namespace, validate_key(key_bytes))
@@ -465,11 +520,17 @@ class TieredStore:
                 continue
             with self._cond:
                 entry = self._catalog.live(key)
-                if entry is None or not entry.tiers:
+                if entry is not None:
+                    entry.pins += 1
+            if entry is None:
+                got = self._read_through(key, deadline)
+                if got is None:
                     self.metrics.misses.inc()
                     out.append(None)
                     continue
-                entry.pins += 1
+                located = self._lease_in_head(key, lease_s, owner, found_in=got[2])
+                out.append(located or Located(key, got[1], got[2]))
+                continue
             try:
                 found = self._read_best(key, entry)
             except CorruptBlock:

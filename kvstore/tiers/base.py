@@ -54,6 +54,7 @@ class TierStats:
 class Tier(abc.ABC):
     name: TierName
     persistent: bool = False  # keeps its blocks across a restart (the store recovers them)
+    remote: bool = False  # another machine's: a local miss reads through to it (kvstore.tiers.remote)
 
     @property
     @abc.abstractmethod
