@@ -16,6 +16,7 @@ from kvstore.store import EdgePolicy, LeaseKind, StoreLimits, TierChain, TieredS
 from kvstore.tiers import known_tiers, open_tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
+from kvstore.tiers.remote import RemoteTier
 
 MiB = 1 << 20
 HOST, DISK = TierName.HOST, TierName.DISK
@@ -45,7 +46,11 @@ def ram_disk(tmp_path, n):
     return [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name=f"a{n}"), DiskTier(tmp_path / f"d{n}", 32 * MiB)]
 
 
-CHAINS = {"ram": ram_only, "ram+disk": ram_disk}
+def ram_disk_remote(tmp_path, n):
+    return ram_disk(tmp_path, n) + [RemoteTier.open(f"memory://chain-{tmp_path.name}-{n}")]
+
+
+CHAINS = {"ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote}
 
 
 @pytest.fixture
@@ -311,3 +316,78 @@ def test_reads_and_slots_are_not_generic_leases(store):
     put(store, b"a", value(1))
     with pytest.raises(InvalidArgument, match="come from lookup and allocate"):
         store.lease("m", [b"a"], LeaseKind.READ)
+
+
+# ---- remote tiers at the bottom of the chain ------------------------------------------------
+
+
+def remote_store(tmp_path, clock, stores, name: str, remote: str, disk_mib: int = 3, **remote_options) -> TieredStore:
+    tiers = [
+        HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name=f"a-{name}"),
+        DiskTier(tmp_path / f"d-{name}", disk_mib * MiB),
+        RemoteTier.open(remote, **remote_options),
+    ]
+    s = TieredStore(tiers, limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    stores.append(s)
+    return s
+
+
+def test_a_full_disk_demotes_to_the_remote_tier_and_reads_come_back(tmp_path, clock, stores):
+    store = remote_store(tmp_path, clock, stores, "full", f"memory://full-{tmp_path.name}")
+    for i in range(12):
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    tiers = {i: store.exists("m", [b"k%d" % i]) for i in range(12)}
+    assert all(tiers[i] for i in range(12)), "nothing was dropped: the chain had room below"
+    remote_only = [i for i in range(12) if tiers[i] == [TierName.OBJECT]]
+    assert remote_only, tiers
+    data, _, tier = store.get(BlockKey("m", b"k%d" % remote_only[0]))
+    assert data == value(remote_only[0]) and tier is TierName.OBJECT
+    assert store.exists("m", [b"k%d" % remote_only[0]]) == [HOST], "promoted on read"
+
+
+def test_a_block_written_by_one_node_is_read_through_by_another(tmp_path, clock, stores):
+    shared = f"memory://fleet-{tmp_path.name}"
+    writer = remote_store(tmp_path, clock, stores, "w", shared)
+    for i in range(12):
+        put(writer, b"k%d" % i, value(i), ns="llama")
+        writer.flush_demotions()
+    on_remote = [i for i in range(12) if writer.exists("llama", [b"k%d" % i]) == [TierName.OBJECT]]
+    assert on_remote
+    reader = remote_store(tmp_path, clock, stores, "r", shared)
+    k = b"k%d" % on_remote[0]
+    assert reader.exists("llama", [k]) == [], "unknown locally until read"
+    [loc] = reader.lookup("llama", [k])
+    assert loc is not None and loc.lease_id and loc.tier is TierName.OBJECT
+    view = reader.head.view(loc.offset, loc.meta.size)
+    try:
+        assert bytes(view) == value(on_remote[0])
+    finally:
+        view.release()
+    reader.release([loc.lease_id])
+    assert reader.exists("llama", [k]) == [HOST]
+    assert reader.get(BlockKey("llama", b"never-written")) is None
+
+
+def test_a_remote_tier_that_is_too_slow_is_a_miss_and_local_tiers_keep_serving(tmp_path, clock, stores):
+    store = remote_store(tmp_path, clock, stores, "slow", f"memory://slow-{tmp_path.name}", call_s=0.05, latency_s=1.0)
+    put(store, b"local", value(1))
+    assert store.get(BlockKey("m", b"local"))[0] == value(1)
+    assert store.get(BlockKey("m", b"elsewhere")) is None
+    assert store.metrics.tier_errors.labels("object")._value.get() >= 1
+    for i in range(12):  # demotions to the slow tier fail; nothing local is lost
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    assert store.get(BlockKey("m", b"k11"))[0] == value(11)
+
+
+def test_remote_tiers_come_last(tmp_path):
+    ram = HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-last")
+    remote = RemoteTier.open(f"memory://last-{tmp_path.name}")
+    disk = DiskTier(tmp_path / "d-last", 8 * MiB)
+    try:
+        with pytest.raises(ValueError, match="after every local tier"):
+            TierChain([ram, remote, disk])
+    finally:
+        for t in (ram, remote, disk):
+            t.close()

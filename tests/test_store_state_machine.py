@@ -13,6 +13,7 @@ Invariants checked after every step:
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -25,6 +26,7 @@ from kvstore.errors import TierFull
 from kvstore.store.tiered import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
+from kvstore.tiers.remote import RemoteTier
 
 KiB = 1 << 10
 PAGE = 4 * KiB
@@ -49,18 +51,19 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp()
         self.now = 0.0
-        ram = HostRamTier(2 << 20, shm_dir=self.dir, arena_name="arena")
-        disk = DiskTier(f"{self.dir}/disk", 3 << 20)
         limits = StoreLimits(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
         self.published: dict = {}  # what the store told its listener (the prefix index's feed)
         self.store = TieredStore(
-            [ram, disk], limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change
+            self.make_tiers(), limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change
         )
         self.parents: dict[bytes, bytes | None] = {}  # every key ever stored -> its parent
         self.deleted: set[bytes] = set()
         self.last_present: set[bytes] = set()
         self.pins: list[tuple[int, float, list[bytes]]] = []
         self.slots: list[tuple[int, bytes]] = []
+
+    def make_tiers(self) -> list:
+        return [HostRamTier(2 << 20, shm_dir=self.dir, arena_name="arena"), DiskTier(f"{self.dir}/disk", 3 << 20)]
 
     def on_change(self, key, tier) -> None:
         if tier is None:
@@ -213,4 +216,18 @@ class StoreMachine(RuleBasedStateMachine):
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+class RemoteStoreMachine(StoreMachine):
+    """The same rules over RAM, disk and a small in-process remote tier at the bottom."""
+
+    def make_tiers(self) -> list:
+        remote = RemoteTier.open(f"memory://machine-{os.path.basename(self.dir)}", capacity_bytes=4 << 20)
+        return [*super().make_tiers(), remote]
+
+
+TestRemoteStoreMachine = RemoteStoreMachine.TestCase
+TestRemoteStoreMachine.settings = settings(
+    max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -587,7 +587,7 @@ class TieredStore:
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
         with self._cond:
-            self._known_namespace(namespace)
+            self._readable_namespace(namespace)
             tiers = []
             for k in keys:
                 entry = self._catalog.live(BlockKey(namespace, k))
