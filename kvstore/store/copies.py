@@ -1,0 +1,116 @@
+"""Copies down the chain: the work of the write-behind queue.
+
+One :class:`~kvstore.store.demotion.Copy` at a time: read the block from its
+upper tier (in place from the head), write it into the lower one, evicting
+there as it fills (and further down the chain, synchronously, in this same
+worker), then record the new copy and, for a demotion, drop the upper one
+unless a reader holds it. A lower tier that fails a write is skipped for
+``tier_retry_s``; meanwhile eviction above drops instead of demoting.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.block import BlockKey, BlockMeta, TierName
+from kvstore.errors import BlockTooLarge, CorruptBlock, TierFull, TierUnavailable
+from kvstore.store.demotion import Copy
+from kvstore.store.entries import Entry
+from kvstore.store.eviction import plan_eviction
+from kvstore.store.state import StoreState
+
+log = logging.getLogger(__name__)
+
+
+class CopyDown:
+    def __init__(self, state: StoreState) -> None:
+        self._s = state
+        self._cond = state.cond
+        self._catalog = state.catalog
+        self._recency = state.recency
+        self._chain = state.chain
+        self._head = state.head
+        self._clock = state.clock
+
+    def copy_down(self, job: Copy) -> None:
+        """Write one marked block from ``job.src`` into ``job.dst``; then, for a demotion, drop the upper copy."""
+        with self._cond:
+            entry = self._catalog.get(job.key)
+            if entry is None or not entry.demoting:
+                return
+            if entry.deleted or job.src not in entry.tiers:
+                self._s.end_copy_locked(job.key, entry)
+                return
+        outcome = self._write_copy(job, entry)
+        self._s.metrics.demotions.labels(outcome).inc()
+        with self._s.locked():
+            if outcome == "ok":
+                if job.dst not in entry.tiers:
+                    entry.tiers.add(job.dst)
+                    self._recency.add(job.dst, job.key)
+                self._s.publish_locked(job.key, entry)
+                if job.evict and not entry.pins:  # a reader may be copying it out right now
+                    self._s.drop_copy_locked(job.key, entry, job.src)
+                    self._s.metrics.evictions.labels(job.src.label).inc()
+            elif outcome == "corrupt":
+                self._s.drop_copy_locked(job.key, entry, job.src)
+            elif outcome == "failed":
+                self._s.unhealthy_until[job.dst] = self._clock() + self._s.limits.tier_retry_s
+            self._s.end_copy_locked(job.key, entry)
+
+    def _write_copy(self, job: Copy, entry: Entry) -> str:
+        """Move the bytes of one copy down; the outcome names what happened (a metric label)."""
+        try:
+            if self._chain.is_head(job.src):
+                loc = self._head.locate(job.key)
+                if loc is None:
+                    return "gone"
+                view = self._head.view(loc[0], entry.meta.size)
+                try:
+                    self._put_below(job.dst, job.key, view, entry.meta)
+                finally:
+                    view.release()
+            else:
+                data = self._chain.tier(job.src).get(job.key)
+                if data is None:
+                    return "gone"
+                self._put_below(job.dst, job.key, data, entry.meta)
+            return "ok"
+        except CorruptBlock:
+            log.error("block %s failed its checksum in the %s tier while being copied down: dropped", job.key, job.src.label)
+            self._s.metrics.corrupt.labels(job.src.label).inc()
+            return "corrupt"
+        except (TierFull, BlockTooLarge) as err:
+            log.warning("no room in the %s tier for %s, keeping it above: %s", job.dst.label, job.key, err)
+            return "failed"
+        except TierUnavailable as err:
+            self._s.metrics.tier_errors.labels(job.dst.label).inc()
+            log.warning("could not copy %s down to the %s tier, keeping it above: %s", job.key, job.dst.label, err)
+            return "failed"
+
+    def _put_below(self, dst: TierName, key: BlockKey, data, meta: BlockMeta) -> None:
+        """Write a block into a lower tier, evicting from it (and further down) as it fills."""
+        tier = self._chain.tier(dst)
+        if meta.size > tier.capacity_bytes:
+            raise TierFull(f"block {key} ({meta.size} bytes) is larger than the whole {dst.label} tier")
+        while True:
+            try:
+                tier.put(key, data, meta)
+            except TierFull:
+                if not self._evict_one_below(dst):
+                    raise
+                continue
+            self._s.metrics.bytes_in.labels(dst.label).inc(meta.size)
+            return
+
+    def _evict_one_below(self, tier: TierName) -> bool:
+        """Make room in a lower tier by one block: drop a copy held elsewhere, demote it further, or drop it."""
+        below = self._s.usable_below(tier)
+        with self._s.locked():
+            plan = plan_eviction(tier, 1, self._catalog, self._recency, can_demote=below is not None, max_victims=1)
+            marked = self._s.apply_plan_locked(tier, plan, below)
+            if not (plan.frees_now or marked):
+                return False
+        for key in marked:  # this thread writes it further down itself: it is already a copy in flight
+            self.copy_down(Copy(key, tier, below.name, evict=True))
+        return True

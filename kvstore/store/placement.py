@@ -1,0 +1,141 @@
+"""Placement in the head: room for a new block, a block adopted, a block promoted.
+
+The head (the shared arena) is where every write lands and every promoted
+read goes. Room is made by the eviction rules of :mod:`~kvstore.store.eviction`:
+copies with a twin below go at once, others are queued for the write-behind
+workers, and a writer waits for them until its deadline, then gets
+``TierFull`` with a retry delay — never an unbounded wait. Above the high
+watermark the head starts demoting in the background, down to the low one.
+"""
+
+from __future__ import annotations
+
+from kvstore.block import BlockKey, BlockMeta, TierName
+from kvstore.errors import TierFull
+from kvstore.store.demotion import Copy, Demoter
+from kvstore.store.entries import Entry
+from kvstore.store.eviction import plan_eviction
+from kvstore.store.state import StoreState
+
+
+class HeadPlacement:
+    def __init__(self, state: StoreState, demoter: Demoter) -> None:
+        self._s = state
+        self._cond = state.cond
+        self._catalog = state.catalog
+        self._recency = state.recency
+        self._chain = state.chain
+        self._head = state.head
+        self._clock = state.clock
+        self._demoter = demoter
+
+    def reserve(self, size: int, deadline: float | None) -> int:
+        """A head extent of ``size`` bytes, evicting and waiting (until ``deadline``) as needed."""
+        if deadline is None:
+            deadline = self._clock() + self._s.limits.put_wait_s
+        with self._s.locked():
+            while True:
+                self._s.expire_locked()
+                try:
+                    return self._head.reserve(size)
+                except TierFull:
+                    pass
+                freed, pending = self._make_room_locked(size)
+                if freed:
+                    continue
+                remaining = deadline - self._clock()
+                if not pending or remaining <= 0:
+                    stats = self._head.stats()
+                    raise TierFull(
+                        f"the {self._head.name.label} tier has no room for {size} bytes ({stats.used_bytes} of "
+                        f"{stats.capacity_bytes} used, largest free extent {self._head.largest_free_bytes}; the rest "
+                        "is pinned, leased or being demoted): retry later, unpin blocks, or raise --ram-bytes",
+                        retry_after_s=0.1,
+                    )
+                if not self._demoter.threaded:
+                    # No demotion thread: write the queued blocks down here.
+                    self._cond.release()
+                    try:
+                        self._s.run_deletes()
+                        self._demoter.flush()
+                    finally:
+                        self._cond.acquire()
+                else:
+                    self._cond.wait(timeout=min(remaining, 0.05))
+
+    def adopt(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool) -> tuple[bool, TierName]:
+        head = self._head.name
+        with self._cond:
+            entry = self._catalog.get(key)
+            if entry is not None and not entry.deleted:
+                self._head.unreserve(offset)  # lost a race with another writer of the same key
+                self._cond.notify_all()
+                return False, self._s.best(entry)
+            if entry is not None:
+                # Deleted but still pinned by a reader: revive it. Keys are
+                # content- or prefix-addressed, so the bytes are the same.
+                entry.deleted = False
+                self._head.unreserve(offset)
+                self._cond.notify_all()
+                self._s.publish_locked(key, entry)
+                return True, self._s.best(entry)
+            if not self._head.commit(key, offset, meta, verify=verify):
+                self._cond.notify_all()
+                return False, head
+            entry = Entry(meta, {head})
+            self._catalog.add(key, entry)
+            self._recency.add(head, key)
+            self._s.metrics.bytes_in.labels(head.label).inc(meta.size)
+            self._s.publish_locked(key, entry)
+            self.write_through_locked(key, entry)
+            self.keep_headroom_locked()
+            return True, head
+
+    def promote(self, key: BlockKey, data: bytes, meta: BlockMeta, deadline: float | None) -> bool:
+        """Copy a block read below up into the head (keeping the lower copy); False when there is no room in time."""
+        head = self._head.name
+        try:
+            offset = self.reserve(meta.size, deadline)
+        except TierFull:
+            return False
+        view = self._head.view(offset, meta.size)
+        view[:] = data
+        view.release()
+        with self._cond:
+            entry = self._catalog.live(key)
+            if entry is None or head in entry.tiers:
+                self._head.unreserve(offset)
+                self._cond.notify_all()
+                return entry is not None and head in entry.tiers
+            self._head.commit(key, offset, meta, verify=False)
+            entry.tiers.add(head)
+            self._recency.add(head, key)
+            self._s.publish_locked(key, entry)
+            self._s.metrics.promotions.inc()
+            self._s.metrics.bytes_in.labels(head.label).inc(meta.size)
+            return True
+
+    def keep_headroom_locked(self) -> None:
+        stats = self._head.stats()
+        if stats.used_bytes > self._s.limits.high_watermark * stats.capacity_bytes and self._s.usable_below(self._head.name):
+            target_free = int((1 - self._s.limits.low_watermark) * stats.capacity_bytes)
+            self._make_room_locked(target_free - (stats.capacity_bytes - stats.used_bytes), background=True)
+
+    def _make_room_locked(self, need: int, background: bool = False) -> tuple[bool, bool]:
+        """Evict from the head; returns (freed now, copies down pending)."""
+        head = self._head.name
+        below = self._s.usable_below(head)
+        plan = plan_eviction(head, need, self._catalog, self._recency, can_demote=below is not None, background=background)
+        self._s.apply_plan_locked(head, plan, below, self._demoter.offer)
+        return plan.frees_now, self._s.demoting > 0
+
+    def write_through_locked(self, key: BlockKey, entry: Entry) -> None:
+        head = self._head.name
+        below = self._chain.below(head)
+        if below is None or not self._chain.edge_below(head).write_through:
+            return
+        if self._clock() < self._s.unhealthy_until.get(below.name, 0.0):
+            return
+        if self._s.mark_copy_locked(key, below.name):
+            if not self._demoter.offer(Copy(key, head, below.name, evict=False)):
+                self._s.unmark_copy_locked(key)  # queue full: eviction will demote it later

@@ -1,0 +1,127 @@
+"""Reads down the chain: from the highest tier holding a block, or through to a remote tier.
+
+Every read is verified against the block's checksum. A copy that fails is
+dropped from its tier and the next one down is tried; a remote copy that
+cannot be reached is passed over, never a local failure. A block no local
+tier holds is read through from the remote tiers and promoted into the
+head when the chain's edges allow.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.errors import CorruptBlock, TierUnavailable
+from kvstore.store.entries import Entry
+from kvstore.store.placement import HeadPlacement
+from kvstore.store.state import StoreState
+
+log = logging.getLogger(__name__)
+
+
+class ChainReader:
+    def __init__(self, state: StoreState, placement: HeadPlacement) -> None:
+        self._s = state
+        self._cond = state.cond
+        self._catalog = state.catalog
+        self._recency = state.recency
+        self._chain = state.chain
+        self._head = state.head
+        self._clock = state.clock
+        self._place = placement
+
+    def read_through(self, key: BlockKey, deadline: float | None) -> tuple[bytes, BlockMeta, TierName] | None:
+        """A block no local tier holds, read from the first remote tier that has it, verified.
+
+        The block joins the catalogue as held by that remote tier, and is
+        promoted into the head when the edges allow. A remote tier that is
+        down, slow or answers with a corrupt block is a miss here: local
+        serving never waits on it beyond its call deadline.
+        """
+        for level in self._chain.remote():
+            try:
+                found = level.tier.fetch(key)
+            except CorruptBlock as err:
+                self._s.metrics.corrupt.labels(level.name.label).inc()
+                log.error("remote tier %s sent a corrupt copy of %s: %s", level.name.label, key, err)
+                continue
+            except TierUnavailable as err:
+                self._s.metrics.tier_errors.labels(level.name.label).inc()
+                log.warning("remote tier %s could not be read for %s: %s", level.name.label, key, err)
+                continue
+            if found is None:
+                continue
+            data, meta = found
+            if meta.size <= 0 or meta.size > self._s.limits.max_block_bytes:
+                log.warning("remote tier %s holds %s of %d bytes, outside this daemon's limits: ignored",
+                            level.name.label, key, meta.size)
+                continue
+            with self._s.locked():
+                self._s.namespaces.add(key.namespace)
+                if self._catalog.get(key) is None:
+                    entry = Entry(meta, {level.name})
+                    self._catalog.add(key, entry)
+                    self._recency.add(level.name, key)
+                    self._s.publish_locked(key, entry)
+            self._s.metrics.hits.labels(level.name.label).inc()
+            self._s.metrics.bytes_out.labels(level.name.label).inc(meta.size)
+            if self._chain.promotes(level.name):
+                self._place.promote(key, data, meta, deadline)
+            return bytes(data), meta, level.name
+        return None
+
+    def read_best(self, key: BlockKey, entry: Entry) -> tuple[bytes, TierName] | None:
+        """Read a pinned block from the highest tier that holds it, verified.
+
+        A tier whose copy went meanwhile (a race with a move down) or turned
+        out corrupt is passed over for the next one down; a tier that fails
+        raises TierUnavailable.
+        """
+        with self._cond:
+            order = self._chain.ordered(entry.tiers)
+        corrupt: CorruptBlock | None = None
+        for tier in order:
+            try:
+                data = self._read(key, entry.meta, tier)
+            except CorruptBlock as err:
+                corrupt = err
+                continue
+            except TierUnavailable:
+                if self._chain.tier(tier).remote:  # another machine's copy, unreachable now: not a local failure
+                    continue
+                raise
+            if data is not None:
+                return data, tier
+        if corrupt is not None:  # no sound copy was left: the caller learns why it is gone
+            raise corrupt
+        return None
+
+    def _read(self, key: BlockKey, meta: BlockMeta, tier: TierName) -> bytes | None:
+        """Read a pinned block from one tier, verified; drop that copy if corrupt."""
+        try:
+            if self._chain.is_head(tier):
+                loc = self._head.locate(key)
+                if loc is None:
+                    return None
+                view = self._head.view(loc[0], meta.size)
+                try:
+                    data = bytes(view)
+                finally:
+                    view.release()
+                if checksum(data) != meta.checksum:
+                    raise CorruptBlock(f"block {key} failed its checksum in the {tier.label} tier")
+                return data
+            return self._chain.tier(tier).get(key)
+        except CorruptBlock:
+            log.error("dropping corrupt block %s found in tier %s", key, tier.label)
+            self._s.metrics.corrupt.labels(tier.label).inc()
+            with self._s.locked():
+                entry = self._catalog.get(key)
+                if entry is not None:
+                    self._s.drop_copy_locked(key, entry, tier)
+            raise
+        except TierUnavailable as err:
+            self._s.metrics.tier_errors.labels(tier.label).inc()
+            log.error("tier %s failed reading %s: %s", tier.label, key, err)
+            raise

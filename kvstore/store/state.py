@@ -1,0 +1,239 @@
+"""The store's shared state and the bookkeeping every part of it does under its one lock.
+
+:class:`~kvstore.store.tiered.TieredStore` is a facade over parts that each
+do one job — placement in the head (:mod:`~kvstore.store.placement`), reads
+down the chain (:mod:`~kvstore.store.reads`), copies down the chain
+(:mod:`~kvstore.store.copies`) — and all of them decide on the same facts:
+the catalogue, the recency, the leases, which tiers are failing, which
+deletes are queued. Those facts and the small operations on them live here,
+once: dropping a copy or a block, pins, lease expiry, publication to the
+store's listener, and the rule that deletes in tiers other than the head
+run after the lock is released (``locked()`` runs them).
+
+Every method whose name ends in ``_locked`` must be called with ``cond``
+held; the others take it themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+from kvstore.block import BlockKey, BlockMeta, TierName, validate_namespace
+from kvstore.errors import TierUnavailable, UnknownNamespace
+from kvstore.metrics import StoreMetrics
+from kvstore.store.chain import Level, TierChain
+from kvstore.store.demotion import Copy
+from kvstore.store.entries import Catalog, Entry
+from kvstore.store.eviction import EvictionPlan
+from kvstore.store.leases import Lease, LeaseKind, LeaseTable
+from kvstore.store.limits import StoreLimits
+from kvstore.store.recency import Recency
+from kvstore.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+class StoreState:
+    def __init__(
+        self, chain: TierChain, limits: StoreLimits, metrics: StoreMetrics, clock: Callable[[], float],
+        namespaces: Iterable[str], auto_create_namespaces: bool,
+        listener: Callable[[BlockKey, TierName | None], None] | None,
+    ) -> None:
+        self.chain = chain
+        self.head = chain.head
+        self.limits = limits
+        self.metrics = metrics
+        self.clock = clock
+        self.cond = threading.Condition(threading.Lock())
+        self.catalog = Catalog()
+        self.recency = Recency(chain.names, chain.persistent())
+        self.leases = LeaseTable(limits.max_leases)
+        self.namespaces = {validate_namespace(ns) for ns in namespaces}
+        self.auto_create = auto_create_namespaces
+        # Told (under the lock: it must not block) whenever a block's best
+        # tier changes or the block goes (None): the prefix index's feed.
+        self.listener = listener
+        self.unhealthy_until: dict[TierName, float] = {}  # a lower tier that failed a write: skipped until then
+        self.demoting = 0  # blocks marked for a copy down, queued or being written
+        # Deletes of copies in tiers other than the head, run outside the lock.
+        self.deletes: list[tuple[Tier, BlockKey]] = []
+        self.deleting: dict[tuple[TierName, BlockKey], int] = {}
+
+    @contextmanager
+    def locked(self):
+        """The store lock; deletes queued while it was held run once it is released."""
+        with self.cond:
+            yield
+        if self.deletes:
+            self.run_deletes()
+
+    def best(self, entry: Entry) -> TierName:
+        return self.chain.best(entry.tiers)
+
+    def touch_locked(self, key: BlockKey, entry: Entry) -> None:
+        self.recency.touch(key, entry.tiers)
+
+    def unpin_locked(self, key: BlockKey, entry: Entry) -> None:
+        entry.pins -= 1
+        self.maybe_remove_locked(key, entry)
+
+    def end_pins_locked(self, lease: Lease) -> None:
+        # A pinned entry cannot be removed, so each key still maps to the
+        # entry the lease pinned.
+        for key in lease.keys:
+            self.unpin_locked(key, self.catalog.entries[key])
+        self.cond.notify_all()
+
+    def maybe_remove_locked(self, key: BlockKey, entry: Entry) -> None:
+        if entry.deleted and not entry.pins and not entry.demoting and self.catalog.get(key) is entry:
+            self.remove_locked(key, entry)
+
+    def drop_copy_locked(self, key: BlockKey, entry: Entry, tier: TierName) -> None:
+        if tier not in entry.tiers:
+            return
+        if len(entry.tiers) == 1:
+            self.remove_locked(key, entry)
+            return
+        self.free_copy_locked(tier, key)
+        entry.tiers.discard(tier)
+        self.publish_locked(key, entry)
+        self.cond.notify_all()
+
+    def remove_locked(self, key: BlockKey, entry: Entry) -> None:
+        for tier in entry.tiers:
+            self.free_copy_locked(tier, key)
+        entry.tiers.clear()
+        self.catalog.remove(key)
+        self.publish_locked(key, None)
+        self.cond.notify_all()
+
+    def free_copy_locked(self, tier: TierName, key: BlockKey) -> None:
+        """Forget a copy now; free its bytes now in the head, after the lock elsewhere."""
+        self.recency.discard(tier, key)
+        if self.chain.is_head(tier):
+            self.head.delete(key)
+            return
+        self.deletes.append((self.chain.tier(tier), key))
+        self.deleting[(tier, key)] = self.deleting.get((tier, key), 0) + 1
+
+    def run_deletes(self) -> None:
+        """Delete the copies queued under the lock (disk unlinks), outside it."""
+        with self.cond:
+            deletes, self.deletes = self.deletes, []
+        for tier, key in deletes:
+            try:
+                tier.delete(key)
+            except TierUnavailable as err:  # the copy is forgotten; recovery drops or re-finds the file
+                self.metrics.tier_errors.labels(tier.name.label).inc()
+                log.warning("could not delete %s from the %s tier: %s", key, tier.name.label, err)
+            finally:
+                with self.cond:
+                    left = self.deleting[(tier.name, key)] - 1
+                    if left:
+                        self.deleting[(tier.name, key)] = left
+                    else:
+                        del self.deleting[(tier.name, key)]
+
+    def publish_locked(self, key: BlockKey, entry: Entry | None) -> None:
+        if self.listener is not None:
+            visible = entry is not None and entry.visible
+            self.listener(key, self.best(entry) if visible else None)
+
+    def expire_locked(self) -> None:
+        expired = self.leases.pop_expired(self.clock())
+        for lease in expired:
+            self.metrics.leases_expired.labels(lease.kind.value).inc()
+            if lease.kind == LeaseKind.SLOT:
+                self.head.unreserve(lease.offset)
+            self.end_pins_locked(lease)
+        if expired:
+            self.cond.notify_all()
+
+    def pin_parent_locked(self, key: BlockKey, meta: BlockMeta) -> list[BlockKey]:
+        """Pin the parent of a block being written, so eviction cannot take it meanwhile."""
+        if not meta.parent:
+            return []
+        parent = BlockKey(key.namespace, meta.parent)
+        entry = self.catalog.live(parent)
+        if entry is None:
+            return []
+        entry.pins += 1
+        return [parent]
+
+    def usable_below(self, tier: TierName) -> Level | None:
+        """The next level down when it takes copies now (its edge demotes and it has not just failed)."""
+        below = self.chain.below(tier)
+        if below is None or not self.chain.edge_below(tier).demote:
+            return None
+        if self.clock() < self.unhealthy_until.get(below.name, 0.0):
+            return None
+        return below
+
+    def mark_copy_locked(self, key: BlockKey, dst: TierName) -> bool:
+        entry = self.catalog.entries[key]
+        if entry.demoting or (dst, key) in self.deleting:
+            return False
+        entry.demoting = True
+        self.demoting += 1
+        return True
+
+    def unmark_copy_locked(self, key: BlockKey) -> None:
+        entry = self.catalog.entries[key]
+        entry.demoting = False
+        self.demoting -= 1
+
+    def end_copy_locked(self, key: BlockKey, entry: Entry) -> None:
+        entry.demoting = False
+        self.demoting -= 1
+        self.maybe_remove_locked(key, entry)
+        self.cond.notify_all()
+
+    def apply_plan_locked(
+        self, tier: TierName, plan: EvictionPlan, below: Level | None, offer: Callable[[Copy], bool] | None = None,
+    ) -> list[BlockKey]:
+        """Carry out an eviction plan in ``tier``; returns the blocks marked for a copy down.
+
+        With ``offer`` (the head's write-behind queue) each marked block is
+        queued; without, the caller writes the marked blocks itself.
+        """
+        for key in plan.drop_copy:
+            self.drop_copy_locked(key, self.catalog.entries[key], tier)
+            self.metrics.evictions.labels(tier.label).inc()
+        for key in plan.drop:
+            self.remove_locked(key, self.catalog.entries[key])
+            self.metrics.evictions.labels(tier.label).inc()
+            self.metrics.drops.inc()
+        marked = []
+        for key in plan.demote:
+            if below is None:
+                break
+            if not self.mark_copy_locked(key, below.name):
+                continue  # its old copy below is still being deleted: try it next time
+            if offer is not None and not offer(Copy(key, tier, below.name, evict=True)):
+                self.unmark_copy_locked(key)
+                break
+            marked.append(key)
+        return marked
+
+    def known_namespace(self, namespace: str, *, write: bool = False) -> None:
+        validate_namespace(namespace)
+        if namespace in self.namespaces:
+            return
+        if write and self.auto_create:
+            self.namespaces.add(namespace)
+            return
+        raise UnknownNamespace(
+            f"namespace {namespace!r} is unknown to this daemon: nothing was ever stored in it "
+            "(check the model or tenant name), or declare it with --namespaces"
+        )
+
+    def readable_namespace(self, namespace: str) -> None:
+        """Reads of a namespace this node never saw are errors, unless a remote tier may hold it."""
+        try:
+            self.known_namespace(namespace)
+        except UnknownNamespace:
+            if not self.chain.remote():
+                raise
