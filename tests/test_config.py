@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from pydantic import ByteSize
 
-from kvstore.cli.main import build_parser, main
+from kvstore.cli.main import build_parser, main, serve_overrides
 from kvstore.config import SETTINGS, Section, Settings, SettingsError, StoreSettings, load_settings
 from kvstore.config.section import iter_settings, setting
 from kvstore.config.tiers import TierSettings
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "strata.example.toml"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "deploy" / "strata.example.toml"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -141,6 +142,23 @@ def test_example_config_file_loads():
         "replay_endpoint": "tcp://vllm-0:5558", "topic": "",
     }]
     assert s.server.unix_socket == "/run/strata/strata.sock"
+
+
+def test_readme_config_example_loads(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    s = load_settings(write(tmp_path, block), environ={})
+    assert s.tiers.disk.dir == Path("/var/cache/strata") and s.logging.format == "text"
+
+
+def test_deploy_manifest_flags_still_parse():
+    yaml = pytest.importorskip("yaml")
+    pod = yaml.safe_load((ROOT / "deploy" / "lmcache" / "vllm-strata-pod.yaml").read_text())
+    (strata,) = [c for c in pod["spec"]["containers"] if c["name"] == "strata"]
+    args = build_parser().parse_args(strata["args"])
+    s = load_settings(environ={}, **serve_overrides(args))
+    assert (s.server.listen, s.tiers.ram.bytes, s.tiers.disk.bytes) == ("127.0.0.1:50051", 32 << 30, 500 << 30)
+    assert s.tiers.disk.dir == Path("/var/cache/strata") and s.tiers.ram.shm_dir == Path("/dev/shm")
 
 
 def test_every_setting_has_a_flag_with_help_in_its_section_group():

@@ -70,8 +70,13 @@ def _setup_logging(level: str, fmt: str) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
+def serve_overrides(args: argparse.Namespace) -> dict:
+    """The settings given as flags (the highest layer of :func:`load_settings`)."""
+    return {s.flag: getattr(args, s.flag) for s in SETTINGS if getattr(args, s.flag) is not None}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    overrides = {s.flag: getattr(args, s.flag) for s in SETTINGS if getattr(args, s.flag) is not None}
+    overrides = serve_overrides(args)
     config = args.config or os.environ.get("STRATA_CONFIG")
     try:
         settings = load_settings(config, **overrides)
