@@ -315,8 +315,9 @@ daemon.stop(0)
 def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
     """A Strata daemon in its own process on a free loopback port; yields its ``host:port``.
 
-    ``settings`` are :func:`kvstore.config.load_settings` overrides (sizes as
-    strings such as ``"1GiB"``). The daemon stops when its stdin closes, so
+    ``settings`` are :func:`kvstore.config.load_settings` overrides: flag
+    names of ``strata serve`` (``ram_bytes="1GiB"``; sizes as strings) or a
+    config section as a dict (``store={"demotion_threads": 2}``). The daemon stops when its stdin closes, so
     it cannot outlive a benchmark killed with SIGKILL.
     """
     settings = {"listen": "127.0.0.1:0", "metrics_listen": "", **settings}

@@ -240,7 +240,7 @@ def test_corrupt_block_on_disk_is_data_loss_then_a_miss(make_daemon, tmp_path):
         wait_until(lambda: c.stats().tiers["disk"]["blocks"] >= 4, what="demotion to disk")
         disk_only = [i for i in range(8) if c.exists("m", [b"k%d" % i]) == [TierName.DISK]]
         assert disk_only
-        for path in Path(daemon.settings.disk_dir).rglob("*"):
+        for path in Path(daemon.settings.tiers.disk.dir).rglob("*"):
             if path.is_file() and path.stat().st_size > MiB:
                 with open(path, "r+b") as f:
                     f.seek(-100, os.SEEK_END)

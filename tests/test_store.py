@@ -56,7 +56,7 @@ def make_store(tmp_path, clock):
         limits.setdefault("demotion_threads", 0)
         ram = HostRamTier(ram_mib * MiB, shm_dir=str(tmp_path), arena_name=f"arena{len(stores)}")
         disk = DiskTier(disk_dir or tmp_path / f"disk{len(stores)}", disk_mib * MiB) if disk_mib else None
-        store = TieredStore([ram] + ([disk] if disk else []), limits=StoreLimits(**limits), clock=clock)
+        store = TieredStore([ram] + ([disk] if disk else []), limits=StoreLimits.from_settings(**limits), clock=clock)
         stores.append(store)
         return store
 

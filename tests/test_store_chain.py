@@ -68,7 +68,7 @@ def stores():
 
 @pytest.fixture(params=sorted(CHAINS))
 def store(request, tmp_path, clock, stores):
-    s = TieredStore(CHAINS[request.param](tmp_path, len(stores)), limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    s = TieredStore(CHAINS[request.param](tmp_path, len(stores)), limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
     stores.append(s)
     return s
 
@@ -166,7 +166,7 @@ def test_tier_registry_builds_by_name_and_lists_known(tmp_path):
 
 def make(tmp_path, clock, stores, edge: EdgePolicy, ram_mib: int = 4, name: str = "x") -> TieredStore:
     tiers = [HostRamTier(ram_mib * MiB, shm_dir=str(tmp_path), arena_name=f"a-{name}"), DiskTier(tmp_path / f"d-{name}", 32 * MiB)]
-    s = TieredStore(tiers, edges=[edge], limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    s = TieredStore(tiers, edges=[edge], limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
     stores.append(s)
     return s
 
@@ -245,7 +245,7 @@ def test_recovered_store_evicts_least_recently_used_first(tmp_path, clock, store
     store.close()  # writes recency back
     again = TieredStore(
         [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-e2"), DiskTier(tmp_path / "d-e", 32 * MiB)],
-        edges=[EdgePolicy(promote=False)], limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock,
+        edges=[EdgePolicy(promote=False)], limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock,
     )
     stores.append(again)
     assert [k.key for k in again._recency.oldest(DISK)][-1] == b"k%d" % on_disk[0]
@@ -274,7 +274,7 @@ def test_disk_deletes_run_outside_the_store_lock(tmp_path, clock, stores):
     disk.under_lock = []
     store = TieredStore(
         [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-w"), disk],
-        limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock,
+        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock,
     )
     stores.append(store)
     disk.store = store
@@ -327,7 +327,7 @@ def remote_store(tmp_path, clock, stores, name: str, remote: str, disk_mib: int 
         DiskTier(tmp_path / f"d-{name}", disk_mib * MiB),
         RemoteTier.open(remote, **remote_options),
     ]
-    s = TieredStore(tiers, limits=StoreLimits(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    s = TieredStore(tiers, limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
     stores.append(s)
     return s
 

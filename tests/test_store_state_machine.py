@@ -51,7 +51,7 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp()
         self.now = 0.0
-        limits = StoreLimits(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
+        limits = StoreLimits.from_settings(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
         self.published: dict = {}  # what the store told its listener (the prefix index's feed)
         self.store = TieredStore(
             self.make_tiers(), limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change

@@ -22,7 +22,8 @@ import sys
 import typing
 from pathlib import Path
 
-from kvstore.config import Settings, SettingsError, load_settings
+from kvstore.config import SETTINGS, Settings, SettingsError, load_settings
+from kvstore.config.section import iter_sections
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -31,17 +32,21 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field, its help text taken from the field."""
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"STRATA_{name.upper()}"
-        default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description} [env {env}; default {_show(default)}]"
-        if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-            parser.add_argument(flag, dest=name, default=None, choices=choices, metavar=name.upper(), help=help_text)
+    """One flag per setting, grouped by config section, its help taken from the field."""
+    for path, section in iter_sections(Settings):
+        names = [s for s in SETTINGS if s.path[:-1] == path]
+        if not names:
+            continue
+        group = parser.add_argument_group(f"[{'.'.join(path)}]", section.title)
+        for s in names:
+            default = s.field.get_default(call_default_factory=True)
+            help_text = f"{s.field.description} [env {s.env}; config key {s.path[-1]}; default {_show(default)}]"
+            if s.field.annotation is bool:
+                group.add_argument(s.option, dest=s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            else:
+                literal = typing.get_origin(s.field.annotation) is typing.Literal
+                choices = typing.get_args(s.field.annotation) if literal else None
+                group.add_argument(s.option, dest=s.flag, default=None, choices=choices, metavar=s.flag.upper(), help=help_text)
 
 
 def _show(value) -> str:
@@ -65,15 +70,20 @@ def _setup_logging(level: str, fmt: str) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
+def serve_overrides(args: argparse.Namespace) -> dict:
+    """The settings given as flags (the highest layer of :func:`load_settings`)."""
+    return {s.flag: getattr(args, s.flag) for s in SETTINGS if getattr(args, s.flag) is not None}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
+    overrides = serve_overrides(args)
     config = args.config or os.environ.get("STRATA_CONFIG")
     try:
         settings = load_settings(config, **overrides)
     except SettingsError as err:
         print(f"strata serve: {err}", file=sys.stderr)
         return 2
-    _setup_logging(settings.log_level, settings.log_format)
+    _setup_logging(settings.logging.level, settings.logging.format)
     from kvstore.errors import StrataError
     from kvstore.server.daemon import serve
 
@@ -255,9 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the node daemon",
         description="Start the node daemon: gRPC KVService with health and reflection, Prometheus metrics, "
         "a host-RAM tier (shared memory) over a disk tier. Every setting comes from a flag, a STRATA_* "
-        "environment variable or a TOML config file, in that order of precedence.",
+        "environment variable (the flag's name, or the section path: STRATA_TIERS__RAM__BYTES) or a TOML "
+        "config file, in that order of precedence. Flags are grouped below by the config file section that "
+        "holds them; sizes take units (512MiB, 4GiB).",
     )
-    serve.add_argument("--config", metavar="FILE", help="TOML file of settings (keys as the flag names with _) [env STRATA_CONFIG]")
+    serve.add_argument("--config", metavar="FILE",
+                       help="TOML config file, one table per section below: [tiers.ram] bytes = \"1GiB\" "
+                       "(example: deploy/strata.example.toml) [env STRATA_CONFIG]")
     _add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -19,14 +19,14 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import disable_created_metrics, start_http_server
 
 from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
 from kvstore.api.v1 import index_pb2, index_pb2_grpc
-from kvstore.config import Settings, parse_event_source, parse_weights
+from kvstore.block import TierName
+from kvstore.config import Settings
 from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent
 from kvstore.server.index_service import DEFAULT_TIER_WEIGHTS, IndexServicer
@@ -35,9 +35,8 @@ from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.service import KVServicer
-from kvstore.store.tiered import StoreLimits, TieredStore
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.ram import HostRamTier
+from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
+from kvstore.tiers import open_tier
 
 log = logging.getLogger(__name__)
 
@@ -89,68 +88,60 @@ class Daemon:
 
     def _start(self) -> Daemon:
         s = self.settings
-        state_dir = Path(s.disk_dir).expanduser().resolve()
+        state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
         self._lock_state_dir(state_dir)
-        self.node = NodeIdentity.start(s.node_id, state_dir)
-        # One arena per state directory: a restart after a crash replaces the
-        # stale file instead of leaking its RAM.
-        arena_name = "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
-        ram = HostRamTier(int(s.ram_bytes), shm_dir=str(s.shm_dir), arena_name=arena_name)
+        self.node = NodeIdentity.start(s.node.id, state_dir)
+        tiers: list = []
+        edges: list[EdgePolicy] = []
         try:
-            disk = DiskTier(state_dir / "blocks", int(s.disk_bytes), fsync=s.disk_fsync) if s.disk_bytes > 0 else None
+            for name in s.tiers.chain:
+                section = s.tiers.section(name)
+                if not section.enabled:
+                    continue
+                if tiers:  # the policy of the edge above this tier
+                    edges.append(EdgePolicy(**section.edge()))
+                tiers.append(open_tier(name, **section.tier_options(state_dir)))
+            index = open_index(s.index.url)
         except BaseException:
-            ram.close()
+            for tier in tiers:
+                tier.close()
             raise
-        limits = StoreLimits(
-            max_block_bytes=int(s.max_block_bytes),
-            lease_s=s.lease_seconds,
-            pin_lease_s=s.pin_lease_seconds,
-            max_lease_s=s.max_lease_seconds,
-            max_leases=s.max_leases,
-            max_batch_blocks=s.max_batch_blocks,
-            demotion_queue_blocks=s.demotion_queue_blocks,
-            verify_commits=s.verify_commits,
-        )
-        try:
-            index = open_index(s.index_url)
-        except BaseException:
-            ram.close()
-            if disk is not None:
-                disk.close()
-            raise
+        limits = StoreLimits.from_settings(s.store)
         self.index_agent = IndexAgent(
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
-            ttl_s=s.index_ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
+            ttl_s=s.index.ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
         )
         self.store = TieredStore(
-            [ram] + ([disk] if disk is not None else []), limits=limits, namespaces=s.namespaces, auto_create_namespaces=s.auto_create_namespaces,
+            TierChain(tiers, edges), limits=limits,
+            namespaces=s.store.namespaces, auto_create_namespaces=s.store.auto_create_namespaces,
             metrics=self.metrics, listener=self.index_agent.changed,
         )
         self.index_agent.start()
-        if s.kv_events:
-            from kvstore.index.events import KVEventSubscriber, SubscriberConfig
+        if s.index.kv_events:
+            from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
 
-            ttl = max(s.index_ttl_seconds, 1.0)
+            ttl = max(s.index.ttl_seconds, 1.0)
             self.kv_events = KVEventSubscriber(
-                index, [parse_event_source(spec) for spec in s.kv_events],
+                index, [EngineSource(**source) for source in s.index.event_sources()],
                 SubscriberConfig(ttl_s=ttl, heartbeat_interval_s=ttl / 3), registry=self.metrics.registry,
             )
             self.index_agent.run(self.kv_events.start(), timeout=10)
         options = [
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_receive_message_length", s.server.max_message_bytes),
+            ("grpc.max_send_message_length", s.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="strata-rpc"),
-            interceptors=[AdmissionInterceptor(s.max_in_flight, self.metrics)],
+            futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
+            interceptors=[AdmissionInterceptor(s.server.max_in_flight, self.metrics)],
             options=options,
         )
         kv_pb2_grpc.add_KVServiceServicer_to_server(
-            KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes)), server
+            KVServicer(self.store, self.store.head.arena, self.node, int(s.server.chunk_bytes)), server
         )
+        weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
-            IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **parse_weights(s.score_weights)}), server
+            IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **weights}), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -163,21 +154,21 @@ class Daemon:
             server,
         )
         try:
-            self.port = server.add_insecure_port(s.listen)
+            self.port = server.add_insecure_port(s.server.listen)
         except RuntimeError as err:
-            raise DaemonError(f"cannot listen on {s.listen} ({err}): pick a free address with --listen") from None
-        if s.unix_socket:
-            Path(s.unix_socket).unlink(missing_ok=True)
-            server.add_insecure_port(f"unix:{s.unix_socket}")
+            raise DaemonError(f"cannot listen on {s.server.listen} ({err}): pick a free address with --listen") from None
+        if s.server.unix_socket:
+            Path(s.server.unix_socket).unlink(missing_ok=True)
+            server.add_insecure_port(f"unix:{s.server.unix_socket}")
         server.start()
         self._server = server
-        if s.metrics_listen:
-            host, _, port = s.metrics_listen.rpartition(":")
+        if s.server.metrics_listen:
+            host, _, port = s.server.metrics_listen.rpartition(":")
             try:
                 self._metrics_server, _ = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
             except OSError as err:
                 raise DaemonError(
-                    f"cannot serve metrics on {s.metrics_listen} ({err}): pick a free address with --metrics-listen, "
+                    f"cannot serve metrics on {s.server.metrics_listen} ({err}): pick a free address with --metrics-listen, "
                     "or pass an empty one to turn metrics off"
                 ) from None
             self.metrics_port = self._metrics_server.server_port
@@ -187,12 +178,12 @@ class Daemon:
         stats = self.store.stats()
         log.info(
             "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
-            s.listen, self.port, self.metrics_port, self.node.node_id, self.node.epoch, stats.blocks,
+            s.server.listen, self.port, self.metrics_port, self.node.node_id, self.node.epoch, stats.blocks,
             extra={
-                "listen": s.listen, "port": self.port, "unix_socket": s.unix_socket or None,
+                "listen": s.server.listen, "port": self.port, "unix_socket": s.server.unix_socket or None,
                 "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
-                "ram_bytes": int(s.ram_bytes), "disk_bytes": int(s.disk_bytes), "disk_dir": str(state_dir),
-                "arena": ram.arena.path, "recovered_blocks": stats.blocks,
+                "ram_bytes": int(s.tiers.ram.bytes), "disk_bytes": int(s.tiers.disk.bytes), "disk_dir": str(state_dir),
+                "arena": self.store.head.arena.path, "recovered_blocks": stats.blocks,
             },
         )
         return self
@@ -224,7 +215,7 @@ class Daemon:
                 self._stopped.wait()
                 return
             self._stopping = True
-        grace = self.settings.grace_seconds if grace is None else grace
+        grace = self.settings.server.grace_seconds if grace is None else grace
         log.info("strata stopping", extra={"grace_seconds": grace})
         self._health.enter_graceful_shutdown()
         if self._server is not None:
@@ -244,8 +235,8 @@ class Daemon:
             self.store.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
-        if self.settings.unix_socket:
-            Path(self.settings.unix_socket).unlink(missing_ok=True)
+        if self.settings.server.unix_socket:
+            Path(self.settings.server.unix_socket).unlink(missing_ok=True)
         self._stopped.set()
         log.info("strata stopped")
 

@@ -23,17 +23,26 @@ class EdgePolicy:
 
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
-    max_block_bytes: int = 64 << 20
-    lease_s: float = 30.0  # default for reads in place and arena slots
-    pin_lease_s: float = 300.0  # default for Pin
-    max_lease_s: float = 3600.0
-    max_leases: int = 65536
-    max_batch_blocks: int = 4096
-    demotion_queue_blocks: int = 256
-    demotion_threads: int = 1  # 0: demote inline in the writer (deterministic tests)
-    high_watermark: float = 0.95  # start demoting when the head tier is this full ...
-    low_watermark: float = 0.85  # ... until it is this full
-    tier_retry_s: float = 5.0  # after a lower tier fails a write, evict by dropping for this long
-    verify_commits: bool = True  # verify checksums of blocks written through the arena
-    put_wait_s: float = 5.0  # longest a writer waits for room when no deadline is given
-    touch_batch_blocks: int = 4096  # recency written back to a persistent tier per pass
+    """The store's limits. Defaults live in one place, the ``[store]`` config section:
+    build with :meth:`from_settings` (tests pass overrides by field name)."""
+
+    max_block_bytes: int
+    lease_s: float  # default for reads in place and arena slots
+    pin_lease_s: float  # default for Pin and generic leases
+    max_lease_s: float
+    max_leases: int
+    max_batch_blocks: int
+    demotion_queue_blocks: int
+    demotion_threads: int  # 0: copies down run inline in the writer (deterministic tests)
+    high_watermark: float  # start demoting when the head tier is this full ...
+    low_watermark: float  # ... until it is this full
+    tier_retry_s: float  # after a lower tier fails a write, evict above by dropping for this long
+    verify_commits: bool  # verify checksums of blocks written through the arena
+    put_wait_s: float  # longest a writer waits for room when no deadline is given
+
+    @classmethod
+    def from_settings(cls, store=None, **overrides) -> StoreLimits:
+        """Limits from a ``StoreSettings`` section (defaults when None), with ``overrides`` by field name."""
+        from kvstore.config.store import StoreSettings
+
+        return cls(**{**(store or StoreSettings()).limits(), **overrides})

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 
 from kvstore.block import BlockKey, TierName
 
+TOUCH_BATCH_BLOCKS = 4096  # touches written back to a persistent tier per pass of the store's reaper
+
 
 class Recency:
     def __init__(self, tiers: Iterable[TierName], persistent: Iterable[TierName], max_touched: int = 1 << 16) -> None:

@@ -82,6 +82,7 @@ from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.limits import EdgePolicy, StoreLimits
 from kvstore.store.placement import HeadPlacement
 from kvstore.store.reads import ChainReader
+from kvstore.store.recency import TOUCH_BATCH_BLOCKS
 from kvstore.store.recovery import recover
 from kvstore.store.state import StoreState
 from kvstore.tiers.base import Tier, TierStats
@@ -142,7 +143,7 @@ class TieredStore:
         tiers: TierChain | Sequence[Tier],
         *,
         edges: Sequence[EdgePolicy] = (),
-        limits: StoreLimits = StoreLimits(),
+        limits: StoreLimits | None = None,
         namespaces: Iterable[str] = (),
         auto_create_namespaces: bool = True,
         metrics: StoreMetrics | None = None,
@@ -150,6 +151,7 @@ class TieredStore:
         listener: Callable[[BlockKey, TierName | None], None] | None = None,
     ) -> None:
         chain = tiers if isinstance(tiers, TierChain) else TierChain(list(tiers), edges)
+        limits = limits or StoreLimits.from_settings()
         if limits.max_block_bytes > chain.head.capacity_bytes:
             raise ValueError(
                 f"max block size {limits.max_block_bytes} exceeds the {chain.head.name.label} tier's "
@@ -600,7 +602,7 @@ class TieredStore:
         written = 0
         while True:
             with self._cond:
-                touched = self._recency.take_touched(self.limits.touch_batch_blocks)
+                touched = self._recency.take_touched(TOUCH_BATCH_BLOCKS)
             if not touched:
                 return written
             for tier, key in touched:

@@ -1,0 +1,46 @@
+"""Settings of the node and its listeners: ``[node]`` and ``[server]``."""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import ByteSize, field_validator
+
+from kvstore.config.section import Section, setting
+
+# A streamed message carries one chunk plus its header fields.
+MESSAGE_HEADROOM_BYTES = 64 << 10
+
+
+class NodeSettings(Section):
+    flag_prefix = "node_"
+    title = "this node's identity in the fleet"
+
+    id: str = setting(default_factory=socket.gethostname, description="this node's name in the fleet (default: hostname)")
+
+
+class ServerSettings(Section):
+    title = "listeners, worker threads and per-request limits of the gRPC server"
+
+    listen: str = setting("127.0.0.1:50051", "gRPC address, host:port ('0.0.0.0:50051' for all interfaces)")
+    unix_socket: str = setting(
+        "", "also serve gRPC on this Unix socket path (lower latency for same-host clients); empty: off"
+    )
+    metrics_listen: str = setting("127.0.0.1:9464", "Prometheus /metrics address, host:port; empty: off")
+    workers: int = setting(16, "gRPC worker threads", ge=1, le=1024)
+    max_in_flight: int = setting(
+        64, "RPCs served at once; more get RESOURCE_EXHAUSTED with a retry delay", ge=1, le=1 << 16
+    )
+    chunk_bytes: ByteSize = setting(ByteSize(1 << 20), "chunk size of streamed values")
+    grace_seconds: float = setting(10.0, "on SIGTERM, time given to in-flight RPCs", ge=0, le=3600)
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _chunk_in_range(cls, value: ByteSize) -> ByteSize:
+        if not 4 << 10 <= value <= 4 << 20:
+            raise ValueError(f"chunk_bytes is {value.human_readable()}; it must be between 4KiB and 4MiB")
+        return value
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.chunk_bytes) + MESSAGE_HEADROOM_BYTES

@@ -1,0 +1,40 @@
+"""The daemon's settings: one section per component, checks that span sections."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from kvstore.config.index import IndexSettings
+from kvstore.config.log import LoggingSettings
+from kvstore.config.section import Section, setting
+from kvstore.config.server import NodeSettings, ServerSettings
+from kvstore.config.store import StoreSettings
+from kvstore.config.tiers import TierSettings
+
+
+class Settings(Section):
+    """Everything ``strata serve`` is configured with; built once at start, passed down.
+
+    A component added later (``[tiers.gpu]``, ``[tiers.peer]``, ``[tiers.object]``,
+    ``[auth]``, ``[weights]``) is a :class:`Section` subclass in its own module
+    and one field here or in :class:`TierSettings`.
+    """
+
+    title = "Strata daemon"
+
+    node: NodeSettings = setting(default_factory=NodeSettings)
+    server: ServerSettings = setting(default_factory=ServerSettings)
+    tiers: TierSettings = setting(default_factory=TierSettings)
+    store: StoreSettings = setting(default_factory=StoreSettings)
+    index: IndexSettings = setting(default_factory=IndexSettings)
+    logging: LoggingSettings = setting(default_factory=LoggingSettings)
+
+    @model_validator(mode="after")
+    def _block_fits_ram(self) -> Settings:
+        block, ram = self.store.max_block_bytes, self.tiers.ram.bytes
+        if block > ram:
+            raise ValueError(
+                f"max_block_bytes ({block.human_readable()}) is larger than ram_bytes ({ram.human_readable()}): "
+                "raise ram_bytes or lower max_block_bytes ([tiers.ram] bytes, [store] max_block_bytes in a config file)"
+            )
+        return self
