@@ -153,11 +153,14 @@ def test_chain_refuses_a_tier_twice_and_extra_edges(tmp_path):
 
 
 def test_tier_registry_builds_by_name_and_lists_known(tmp_path):
-    assert {"ram", "disk"} <= set(known_tiers())
+    assert {"ram", "disk", "remote"} <= set(known_tiers())
     disk = open_tier("disk", directory=tmp_path / "d", capacity_bytes=8 * MiB)
     assert disk.name is DISK and disk.persistent
     disk.close()
-    with pytest.raises(InvalidArgument, match="known tiers are .*disk.*ram"):
+    remote = open_tier("remote", url=f"memory://registry-{tmp_path.name}")
+    assert remote.name is TierName.OBJECT and remote.remote
+    remote.close()
+    with pytest.raises(InvalidArgument, match="known tiers are disk, ram, remote"):
         open_tier("tape")
 
 

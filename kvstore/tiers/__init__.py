@@ -1,7 +1,8 @@
 """Local tiers and their registry: a tier name in config -> a constructor.
 
-The daemon builds its chain from names (``ram``, ``disk``; later ``gpu``)
-with :func:`open_tier`; a new tier is one module plus one entry in
+The daemon builds its chain from names (``ram``, ``disk``, ``remote`` for a
+remote source by URL such as ``memory://fleet``; later ``gpu``) with
+:func:`open_tier`; a new tier is one module plus one entry in
 ``_REGISTRY`` (and a row in the tier contract suite), never an ``if`` on a
 name somewhere else.
 """
@@ -28,7 +29,13 @@ def _disk(**options) -> Tier:
     return DiskTier(**options)
 
 
-_REGISTRY: dict[str, Callable[..., Tier]] = {"ram": _ram, "disk": _disk}
+def _remote(url: str, **options) -> Tier:
+    from kvstore.tiers.remote import RemoteTier
+
+    return RemoteTier.open(url, **options)
+
+
+_REGISTRY: dict[str, Callable[..., Tier]] = {"ram": _ram, "disk": _disk, "remote": _remote}
 
 
 def register_tier(name: str, factory: Callable[..., Tier]) -> None:
