@@ -29,12 +29,14 @@ from kvstore.api.v1 import index_pb2, index_pb2_grpc
 from kvstore.config import Settings, parse_event_source, parse_weights
 from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent
-from kvstore.server.index_service import DEFAULT_TIER_WEIGHTS, IndexServicer
+from kvstore.index.scoring import ScoringPolicy
+from kvstore.server.index_service import IndexServicer
 from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.service import KVServicer
+from kvstore.store.events import EventBus
 from kvstore.store.tiered import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
@@ -68,6 +70,7 @@ class Daemon:
         self._stopping = False
         self.store: TieredStore | None = None
         self.index_agent: IndexAgent | None = None
+        self.events = EventBus()  # the store's events: the index agent and metrics subscribe
         self.kv_events = None  # KVEventSubscriber, when engines are configured
 
     def start(self) -> Daemon:
@@ -82,6 +85,7 @@ class Daemon:
                 self.index_agent.stop(1.0)
             if self.store is not None:
                 self.store.close()
+            self.events.close(1.0)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -122,9 +126,12 @@ class Daemon:
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
             ttl_s=s.index_ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
         )
+        self.events.subscribe("index", self.index_agent.on_events)
+        self.events.subscribe("metrics", self.metrics.count_events)
+        self.metrics.watch_event_bus(self.events.subscriptions)
         self.store = TieredStore(
             ram, disk, limits=limits, namespaces=s.namespaces, auto_create_namespaces=s.auto_create_namespaces,
-            metrics=self.metrics, listener=self.index_agent.changed,
+            metrics=self.metrics, listener=self.events.listener(),
         )
         self.index_agent.start()
         if s.kv_events:
@@ -150,7 +157,11 @@ class Daemon:
             KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes)), server
         )
         index_pb2_grpc.add_IndexServiceServicer_to_server(
-            IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **parse_weights(s.score_weights)}), server
+            # Index RPCs may wait on a slow index: at most half the workers, the rest stay for the cache.
+            IndexServicer(
+                self.index_agent, ScoringPolicy(parse_weights(s.score_weights)), max_in_flight=max(1, s.workers // 2)
+            ),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -242,6 +253,7 @@ class Daemon:
             written = self.store.persist_ram(time.monotonic() + max(grace, 5.0))
             log.info("wrote %d RAM blocks to disk before exit", written)
             self.store.close()
+        self.events.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         if self.settings.unix_socket:
