@@ -171,6 +171,7 @@ class Subscription:
             if self._stopped or self._draining:
                 return
             q = self._queue
+            was_empty = not q
             if len(q) + len(events) > self.queue_events:
                 self.dropped_events += sum(1 for e in q if not isinstance(e, Resync)) + len(events)
                 self.overflows += 1
@@ -178,7 +179,8 @@ class Subscription:
                 q.append(_RESYNC)
             else:
                 q.extend(events)
-            self._cond.notify()
+            if was_empty:  # the delivery thread only waits on an empty queue
+                self._cond.notify()
 
     # ---- delivery thread ----
 
