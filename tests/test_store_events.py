@@ -283,7 +283,9 @@ def node_blocks(agent: IndexAgent, keys: list[bytes]) -> list[TierName | None]:
 @pytest.fixture
 def agent_and_holdings():
     holdings = Holdings()
-    agent = IndexAgent(MemoryIndex(), "n1", 1, holdings, flush_s=0.01, registry=CollectorRegistry())
+    registry = CollectorRegistry()
+    agent = IndexAgent(MemoryIndex(), "n1", 1, holdings, flush_s=0.01, registry=registry)
+    agent.registry = registry
     yield agent, holdings
     holdings.gate.set()
     agent.stop(2)
@@ -293,6 +295,10 @@ def test_index_agent_publishes_events_and_resyncs_from_a_snapshot(bus, agent_and
     agent, holdings = agent_and_holdings
     sub = bus.subscribe("index", agent.on_events, queue_events=4)
     agent.start()
+    # the first publication is a full one, of what the store holds then (nothing): events
+    # from before it are in that snapshot, so wait for it before the store "changes"
+    resyncs = lambda: agent.registry.get_sample_value("strata_index_resyncs_total")
+    wait_until(lambda: resyncs() == 1, what="the first full publication")
     ks = [b"k%d" % i for i in range(4)]
     bus.publish_all([Stored(key(0), HOST, 1, HOST), Stored(key(1), HOST, 1, HOST)])
     bus.publish(Moved(key(1), HOST, DISK, HOST))
@@ -305,6 +311,7 @@ def test_index_agent_publishes_events_and_resyncs_from_a_snapshot(bus, agent_and
     bus.publish_all([Stored(key(i), HOST, 1, HOST) for i in range(10, 20)])
     assert sub.overflows == 1
     wait_until(lambda: node_blocks(agent, ks) == [None, None, HOST, DISK], what="the re-publication")
+    wait_until(lambda: resyncs() == 2, what="the re-publication to be counted")
 
 
 def test_the_holdings_snapshot_runs_off_the_agents_loop_which_keeps_serving(agent_and_holdings):

@@ -12,10 +12,14 @@ missed is then corrected). A buffer overflow, or a ``Resync`` from the event
 bus (its queue overflowed), also triggers a full re-publish, so a burst never
 leaves the index silently wrong.
 
-The full re-publish takes a holdings snapshot: an O(blocks) call that holds
-the store lock. It runs in a worker thread, never on the loop, and the
-result is sent in batches with a yield between them, so index queries
-(Score, Holders) and heartbeats keep being served meanwhile.
+The full re-publish takes a holdings snapshot: O(blocks) work under the
+store lock. It runs in a worker thread, never on the loop, and the result is
+sent in batches with a yield between them, so index queries (Score, Holders)
+and heartbeats keep being served meanwhile. ``holdings`` may return an
+iterator that takes the store lock one page at a time: it is consumed in
+that worker thread, and a change to a block already read is not lost (the
+change arrives as an event after the snapshot began, and is published after
+it).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -46,7 +50,7 @@ class IndexAgent:
         index: PrefixIndex,
         node_id: str,
         epoch: int,
-        holdings: Callable[[], list[tuple[BlockKey, TierName]]],
+        holdings: Callable[[], Iterable[tuple[BlockKey, TierName]]],
         *,
         ttl_s: float = 10.0,
         flush_s: float = 0.05,

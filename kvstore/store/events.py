@@ -80,7 +80,9 @@ class Moved:
 
 @dataclass(frozen=True, slots=True)
 class Evicted:
-    """The block's copy in ``tier`` is gone; the block lives on in ``best`` (or nowhere)."""
+    """The block's copy in ``tier`` is gone; the block lives on in ``best``. When the last
+    copy goes the store publishes :class:`Removed` (``dropped``) instead; a subscriber that
+    sees ``best`` None treats the block as gone either way."""
 
     key: BlockKey
     tier: TierName
