@@ -7,7 +7,10 @@ says what was wrong and what to do about it.
     ├── InvalidArgument             bad input (INVALID_ARGUMENT)
     │   ├── InvalidKey              empty, oversized or malformed key
     │   ├── InvalidNamespace        malformed namespace name
-    │   └── BlockTooLarge           value over the configured block limit
+    │   ├── BlockTooLarge           value over the configured block limit
+    │   ├── InvalidHashInput        token ids or extra keys vLLM's hashing cannot take   [index.keys]
+    │   │   └── ChainTooLong        more tokens than one chain may have                   [index.keys]
+    │   └── MalformedEvent          a vLLM KV-event message that does not parse           [index.events]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
     ├── LeaseError                  FAILED_PRECONDITION
     │   ├── LeaseExpired            lease or slot deadline passed
@@ -24,14 +27,35 @@ says what was wrong and what to do about it.
     ├── PrefixIndexError            the prefix index
     │   ├── IndexUnavailable        its backing service cannot be reached (UNAVAILABLE)
     │   └── StaleEpoch              a write names an epoch older than the node's (FAILED_PRECONDITION)
+    ├── ArenaMismatch               an arena file is not the one expected (magic, version,
+    │                               token or size differ)                                 [shm.arena]
+    ├── DaemonError                 the daemon cannot start as configured                 [server.daemon]
     ├── DaemonUnavailable           client side: the daemon cannot be reached
     └── ArenaUnusable               client side: the daemon's arena cannot be mapped
                                     here (another host); the client streams instead
+
+A class marked ``[module]`` is defined in ``kvstore.<module>``, next to the
+only code that raises it; :data:`DEFINED_ELSEWHERE` names those modules, so
+that an error crossing gRPC (``kvstore.rpc.status``) is re-raised as its own
+class even by a process that never imported that module. Every other class
+is defined here. A new subclass anywhere goes into this tree, and into
+:data:`DEFINED_ELSEWHERE` when it lives outside this module (a test checks).
 
 A cache miss is not an error: lookups return ``None`` or a count.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Subclasses of StrataError defined outside this module: class name → module.
+DEFINED_ELSEWHERE: Mapping[str, str] = {
+    "InvalidHashInput": "kvstore.index.keys",
+    "ChainTooLong": "kvstore.index.keys",
+    "MalformedEvent": "kvstore.index.events",
+    "ArenaMismatch": "kvstore.shm.arena",
+    "DaemonError": "kvstore.server.daemon",
+}
 
 
 class StrataError(Exception):

@@ -9,12 +9,14 @@ can never drift from what the tiers hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.store.events import Delivery, Evicted, Moved, Removed, Stored, Subscription
 from kvstore.tiers.base import TierStats
 
 _LATENCY_BUCKETS = (
@@ -51,6 +53,31 @@ class StoreMetrics:
             "strata_rpc_rejected_total", "RPCs refused before any work (overload, deadline too short)", ["reason"], registry=r
         )
         self.rpc_errors = Counter("strata_rpc_errors_total", "RPCs that ended with an error status", ["op", "code"], registry=r)
+        self.store_events = Counter(
+            "strata_store_events_total",
+            "Store events, by kind (stored, moved, evicted, removed, changed) and the tier each is about "
+            "(moved: the tier that gained a copy; removed: none)",
+            ["kind", "tier"],
+            registry=r,
+        )
+
+    def count_events(self, batch: Sequence[Delivery]) -> None:
+        """A store-event subscriber (:class:`~kvstore.store.events.EventBus`): counts each event
+        by kind and tier. A Resync carries no count; the bus's own counters say what was lost."""
+        tally: Tally[tuple[str, str]] = Tally()
+        for event in batch:
+            if isinstance(event, (Stored, Evicted)):
+                tally[event.kind, event.tier.label] += 1
+            elif isinstance(event, Moved):
+                tally[event.kind, event.target.label] += 1
+            elif isinstance(event, Removed):
+                tally[event.kind, "none"] += 1
+        for (kind, tier), n in tally.items():
+            self.store_events.labels(kind, tier).inc(n)
+
+    def watch_event_bus(self, read_subscriptions: Callable[[], Iterable[Subscription]]) -> None:
+        """Export each store-event subscriber's queue and loss counters, read at scrape time."""
+        self.registry.register(_EventBusCollector(read_subscriptions))
 
     def watch_tiers(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
         self.registry.register(_TierCollector(read_stats, read_queue_depth))
@@ -72,3 +99,37 @@ class _TierCollector(Collector):
         depth = GaugeMetricFamily("strata_kv_demotion_queue_blocks", "Blocks waiting to be written down to disk")
         depth.add_metric([], self._read_queue_depth())
         return [used, cap, blocks, depth]
+
+
+class _EventBusCollector(Collector):
+    def __init__(self, read_subscriptions: Callable[[], Iterable[Subscription]]) -> None:
+        self._read = read_subscriptions
+
+    def collect(self):
+        label = ["subscriber"]
+        delivered = CounterMetricFamily(
+            "strata_store_event_delivered_total", "Store events handed to a subscriber's callback", labels=label
+        )
+        dropped = CounterMetricFamily(
+            "strata_store_event_dropped_total", "Store events a subscriber lost to a full queue", labels=label
+        )
+        overflows = CounterMetricFamily(
+            "strata_store_event_overflows_total", "Times a subscriber's queue overflowed (a Resync follows)", labels=label
+        )
+        resyncs = CounterMetricFamily(
+            "strata_store_event_resyncs_total",
+            "Resync deliveries: the subscriber was told to rebuild from a store snapshot",
+            labels=label,
+        )
+        failures = CounterMetricFamily(
+            "strata_store_event_callback_errors_total", "Batches whose subscriber callback raised", labels=label
+        )
+        queued = GaugeMetricFamily("strata_store_event_queue_events", "Store events waiting for a subscriber", labels=label)
+        for sub in self._read():
+            delivered.add_metric([sub.name], sub.delivered_events)
+            dropped.add_metric([sub.name], sub.dropped_events)
+            overflows.add_metric([sub.name], sub.overflows)
+            resyncs.add_metric([sub.name], sub.resyncs)
+            failures.add_metric([sub.name], sub.errors)
+            queued.add_metric([sub.name], sub.pending)
+        return [delivered, dropped, overflows, resyncs, failures, queued]

@@ -187,3 +187,55 @@ def test_index_cli(daemon_process, tmp_path):
     assert r.returncode == 0 and r.stdout.splitlines()[3] == "block 3\tnobody", r.stdout + r.stderr
     r = subprocess.run([*cli, "lookup", "m", "--tokens", tokens, "--target", d.target], capture_output=True, text=True)
     assert r.returncode != 0 and "--hash-seed" in r.stderr
+
+
+@pytest.mark.skipif(not redis_servers.available(), reason="redis-server is not installed (apt-get install redis-server)")
+def test_a_stalled_index_cannot_take_the_kv_workers(make_daemon, tmp_path):
+    """Redis stopped with SIGSTOP: index RPCs hang until their timeout. At most half the
+    workers may wait on it; the rest of the index RPCs are refused at once with a retry
+    delay, and KV RPCs are still answered."""
+    import os
+    import threading
+
+    from kvstore.api.v1 import index_pb2, index_pb2_grpc
+    from kvstore.errors import DeadlineExceeded, Overloaded
+    from kvstore.rpc.status import from_rpc_error
+
+    redis = redis_servers.start_standalone(tmp_path / "redis")
+    daemon = make_daemon(node_id="node-a", index_url=redis.url, workers=4, index_ttl_seconds=30)
+    channel = grpc.insecure_channel(daemon.target)
+    index = index_pb2_grpc.IndexServiceStub(channel)
+    request = index_pb2.ScoreRequest(namespace="m", keys=index_pb2.KeyChain(keys=KEYS))
+    outcomes: list = []
+    try:
+        with Client(daemon.target, retries=0, timeout=10) as c:
+            put_chain(c, KEYS[:2])
+            wait_until(lambda: score_of(c, "node-a", keys=KEYS)[0] == 2, what="publication to Redis")
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+
+            def score() -> None:
+                try:
+                    outcomes.append(index.Score(request, timeout=60))
+                except grpc.RpcError as err:
+                    outcomes.append(from_rpc_error(err))
+
+            callers = [threading.Thread(target=score) for _ in range(24)]
+            for t in callers:
+                t.start()
+            wait_until(lambda: any(isinstance(o, Overloaded) for o in outcomes), what="an index RPC to be refused")
+            # 24 index RPCs would hold all 4 workers for several index timeouts; a local hit
+            # is served now
+            assert c.get("m", KEYS[0]) == KEYS[0] * 1000
+            refused = [o for o in outcomes if isinstance(o, Overloaded)]
+            assert refused and all(o.retry_after_s > 0 for o in refused)
+            os.kill(redis.proc.pid, signal.SIGCONT)
+            for t in callers:
+                t.join(60)
+            assert len(outcomes) == 24
+            # the ones that waited got an answer or a timeout, never a hang or an INTERNAL error
+            assert all(isinstance(o, (index_pb2.ScoreResponse, Overloaded, DeadlineExceeded, IndexUnavailable)) for o in outcomes)
+            wait_until(lambda: score_of(c, "node-a", keys=KEYS)[0] == 2, what="index queries to work again")
+    finally:
+        os.kill(redis.proc.pid, signal.SIGCONT)
+        channel.close()
+        redis.stop()

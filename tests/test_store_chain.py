@@ -130,7 +130,7 @@ def test_delete_and_listing(store):
 
 def test_holdings_name_best_tiers(store):
     put(store, b"a", value(1))
-    assert store.holdings() == [(BlockKey("m", b"a"), HOST)]
+    assert list(store.holdings()) == [(BlockKey("m", b"a"), HOST)]
 
 
 # ---- chain construction and the tier registry ------------------------------------
@@ -394,3 +394,56 @@ def test_remote_tiers_come_last(tmp_path):
     finally:
         for t in (ram, remote, disk):
             t.close()
+
+
+# ---- typed events ------------------------------------------------------------------------------
+
+
+class Sink:
+    """The store's event sink, recording in order (publish runs under the store lock)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+
+def test_the_store_says_what_it_did(tmp_path, clock, stores):
+    from kvstore.store.events import Evicted, Moved, Removed, Stored
+
+    sink = Sink()
+    tiers = [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-ev"), DiskTier(tmp_path / "d-ev", 8 * MiB)]
+    store = TieredStore(tiers, limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0),
+                        clock=clock, events=sink)
+    stores.append(store)
+    k = [BlockKey("m", b"k%d" % i) for i in range(20)]
+    put(store, b"k0", value(0))
+    assert sink.events == [Stored(k[0], HOST, MiB, HOST)]
+    for i in range(1, 6):
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    assert Moved(k[0], HOST, DISK, HOST) in sink.events, "the disk copy is complete while RAM still holds it"
+    assert Evicted(k[0], HOST, DISK) in sink.events, "then the RAM copy goes"
+    sink.events.clear()
+    store.get(k[0])
+    assert Moved(k[0], DISK, HOST, HOST) in sink.events, "a promotion adds the RAM copy"
+    for i in range(6, 20):  # more than RAM and disk hold: old blocks leave the store
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    assert any(isinstance(e, Removed) and e.dropped for e in sink.events)
+    sink.events.clear()
+    present = next(key for key in k if store.exists("m", [key.key]))
+    store.delete("m", [present.key])
+    assert sink.events == [Removed(present, dropped=False)], "a delete is told once"
+
+
+def test_holdings_are_read_a_page_at_a_time(store):
+    for ns in ("a", "b"):
+        for i in range(5):
+            put(store, b"k%d" % i, value(i, 4096), ns=ns)
+    store.delete("a", [b"k2"])
+    got = list(store.holdings(page_blocks=2))
+    assert [(k.namespace, k.key) for k, _ in got] == [("a", b"k0"), ("a", b"k1"), ("a", b"k3"), ("a", b"k4")] + [
+        ("b", b"k%d" % i) for i in range(5)
+    ]

@@ -8,7 +8,7 @@ Invariants checked after every step:
 - A prefix outlives its descendants: no step evicts a block while a child of
   it is cached (explicit deletes aside).
 - Whatever is read is exactly what was written for that key.
-- What the store told its listener (the prefix index's feed) equals what it holds.
+- What the store's events said (the prefix index's feed) equals what it holds.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp()
         self.now = 0.0
         limits = StoreLimits.from_settings(max_block_bytes=1 << 20, demotion_threads=0, lease_s=5, pin_lease_s=5)
-        self.published: dict = {}  # what the store told its listener (the prefix index's feed)
+        self.published: dict = {}  # what the store's events said (the prefix index's feed)
         self.store = TieredStore(
-            self.make_tiers(), limits=limits, namespaces=["ns"], clock=lambda: self.now, listener=self.on_change
+            self.make_tiers(), limits=limits, namespaces=["ns"], clock=lambda: self.now, events=self
         )
         self.parents: dict[bytes, bytes | None] = {}  # every key ever stored -> its parent
         self.deleted: set[bytes] = set()
@@ -65,11 +65,12 @@ class StoreMachine(RuleBasedStateMachine):
     def make_tiers(self) -> list:
         return [HostRamTier(2 << 20, shm_dir=self.dir, arena_name="arena"), DiskTier(f"{self.dir}/disk", 3 << 20)]
 
-    def on_change(self, key, tier) -> None:
-        if tier is None:
-            self.published.pop(key, None)
+    def publish(self, event) -> None:
+        """The store's event sink, applied at once: where the store says each block is."""
+        if event.best is None:
+            self.published.pop(event.key, None)
         else:
-            self.published[key] = tier
+            self.published[event.key] = event.best
 
     def teardown(self) -> None:
         self.store.close()

@@ -1,14 +1,25 @@
 """The daemon's side of the prefix index: membership, heartbeats, and its holdings.
 
 The agent owns one asyncio loop in its own thread (the index clients are
-asyncio; the store and the gRPC servicers are threads). The store tells it,
-without blocking, whenever a block's best tier changes or the block goes;
-the agent coalesces those changes per key in a bounded buffer and publishes
-them in batches. If the index is unreachable the daemon keeps serving local
-hits: the agent marks itself degraded (metric, health), keeps coalescing, and
-when the index answers again re-joins and re-publishes its full holdings
-(anything it missed is then corrected). A buffer overflow also triggers a
-full re-publish, so a burst never leaves the index silently wrong.
+asyncio; the store and the gRPC servicers are threads). It subscribes to the
+store's events (:mod:`kvstore.store.events`, :meth:`on_events`): each carries
+the block's best tier after it, so the agent needs no store call per change.
+It coalesces those changes per key in a bounded buffer and publishes them in
+batches. If the index is unreachable the daemon keeps serving local hits: the
+agent marks itself degraded (metric, health), keeps coalescing, and when the
+index answers again re-joins and re-publishes its full holdings (anything it
+missed is then corrected). A buffer overflow, or a ``Resync`` from the event
+bus (its queue overflowed), also triggers a full re-publish, so a burst never
+leaves the index silently wrong.
+
+The full re-publish takes a holdings snapshot: O(blocks) work under the
+store lock. It runs in a worker thread, never on the loop, and the result is
+sent in batches with a yield between them, so index queries (Score, Holders)
+and heartbeats keep being served meanwhile. ``holdings`` may return an
+iterator that takes the store lock one page at a time: it is consumed in
+that worker thread, and a change to a block already read is not lost (the
+change arrives as an event after the snapshot began, and is published after
+it).
 """
 
 from __future__ import annotations
@@ -17,7 +28,8 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -25,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvstore.block import BlockKey, TierName
 from kvstore.errors import StrataError
 from kvstore.index.base import IndexUnavailable, PrefixIndex
+from kvstore.store.events import Delivery, Resync
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +50,7 @@ class IndexAgent:
         index: PrefixIndex,
         node_id: str,
         epoch: int,
-        holdings: Callable[[], list[tuple[BlockKey, TierName]]],
+        holdings: Callable[[], Iterable[tuple[BlockKey, TierName]]],
         *,
         ttl_s: float = 10.0,
         flush_s: float = 0.05,
@@ -62,6 +75,7 @@ class IndexAgent:
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="strata-index", daemon=True)
+        self._snapshots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-index-snapshot")
         r = registry or CollectorRegistry()
         self._m_degraded = Gauge("strata_index_degraded", "1 while the prefix index cannot be reached", registry=r)
         self._m_published = Counter(
@@ -81,15 +95,25 @@ class IndexAgent:
     def degraded(self) -> bool:
         return self._degraded
 
-    def changed(self, key: BlockKey, tier: TierName | None) -> None:
-        """The store's listener: record a change; never blocks, never raises."""
+    def on_events(self, batch: Sequence[Delivery]) -> None:
+        """The agent's store-event subscriber (called by the bus's delivery thread)."""
         with self._lock:
-            if len(self._pending) >= self._buffer_max and key not in self._pending:
-                self._pending.clear()
-                self._resync = True
-                self._m_overflows.inc()
-                return
-            self._pending[key] = tier
+            for event in batch:
+                if isinstance(event, Resync):
+                    self._pending.clear()
+                    self._resync = True
+                else:
+                    self._record_locked(event.key, event.best)
+
+    def _record_locked(self, key: BlockKey, tier: TierName | None) -> None:
+        if self._resync:
+            return  # a full re-publish is due; it will read the store as it is then
+        if len(self._pending) >= self._buffer_max and key not in self._pending:
+            self._pending.clear()
+            self._resync = True
+            self._m_overflows.inc()
+            return
+        self._pending[key] = tier
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run an index coroutine on the agent's loop from a worker thread."""
@@ -118,6 +142,7 @@ class IndexAgent:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+        self._snapshots.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop ----------------------------------------------------------------
 
@@ -156,18 +181,24 @@ class IndexAgent:
         try:
             await self.index.join(self.node_id, self.epoch, self._ttl_s)
             await self.index.clear(self.node_id)
-            by_ns: dict[str, list[tuple[bytes, TierName]]] = defaultdict(list)
-            for key, tier in self._holdings():
-                by_ns[key.namespace].append((key.key, tier))
+            by_ns = await asyncio.get_running_loop().run_in_executor(self._snapshots, self._snapshot)
             for namespace, blocks in by_ns.items():
                 for i in range(0, len(blocks), self._batch):
                     await self.index.add(namespace, self.node_id, self.epoch, blocks[i : i + self._batch])
                     self._m_published.labels("add").inc(len(blocks[i : i + self._batch]))
+                    await asyncio.sleep(0)  # serve queries between batches, even if the index never suspends
         except BaseException:
             self._resync = True
             raise
         self._m_resyncs.inc()
         log.info("published %d blocks to the prefix index", sum(len(b) for b in by_ns.values()))
+
+    def _snapshot(self) -> dict[str, list[tuple[bytes, TierName]]]:
+        """The store's holdings grouped by namespace (a worker thread: it takes the store lock)."""
+        by_ns: dict[str, list[tuple[bytes, TierName]]] = defaultdict(list)
+        for key, tier in self._holdings():
+            by_ns[key.namespace].append((key.key, tier))
+        return by_ns
 
     async def _flush(self) -> None:
         with self._lock:

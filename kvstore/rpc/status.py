@@ -5,10 +5,14 @@ namespace NOT_FOUND, a lease or slot that is no longer valid
 FAILED_PRECONDITION, full or overloaded RESOURCE_EXHAUSTED (with a
 ``google.rpc.RetryInfo`` delay), a checksum mismatch DATA_LOSS, a failed
 device UNAVAILABLE. The exact error class travels as ``google.rpc.ErrorInfo``
-(domain ``strata``) so a client re-raises the same class the server raised.
+(domain ``strata``) so a client re-raises the same class the server raised,
+wherever in the tree it is defined (``errors.DEFINED_ELSEWHERE``); a name it
+does not know falls back to the class its status code stands for.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -31,11 +35,34 @@ _CODES: list[tuple[type[errors.StrataError], grpc.StatusCode]] = [
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
-_BY_NAME = {
+_BY_NAME: dict[str, type[errors.StrataError]] = {
     name: cls
     for name, cls in vars(errors).items()
     if isinstance(cls, type) and issubclass(cls, errors.StrataError)
 }
+
+
+def error_class(name: str) -> type[errors.StrataError] | None:
+    """The StrataError subclass called ``name``, importing its module if it lives outside
+    ``kvstore.errors``; None for a name outside the tree (a newer server's error)."""
+    cls = _BY_NAME.get(name)
+    if cls is None and name in errors.DEFINED_ELSEWHERE:
+        found = getattr(importlib.import_module(errors.DEFINED_ELSEWHERE[name]), name, None)
+        if isinstance(found, type) and issubclass(found, errors.StrataError):
+            cls = _BY_NAME[name] = found
+    return cls
+
+
+def _rebuild(cls: type[errors.StrataError], message: str, retry_after_s: float | None) -> errors.StrataError:
+    """An instance of ``cls`` carrying the server's message. A subclass's own constructor
+    may take other arguments (MalformedEvent's reason), so it is bypassed: what crosses the
+    wire is the class, the message and, for ResourceExhausted, the retry delay."""
+    err = cls.__new__(cls)
+    errors.StrataError.__init__(err, message)
+    if isinstance(err, errors.ResourceExhausted):
+        err.retry_after_s = retry_after_s if retry_after_s is not None else 0.1
+    return err
+
 
 _FALLBACK_BY_CODE = {code: cls for cls, code in _CODES}
 _FALLBACK_BY_CODE[grpc.StatusCode.UNAVAILABLE] = errors.DaemonUnavailable
@@ -80,7 +107,7 @@ def from_rpc_error(err: grpc.RpcError) -> errors.StrataError:
                 info = error_details_pb2.ErrorInfo()
                 detail.Unpack(info)
                 if info.domain == DOMAIN:
-                    cls = _BY_NAME.get(info.reason)
+                    cls = error_class(info.reason)
             elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
                 retry = error_details_pb2.RetryInfo()
                 detail.Unpack(retry)
@@ -89,10 +116,8 @@ def from_rpc_error(err: grpc.RpcError) -> errors.StrataError:
         cls = _FALLBACK_BY_CODE.get(code)
     if cls is None:
         return errors.StrataError(f"{code.name}: {message}")
-    if issubclass(cls, errors.ResourceExhausted):
-        return cls(message, retry_after_s=retry_after if retry_after is not None else 0.1)
     if cls is errors.DaemonUnavailable or (
         code is grpc.StatusCode.UNAVAILABLE and not issubclass(cls, (errors.TierUnavailable, errors.IndexUnavailable))
     ):
         return errors.DaemonUnavailable(f"strata daemon unavailable: {message}")
-    return cls(message)
+    return _rebuild(cls, message, retry_after)

@@ -29,13 +29,15 @@ from kvstore.block import TierName
 from kvstore.config import Settings
 from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent
-from kvstore.server.index_service import DEFAULT_TIER_WEIGHTS, IndexServicer
+from kvstore.index.scoring import ScoringPolicy
+from kvstore.server.index_service import IndexServicer
 from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.service import KVServicer
 from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
+from kvstore.store.events import EventBus
 from kvstore.tiers import open_tier
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class Daemon:
         self._stopping = False
         self.store: TieredStore | None = None
         self.index_agent: IndexAgent | None = None
+        self.events = EventBus()  # the store's events: the index agent and metrics subscribe
         self.kv_events = None  # KVEventSubscriber, when engines are configured
 
     def start(self) -> Daemon:
@@ -81,6 +84,7 @@ class Daemon:
                 self.index_agent.stop(1.0)
             if self.store is not None:
                 self.store.close()
+            self.events.close(1.0)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -111,10 +115,13 @@ class Daemon:
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
             ttl_s=s.index.ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
         )
+        self.events.subscribe("index", self.index_agent.on_events)
+        self.events.subscribe("metrics", self.metrics.count_events)
+        self.metrics.watch_event_bus(self.events.subscriptions)
         self.store = TieredStore(
             TierChain(tiers, edges), limits=limits,
             namespaces=s.store.namespaces, auto_create_namespaces=s.store.auto_create_namespaces,
-            metrics=self.metrics, listener=self.index_agent.changed,
+            metrics=self.metrics, events=self.events,
         )
         self.index_agent.start()
         if s.index.kv_events:
@@ -141,7 +148,9 @@ class Daemon:
         )
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
-            IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **weights}), server
+            # Index RPCs may wait on a slow index: at most half the workers, the rest stay for the cache.
+            IndexServicer(self.index_agent, ScoringPolicy(weights), max_in_flight=max(1, s.server.workers // 2)),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -233,6 +242,7 @@ class Daemon:
             written = self.store.persist_ram(time.monotonic() + max(grace, 5.0))
             log.info("wrote %d RAM blocks to disk before exit", written)
             self.store.close()
+        self.events.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         if self.settings.server.unix_socket:

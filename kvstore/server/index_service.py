@@ -1,24 +1,33 @@
-"""IndexService: translates routing queries to prefix-index lookups; no policy beyond scoring."""
+"""IndexService: translates routing queries to prefix-index lookups and back; the ranking
+is :mod:`kvstore.index.scoring`'s.
+
+Index RPCs get their own bounded capacity. They wait on the index (a Redis
+round trip, or a Redis that stopped answering) while holding a gRPC worker
+thread, and they share those threads with the KV RPCs: without a bound, a
+slow index would take every worker and stall local hits. At most
+``max_in_flight`` index RPCs wait at once; beyond that they are refused at
+once with RESOURCE_EXHAUSTED and a retry delay, so the rest of the workers
+stay free for the cache.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvstore.api.v1 import index_pb2 as pb
 from kvstore.api.v1 import index_pb2_grpc
 from kvstore.block import TierName, validate_key, validate_namespace
-from kvstore.errors import InvalidArgument
+from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded
 from kvstore.index.agent import IndexAgent
-from kvstore.index.base import MAX_CHAIN_BLOCKS, NodeMatch
+from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.index.keys import BlockHasher, event_key_bytes
+from kvstore.index.scoring import NodeScore, ScoringPolicy
 
-DEFAULT_TIER_WEIGHTS: dict[TierName, float] = {
-    TierName.GPU: 1.0,
-    TierName.HOST: 0.8,
-    TierName.DISK: 0.5,
-    TierName.PEER: 0.3,
-    TierName.OBJECT: 0.1,
-}
+T = TypeVar("T")
+
+DEFAULT_MAX_IN_FLIGHT = 8
 
 
 def chain_keys(namespace: str, request) -> list[bytes]:
@@ -50,44 +59,78 @@ def chain_keys(namespace: str, request) -> list[bytes]:
     return keys
 
 
-def rank(
-    matches: list[NodeMatch], candidates: list[str], weights: Mapping[TierName, float]
-) -> list[pb.EndpointScore]:
-    scored = [
-        pb.EndpointScore(node_id=m.node_id, blocks=m.blocks, tier=int(m.tier), score=m.blocks * weights[m.tier])
-        for m in matches
-    ]
-    seen = {m.node_id for m in matches}
-    scored += [pb.EndpointScore(node_id=c, score=0.0) for c in candidates if c not in seen]
-    return sorted(scored, key=lambda e: (-e.score, -e.blocks, e.node_id))
+def tier_weights(request: pb.ScoreRequest) -> dict[TierName, float]:
+    """A Score request's own tier weights (they override the daemon's)."""
+    weights = {}
+    for tw in request.tier_weights:
+        try:
+            tier = TierName(tw.tier)
+        except ValueError:
+            raise InvalidArgument(f"a tier weight names tier {tw.tier}: use one of gpu, host, disk, peer, object") from None
+        if not tw.weight >= 0:
+            raise InvalidArgument("tier weights must be non-negative")
+        weights[tier] = tw.weight
+    return weights
+
+
+def endpoint(s: NodeScore) -> pb.EndpointScore:
+    return pb.EndpointScore(node_id=s.node_id, blocks=s.blocks, tier=int(s.tier or 0), score=s.score)
 
 
 class IndexServicer(index_pb2_grpc.IndexServiceServicer):
-    def __init__(self, agent: IndexAgent, weights: Mapping[TierName, float], timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        agent: IndexAgent,
+        policy: ScoringPolicy,
+        timeout_s: float = 5.0,
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        retry_after_s: float = 0.05,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight is {max_in_flight}; allow at least one index RPC at a time")
         self._agent = agent
-        self._weights = dict(weights)
+        self._policy = policy
         self._timeout = timeout_s
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._max = max_in_flight
+        self._retry_after_s = retry_after_s
 
     def _deadline(self, context) -> float:
         remaining = context.time_remaining()
         return self._timeout if remaining is None else max(0.001, min(remaining, self._timeout))
 
+    def _bounded(self, op: str, call: Callable[[], T]) -> T:
+        if not self._slots.acquire(blocking=False):
+            raise Overloaded(
+                f"{op}: {self._max} index queries are already waiting on the prefix index; retry after the delay",
+                retry_after_s=self._retry_after_s,
+            )
+        try:
+            return call()
+        except TimeoutError:
+            raise DeadlineExceeded(f"{op}: the prefix index did not answer in time") from None
+        finally:
+            self._slots.release()
+
     def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
         keys = chain_keys(request.namespace, request)
-        weights = dict(self._weights)
-        for tw in request.tier_weights:
-            if tw.weight < 0:
-                raise InvalidArgument("tier weights must be non-negative")
-            weights[TierName(tw.tier)] = tw.weight
+        policy = self._policy.with_weights(tier_weights(request))
         candidates = list(request.candidates)
-        matches = self._agent.run(
-            self._agent.index.lookup(request.namespace, keys, candidates or None), self._deadline(context)
+        matches = self._bounded(
+            "Score",
+            lambda: self._agent.run(
+                self._agent.index.lookup(request.namespace, keys, candidates or None), self._deadline(context)
+            ),
         )
-        return pb.ScoreResponse(endpoints=rank(matches, candidates, weights), chain_blocks=len(keys))
+        return pb.ScoreResponse(endpoints=[endpoint(s) for s in policy.rank(matches, candidates)], chain_blocks=len(keys))
 
     def Holders(self, request: pb.HoldersRequest, context) -> pb.HoldersResponse:
         keys = chain_keys(request.namespace, request)
-        found = self._agent.run(self._agent.index.holders(request.namespace, keys), self._deadline(context))
+        found = self._bounded(
+            "Holders",
+            lambda: self._agent.run(self._agent.index.holders(request.namespace, keys), self._deadline(context)),
+        )
         return pb.HoldersResponse(
             blocks=[
                 pb.BlockHolders(

@@ -48,7 +48,7 @@ class CopyDown:
                 if job.dst not in entry.tiers:
                     entry.tiers.add(job.dst)
                     self._recency.add(job.dst, job.key)
-                self._s.publish_locked(job.key, entry)
+                    self._s.moved_locked(job.key, entry, job.src, job.dst)
                 if job.evict and not entry.pins:  # a reader may be copying it out right now
                     self._s.drop_copy_locked(job.key, entry, job.src)
                     self._s.metrics.evictions.labels(job.src.label).inc()

@@ -80,6 +80,10 @@ class Catalog:
     def has_child_in(self, key: BlockKey, tier: TierName) -> bool:
         return any(tier in self.entries[c].tiers for c in self._children.get(key, ()))
 
+    def namespaces(self) -> list[str]:
+        """Namespaces with at least one block, in order."""
+        return sorted(self._ns_keys)
+
     def count(self, namespace: str) -> int:
         return len(self._ns_keys.get(namespace, ()))
 

@@ -77,7 +77,7 @@ class HeadPlacement:
                 entry.deleted = False
                 self._head.unreserve(offset)
                 self._cond.notify_all()
-                self._s.publish_locked(key, entry)
+                self._s.stored_locked(key, entry, self._s.best(entry))
                 return True, self._s.best(entry)
             if not self._head.commit(key, offset, meta, verify=verify):
                 self._cond.notify_all()
@@ -86,12 +86,12 @@ class HeadPlacement:
             self._catalog.add(key, entry)
             self._recency.add(head, key)
             self._s.metrics.bytes_in.labels(head.label).inc(meta.size)
-            self._s.publish_locked(key, entry)
+            self._s.stored_locked(key, entry, head)
             self.write_through_locked(key, entry)
             self.keep_headroom_locked()
             return True, head
 
-    def promote(self, key: BlockKey, data: bytes, meta: BlockMeta, deadline: float | None) -> bool:
+    def promote(self, key: BlockKey, data: bytes, meta: BlockMeta, deadline: float | None, source: TierName) -> bool:
         """Copy a block read below up into the head (keeping the lower copy); False when there is no room in time."""
         head = self._head.name
         try:
@@ -110,7 +110,7 @@ class HeadPlacement:
             self._head.commit(key, offset, meta, verify=False)
             entry.tiers.add(head)
             self._recency.add(head, key)
-            self._s.publish_locked(key, entry)
+            self._s.moved_locked(key, entry, source, head)
             self._s.metrics.promotions.inc()
             self._s.metrics.bytes_in.labels(head.label).inc(meta.size)
             return True

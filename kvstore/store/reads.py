@@ -63,11 +63,11 @@ class ChainReader:
                     entry = Entry(meta, {level.name})
                     self._catalog.add(key, entry)
                     self._recency.add(level.name, key)
-                    self._s.publish_locked(key, entry)
+                    self._s.stored_locked(key, entry, level.name)
             self._s.metrics.hits.labels(level.name.label).inc()
             self._s.metrics.bytes_out.labels(level.name.label).inc(meta.size)
             if self._chain.promotes(level.name):
-                self._place.promote(key, data, meta, deadline)
+                self._place.promote(key, data, meta, deadline, level.name)
             return bytes(data), meta, level.name
         return None
 

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from typing import Protocol
 
 from kvstore.block import BlockKey, BlockMeta, TierName, validate_namespace
 from kvstore.errors import TierUnavailable, UnknownNamespace
@@ -27,6 +28,7 @@ from kvstore.metrics import StoreMetrics
 from kvstore.store.chain import Level, TierChain
 from kvstore.store.demotion import Copy
 from kvstore.store.entries import Catalog, Entry
+from kvstore.store.events import BlockEvent, Evicted, Moved, Removed, Stored
 from kvstore.store.eviction import EvictionPlan
 from kvstore.store.leases import Lease, LeaseKind, LeaseTable
 from kvstore.store.limits import StoreLimits
@@ -36,11 +38,18 @@ from kvstore.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 
+class EventSink(Protocol):
+    """Where the store publishes its events: an :class:`~kvstore.store.events.EventBus`, or
+    anything else whose ``publish`` is cheap and never blocks (it runs under the store lock)."""
+
+    def publish(self, event: BlockEvent) -> None: ...
+
+
 class StoreState:
     def __init__(
         self, chain: TierChain, limits: StoreLimits, metrics: StoreMetrics, clock: Callable[[], float],
         namespaces: Iterable[str], auto_create_namespaces: bool,
-        listener: Callable[[BlockKey, TierName | None], None] | None,
+        events: EventSink | None,
     ) -> None:
         self.chain = chain
         self.head = chain.head
@@ -53,9 +62,9 @@ class StoreState:
         self.leases = LeaseTable(limits.max_leases)
         self.namespaces = {validate_namespace(ns) for ns in namespaces}
         self.auto_create = auto_create_namespaces
-        # Told (under the lock: it must not block) whenever a block's best
-        # tier changes or the block goes (None): the prefix index's feed.
-        self.listener = listener
+        # Told of every change (under the lock: publish never blocks): the
+        # prefix index's and the metrics' feed, and later replication's.
+        self.events = events
         self.unhealthy_until: dict[TierName, float] = {}  # a lower tier that failed a write: skipped until then
         self.demoting = 0  # blocks marked for a copy down, queued or being written
         # Deletes of copies in tiers other than the head, run outside the lock.
@@ -99,7 +108,8 @@ class StoreState:
             return
         self.free_copy_locked(tier, key)
         entry.tiers.discard(tier)
-        self.publish_locked(key, entry)
+        if not entry.deleted:
+            self.emit_locked(Evicted(key, tier, self.best(entry)))
         self.cond.notify_all()
 
     def remove_locked(self, key: BlockKey, entry: Entry) -> None:
@@ -107,7 +117,8 @@ class StoreState:
             self.free_copy_locked(tier, key)
         entry.tiers.clear()
         self.catalog.remove(key)
-        self.publish_locked(key, None)
+        if not entry.deleted:  # a client's delete published its Removed already
+            self.emit_locked(Removed(key, dropped=True))
         self.cond.notify_all()
 
     def free_copy_locked(self, tier: TierName, key: BlockKey) -> None:
@@ -137,10 +148,18 @@ class StoreState:
                     else:
                         del self.deleting[(tier.name, key)]
 
-    def publish_locked(self, key: BlockKey, entry: Entry | None) -> None:
-        if self.listener is not None:
-            visible = entry is not None and entry.visible
-            self.listener(key, self.best(entry) if visible else None)
+    def emit_locked(self, event: BlockEvent) -> None:
+        if self.events is not None:
+            self.events.publish(event)
+
+    def stored_locked(self, key: BlockKey, entry: Entry, tier: TierName) -> None:
+        """``key`` is now held in ``tier`` (written there, or found there by a read through)."""
+        self.emit_locked(Stored(key, tier, entry.meta.size, self.best(entry)))
+
+    def moved_locked(self, key: BlockKey, entry: Entry, source: TierName, target: TierName) -> None:
+        """A copy of ``key`` was added in ``target`` from ``source`` (a promotion or a copy down)."""
+        if not entry.deleted:
+            self.emit_locked(Moved(key, source, target, self.best(entry)))
 
     def expire_locked(self) -> None:
         expired = self.leases.pop_expired(self.clock())

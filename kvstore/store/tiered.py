@@ -53,7 +53,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import (
@@ -84,7 +84,8 @@ from kvstore.store.placement import HeadPlacement
 from kvstore.store.reads import ChainReader
 from kvstore.store.recency import TOUCH_BATCH_BLOCKS
 from kvstore.store.recovery import recover
-from kvstore.store.state import StoreState
+from kvstore.store.events import Removed
+from kvstore.store.state import EventSink, StoreState
 from kvstore.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class TieredStore:
         auto_create_namespaces: bool = True,
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        listener: Callable[[BlockKey, TierName | None], None] | None = None,
+        events: EventSink | None = None,
     ) -> None:
         chain = tiers if isinstance(tiers, TierChain) else TierChain(list(tiers), edges)
         limits = limits or StoreLimits.from_settings()
@@ -159,7 +160,7 @@ class TieredStore:
             )
         self.limits = limits
         self.metrics = metrics or StoreMetrics()
-        state = StoreState(chain, limits, self.metrics, clock, namespaces, auto_create_namespaces, listener)
+        state = StoreState(chain, limits, self.metrics, clock, namespaces, auto_create_namespaces, events)
         self._s = state
         self._cond = state.cond
         self._catalog = state.catalog
@@ -264,7 +265,7 @@ class TieredStore:
         self.metrics.hits.labels(tier.label).inc()
         self.metrics.bytes_out.labels(tier.label).inc(len(data))
         if self._chain.promotes(tier):
-            self._place.promote(key, data, entry.meta, deadline=self._clock())
+            self._place.promote(key, data, entry.meta, self._clock(), tier)
         return data, entry.meta, tier
 
     def allocate(
@@ -420,7 +421,7 @@ class TieredStore:
                 continue
             data, tier = found
             self.metrics.hits.labels(tier.label).inc()
-            if self._chain.is_head(tier) or (self._chain.promotes(tier) and self._place.promote(key, data, entry.meta, deadline)):
+            if self._chain.is_head(tier) or (self._chain.promotes(tier) and self._place.promote(key, data, entry.meta, deadline, tier)):
                 located = self._lease_in_head(key, lease_s, owner, found_in=tier)
             out.append(located or Located(key, entry.meta, tier))
         return out
@@ -483,7 +484,7 @@ class TieredStore:
                     continue
                 entry.deleted = True
                 deleted += 1
-                self._s.publish_locked(key, entry)
+                self._s.emit_locked(Removed(key, dropped=False))
                 self._s.maybe_remove_locked(key, entry)
             self._cond.notify_all()
         return deleted
@@ -583,10 +584,23 @@ class TieredStore:
                 namespaces=namespaces,
             )
 
-    def holdings(self) -> list[tuple[BlockKey, TierName]]:
-        """Every visible block and its best tier: what a full re-publish to the index sends."""
+    def holdings(self, page_blocks: int = 4096) -> Iterator[tuple[BlockKey, TierName]]:
+        """Every visible block and its best tier: what a full re-publish to the index sends.
+
+        Read a page at a time, so the store lock is never held for O(blocks):
+        a block changed after its page was read is told by an event instead.
+        """
         with self._cond:
-            return [(k, self._s.best(e)) for k, e in self._catalog.visible()]
+            namespaces = self._catalog.namespaces()
+        for namespace in namespaces:
+            token = b""
+            while True:
+                with self._cond:
+                    page, token = self._catalog.page(namespace, b"", page_blocks, token)
+                    found = [(BlockKey(namespace, k), self._s.best(e)) for k, e in page]
+                yield from found
+                if not token:
+                    break
 
     def expire_leases(self) -> None:
         """Reclaim leases past their deadline now (the reaper does this every 100 ms)."""
