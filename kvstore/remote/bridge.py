@@ -145,7 +145,8 @@ class RemoteBridge:
     def stats(self) -> BridgeStats:
         with self._lock:
             running = self._running
-            return BridgeStats(running, self._admitted - running, self._overloaded, self._timed_out, self._source.stats())
+            queued, overloaded, timed_out = self._admitted - running, self._overloaded, self._timed_out
+        return BridgeStats(running, queued, overloaded, timed_out, self._source.stats())
 
     def close(self) -> None:
         """Refuse new calls, end those in flight, close the source, stop the thread. Idempotent."""
