@@ -26,6 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum
 from kvstore.errors import (
@@ -91,7 +94,7 @@ class Row:
 
 def _memory_corrupt(source: RemoteSource, k: BlockKey) -> None:
     inner = source.inner if isinstance(source, FaultySource) else source
-    assert inner.corrupt(k, offset=7)
+    assert inner.corrupt(k)
 
 
 ROWS: dict[str, Row] = {
@@ -561,6 +564,112 @@ def test_part_of_a_batch_answered(remote):
         assert faulty.stats().errors >= 4
 
     remote.run(body)
+
+
+# Model-based: random traffic against a dictionary, over every kind.
+
+MACHINE_CAPACITY = 200_000
+
+
+class RemoteMachine(RuleBasedStateMachine):
+    """Writes, reads, deletes, damage at rest and cancelled calls against a dict model.
+
+    The source answers exactly as the model says: what was stored is read back
+    intact until deleted or found corrupt; a write that does not fit fails
+    TierFull; a cancelled call changes nothing; the counts of what the source
+    holds (where it knows them) match.
+    """
+
+    def __init__(self, harness: Harness) -> None:
+        super().__init__()
+        self.harness = harness
+        self.loop = asyncio.new_event_loop()
+        self.source = harness.open(capacity_bytes=MACHINE_CAPACITY)
+        self.slow = harness.open(latency_s=SLOW_S)
+        self.model: dict[int, tuple[bytes, BlockMeta]] = {}
+        self.damaged: set[int] = set()
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    @rule(i=st.integers(0, 7), size=st.integers(1, 60_000))
+    def write(self, i, size):
+        data, meta = block(size, seed=size)
+        [result] = self.run(self.source.write([(key(f"m{i}"), data, meta)], later()))
+        used = sum(m.size for _, m in self.model.values())
+        if i in self.model:
+            assert result.status is WriteStatus.PRESENT
+        elif used + size > MACHINE_CAPACITY:
+            assert isinstance(result.error, TierFull)
+        else:
+            assert result.status is WriteStatus.STORED
+            self.model[i] = (data, meta)
+
+    @rule(ids=st.lists(st.integers(0, 7), min_size=1, max_size=4))
+    def read(self, ids):
+        buffers = Buffers()
+        results = self.run(self.source.read([key(f"m{i}") for i in ids], buffers, later()))
+        for n, (i, result) in enumerate(zip(ids, results)):
+            if i in self.damaged:
+                assert isinstance(result.error, CorruptBlock)
+                self.damaged.discard(i)
+                del self.model[i]
+            elif i in self.model:
+                assert result.is_hit and bytes(buffers.given[n]) == self.model[i][0]
+            else:
+                assert result.status is ReadStatus.MISS
+
+    @rule(ids=st.lists(st.integers(0, 7), min_size=1, max_size=4))
+    def delete(self, ids):
+        gone = self.run(self.source.delete([key(f"m{i}") for i in ids], later()))
+        assert gone == len(set(ids) & set(self.model))
+        for i in ids:
+            self.model.pop(i, None)
+            self.damaged.discard(i)
+
+    @precondition(lambda self: set(self.model) - self.damaged)
+    @rule(data=st.data())
+    def corrupt(self, data):
+        i = data.draw(st.sampled_from(sorted(set(self.model) - self.damaged)))
+        self.harness.corrupt(self.source, key(f"m{i}"))
+        self.damaged.add(i)
+
+    @rule(i=st.integers(8, 9), size=st.integers(1, 60_000))
+    def cancelled_write(self, i, size):
+        async def write_then_cancel():
+            task = asyncio.create_task(self.slow.write([(key(f"m{i}"), *block(size))], later()))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        self.run(write_then_cancel())
+
+    @invariant()
+    def holds_what_the_model_says(self):
+        keys = [key(f"m{i}") for i in range(10)]
+        metas = self.run(self.source.lookup(keys, later()))
+        assert metas == [self.model[i][1] if i in self.model else None for i in range(10)]
+        stats = self.source.stats()
+        if stats.stored_blocks is not None:
+            assert stats.stored_blocks == len(self.model)
+            assert stats.stored_bytes == sum(m.size for _, m in self.model.values())
+
+    def teardown(self):
+        try:
+            self.run(self.source.delete([key(f"m{i}") for i in range(10)], later()))
+            for source in self.harness.opened:
+                self.run(source.close())
+        finally:
+            self.harness.opened.clear()
+            self.loop.close()
+
+
+def test_model_based(remote):
+    run_state_machine_as_test(
+        lambda: RemoteMachine(remote), settings=settings(max_examples=30, stateful_step_count=25, deadline=None)
+    )
 
 
 # The in-process source alone.
