@@ -262,7 +262,10 @@ class RemoteBridge:
 
     async def _run(self, call: _Call):
         try:
-            async with asyncio.timeout(call.deadline - time.monotonic()) as turn:
+            if self._turns.locked():  # wait for a turn, no longer than the deadline
+                async with asyncio.timeout(call.deadline - time.monotonic()) as turn:
+                    await self._turns.acquire()
+            else:  # a turn is free: no timer needed
                 await self._turns.acquire()
         except TimeoutError:
             if not turn.expired():
