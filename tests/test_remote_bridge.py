@@ -115,6 +115,31 @@ def test_calls_from_many_threads(place, bridges):
     assert stats.source.stored == stats.source.hits == threads * rounds
 
 
+def test_under_pressure_every_call_is_answered_or_refused(place, bridges):
+    limits = BridgeLimits(max_in_flight=2, max_queued=2)
+    bridge = bridges(MemoryRemote(place, latency_s=0.001), limits)
+    data, meta = block(2048)
+    bridge.write([(key("k"), data, meta)], later())
+
+    def worker(_: int) -> tuple[int, int]:
+        answered = refused = 0
+        for _ in range(25):
+            try:
+                assert bridge.lookup([key("k")], later()) == [meta]
+                answered += 1
+            except Overloaded as e:
+                assert e.retry_after_s == limits.retry_after_s
+                refused += 1
+        return answered, refused
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(worker, range(8)))
+    answered, refused = sum(a for a, _ in outcomes), sum(r for _, r in outcomes)
+    assert answered + refused == 8 * 25 and answered > 0
+    stats = bridge.stats()
+    assert (stats.overloaded, stats.running, stats.queued) == (refused, 0, 0)
+
+
 def test_beyond_the_queue_calls_are_refused_with_overloaded(place, bridges):
     limits = BridgeLimits(max_in_flight=1, max_queued=1, retry_after_s=0.2)
     bridge = bridges(MemoryRemote(place, latency_s=SLOW_S), limits)

@@ -47,7 +47,7 @@ from kvstore.remote.base import Place, ReadResult, RemoteSource, RemoteStats, Wr
 class BridgeLimits:
     max_in_flight: int = 32  # calls running on the source at once
     max_queued: int = 256  # calls waiting for a turn; one more is Overloaded
-    overrun_s: float = 0.25  # how long past its deadline a source may take before it is cancelled
+    overrun_s: float = 0.1  # how long past its deadline a source may take before it is cancelled
     retry_after_s: float = 0.05  # what Overloaded tells the caller
     close_timeout_s: float = 5.0  # how long close waits for calls in flight before cancelling them
 
