@@ -101,6 +101,9 @@ from kvstore.errors import DeadlineExceeded, InvalidArgument, StrataError
 
 __all__ = [
     "MAX_BATCH_BLOCKS",
+    "MISS",
+    "PRESENT",
+    "STORED",
     "Place",
     "ReadResult",
     "ReadStatus",

@@ -47,7 +47,7 @@ from kvstore.remote.base import Place, ReadResult, RemoteSource, RemoteStats, Wr
 class BridgeLimits:
     max_in_flight: int = 32  # calls running on the source at once
     max_queued: int = 256  # calls waiting for a turn; one more is Overloaded
-    overrun_s: float = 0.25  # how long past its deadline a source may take before it is cancelled
+    overrun_s: float = 0.1  # how long past its deadline a source may take before it is cancelled
     retry_after_s: float = 0.05  # what Overloaded tells the caller
     close_timeout_s: float = 5.0  # how long close waits for calls in flight before cancelling them
 
@@ -145,7 +145,8 @@ class RemoteBridge:
     def stats(self) -> BridgeStats:
         with self._lock:
             running = self._running
-            return BridgeStats(running, self._admitted - running, self._overloaded, self._timed_out, self._source.stats())
+            queued, overloaded, timed_out = self._admitted - running, self._overloaded, self._timed_out
+        return BridgeStats(running, queued, overloaded, timed_out, self._source.stats())
 
     def close(self) -> None:
         """Refuse new calls, end those in flight, close the source, stop the thread. Idempotent."""
@@ -261,7 +262,10 @@ class RemoteBridge:
 
     async def _run(self, call: _Call):
         try:
-            async with asyncio.timeout(call.deadline - time.monotonic()) as turn:
+            if self._turns.locked():  # wait for a turn, no longer than the deadline
+                async with asyncio.timeout(call.deadline - time.monotonic()) as turn:
+                    await self._turns.acquire()
+            else:  # a turn is free: no timer needed
                 await self._turns.acquire()
         except TimeoutError:
             if not turn.expired():

@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvstore.block import COPY_CHUNK, BlockKey, BlockMeta, Checksummer, TierName, checksum, copy_and_checksum
+from kvstore.block import COPY_CHUNK, BlockKey, BlockMeta, Checksummer, TierName, copy_and_checksum
 from kvstore.errors import (
     BlockTooLarge,
     CorruptBlock,
@@ -249,7 +249,9 @@ class MemoryRemote(RemoteSource):
     async def write(
         self, blocks: Sequence[tuple[BlockKey, bytes | bytearray | memoryview, BlockMeta]], deadline: float
     ) -> list[WriteResult]:
-        return await self._batch("write", len(blocks), lambda i: self._write_one(*blocks[i]), deadline, WriteResult.failed)
+        return await self._batch(
+            "write", len(blocks), lambda i: self._write_one(*blocks[i]), deadline, WriteResult.failed
+        )
 
     async def close(self) -> None:
         self._closed = True
@@ -289,10 +291,10 @@ class MemoryRemote(RemoteSource):
         dst = memoryview(view)
         if dst.readonly or not dst.contiguous or dst.nbytes < meta.size:
             self._errors += 1
+            what = "read-only" if dst.readonly else "not contiguous" if not dst.contiguous else f"{dst.nbytes} bytes"
             return ReadResult.failed(
                 InvalidArgument(
-                    f"{self.name}: the buffer placed for block {key} is "
-                    f"{'read-only' if dst.readonly else 'not contiguous' if not dst.contiguous else f'{dst.nbytes} bytes'}; "
+                    f"{self.name}: the buffer placed for block {key} is {what}; "
                     f"it needs {meta.size} writable contiguous bytes"
                 )
             )
@@ -316,7 +318,9 @@ class MemoryRemote(RemoteSource):
         if src.nbytes != meta.size:
             self._errors += 1
             return WriteResult.failed(
-                CorruptBlock(f"{self.name}: block {key} has {src.nbytes} bytes but its meta says {meta.size}: nothing stored")
+                CorruptBlock(
+                    f"{self.name}: block {key} has {src.nbytes} bytes but its meta says {meta.size}: nothing stored"
+                )
             )
         refused = self._blocks.reserve(key, meta.size, self.name)
         if refused is not None:
@@ -354,7 +358,7 @@ class MemoryRemote(RemoteSource):
             dst[off:end] = src[off:end]
             h.update(dst[off:end])
             await self._pause((end - off) / self.bytes_per_s)
-        return h.value() if len(dst) else checksum(b"")
+        return h.value()
 
     # Deadlines, close, and the round trip.
 
@@ -379,7 +383,12 @@ class MemoryRemote(RemoteSource):
             self._leave()
 
     async def _batch(
-        self, op: str, n: int, step: Callable[[int], Awaitable], deadline: float, failed: Callable[[StrataError], object]
+        self,
+        op: str,
+        n: int,
+        step: Callable[[int], Awaitable],
+        deadline: float,
+        failed: Callable[[StrataError], object],
     ) -> list:
         """A per-key call: keys answered by the deadline keep their answer, the rest fail."""
         left = self._admit(op, n, deadline)
