@@ -28,6 +28,8 @@ class HeadPlacement:
         self._head = state.head
         self._clock = state.clock
         self._demoter = demoter
+        self._bytes_in = state.metrics.bytes_in.labels(state.head.name.label)
+        self._high_bytes = state.limits.high_watermark * state.head.capacity_bytes
 
     def reserve(self, size: int, deadline: float | None) -> int:
         """A head extent of ``size`` bytes, evicting and waiting (until ``deadline``) as needed."""
@@ -85,7 +87,7 @@ class HeadPlacement:
             entry = Entry(meta, {head})
             self._catalog.add(key, entry)
             self._recency.add(head, key)
-            self._s.metrics.bytes_in.labels(head.label).inc(meta.size)
+            self._bytes_in.inc(meta.size)
             self._s.stored_locked(key, entry, head)
             self.write_through_locked(key, entry)
             self.keep_headroom_locked()
@@ -112,12 +114,14 @@ class HeadPlacement:
             self._recency.add(head, key)
             self._s.moved_locked(key, entry, source, head)
             self._s.metrics.promotions.inc()
-            self._s.metrics.bytes_in.labels(head.label).inc(meta.size)
+            self._bytes_in.inc(meta.size)
             return True
 
     def keep_headroom_locked(self) -> None:
+        if self._head.used_bytes <= self._high_bytes:
+            return
         stats = self._head.stats()
-        if stats.used_bytes > self._s.limits.high_watermark * stats.capacity_bytes and self._s.usable_below(self._head.name):
+        if self._s.usable_below(self._head.name):
             target_free = int((1 - self._s.limits.low_watermark) * stats.capacity_bytes)
             self._make_room_locked(target_free - (stats.capacity_bytes - stats.used_bytes), background=True)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from typing import Protocol
 
 from kvstore.block import BlockKey, BlockMeta, TierName, validate_namespace
@@ -43,6 +42,24 @@ class EventSink(Protocol):
     anything else whose ``publish`` is cheap and never blocks (it runs under the store lock)."""
 
     def publish(self, event: BlockEvent) -> None: ...
+
+
+class _Locked:
+    """``with state.locked():`` — a plain object, not a generator: it is on every hot path."""
+
+    __slots__ = ("_state", "_cond")
+
+    def __init__(self, state: StoreState) -> None:
+        self._state = state
+        self._cond = state.cond
+
+    def __enter__(self) -> None:
+        self._cond.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self._cond.release()
+        if self._state.deletes:
+            self._state.run_deletes()
 
 
 class StoreState:
@@ -70,14 +87,11 @@ class StoreState:
         # Deletes of copies in tiers other than the head, run outside the lock.
         self.deletes: list[tuple[Tier, BlockKey]] = []
         self.deleting: dict[tuple[TierName, BlockKey], int] = {}
+        self._locked = _Locked(self)
 
-    @contextmanager
-    def locked(self):
+    def locked(self) -> _Locked:
         """The store lock; deletes queued while it was held run once it is released."""
-        with self.cond:
-            yield
-        if self.deletes:
-            self.run_deletes()
+        return self._locked
 
     def best(self, entry: Entry) -> TierName:
         return self.chain.best(entry.tiers)

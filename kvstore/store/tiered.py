@@ -213,9 +213,10 @@ class TieredStore:
         try:
             return self._put_new(key, data, meta, deadline)
         finally:
-            with self._s.locked():
-                for p in parent:
-                    self._s.unpin_locked(p, self._catalog.entries[p])
+            if parent:
+                with self._s.locked():
+                    for p in parent:
+                        self._s.unpin_locked(p, self._catalog.entries[p])
 
     def _put_new(self, key: BlockKey, data: memoryview, meta: BlockMeta, deadline: float | None) -> tuple[bool, TierName]:
         offset = self._place.reserve(meta.size, deadline)

@@ -119,6 +119,11 @@ class MappableTier(Tier):
     @abc.abstractmethod
     def largest_free_bytes(self) -> int: ...
 
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes taken (blocks and reserved extents): cheap, for the store's watermarks."""
+
     @abc.abstractmethod
     def reserve(self, size: int) -> int:
         """Offset of a fresh extent; TierFull when none fits now, BlockTooLarge when none ever could."""

@@ -148,6 +148,10 @@ class HostRamTier(MappableTier):
         return self._arena
 
     @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes  # one int read: no lock needed for a watermark check
+
+    @property
     def largest_free_bytes(self) -> int:
         with self._lock:
             return self._alloc.largest_free_bytes
