@@ -88,8 +88,12 @@ from redis.backoff import ExponentialBackoff
 
 from kvstore.block import TierName, validate_namespace
 from kvstore.errors import InvalidArgument, PrefixIndexError, StaleEpoch
-from kvstore.index.base import Holder, IndexUnavailable, NodeInfo, NodeMatch, PrefixIndex
-from kvstore.index.memory import (
+from kvstore.index.base import (
+    Holder,
+    IndexUnavailable,
+    NodeInfo,
+    NodeMatch,
+    PrefixIndex,
     check_blocks,
     check_budget,
     check_candidates,
