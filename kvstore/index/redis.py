@@ -144,25 +144,30 @@ local function addr(h)
   return a
 end
 
--- A chain of keys travels as three strings: bucket hashes (CRC-32, u32 little-endian),
--- lengths (u16 little-endian) and the keys end to end. Yields key, hash, index.
+-- A block's field is its key then the key's CRC-32 (u32 little-endian), so a split needs
+-- no hashing. A chain travels as two strings: key lengths (u16 little-endian) and the
+-- fields end to end. Yields field, hash, index.
+local function hash_at(f, e)  -- the CRC-32 in the 4 bytes that end at e
+  local a, b, c, d = sbyte(f, e - 3, e)
+  return ((d * 256 + c) * 256 + b) * 256 + a
+end
 local function chain(i)
-  local hs, ls, ks = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local ls, fs = ARGV[i], ARGV[i + 1]
   local n, j, pos = #ls / 2, 0, 1
   return function()
     j = j + 1
     if j > n then return nil end
-    local a, b, c, d = sbyte(hs, 4 * j - 3, 4 * j)
     local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
-    local len = l1 + 256 * l2
-    local k = ssub(ks, pos, pos + len - 1)
-    pos = pos + len
-    return k, ((d * 256 + c) * 256 + b) * 256 + a, j
+    local e = pos + l1 + 256 * l2 + 3
+    local f = ssub(fs, pos, e)
+    pos = e + 1
+    return f, hash_at(fs, e), j
   end
 end
 
--- A block's value: its 4 hash bytes (so a split needs no hashing), then one 4-byte
--- record per holder: big-endian holder id * 8 + tier.
+-- A block's value: one 4-byte record per holder, big-endian holder id * 8 + tier, sorted
+-- by holder id. Sorted, two blocks with the same holders in the same tiers have equal
+-- values, which a lookup compares without decoding them.
 local function rec(lid, tier)
   local x = lid * 8 + tier
   return string.char(floor(x / 16777216), floor(x / 65536) % 256, floor(x / 256) % 256, x % 256)
@@ -172,10 +177,16 @@ local function rec_at(v, p)
   local x = ((a * 256 + b) * 256 + c) * 256 + d
   return floor(x / 8), x % 8
 end
-local function find(v, lid)
-  for p = 5, #v, 4 do
-    if rec_at(v, p) == lid then return p end
+local function place(v, lid)  -- where holder lid's record is (true) or goes (false)
+  for p = 1, #v, 4 do
+    local l = rec_at(v, p)
+    if l >= lid then return p, l == lid end
   end
+  return #v + 1, false
+end
+local function find(v, lid)
+  local p, here = place(v, lid)
+  if here then return p end
   return nil
 end
 
@@ -219,8 +230,14 @@ local function live(lid)  -- {node, epoch} if holder lid is current and alive, e
 end
 """.replace("@LOAD@", str(LOAD))
 
-# ARGV: number of candidates (-1: any node), the candidates, the chain (3 strings).
+# ARGV: number of candidates (-1: any node), the candidates, the chain (2 strings).
 # Returns node, blocks, tier, ... for every live node holding the chain's first block.
+#
+# The walk keeps the holders of every block so far (holder id -> slowest tier); each
+# holds exactly ``depth`` leading blocks, so a block with the previous block's value
+# (same holders, same tiers: the common case along a shared prefix) only moves depth
+# on. A value that differs is decoded against that set alone, and the first block's
+# holders are checked for liveness in one HMGET, not one call a holder.
 _LOOKUP = _NS + r"""
 NOW = now_ms()
 load_meta()
@@ -231,58 +248,94 @@ if nc >= 0 then
   for j = 2, nc + 1 do cand[ARGV[j]] = true end
   first = nc + 2
 end
-local count, tier, order = {}, {}, {}
-local depth = 0
-for k, h in chain(first) do
-  local v = redis.call('HGET', BK .. addr(h), k)
+local ls, fs = ARGV[first], ARGV[first + 1]
+local M2, pos = 2 * M, 1
+local held, name, out = nil, {}, {}
+local prev, depth = nil, 0
+for j = 1, #ls / 2 do
+  local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
+  local e = pos + l1 + 256 * l2 + 3
+  local h = hash_at(fs, e)
+  local a = h % M
+  if a < S then a = h % M2 end
+  local v = redis.call('HGET', BK .. a, ssub(fs, pos, e))
+  pos = e + 1
   if not v then break end
-  local grew = false
-  for p = 5, #v, 4 do
-    local lid, t = rec_at(v, p)
-    local who = live(lid)
-    if who and (cand == nil or cand[who[1]]) then
-      local node = who[1]
-      if (count[node] or 0) == depth then
-        if depth == 0 then
-          order[#order + 1] = node
-          tier[node] = t
-        elseif t > tier[node] then
-          tier[node] = t
+  if v ~= prev then
+    prev = v
+    local nxt, any = {}, false
+    if held == nil then
+      local ids, ts = {}, {}
+      for p = 1, #v, 4 do
+        ids[#ids + 1], ts[#ts + 1] = rec_at(v, p)
+      end
+      for q0 = 1, #ids, 1000 do  -- unpack stays far below Lua's C stack limit
+        local q1 = math.min(q0 + 999, #ids)
+        local rows = redis.call('HMGET', IK, unpack(ids, q0, q1))
+        for q = q0, q1 do
+          local r = rows[q - q0 + 1]
+          if r then
+            local d, node = string.match(r, '^%d+ %d+ (%d+) (.*)$')
+            if tonumber(d) > NOW and (cand == nil or cand[node]) then
+              nxt[ids[q]] = ts[q]
+              name[ids[q]] = node
+              any = true
+            end
+          end
         end
-        count[node] = depth + 1
-        grew = true
+      end
+    else
+      for p = 1, #v, 4 do
+        local lid, t = rec_at(v, p)
+        local t0 = held[lid]
+        if t0 then
+          if t > t0 then nxt[lid] = t else nxt[lid] = t0 end
+          any = true
+        end
+      end
+      for lid, t in pairs(held) do  -- holders of every block so far that lack this one
+        if not nxt[lid] then
+          out[#out + 1] = name[lid]
+          out[#out + 1] = depth
+          out[#out + 1] = t
+        end
       end
     end
+    held = nxt
+    if not any then break end  -- no node that holds every block so far holds this one
   end
-  if not grew then break end  -- no node that holds every block so far holds this one
-  depth = depth + 1
+  depth = j
 end
-local out = {}
-for _, node in ipairs(order) do
-  out[#out + 1] = node
-  out[#out + 1] = count[node]
-  out[#out + 1] = tier[node]
+for lid, t in pairs(held or {}) do
+  out[#out + 1] = name[lid]
+  out[#out + 1] = depth
+  out[#out + 1] = t
 end
 return out
 """
 
-# ARGV: the chain (3 strings). Returns per key {node, tier, epoch, ...}.
+# ARGV: the chain (2 strings). Returns per key {node, tier, epoch, ...}.
 _HOLDERS = _NS + r"""
 NOW = now_ms()
 load_meta()
-local out = {}
-for k, h, j in chain(1) do
-  local v = redis.call('HGET', BK .. addr(h), k)
+local out, seen = {}, {}
+for f, h, j in chain(1) do
+  local v = redis.call('HGET', BK .. addr(h), f)
   local hs = {}
   if v then
-    for p = 5, #v, 4 do
-      local lid, t = rec_at(v, p)
-      local who = live(lid)
-      if who then
-        hs[#hs + 1] = who[1]
-        hs[#hs + 1] = t
-        hs[#hs + 1] = who[2]
+    hs = seen[v]  -- equal values, equal answers (a shared prefix is decoded once)
+    if not hs then
+      hs = {}
+      for p = 1, #v, 4 do
+        local lid, t = rec_at(v, p)
+        local who = live(lid)
+        if who then
+          hs[#hs + 1] = who[1]
+          hs[#hs + 1] = t
+          hs[#hs + 1] = who[2]
+        end
       end
+      seen[v] = hs
     end
   end
   out[j] = hs
@@ -291,7 +344,7 @@ return out
 """
 
 # ARGV: op ('add' | 'del'), node, epoch, incarnation to bind ('' = trust the mirror), its ms
-# left, the chain (3 strings), and for 'add' one tier byte per key.
+# left, the chain (2 strings), and for 'add' one tier byte per key.
 _WRITE = _NS + r"""
 local function hset_all(key, fv)
   for j = 1, #fv, 200 do redis.call('HSET', key, unpack(fv, j, math.min(j + 199, #fv))) end
@@ -303,11 +356,10 @@ local function split()  -- linear hashing: bucket S splits into S and S + M
   local keep, move, moved = {}, {}, {}
   for j = 1, #all, 2 do
     local f, v = all[j], all[j + 1]
-    local a, b, c, d = sbyte(v, 1, 4)
-    if (((d * 256 + c) * 256 + b) * 256 + a) % (2 * M) == a1 then
+    if hash_at(f, #f) % (2 * M) == a1 then
       move[#move + 1] = f
       move[#move + 1] = v
-      for p = 5, #v, 4 do
+      for p = 1, #v, 4 do
         local lid = rec_at(v, p)
         moved[lid] = (moved[lid] or 0) + 1
       end
@@ -368,23 +420,23 @@ end
 
 local fields = 0
 if op == 'add' then
-  local hashes, tiers = ARGV[6], ARGV[9]
-  for k, h, j in chain(6) do
+  local tiers = ARGV[8]
+  for f, h, j in chain(6) do
     local a = addr(h)
     local bk = BK .. a
     local r = rec(lid, sbyte(tiers, j))
-    local v = redis.call('HGET', bk, k)
+    local v = redis.call('HGET', bk, f)
     if not v then
-      redis.call('HSET', bk, k, ssub(hashes, 4 * j - 3, 4 * j) .. r)
+      redis.call('HSET', bk, f, r)
       rev(lid, a, 1)
       fields = fields + 1
     else
-      local p = find(v, lid)
-      if not p then
-        redis.call('HSET', bk, k, v .. r)
+      local p, here = place(v, lid)
+      if not here then
+        redis.call('HSET', bk, f, ssub(v, 1, p - 1) .. r .. ssub(v, p))
         rev(lid, a, 1)
       elseif ssub(v, p, p + 3) ~= r then
-        redis.call('HSET', bk, k, ssub(v, 1, p - 1) .. r .. ssub(v, p + 4))
+        redis.call('HSET', bk, f, ssub(v, 1, p - 1) .. r .. ssub(v, p + 4))
       end
     end
   end
@@ -399,17 +451,17 @@ if op == 'add' then
     if M ~= m0 or S ~= s0 then redis.call('HSET', META, 'M', M, 'S', S) end
   end
 else
-  for k, h in chain(6) do
+  for f, h in chain(6) do
     local a = addr(h)
     local bk = BK .. a
-    local v = redis.call('HGET', bk, k)
+    local v = redis.call('HGET', bk, f)
     local p = v and find(v, lid)
     if p then
-      if #v == 8 then
-        redis.call('HDEL', bk, k)
+      if #v == 4 then
+        redis.call('HDEL', bk, f)
         fields = fields + 1
       else
-        redis.call('HSET', bk, k, ssub(v, 1, p - 1) .. ssub(v, p + 4))
+        redis.call('HSET', bk, f, ssub(v, 1, p - 1) .. ssub(v, p + 4))
       end
       rev(lid, a, -1)
     end
@@ -473,7 +525,7 @@ for _, ls in ipairs(lids) do
             whole = false
             break
           end
-          if #v == 8 then
+          if #v == 4 then
             redis.call('HDEL', bk, all[q])
             fields = fields + 1
           else
@@ -917,13 +969,13 @@ class RedisIndex(PrefixIndex):
 
 
 def _chain(keys: list[bytes]) -> list[bytes]:
-    """Keys as the scripts read them: bucket hashes, lengths, keys; three arguments, not one per key."""
-    hashes = array("I", map(zlib.crc32, keys))
+    """Keys as the scripts read them: key lengths, then each key with its CRC-32 (the field it is
+    stored under); two arguments, not one per key."""
     lengths = array("H", map(len, keys))
     if sys.byteorder == "big":
-        hashes.byteswap()
         lengths.byteswap()
-    return [hashes.tobytes(), lengths.tobytes(), b"".join(keys)]
+    crc32 = zlib.crc32
+    return [lengths.tobytes(), b"".join([k + crc32(k).to_bytes(4, "little") for k in keys])]
 
 
 def _ms(seconds: float) -> int:
