@@ -601,6 +601,62 @@ def test_unreachable_redis_is_index_unavailable(scheme):
     asyncio.run(body())
 
 
+def test_a_server_that_stops_answering_is_index_unavailable():
+    """Reads have a deadline even where they skip redis-py's socket timeout (the read lane)."""
+    from kvstore.index.redis import RedisIndex
+
+    async def body():
+        accepted = []
+
+        async def silent(reader, writer):  # accepts, reads, never answers
+            accepted.append(writer)
+            await reader.read(1 << 16)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ix = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, retries=0)
+        try:
+            for call in (ix.lookup(NS, [b"k"]), ix.holders(NS, [b"k"])):
+                with pytest.raises(IndexUnavailable):
+                    await asyncio.wait_for(call, WAIT_LIMIT_S)  # a hang fails the test instead of stalling it
+        finally:
+            await ix.close()
+            for w in accepted:
+                w.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(body())
+
+
+def test_reads_survive_killed_connections(redis_url, request):
+    """A read whose connection the server closed (restart, CLIENT KILL, a proxy's idle cut)
+    reconnects and answers instead of failing."""
+    import redis as sync_redis
+
+    from kvstore.index.redis import RedisIndex
+
+    k = chain(4)
+
+    async def body():
+        ix = RedisIndex.from_url(redis_url, prefix=_prefix(request))
+        try:
+            await join_all(ix, "a")
+            await ix.add(NS, "a", 1, held(k))
+            for _ in range(3):
+                assert await ix.lookup(NS, k) == [NodeMatch("a", 4, HOST)]
+                assert [len(h) for h in await ix.holders(NS, k)] == [1, 1, 1, 1]
+                with sync_redis.Redis.from_url(redis_url) as r:  # this index's connections: their last command was a script
+                    ours = [c["id"] for c in r.client_list() if c["cmd"] == "evalsha"]
+                    assert ours
+                    for client_id in ours:
+                        r.client_kill_filter(_id=client_id)
+        finally:
+            await ix.close()
+
+    asyncio.run(body())
+
+
 def test_from_url_rejects_other_schemes():
     from kvstore.index.redis import RedisIndex
 
@@ -617,7 +673,9 @@ def redis_backend(request) -> Backend:
     return Backend(request.param, lambda: RedisIndex.from_url(url, prefix=prefix), asyncio.sleep, url)
 
 
-def test_lookup_and_holders_are_one_round_trip(redis_backend):
+def test_lookup_and_holders_are_one_round_trip(redis_backend, monkeypatch):
+    from redis.asyncio.connection import Connection
+
     k = chain(64)
 
     async def body(ix):
@@ -627,13 +685,14 @@ def test_lookup_and_holders_are_one_round_trip(redis_backend):
         await ix.lookup(NS, k)
         await ix.holders(NS, k)  # scripts are cached now
         sent = []
-        original = ix._redis.execute_command
+        original = Connection.send_packed_command
 
-        async def counting(*args, **options):
-            sent.append(args[0])
-            return await original(*args, **options)
+        async def counting(self, command, check_health=True):  # every connection, pooled or not
+            packed = b"".join(command) if isinstance(command, list) else command
+            sent.append(packed.split(b"\r\n", 3)[2].decode())  # *N, $len, then the command's name
+            return await original(self, command, check_health)
 
-        ix._redis.execute_command = counting
+        monkeypatch.setattr(Connection, "send_packed_command", counting)
         assert await ix.lookup(NS, k, candidates=["a", "b"]) == [NodeMatch("a", 64, HOST), NodeMatch("b", 10, HOST)]
         assert len(await ix.holders(NS, k)) == 64
         assert sent == ["EVALSHA", "EVALSHA"]

@@ -101,12 +101,14 @@ from kvstore.index.base import (
     check_node,
     check_node_id,
     check_ttl,
-    sort_matches,
 )
 
 log = logging.getLogger(__name__)
 
 LOAD = 40  # blocks per bucket on average; buckets stay under listpack's 128 entries
+LANE_CONNECTIONS = 4  # read-lane connections a single-server index keeps; more concurrent reads use the pool
+LANE_TIMEOUT_S = 5.0  # a lane call's deadline when the client sets no socket timeout
+MAX_BUCKETS = 26**5  # bucket names have five letters; past ~475M blocks a namespace's buckets grow instead
 PURGE_BATCH = 4096  # rows one script deletes for leave/clear (each call is short; Redis stays responsive)
 REAP_BATCH = 64  # ended incarnations retired per sweep call
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -126,11 +128,11 @@ end
 """
 
 _NS = _COMMON + r"""
-local sbyte, ssub, floor = string.byte, string.sub, math.floor
+local sbyte, ssub, schar, floor = string.byte, string.sub, string.char, math.floor
 local META = KEYS[1]
 local BASE = ssub(META, 1, -5)
 local MK, IK, DEAD, BK = BASE .. 'm', BASE .. 'i', BASE .. 'dead', BASE .. 'b:'
-local LOAD = @LOAD@
+local LOAD, MAX_BUCKETS = @LOAD@, @MAX_BUCKETS@
 local M, S, NOW = 1, 0, 0
 
 local function load_meta()
@@ -142,6 +144,12 @@ local function addr(h)
   local a = h % M
   if a < S then a = h % (2 * M) end
   return a
+end
+-- Bucket a's key: a in five base-26 digits 'a'..'z', least significant first. Letters, not
+-- decimal: Lua formats a number into a string with sprintf, several times slower than this.
+local function bucket(a)
+  return BK .. schar(97 + a % 26, 97 + floor(a / 26) % 26, 97 + floor(a / 676) % 26,
+    97 + floor(a / 17576) % 26, 97 + floor(a / 456976))
 end
 
 -- A block's field is its key then the key's CRC-32 (u32 little-endian), so a split needs
@@ -228,7 +236,7 @@ local function live(lid)  -- {node, epoch} if holder lid is current and alive, e
   end
   return c
 end
-""".replace("@LOAD@", str(LOAD))
+""".replace("@LOAD@", str(LOAD)).replace("@MAX_BUCKETS@", str(MAX_BUCKETS))
 
 # ARGV: number of candidates (-1: any node), the candidates, the chain (2 strings).
 # Returns node, blocks, tier, ... for every live node holding the chain's first block.
@@ -239,6 +247,7 @@ end
 # on. A value that differs is decoded against that set alone, and the first block's
 # holders are checked for liveness in one HMGET, not one call a holder.
 _LOOKUP = _NS + r"""
+local call = redis.call
 NOW = now_ms()
 load_meta()
 local nc = tonumber(ARGV[1])
@@ -255,10 +264,12 @@ local prev, depth = nil, 0
 for j = 1, #ls / 2 do
   local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
   local e = pos + l1 + 256 * l2 + 3
-  local h = hash_at(fs, e)
+  local b1, b2, b3, b4 = sbyte(fs, e - 3, e)
+  local h = ((b4 * 256 + b3) * 256 + b2) * 256 + b1
   local a = h % M
   if a < S then a = h % M2 end
-  local v = redis.call('HGET', BK .. a, ssub(fs, pos, e))
+  local v = call('HGET', BK .. schar(97 + a % 26, 97 + floor(a / 26) % 26, 97 + floor(a / 676) % 26,
+    97 + floor(a / 17576) % 26, 97 + floor(a / 456976)), ssub(fs, pos, e))
   pos = e + 1
   if not v then break end
   if v ~= prev then
@@ -271,7 +282,7 @@ for j = 1, #ls / 2 do
       end
       for q0 = 1, #ids, 1000 do  -- unpack stays far below Lua's C stack limit
         local q1 = math.min(q0 + 999, #ids)
-        local rows = redis.call('HMGET', IK, unpack(ids, q0, q1))
+        local rows = call('HMGET', IK, unpack(ids, q0, q1))
         for q = q0, q1 do
           local r = rows[q - q0 + 1]
           if r then
@@ -286,10 +297,12 @@ for j = 1, #ls / 2 do
       end
     else
       for p = 1, #v, 4 do
-        local lid, t = rec_at(v, p)
-        local t0 = held[lid]
+        local r1, r2, r3, r4 = sbyte(v, p, p + 3)
+        local t0 = held[((r1 * 256 + r2) * 256 + r3) * 32 + floor(r4 / 8)]
         if t0 then
-          if t > t0 then nxt[lid] = t else nxt[lid] = t0 end
+          local t = r4 % 8
+          if t < t0 then t = t0 end
+          nxt[((r1 * 256 + r2) * 256 + r3) * 32 + floor(r4 / 8)] = t
           any = true
         end
       end
@@ -320,7 +333,7 @@ NOW = now_ms()
 load_meta()
 local out, seen = {}, {}
 for f, h, j in chain(1) do
-  local v = redis.call('HGET', BK .. addr(h), f)
+  local v = redis.call('HGET', bucket(addr(h)), f)
   local hs = {}
   if v then
     hs = seen[v]  -- equal values, equal answers (a shared prefix is decoded once)
@@ -351,7 +364,7 @@ local function hset_all(key, fv)
 end
 local function split()  -- linear hashing: bucket S splits into S and S + M
   local a0, a1 = S, S + M
-  local k0 = BK .. a0
+  local k0 = bucket(a0)
   local all = redis.call('HGETALL', k0)
   local keep, move, moved = {}, {}, {}
   for j = 1, #all, 2 do
@@ -371,7 +384,7 @@ local function split()  -- linear hashing: bucket S splits into S and S + M
   if #move > 0 then
     redis.call('DEL', k0)  -- rewritten whole, so a bucket that outgrew listpack gets compact again
     hset_all(k0, keep)
-    hset_all(BK .. a1, move)
+    hset_all(bucket(a1), move)
     for lid, n in pairs(moved) do
       rev(lid, a0, -n)
       rev(lid, a1, n)
@@ -423,7 +436,7 @@ if op == 'add' then
   local tiers = ARGV[8]
   for f, h, j in chain(6) do
     local a = addr(h)
-    local bk = BK .. a
+    local bk = bucket(a)
     local r = rec(lid, sbyte(tiers, j))
     local v = redis.call('HGET', bk, f)
     if not v then
@@ -444,7 +457,7 @@ if op == 'add' then
     local total = redis.call('HINCRBY', META, 'N', fields)
     local budget = floor(fields / LOAD) + 2
     local m0, s0 = M, S
-    while total > LOAD * (M + S) and budget > 0 do
+    while total > LOAD * (M + S) and budget > 0 and M + S < MAX_BUCKETS do
       split()
       budget = budget - 1
     end
@@ -453,7 +466,7 @@ if op == 'add' then
 else
   for f, h in chain(6) do
     local a = addr(h)
-    local bk = BK .. a
+    local bk = bucket(a)
     local v = redis.call('HGET', bk, f)
     local p = v and find(v, lid)
     if p then
@@ -514,7 +527,7 @@ for _, ls in ipairs(lids) do
     local ents = redis.call('HGETALL', rk)
     for j = 1, #ents, 2 do
       if deleted >= budget then break end
-      local bk = BK .. (tonumber(c) * 128 + tonumber(ents[j]))
+      local bk = bucket(tonumber(c) * 128 + tonumber(ents[j]))
       local all = redis.call('HGETALL', bk)
       local n, whole = 0, true
       for q = 1, #all, 2 do
@@ -710,6 +723,62 @@ _UNAVAILABLE = (
     rexc.RedisClusterException,  # no reachable startup node, slot not covered
 )
 _BUSY = ("BUSY", "LOADING", "MASTERDOWN")  # replies of a server that is there but cannot serve yet
+_TIERS = {int(t): t for t in TierName}
+
+
+class _Detour(Exception):
+    """The read lane cannot take this call; the ordinary path must."""
+
+
+class _ReadLane:
+    """A few connections kept out of redis-py's pool for the read scripts (lookup, holders) of
+    a single server.
+
+    Why: redis-py's per-command path (a pool checkout and return, a retry wrapper, an
+    asyncio Task per send to apply the socket timeout, a timer per read) costs ~60 us here,
+    a sixth of a 64-block lookup. A lane connection sends the packed command and reads the
+    reply itself under one deadline for the whole call. What the lane does not handle (all
+    its connections busy, NOSCRIPT, a broken connection) goes the ordinary way, with its
+    retries and reconnects; a Cluster client has no lane (it routes by slot).
+    """
+
+    def __init__(self, pool: Any, timeout_s: float, size: int) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._size = size
+        self._idle: list[Any] = []
+        self._busy = 0
+
+    async def call(self, command: tuple) -> Any:
+        if self._idle:
+            conn = self._idle.pop()
+        elif self._busy < self._size:
+            # the pool's own settings (address, TLS, credentials, db), minus the socket timeout
+            # whose per-send Task is what the lane avoids: the call's deadline replaces it
+            conn = self._pool.connection_class(**{**self._pool.connection_kwargs, "socket_timeout": None})
+        else:
+            raise _Detour
+        self._busy += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await conn.send_packed_command(conn.pack_command(*command), check_health=False)
+                reply = await conn.read_response()
+        except rexc.ResponseError:  # the reply was read whole: the connection is fine
+            self._busy -= 1
+            self._idle.append(conn)
+            raise
+        except BaseException:  # broken, timed out or cancelled part-way: never reuse
+            self._busy -= 1
+            await conn.disconnect(nowait=True)
+            raise
+        self._busy -= 1
+        self._idle.append(conn)
+        return reply
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.disconnect()
 
 
 class RedisIndex(PrefixIndex):
@@ -723,6 +792,11 @@ class RedisIndex(PrefixIndex):
         self._prefix = prefix
         self._nodes_key = "{%s}:nodes" % prefix
         self._sweep_turn = 0
+        self._lane: _ReadLane | None = None
+        if not isinstance(client, RedisCluster):
+            pool = client.connection_pool
+            timeout_s = pool.connection_kwargs.get("socket_timeout") or LANE_TIMEOUT_S
+            self._lane = _ReadLane(pool, timeout_s, LANE_CONNECTIONS)
 
     @classmethod
     def from_url(
@@ -766,6 +840,8 @@ class RedisIndex(PrefixIndex):
         return cls(client, where=where, prefix=prefix)
 
     async def close(self) -> None:
+        if self._lane is not None:
+            await self._lane.close()
         await self._redis.aclose()
 
     # ---- membership ------------------------------------------------------------
@@ -835,17 +911,17 @@ class RedisIndex(PrefixIndex):
         if wanted is not None and not wanted:
             return []
         head = [-1] if wanted is None else [len(wanted), *sorted(wanted)]
-        flat = await self._ns(LOOKUP, namespace, *head, *_chain(chain))
-        return sort_matches(
-            NodeMatch(flat[i].decode(), int(flat[i + 1]), TierName(int(flat[i + 2]))) for i in range(0, len(flat), 3)
-        )
+        flat = await self._read(LOOKUP, namespace, *head, *_chain(chain))
+        # sort_matches' order, on (-blocks, node id as UTF-8): bytes of UTF-8 sort as its code points do
+        rows = sorted(zip([-n for n in flat[1::3]], flat[0::3], flat[2::3]))
+        return [NodeMatch(node.decode(), -n, _TIERS[t]) for n, node, t in rows]
 
     async def holders(self, namespace: str, keys: Sequence[bytes]) -> list[list[Holder]]:
         validate_namespace(namespace)
         checked = check_keys(keys, allow_empty=True)
         if not checked:
             return []
-        per_key = await self._ns(HOLDERS, namespace, *_chain(checked))
+        per_key = await self._read(HOLDERS, namespace, *_chain(checked))
         return [
             sorted(
                 (Holder(f[i].decode(), TierName(int(f[i + 1])), int(f[i + 2])) for i in range(0, len(f), 3)),
@@ -936,6 +1012,21 @@ class RedisIndex(PrefixIndex):
     async def _global(self, script: _Script, *args: Any) -> Any:
         return await self._eval(script, self._nodes_key, args)
 
+    async def _read(self, script: _Script, namespace: str, *args: Any) -> Any:
+        """A read script through the lane when there is one; anything it cannot finish goes the
+        ordinary way (NOSCRIPT: EVAL sends the script; a broken connection: reconnect, retry)."""
+        key = self._ns_key(namespace, "meta")
+        if self._lane is not None:
+            try:
+                return await self._lane.call(("EVALSHA", script.sha, 1, key, *args))
+            except (_Detour, rexc.NoScriptError, rexc.ConnectionError, OSError):
+                pass
+            except TimeoutError as err:
+                raise self._unavailable(err) from err
+            except rexc.RedisError as err:
+                raise self._refused(script, err) from err
+        return await self._eval(script, key, args)
+
     async def _eval(self, script: _Script, key: str, args: Sequence[Any]) -> Any:
         """EVALSHA; on NOSCRIPT (a restarted or flushed server) EVAL, which caches the script again."""
         try:
@@ -947,9 +1038,12 @@ class RedisIndex(PrefixIndex):
         except _UNAVAILABLE as err:
             raise self._unavailable(err) from err
         except rexc.RedisError as err:
-            if str(err).startswith(_BUSY):
-                raise self._unavailable(err) from err
-            raise PrefixIndexError(f"Redis at {self._where} refused the {script.name} script: {err}") from err
+            raise self._refused(script, err) from err
+
+    def _refused(self, script: _Script, err: rexc.RedisError) -> PrefixIndexError:
+        if str(err).startswith(_BUSY):
+            return self._unavailable(err)
+        return PrefixIndexError(f"Redis at {self._where} refused the {script.name} script: {err}")
 
     async def _call(self, *command: Any) -> Any:
         try:
