@@ -12,7 +12,7 @@ Lua script sees them all in one Cluster slot; node membership lives under
 
     {p:ns}:meta        hash   M, S (linear-hashing level and split pointer),
                               N (blocks), seq (last holder id)
-    {p:ns}:b:<n>       hash   bucket n: block key -> its CRC-32 (4 bytes), then 4 bytes a holder
+    {p:ns}:b:<n>       hash   bucket n (five letters): block key + its CRC-32 -> 4 bytes a holder
     {p:ns}:m           hash   node id -> "<holder id> <incarnation>" ("0 <inc>": inc ended)
     {p:ns}:i           hash   holder id -> "<epoch> <incarnation> <deadline ms> <node id>"
     {p:ns}:dead        set    holder ids whose rows wait for the sweep
@@ -29,18 +29,31 @@ Why this shape. A Redis key costs ~80 bytes before its value, so one key
 per block cannot meet ~100 bytes per (block, holder). Blocks are therefore
 fields of bucket hashes small enough to stay listpack-encoded (a packed
 array, no per-field pointers), and a holder is a 4-byte record
-(``holder id << 3 | tier``) appended to the field's value. Buckets split one
-at a time by linear hashing on the key's CRC-32, keeping ~``LOAD`` blocks a
-bucket at any size without a rehash pause. Clients compute the CRCs (C code,
-sent with the keys) and the value keeps them, so no script hashes in Lua
-(~10 us a key there). The reverse index does not repeat block keys: it counts
-a holder's rows per bucket, so clearing a holder visits only the buckets it
-has rows in: O(its blocks), the constant being one bucket scan. Measured with
-32-byte keys: ~55 bytes per block with one holder, ~4 more per extra holder
-(``tests/test_index_contract.py::test_bytes_per_entry``).
+(``holder id << 3 | tier``) in the field's value, the records sorted by holder
+id. Buckets split one at a time by linear hashing on the key's CRC-32, keeping
+~``LOAD`` blocks a bucket at any size without a rehash pause. Clients compute
+the CRCs (C code, sent with the keys) and the field keeps them after the key,
+so no script hashes in Lua (~10 us a key there). The reverse index does not
+repeat block keys: it counts a holder's rows per bucket, so clearing a holder
+visits only the buckets it has rows in: O(its blocks), the constant being one
+bucket scan. Measured with 32-byte keys: ~55 bytes per block with one holder,
+~4 more per extra holder (``tests/test_index_contract.py::test_bytes_per_entry``).
 
-Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as three
-arguments (CRCs, lengths, keys end to end), not one per key.
+Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as two
+arguments (key lengths, then the fields end to end), not one per key. What a
+lookup costs, and why it is shaped so:
+
+- one HGET a block until the first miss (~2-3 us a block inside Lua, most of
+  a lookup's server time; nothing cheaper reads a field of a compact bucket);
+- sorted records make a block's value a canonical encoding of its holders
+  and their tiers, so along a prefix that 25 nodes share the walk compares
+  each value with the previous one (one string comparison: Lua strings are
+  interned) and decodes only where holders or tiers change: O(nodes) per
+  change instead of O(holders x blocks);
+- the first block's holders are checked for liveness in one HMGET;
+- bucket names are letters, not decimal (Lua's number formatting is
+  sprintf), and the read scripts go through a small lane of connections
+  that skips redis-py's per-command machinery (:class:`_ReadLane`).
 
 A *holder id* names one node incarnation in one namespace. Answers count a
 record only if its holder id is listed in ``{p:ns}:i`` with a deadline in the
@@ -59,13 +72,19 @@ only of holder ids retired by ``leave``, ``clear``, a newer incarnation, or an
 expiry ``{p}:nodes`` saw; a mirror that lapses a moment early (its refresh
 still in flight) costs a brief false miss, never a deleted row.
 
-Limits: block keys and values over ``hash-max-listpack-value`` (64 bytes by
-default: keys longer than 64 bytes, or blocks with more than 15 holders) turn
+Limits: fields and values over ``hash-max-listpack-value`` (64 bytes by
+default: keys longer than 60 bytes, or blocks with more than 16 holders) turn
 their bucket into a plain hash table, correct but several times larger; a
 namespace lives on one Cluster shard; holder ids are 29 bits per namespace
 (one per node incarnation or clear); the ``m`` tombstone of a node that left
 stays (a few dozen bytes) so that a late write of it is refused; buckets
-never merge when a namespace shrinks (an emptied bucket costs nothing).
+never merge when a namespace shrinks (an emptied bucket costs nothing); a
+namespace stops splitting at ``MAX_BUCKETS`` buckets (~475M blocks).
+
+This layout replaced one whose values began with the CRC and whose records
+were unsorted; an index written by that version is not readable by this one
+(when upgrading, flush the index's keys or use a new ``prefix``, and restart
+the daemons so that they publish what they hold again).
 """
 
 from __future__ import annotations
