@@ -535,6 +535,47 @@ def test_many_blocks_and_holders_agree_with_a_model(backend):
     run(backend, body)
 
 
+def test_shared_prefixes_agree_with_a_model(backend):
+    """Prefixes many nodes share, tiers changing part-way, holders stopping at different depths,
+    holes, a restarted node's leftover rows and candidate filters: the runs of blocks with equal
+    holders that a lookup passes over without decoding, and every place such a run ends."""
+    rnd = random.Random(11)
+    nodes = [f"s{i:02d}" for i in range(20)]  # more than 16 holders: some buckets outgrow listpack
+    prefixes = [chain(48, f"shared-{p}") for p in range(3)]
+
+    async def body(ix):
+        model: dict[bytes, dict[str, TierName]] = {}
+        for n in nodes:
+            await ix.join(n, 1, LONG_TTL)
+        for n in nodes:
+            for prefix in rnd.sample(prefixes, rnd.randint(1, 3)):
+                depth = rnd.randint(1, len(prefix))
+                slower = sorted(rnd.sample(range(depth + 1), 2))  # GPU, then HOST, then DISK
+                blocks = [(k, GPU if i < slower[0] else HOST if i < slower[1] else DISK)
+                          for i, k in enumerate(prefix[:depth])]
+                for i in rnd.sample(range(depth), depth // 8):  # a few blocks faster than the ones before
+                    blocks[i] = (blocks[i][0], GPU)
+                if rnd.random() < 0.3:  # a hole part-way
+                    del blocks[rnd.randrange(len(blocks))]
+                rnd.shuffle(blocks)  # adds arrive in any order; equal holders must still encode equally
+                for i in range(0, len(blocks), 7):
+                    await ix.add(NS, n, 1, blocks[i : i + 7])
+                for key, tier in blocks:
+                    model.setdefault(key, {})[n] = tier
+        await ix.join("s03", 2, LONG_TTL)  # restarted: its rows stay in the values until swept
+        for holders in model.values():
+            holders.pop("s03", None)
+        for _ in range(40):
+            prefix = rnd.choice(prefixes)
+            keys = prefix[: rnd.randint(1, len(prefix))] + [rnd.randbytes(8)] * rnd.randint(0, 1)
+            assert await ix.lookup(NS, keys) == expected_lookup(model, keys)
+            wanted = rnd.sample(nodes, rnd.randint(1, 6))
+            sub = {k: {n: t for n, t in h.items() if n in wanted} for k, h in model.items()}
+            assert await ix.lookup(NS, keys, candidates=wanted) == expected_lookup(sub, keys)
+
+    run(backend, body)
+
+
 # ---- bad input ----------------------------------------------------------------------
 
 BAD_CALLS: dict[str, Callable[[PrefixIndex], Awaitable]] = {

@@ -36,7 +36,7 @@ the CRCs (C code, sent with the keys) and the field keeps them after the key,
 so no script hashes in Lua (~10 us a key there). The reverse index does not
 repeat block keys: it counts a holder's rows per bucket, so clearing a holder
 visits only the buckets it has rows in: O(its blocks), the constant being one
-bucket scan. Measured with 32-byte keys: ~55 bytes per block with one holder,
+bucket scan. Measured with 32-byte keys: ~52 bytes per block with one holder,
 ~4 more per extra holder (``tests/test_index_contract.py::test_bytes_per_entry``).
 
 Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as two
@@ -287,6 +287,7 @@ for j = 1, #ls / 2 do
   local h = ((b4 * 256 + b3) * 256 + b2) * 256 + b1
   local a = h % M
   if a < S then a = h % M2 end
+  -- bucket(a) and the field, inline: this loop is the lookup's cost
   local v = call('HGET', BK .. schar(97 + a % 26, 97 + floor(a / 26) % 26, 97 + floor(a / 676) % 26,
     97 + floor(a / 17576) % 26, 97 + floor(a / 456976)), ssub(fs, pos, e))
   pos = e + 1
@@ -1038,9 +1039,9 @@ class RedisIndex(PrefixIndex):
         if self._lane is not None:
             try:
                 return await self._lane.call(("EVALSHA", script.sha, 1, key, *args))
-            except (_Detour, rexc.NoScriptError, rexc.ConnectionError, OSError):
-                pass
-            except TimeoutError as err:
+            except (_Detour, rexc.NoScriptError, rexc.ConnectionError, rexc.TimeoutError, OSError):
+                pass  # rexc.TimeoutError here is a connect timeout: the ordinary path retries or reports it
+            except TimeoutError as err:  # the call's deadline
                 raise self._unavailable(err) from err
             except rexc.RedisError as err:
                 raise self._refused(script, err) from err
