@@ -228,6 +228,24 @@ def test_a_full_chain_of_max_blocks(backend):
 # ---- holders, remove, clear, leave ------------------------------------------------
 
 
+def test_keys_of_mixed_lengths_in_one_call(backend):
+    """A chain may mix key lengths (the 8-byte event form beside 32-byte hashes, client keys up
+    to the limit); every call takes such a chain in one batch."""
+    keys = [b"k", b"e" * 8, b"h" * 32, b"x" * 60, b"y" * 61, b"z" * 1024]
+
+    async def body(ix):
+        await join_all(ix, "a", "b")
+        await ix.add(NS, "a", 1, held(keys))
+        await ix.add(NS, "b", 1, [(k, DISK) for k in keys[:3]])
+        assert await ix.lookup(NS, keys) == [NodeMatch("a", 6, HOST), NodeMatch("b", 3, DISK)]
+        assert [[h.node_id for h in hs] for hs in await ix.holders(NS, keys)] == [["a", "b"]] * 3 + [["a"]] * 3
+        await ix.remove(NS, "a", 1, [keys[1], keys[4]])
+        assert await ix.lookup(NS, keys) == [NodeMatch("b", 3, DISK), NodeMatch("a", 1, HOST)]
+        assert [len(hs) for hs in await ix.holders(NS, keys)] == [2, 1, 2, 1, 0, 1]
+
+    run(backend, body)
+
+
 def test_holders_per_key(backend):
     k = chain(3)
 

@@ -172,20 +172,34 @@ local function bucket(a)
 end
 
 -- A block's field is its key then the key's CRC-32 (u32 little-endian), so a split needs
--- no hashing. A chain travels as two strings: key lengths (u16 little-endian) and the
--- fields end to end. Yields field, hash, index.
+-- no hashing. A chain travels as two strings: key lengths (u16 little-endian; just one
+-- when every key has that length, the common case) and the fields end to end.
+local function widths(ls, fs)  -- the chain's length, and its fields' width if they share one
+  if #ls == 2 then
+    local l1, l2 = sbyte(ls, 1, 2)
+    local w = l1 + 256 * l2 + 4
+    return #fs / w, w
+  end
+  return #ls / 2, nil
+end
 local function hash_at(f, e)  -- the CRC-32 in the 4 bytes that end at e
   local a, b, c, d = sbyte(f, e - 3, e)
   return ((d * 256 + c) * 256 + b) * 256 + a
 end
-local function chain(i)
+local function chain(i)  -- yields field, hash, index
   local ls, fs = ARGV[i], ARGV[i + 1]
-  local n, j, pos = #ls / 2, 0, 1
+  local n, w = widths(ls, fs)
+  local j, pos = 0, 1
   return function()
     j = j + 1
     if j > n then return nil end
-    local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
-    local e = pos + l1 + 256 * l2 + 3
+    local e
+    if w then
+      e = pos + w - 1
+    else
+      local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
+      e = pos + l1 + 256 * l2 + 3
+    end
     local f = ssub(fs, pos, e)
     pos = e + 1
     return f, hash_at(fs, e), j
@@ -277,12 +291,18 @@ if nc >= 0 then
   first = nc + 2
 end
 local ls, fs = ARGV[first], ARGV[first + 1]
+local n, w = widths(ls, fs)
 local M2, pos = 2 * M, 1
 local held, name, out = nil, {}, {}
 local prev, depth = nil, 0
-for j = 1, #ls / 2 do
-  local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
-  local e = pos + l1 + 256 * l2 + 3
+for j = 1, n do
+  local e
+  if w then
+    e = pos + w - 1
+  else
+    local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
+    e = pos + l1 + 256 * l2 + 3
+  end
   local b1, b2, b3, b4 = sbyte(fs, e - 3, e)
   local h = ((b4 * 256 + b3) * 256 + b2) * 256 + b1
   local a = h % M
@@ -1083,13 +1103,16 @@ class RedisIndex(PrefixIndex):
 
 
 def _chain(keys: list[bytes]) -> list[bytes]:
-    """Keys as the scripts read them: key lengths, then each key with its CRC-32 (the field it is
-    stored under); two arguments, not one per key."""
+    """Keys as the scripts read them: key lengths (one, when all keys have it), then each key with
+    its CRC-32 (the field it is stored under); two arguments, not one per key."""
+    crc32 = zlib.crc32
+    fields = b"".join([k + crc32(k).to_bytes(4, "little") for k in keys])
+    if min(map(len, keys)) == max(map(len, keys)):
+        return [len(keys[0]).to_bytes(2, "little"), fields]
     lengths = array("H", map(len, keys))
     if sys.byteorder == "big":
         lengths.byteswap()
-    crc32 = zlib.crc32
-    return [lengths.tobytes(), b"".join([k + crc32(k).to_bytes(4, "little") for k in keys])]
+    return [lengths.tobytes(), fields]
 
 
 def _ms(seconds: float) -> int:
