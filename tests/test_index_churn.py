@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import pytest
 
 from kvstore.block import TierName
-from kvstore.index.base import Holder, NodeInfo, NodeMatch, PrefixIndex, StaleEpoch
-from kvstore.index.memory import MemoryIndex, sort_matches
+from kvstore.index.base import Holder, NodeInfo, NodeMatch, PrefixIndex, StaleEpoch, sort_matches
+from kvstore.index.memory import MemoryIndex
 from test_index_contract import stored_rows, sweep_all  # the contract suite's white-box helpers
 
 SEED = 1729

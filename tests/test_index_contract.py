@@ -228,6 +228,24 @@ def test_a_full_chain_of_max_blocks(backend):
 # ---- holders, remove, clear, leave ------------------------------------------------
 
 
+def test_keys_of_mixed_lengths_in_one_call(backend):
+    """A chain may mix key lengths (the 8-byte event form beside 32-byte hashes, client keys up
+    to the limit); every call takes such a chain in one batch."""
+    keys = [b"k", b"e" * 8, b"h" * 32, b"x" * 60, b"y" * 61, b"z" * 1024]
+
+    async def body(ix):
+        await join_all(ix, "a", "b")
+        await ix.add(NS, "a", 1, held(keys))
+        await ix.add(NS, "b", 1, [(k, DISK) for k in keys[:3]])
+        assert await ix.lookup(NS, keys) == [NodeMatch("a", 6, HOST), NodeMatch("b", 3, DISK)]
+        assert [[h.node_id for h in hs] for hs in await ix.holders(NS, keys)] == [["a", "b"]] * 3 + [["a"]] * 3
+        await ix.remove(NS, "a", 1, [keys[1], keys[4]])
+        assert await ix.lookup(NS, keys) == [NodeMatch("b", 3, DISK), NodeMatch("a", 1, HOST)]
+        assert [len(hs) for hs in await ix.holders(NS, keys)] == [2, 1, 2, 1, 0, 1]
+
+    run(backend, body)
+
+
 def test_holders_per_key(backend):
     k = chain(3)
 
@@ -535,6 +553,47 @@ def test_many_blocks_and_holders_agree_with_a_model(backend):
     run(backend, body)
 
 
+def test_shared_prefixes_agree_with_a_model(backend):
+    """Prefixes many nodes share, tiers changing part-way, holders stopping at different depths,
+    holes, a restarted node's leftover rows and candidate filters: the runs of blocks with equal
+    holders that a lookup passes over without decoding, and every place such a run ends."""
+    rnd = random.Random(11)
+    nodes = [f"s{i:02d}" for i in range(20)]  # more than 16 holders: some buckets outgrow listpack
+    prefixes = [chain(48, f"shared-{p}") for p in range(3)]
+
+    async def body(ix):
+        model: dict[bytes, dict[str, TierName]] = {}
+        for n in nodes:
+            await ix.join(n, 1, LONG_TTL)
+        for n in nodes:
+            for prefix in rnd.sample(prefixes, rnd.randint(1, 3)):
+                depth = rnd.randint(1, len(prefix))
+                slower = sorted(rnd.sample(range(depth + 1), 2))  # GPU, then HOST, then DISK
+                blocks = [(k, GPU if i < slower[0] else HOST if i < slower[1] else DISK)
+                          for i, k in enumerate(prefix[:depth])]
+                for i in rnd.sample(range(depth), depth // 8):  # a few blocks faster than the ones before
+                    blocks[i] = (blocks[i][0], GPU)
+                if rnd.random() < 0.3:  # a hole part-way
+                    del blocks[rnd.randrange(len(blocks))]
+                rnd.shuffle(blocks)  # adds arrive in any order; equal holders must still encode equally
+                for i in range(0, len(blocks), 7):
+                    await ix.add(NS, n, 1, blocks[i : i + 7])
+                for key, tier in blocks:
+                    model.setdefault(key, {})[n] = tier
+        await ix.join("s03", 2, LONG_TTL)  # restarted: its rows stay in the values until swept
+        for holders in model.values():
+            holders.pop("s03", None)
+        for _ in range(40):
+            prefix = rnd.choice(prefixes)
+            keys = prefix[: rnd.randint(1, len(prefix))] + [rnd.randbytes(8)] * rnd.randint(0, 1)
+            assert await ix.lookup(NS, keys) == expected_lookup(model, keys)
+            wanted = rnd.sample(nodes, rnd.randint(1, 6))
+            sub = {k: {n: t for n, t in h.items() if n in wanted} for k, h in model.items()}
+            assert await ix.lookup(NS, keys, candidates=wanted) == expected_lookup(sub, keys)
+
+    run(backend, body)
+
+
 # ---- bad input ----------------------------------------------------------------------
 
 BAD_CALLS: dict[str, Callable[[PrefixIndex], Awaitable]] = {
@@ -601,6 +660,62 @@ def test_unreachable_redis_is_index_unavailable(scheme):
     asyncio.run(body())
 
 
+def test_a_server_that_stops_answering_is_index_unavailable():
+    """Reads have a deadline even where they skip redis-py's socket timeout (the read lane)."""
+    from kvstore.index.redis import RedisIndex
+
+    async def body():
+        accepted = []
+
+        async def silent(reader, writer):  # accepts, reads, never answers
+            accepted.append(writer)
+            await reader.read(1 << 16)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ix = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, retries=0)
+        try:
+            for call in (ix.lookup(NS, [b"k"]), ix.holders(NS, [b"k"])):
+                with pytest.raises(IndexUnavailable):
+                    await asyncio.wait_for(call, WAIT_LIMIT_S)  # a hang fails the test instead of stalling it
+        finally:
+            await ix.close()
+            for w in accepted:
+                w.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(body())
+
+
+def test_reads_survive_killed_connections(redis_url, request):
+    """A read whose connection the server closed (restart, CLIENT KILL, a proxy's idle cut)
+    reconnects and answers instead of failing."""
+    import redis as sync_redis
+
+    from kvstore.index.redis import RedisIndex
+
+    k = chain(4)
+
+    async def body():
+        ix = RedisIndex.from_url(redis_url, prefix=_prefix(request))
+        try:
+            await join_all(ix, "a")
+            await ix.add(NS, "a", 1, held(k))
+            for _ in range(3):
+                assert await ix.lookup(NS, k) == [NodeMatch("a", 4, HOST)]
+                assert [len(h) for h in await ix.holders(NS, k)] == [1, 1, 1, 1]
+                with sync_redis.Redis.from_url(redis_url) as r:  # this index's connections: their last command was a script
+                    ours = [c["id"] for c in r.client_list() if c["cmd"] == "evalsha"]
+                    assert ours
+                    for client_id in ours:
+                        r.client_kill_filter(_id=client_id)
+        finally:
+            await ix.close()
+
+    asyncio.run(body())
+
+
 def test_from_url_rejects_other_schemes():
     from kvstore.index.redis import RedisIndex
 
@@ -617,7 +732,9 @@ def redis_backend(request) -> Backend:
     return Backend(request.param, lambda: RedisIndex.from_url(url, prefix=prefix), asyncio.sleep, url)
 
 
-def test_lookup_and_holders_are_one_round_trip(redis_backend):
+def test_lookup_and_holders_are_one_round_trip(redis_backend, monkeypatch):
+    from redis.asyncio.connection import Connection
+
     k = chain(64)
 
     async def body(ix):
@@ -627,13 +744,14 @@ def test_lookup_and_holders_are_one_round_trip(redis_backend):
         await ix.lookup(NS, k)
         await ix.holders(NS, k)  # scripts are cached now
         sent = []
-        original = ix._redis.execute_command
+        original = Connection.send_packed_command
 
-        async def counting(*args, **options):
-            sent.append(args[0])
-            return await original(*args, **options)
+        async def counting(self, command, check_health=True):  # every connection, pooled or not
+            packed = b"".join(command) if isinstance(command, list) else command
+            sent.append(packed.split(b"\r\n", 3)[2].decode())  # *N, $len, then the command's name
+            return await original(self, command, check_health)
 
-        ix._redis.execute_command = counting
+        monkeypatch.setattr(Connection, "send_packed_command", counting)
         assert await ix.lookup(NS, k, candidates=["a", "b"]) == [NodeMatch("a", 64, HOST), NodeMatch("b", 10, HOST)]
         assert len(await ix.holders(NS, k)) == 64
         assert sent == ["EVALSHA", "EVALSHA"]

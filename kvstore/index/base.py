@@ -12,7 +12,9 @@ Two implementations pass one contract suite (``tests/test_index_contract.py``):
 and :class:`~kvstore.index.redis.RedisIndex` (single node or Cluster).
 
 Keys are bytes (a 32-byte vLLM hash, its 8-byte event form, or any client
-key); a namespace isolates tenants and models as in the store.
+key); a namespace isolates tenants and models as in the store. Every backend
+checks its input with the ``check_*`` functions at the bottom of this module,
+so each refuses the same calls with the same messages.
 
 Errors (in :mod:`kvstore.errors`, re-exported here)::
 
@@ -25,15 +27,19 @@ Errors (in :mod:`kvstore.errors`, re-exported here)::
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.block import TierName
-from kvstore.errors import IndexUnavailable, PrefixIndexError, StaleEpoch
+from kvstore.block import MAX_KEY_BYTES, TierName, validate_key
+from kvstore.errors import IndexUnavailable, InvalidArgument, PrefixIndexError, StaleEpoch
 
 __all__ = ["Holder", "IndexUnavailable", "NodeInfo", "NodeMatch", "PrefixIndex", "PrefixIndexError", "StaleEpoch"]
 
-MAX_CHAIN_BLOCKS = 4096
+MAX_CHAIN_BLOCKS = 4096  # keys, blocks or candidates in one call
+MAX_NODE_ID_CHARS = 256
+MAX_EPOCH = (1 << 63) - 1
+MAX_TTL_S = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +114,71 @@ class PrefixIndex(abc.ABC):
 
     async def close(self) -> None:
         """Release connections."""
+
+
+# ---- what every backend shares: input checks and the order of answers ------------
+
+
+def sort_matches(matches: Iterable[NodeMatch]) -> list[NodeMatch]:
+    """Longest prefix first; node id breaks ties so answers are deterministic."""
+    return sorted(matches, key=lambda m: (-m.blocks, m.node_id))
+
+
+def check_node_id(node_id: str) -> str:
+    if not isinstance(node_id, str) or not node_id:
+        raise InvalidArgument("node id must be a non-empty string (the daemon's node_id)")
+    if len(node_id) > MAX_NODE_ID_CHARS:
+        raise InvalidArgument(f"node id is {len(node_id)} characters; the limit is {MAX_NODE_ID_CHARS}")
+    return node_id
+
+
+def check_node(node_id: str, epoch: int) -> None:
+    check_node_id(node_id)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidArgument(f"epoch must be an integer from 0 to 2**63-1, not {epoch!r}")
+
+
+def check_ttl(ttl_s: float) -> None:
+    if not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
+        raise InvalidArgument(f"ttl_s must be a number of seconds above 0 and at most {MAX_TTL_S:g}, not {ttl_s!r}")
+
+
+def check_budget(max_entries: int) -> None:
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+        raise InvalidArgument(f"max_entries must be a positive integer, not {max_entries!r}")
+
+
+def check_keys(keys: Sequence[bytes], *, allow_empty: bool = False) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise InvalidArgument("pass a sequence of keys, not a single key")
+    if not keys and not allow_empty:
+        raise InvalidArgument("the chain is empty: pass at least one block key")
+    if len(keys) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{len(keys)} keys in one call; the limit is {MAX_CHAIN_BLOCKS}: split the batch")
+    # Lookups are the hot path: a chain of plain, valid bytes passes in C-speed passes, not a call a key.
+    if set(map(type, keys)) == {bytes} and min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES:
+        return list(keys)
+    return [validate_key(k) for k in keys]
+
+
+def check_blocks(blocks: Sequence[tuple[bytes, TierName]]) -> list[tuple[bytes, TierName]]:
+    if len(blocks) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{len(blocks)} blocks in one call; the limit is {MAX_CHAIN_BLOCKS}: split the batch")
+    out = []
+    for key, tier in blocks:
+        try:
+            tier = TierName(tier)
+        except ValueError:
+            raise InvalidArgument(f"tier {tier!r} is not one of {[t.label for t in TierName]}") from None
+        out.append((validate_key(key), tier))
+    return out
+
+
+def check_candidates(candidates: Sequence[str] | None) -> frozenset[str] | None:
+    if candidates is None:
+        return None
+    if isinstance(candidates, str):
+        raise InvalidArgument("candidates must be a sequence of node ids, not one string")
+    if len(candidates) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{len(candidates)} candidates; the limit is {MAX_CHAIN_BLOCKS}")
+    return frozenset(check_node_id(c) for c in candidates)

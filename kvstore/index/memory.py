@@ -20,24 +20,30 @@ once while its rows wait for :meth:`MemoryIndex.sweep`. Membership rules
 - ``leave`` forgets the node and deletes its rows at once.
 
 Time comes from an injectable monotonic clock so tests can move it.
-
-The input checks at the bottom are shared by every backend.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.block import TierName, validate_key, validate_namespace
-from kvstore.errors import InvalidArgument, StaleEpoch
-from kvstore.index.base import MAX_CHAIN_BLOCKS, Holder, NodeInfo, NodeMatch, PrefixIndex
-
-MAX_NODE_ID_CHARS = 256
-MAX_EPOCH = (1 << 63) - 1
-MAX_TTL_S = 86400.0
+from kvstore.block import TierName, validate_namespace
+from kvstore.errors import StaleEpoch
+from kvstore.index.base import (
+    Holder,
+    NodeInfo,
+    NodeMatch,
+    PrefixIndex,
+    check_blocks,
+    check_budget,
+    check_candidates,
+    check_keys,
+    check_node,
+    check_node_id,
+    check_ttl,
+    sort_matches,
+)
 
 
 @dataclass(slots=True)
@@ -244,68 +250,3 @@ def _older(node_id: str, epoch: int, current: int) -> str:
 
 def _expired(node_id: str) -> str:
     return f"node {node_id!r} missed its heartbeats and expired: join again and re-add its blocks"
-
-
-def sort_matches(matches: Iterable[NodeMatch]) -> list[NodeMatch]:
-    """Longest prefix first; node id breaks ties so answers are deterministic."""
-    return sorted(matches, key=lambda m: (-m.blocks, m.node_id))
-
-
-# ---- input checks shared by the backends ----------------------------------------
-
-
-def check_node_id(node_id: str) -> str:
-    if not isinstance(node_id, str) or not node_id:
-        raise InvalidArgument("node id must be a non-empty string (the daemon's node_id)")
-    if len(node_id) > MAX_NODE_ID_CHARS:
-        raise InvalidArgument(f"node id is {len(node_id)} characters; the limit is {MAX_NODE_ID_CHARS}")
-    return node_id
-
-
-def check_node(node_id: str, epoch: int) -> None:
-    check_node_id(node_id)
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
-        raise InvalidArgument(f"epoch must be an integer from 0 to 2**63-1, not {epoch!r}")
-
-
-def check_ttl(ttl_s: float) -> None:
-    if not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
-        raise InvalidArgument(f"ttl_s must be a number of seconds above 0 and at most {MAX_TTL_S:g}, not {ttl_s!r}")
-
-
-def check_budget(max_entries: int) -> None:
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-        raise InvalidArgument(f"max_entries must be a positive integer, not {max_entries!r}")
-
-
-def check_keys(keys: Sequence[bytes], *, allow_empty: bool = False) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, str)):
-        raise InvalidArgument("pass a sequence of keys, not a single key")
-    if not keys and not allow_empty:
-        raise InvalidArgument("the chain is empty: pass at least one block key")
-    if len(keys) > MAX_CHAIN_BLOCKS:
-        raise InvalidArgument(f"{len(keys)} keys in one call; the limit is {MAX_CHAIN_BLOCKS}: split the batch")
-    return [validate_key(k) for k in keys]
-
-
-def check_blocks(blocks: Sequence[tuple[bytes, TierName]]) -> list[tuple[bytes, TierName]]:
-    if len(blocks) > MAX_CHAIN_BLOCKS:
-        raise InvalidArgument(f"{len(blocks)} blocks in one call; the limit is {MAX_CHAIN_BLOCKS}: split the batch")
-    out = []
-    for key, tier in blocks:
-        try:
-            tier = TierName(tier)
-        except ValueError:
-            raise InvalidArgument(f"tier {tier!r} is not one of {[t.label for t in TierName]}") from None
-        out.append((validate_key(key), tier))
-    return out
-
-
-def check_candidates(candidates: Sequence[str] | None) -> frozenset[str] | None:
-    if candidates is None:
-        return None
-    if isinstance(candidates, str):
-        raise InvalidArgument("candidates must be a sequence of node ids, not one string")
-    if len(candidates) > MAX_CHAIN_BLOCKS:
-        raise InvalidArgument(f"{len(candidates)} candidates; the limit is {MAX_CHAIN_BLOCKS}")
-    return frozenset(check_node_id(c) for c in candidates)

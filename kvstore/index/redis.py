@@ -12,7 +12,7 @@ Lua script sees them all in one Cluster slot; node membership lives under
 
     {p:ns}:meta        hash   M, S (linear-hashing level and split pointer),
                               N (blocks), seq (last holder id)
-    {p:ns}:b:<n>       hash   bucket n: block key -> its CRC-32 (4 bytes), then 4 bytes a holder
+    {p:ns}:b:<n>       hash   bucket n (five letters): block key + its CRC-32 -> 4 bytes a holder
     {p:ns}:m           hash   node id -> "<holder id> <incarnation>" ("0 <inc>": inc ended)
     {p:ns}:i           hash   holder id -> "<epoch> <incarnation> <deadline ms> <node id>"
     {p:ns}:dead        set    holder ids whose rows wait for the sweep
@@ -29,18 +29,31 @@ Why this shape. A Redis key costs ~80 bytes before its value, so one key
 per block cannot meet ~100 bytes per (block, holder). Blocks are therefore
 fields of bucket hashes small enough to stay listpack-encoded (a packed
 array, no per-field pointers), and a holder is a 4-byte record
-(``holder id << 3 | tier``) appended to the field's value. Buckets split one
-at a time by linear hashing on the key's CRC-32, keeping ~``LOAD`` blocks a
-bucket at any size without a rehash pause. Clients compute the CRCs (C code,
-sent with the keys) and the value keeps them, so no script hashes in Lua
-(~10 us a key there). The reverse index does not repeat block keys: it counts
-a holder's rows per bucket, so clearing a holder visits only the buckets it
-has rows in: O(its blocks), the constant being one bucket scan. Measured with
-32-byte keys: ~55 bytes per block with one holder, ~4 more per extra holder
-(``tests/test_index_contract.py::test_bytes_per_entry``).
+(``holder id << 3 | tier``) in the field's value, the records sorted by holder
+id. Buckets split one at a time by linear hashing on the key's CRC-32, keeping
+~``LOAD`` blocks a bucket at any size without a rehash pause. Clients compute
+the CRCs (C code, sent with the keys) and the field keeps them after the key,
+so no script hashes in Lua (~10 us a key there). The reverse index does not
+repeat block keys: it counts a holder's rows per bucket, so clearing a holder
+visits only the buckets it has rows in: O(its blocks), the constant being one
+bucket scan. Measured with 32-byte keys: ~52 bytes per block with one holder,
+~4 more per extra holder (``tests/test_index_contract.py::test_bytes_per_entry``).
 
-Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as three
-arguments (CRCs, lengths, keys end to end), not one per key.
+Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as two
+arguments (key lengths, then the fields end to end), not one per key. What a
+lookup costs, and why it is shaped so:
+
+- one HGET a block until the first miss (~2-3 us a block inside Lua, most of
+  a lookup's server time; nothing cheaper reads a field of a compact bucket);
+- sorted records make a block's value a canonical encoding of its holders
+  and their tiers, so along a prefix that 25 nodes share the walk compares
+  each value with the previous one (one string comparison: Lua strings are
+  interned) and decodes only where holders or tiers change: O(nodes) per
+  change instead of O(holders x blocks);
+- the first block's holders are checked for liveness in one HMGET;
+- bucket names are letters, not decimal (Lua's number formatting is
+  sprintf), and the read scripts go through a small lane of connections
+  that skips redis-py's per-command machinery (:class:`_ReadLane`).
 
 A *holder id* names one node incarnation in one namespace. Answers count a
 record only if its holder id is listed in ``{p:ns}:i`` with a deadline in the
@@ -59,13 +72,19 @@ only of holder ids retired by ``leave``, ``clear``, a newer incarnation, or an
 expiry ``{p}:nodes`` saw; a mirror that lapses a moment early (its refresh
 still in flight) costs a brief false miss, never a deleted row.
 
-Limits: block keys and values over ``hash-max-listpack-value`` (64 bytes by
-default: keys longer than 64 bytes, or blocks with more than 15 holders) turn
+Limits: fields and values over ``hash-max-listpack-value`` (64 bytes by
+default: keys longer than 60 bytes, or blocks with more than 16 holders) turn
 their bucket into a plain hash table, correct but several times larger; a
 namespace lives on one Cluster shard; holder ids are 29 bits per namespace
 (one per node incarnation or clear); the ``m`` tombstone of a node that left
 stays (a few dozen bytes) so that a late write of it is refused; buckets
-never merge when a namespace shrinks (an emptied bucket costs nothing).
+never merge when a namespace shrinks (an emptied bucket costs nothing); a
+namespace stops splitting at ``MAX_BUCKETS`` buckets (~475M blocks).
+
+This layout replaced one whose values began with the CRC and whose records
+were unsorted; an index written by that version is not readable by this one
+(when upgrading, flush the index's keys or use a new ``prefix``, and restart
+the daemons so that they publish what they hold again).
 """
 
 from __future__ import annotations
@@ -88,8 +107,12 @@ from redis.backoff import ExponentialBackoff
 
 from kvstore.block import TierName, validate_namespace
 from kvstore.errors import InvalidArgument, PrefixIndexError, StaleEpoch
-from kvstore.index.base import Holder, IndexUnavailable, NodeInfo, NodeMatch, PrefixIndex
-from kvstore.index.memory import (
+from kvstore.index.base import (
+    Holder,
+    IndexUnavailable,
+    NodeInfo,
+    NodeMatch,
+    PrefixIndex,
     check_blocks,
     check_budget,
     check_candidates,
@@ -97,12 +120,14 @@ from kvstore.index.memory import (
     check_node,
     check_node_id,
     check_ttl,
-    sort_matches,
 )
 
 log = logging.getLogger(__name__)
 
 LOAD = 40  # blocks per bucket on average; buckets stay under listpack's 128 entries
+LANE_CONNECTIONS = 4  # read-lane connections a single-server index keeps; more concurrent reads use the pool
+LANE_TIMEOUT_S = 5.0  # a lane call's deadline when the client sets no socket timeout
+MAX_BUCKETS = 26**5  # bucket names have five letters; past ~475M blocks a namespace's buckets grow instead
 PURGE_BATCH = 4096  # rows one script deletes for leave/clear (each call is short; Redis stays responsive)
 REAP_BATCH = 64  # ended incarnations retired per sweep call
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -122,11 +147,11 @@ end
 """
 
 _NS = _COMMON + r"""
-local sbyte, ssub, floor = string.byte, string.sub, math.floor
+local sbyte, ssub, schar, floor = string.byte, string.sub, string.char, math.floor
 local META = KEYS[1]
 local BASE = ssub(META, 1, -5)
 local MK, IK, DEAD, BK = BASE .. 'm', BASE .. 'i', BASE .. 'dead', BASE .. 'b:'
-local LOAD = @LOAD@
+local LOAD, MAX_BUCKETS = @LOAD@, @MAX_BUCKETS@
 local M, S, NOW = 1, 0, 0
 
 local function load_meta()
@@ -139,26 +164,51 @@ local function addr(h)
   if a < S then a = h % (2 * M) end
   return a
 end
+-- Bucket a's key: a in five base-26 digits 'a'..'z', least significant first. Letters, not
+-- decimal: Lua formats a number into a string with sprintf, several times slower than this.
+local function bucket(a)
+  return BK .. schar(97 + a % 26, 97 + floor(a / 26) % 26, 97 + floor(a / 676) % 26,
+    97 + floor(a / 17576) % 26, 97 + floor(a / 456976))
+end
 
--- A chain of keys travels as three strings: bucket hashes (CRC-32, u32 little-endian),
--- lengths (u16 little-endian) and the keys end to end. Yields key, hash, index.
-local function chain(i)
-  local hs, ls, ks = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local n, j, pos = #ls / 2, 0, 1
+-- A block's field is its key then the key's CRC-32 (u32 little-endian), so a split needs
+-- no hashing. A chain travels as two strings: key lengths (u16 little-endian; just one
+-- when every key has that length, the common case) and the fields end to end.
+local function widths(ls, fs)  -- the chain's length, and its fields' width if they share one
+  if #ls == 2 then
+    local l1, l2 = sbyte(ls, 1, 2)
+    local w = l1 + 256 * l2 + 4
+    return #fs / w, w
+  end
+  return #ls / 2, nil
+end
+local function hash_at(f, e)  -- the CRC-32 in the 4 bytes that end at e
+  local a, b, c, d = sbyte(f, e - 3, e)
+  return ((d * 256 + c) * 256 + b) * 256 + a
+end
+local function chain(i)  -- yields field, hash, index
+  local ls, fs = ARGV[i], ARGV[i + 1]
+  local n, w = widths(ls, fs)
+  local j, pos = 0, 1
   return function()
     j = j + 1
     if j > n then return nil end
-    local a, b, c, d = sbyte(hs, 4 * j - 3, 4 * j)
-    local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
-    local len = l1 + 256 * l2
-    local k = ssub(ks, pos, pos + len - 1)
-    pos = pos + len
-    return k, ((d * 256 + c) * 256 + b) * 256 + a, j
+    local e
+    if w then
+      e = pos + w - 1
+    else
+      local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
+      e = pos + l1 + 256 * l2 + 3
+    end
+    local f = ssub(fs, pos, e)
+    pos = e + 1
+    return f, hash_at(fs, e), j
   end
 end
 
--- A block's value: its 4 hash bytes (so a split needs no hashing), then one 4-byte
--- record per holder: big-endian holder id * 8 + tier.
+-- A block's value: one 4-byte record per holder, big-endian holder id * 8 + tier, sorted
+-- by holder id. Sorted, two blocks with the same holders in the same tiers have equal
+-- values, which a lookup compares without decoding them.
 local function rec(lid, tier)
   local x = lid * 8 + tier
   return string.char(floor(x / 16777216), floor(x / 65536) % 256, floor(x / 256) % 256, x % 256)
@@ -168,10 +218,16 @@ local function rec_at(v, p)
   local x = ((a * 256 + b) * 256 + c) * 256 + d
   return floor(x / 8), x % 8
 end
-local function find(v, lid)
-  for p = 5, #v, 4 do
-    if rec_at(v, p) == lid then return p end
+local function place(v, lid)  -- where holder lid's record is (true) or goes (false)
+  for p = 1, #v, 4 do
+    local l = rec_at(v, p)
+    if l >= lid then return p, l == lid end
   end
+  return #v + 1, false
+end
+local function find(v, lid)
+  local p, here = place(v, lid)
+  if here then return p end
   return nil
 end
 
@@ -213,11 +269,18 @@ local function live(lid)  -- {node, epoch} if holder lid is current and alive, e
   end
   return c
 end
-""".replace("@LOAD@", str(LOAD))
+""".replace("@LOAD@", str(LOAD)).replace("@MAX_BUCKETS@", str(MAX_BUCKETS))
 
-# ARGV: number of candidates (-1: any node), the candidates, the chain (3 strings).
+# ARGV: number of candidates (-1: any node), the candidates, the chain (2 strings).
 # Returns node, blocks, tier, ... for every live node holding the chain's first block.
+#
+# The walk keeps the holders of every block so far (holder id -> slowest tier); each
+# holds exactly ``depth`` leading blocks, so a block with the previous block's value
+# (same holders, same tiers: the common case along a shared prefix) only moves depth
+# on. A value that differs is decoded against that set alone, and the first block's
+# holders are checked for liveness in one HMGET, not one call a holder.
 _LOOKUP = _NS + r"""
+local call = redis.call
 NOW = now_ms()
 load_meta()
 local nc = tonumber(ARGV[1])
@@ -227,58 +290,105 @@ if nc >= 0 then
   for j = 2, nc + 1 do cand[ARGV[j]] = true end
   first = nc + 2
 end
-local count, tier, order = {}, {}, {}
-local depth = 0
-for k, h in chain(first) do
-  local v = redis.call('HGET', BK .. addr(h), k)
+local ls, fs = ARGV[first], ARGV[first + 1]
+local n, w = widths(ls, fs)
+local M2, pos = 2 * M, 1
+local held, name, out = nil, {}, {}
+local prev, depth = nil, 0
+for j = 1, n do
+  local e
+  if w then
+    e = pos + w - 1
+  else
+    local l1, l2 = sbyte(ls, 2 * j - 1, 2 * j)
+    e = pos + l1 + 256 * l2 + 3
+  end
+  local b1, b2, b3, b4 = sbyte(fs, e - 3, e)
+  local h = ((b4 * 256 + b3) * 256 + b2) * 256 + b1
+  local a = h % M
+  if a < S then a = h % M2 end
+  -- bucket(a) and the field, inline: this loop is the lookup's cost
+  local v = call('HGET', BK .. schar(97 + a % 26, 97 + floor(a / 26) % 26, 97 + floor(a / 676) % 26,
+    97 + floor(a / 17576) % 26, 97 + floor(a / 456976)), ssub(fs, pos, e))
+  pos = e + 1
   if not v then break end
-  local grew = false
-  for p = 5, #v, 4 do
-    local lid, t = rec_at(v, p)
-    local who = live(lid)
-    if who and (cand == nil or cand[who[1]]) then
-      local node = who[1]
-      if (count[node] or 0) == depth then
-        if depth == 0 then
-          order[#order + 1] = node
-          tier[node] = t
-        elseif t > tier[node] then
-          tier[node] = t
+  if v ~= prev then
+    prev = v
+    local nxt, any = {}, false
+    if held == nil then
+      local ids, ts = {}, {}
+      for p = 1, #v, 4 do
+        ids[#ids + 1], ts[#ts + 1] = rec_at(v, p)
+      end
+      for q0 = 1, #ids, 1000 do  -- unpack stays far below Lua's C stack limit
+        local q1 = math.min(q0 + 999, #ids)
+        local rows = call('HMGET', IK, unpack(ids, q0, q1))
+        for q = q0, q1 do
+          local r = rows[q - q0 + 1]
+          if r then
+            local d, node = string.match(r, '^%d+ %d+ (%d+) (.*)$')
+            if tonumber(d) > NOW and (cand == nil or cand[node]) then
+              nxt[ids[q]] = ts[q]
+              name[ids[q]] = node
+              any = true
+            end
+          end
         end
-        count[node] = depth + 1
-        grew = true
+      end
+    else
+      for p = 1, #v, 4 do
+        local r1, r2, r3, r4 = sbyte(v, p, p + 3)
+        local t0 = held[((r1 * 256 + r2) * 256 + r3) * 32 + floor(r4 / 8)]
+        if t0 then
+          local t = r4 % 8
+          if t < t0 then t = t0 end
+          nxt[((r1 * 256 + r2) * 256 + r3) * 32 + floor(r4 / 8)] = t
+          any = true
+        end
+      end
+      for lid, t in pairs(held) do  -- holders of every block so far that lack this one
+        if not nxt[lid] then
+          out[#out + 1] = name[lid]
+          out[#out + 1] = depth
+          out[#out + 1] = t
+        end
       end
     end
+    held = nxt
+    if not any then break end  -- no node that holds every block so far holds this one
   end
-  if not grew then break end  -- no node that holds every block so far holds this one
-  depth = depth + 1
+  depth = j
 end
-local out = {}
-for _, node in ipairs(order) do
-  out[#out + 1] = node
-  out[#out + 1] = count[node]
-  out[#out + 1] = tier[node]
+for lid, t in pairs(held or {}) do
+  out[#out + 1] = name[lid]
+  out[#out + 1] = depth
+  out[#out + 1] = t
 end
 return out
 """
 
-# ARGV: the chain (3 strings). Returns per key {node, tier, epoch, ...}.
+# ARGV: the chain (2 strings). Returns per key {node, tier, epoch, ...}.
 _HOLDERS = _NS + r"""
 NOW = now_ms()
 load_meta()
-local out = {}
-for k, h, j in chain(1) do
-  local v = redis.call('HGET', BK .. addr(h), k)
+local out, seen = {}, {}
+for f, h, j in chain(1) do
+  local v = redis.call('HGET', bucket(addr(h)), f)
   local hs = {}
   if v then
-    for p = 5, #v, 4 do
-      local lid, t = rec_at(v, p)
-      local who = live(lid)
-      if who then
-        hs[#hs + 1] = who[1]
-        hs[#hs + 1] = t
-        hs[#hs + 1] = who[2]
+    hs = seen[v]  -- equal values, equal answers (a shared prefix is decoded once)
+    if not hs then
+      hs = {}
+      for p = 1, #v, 4 do
+        local lid, t = rec_at(v, p)
+        local who = live(lid)
+        if who then
+          hs[#hs + 1] = who[1]
+          hs[#hs + 1] = t
+          hs[#hs + 1] = who[2]
+        end
       end
+      seen[v] = hs
     end
   end
   out[j] = hs
@@ -287,23 +397,22 @@ return out
 """
 
 # ARGV: op ('add' | 'del'), node, epoch, incarnation to bind ('' = trust the mirror), its ms
-# left, the chain (3 strings), and for 'add' one tier byte per key.
+# left, the chain (2 strings), and for 'add' one tier byte per key.
 _WRITE = _NS + r"""
 local function hset_all(key, fv)
   for j = 1, #fv, 200 do redis.call('HSET', key, unpack(fv, j, math.min(j + 199, #fv))) end
 end
 local function split()  -- linear hashing: bucket S splits into S and S + M
   local a0, a1 = S, S + M
-  local k0 = BK .. a0
+  local k0 = bucket(a0)
   local all = redis.call('HGETALL', k0)
   local keep, move, moved = {}, {}, {}
   for j = 1, #all, 2 do
     local f, v = all[j], all[j + 1]
-    local a, b, c, d = sbyte(v, 1, 4)
-    if (((d * 256 + c) * 256 + b) * 256 + a) % (2 * M) == a1 then
+    if hash_at(f, #f) % (2 * M) == a1 then
       move[#move + 1] = f
       move[#move + 1] = v
-      for p = 5, #v, 4 do
+      for p = 1, #v, 4 do
         local lid = rec_at(v, p)
         moved[lid] = (moved[lid] or 0) + 1
       end
@@ -315,7 +424,7 @@ local function split()  -- linear hashing: bucket S splits into S and S + M
   if #move > 0 then
     redis.call('DEL', k0)  -- rewritten whole, so a bucket that outgrew listpack gets compact again
     hset_all(k0, keep)
-    hset_all(BK .. a1, move)
+    hset_all(bucket(a1), move)
     for lid, n in pairs(moved) do
       rev(lid, a0, -n)
       rev(lid, a1, n)
@@ -364,23 +473,23 @@ end
 
 local fields = 0
 if op == 'add' then
-  local hashes, tiers = ARGV[6], ARGV[9]
-  for k, h, j in chain(6) do
+  local tiers = ARGV[8]
+  for f, h, j in chain(6) do
     local a = addr(h)
-    local bk = BK .. a
+    local bk = bucket(a)
     local r = rec(lid, sbyte(tiers, j))
-    local v = redis.call('HGET', bk, k)
+    local v = redis.call('HGET', bk, f)
     if not v then
-      redis.call('HSET', bk, k, ssub(hashes, 4 * j - 3, 4 * j) .. r)
+      redis.call('HSET', bk, f, r)
       rev(lid, a, 1)
       fields = fields + 1
     else
-      local p = find(v, lid)
-      if not p then
-        redis.call('HSET', bk, k, v .. r)
+      local p, here = place(v, lid)
+      if not here then
+        redis.call('HSET', bk, f, ssub(v, 1, p - 1) .. r .. ssub(v, p))
         rev(lid, a, 1)
       elseif ssub(v, p, p + 3) ~= r then
-        redis.call('HSET', bk, k, ssub(v, 1, p - 1) .. r .. ssub(v, p + 4))
+        redis.call('HSET', bk, f, ssub(v, 1, p - 1) .. r .. ssub(v, p + 4))
       end
     end
   end
@@ -388,24 +497,24 @@ if op == 'add' then
     local total = redis.call('HINCRBY', META, 'N', fields)
     local budget = floor(fields / LOAD) + 2
     local m0, s0 = M, S
-    while total > LOAD * (M + S) and budget > 0 do
+    while total > LOAD * (M + S) and budget > 0 and M + S < MAX_BUCKETS do
       split()
       budget = budget - 1
     end
     if M ~= m0 or S ~= s0 then redis.call('HSET', META, 'M', M, 'S', S) end
   end
 else
-  for k, h in chain(6) do
+  for f, h in chain(6) do
     local a = addr(h)
-    local bk = BK .. a
-    local v = redis.call('HGET', bk, k)
+    local bk = bucket(a)
+    local v = redis.call('HGET', bk, f)
     local p = v and find(v, lid)
     if p then
-      if #v == 8 then
-        redis.call('HDEL', bk, k)
+      if #v == 4 then
+        redis.call('HDEL', bk, f)
         fields = fields + 1
       else
-        redis.call('HSET', bk, k, ssub(v, 1, p - 1) .. ssub(v, p + 4))
+        redis.call('HSET', bk, f, ssub(v, 1, p - 1) .. ssub(v, p + 4))
       end
       rev(lid, a, -1)
     end
@@ -458,7 +567,7 @@ for _, ls in ipairs(lids) do
     local ents = redis.call('HGETALL', rk)
     for j = 1, #ents, 2 do
       if deleted >= budget then break end
-      local bk = BK .. (tonumber(c) * 128 + tonumber(ents[j]))
+      local bk = bucket(tonumber(c) * 128 + tonumber(ents[j]))
       local all = redis.call('HGETALL', bk)
       local n, whole = 0, true
       for q = 1, #all, 2 do
@@ -469,7 +578,7 @@ for _, ls in ipairs(lids) do
             whole = false
             break
           end
-          if #v == 8 then
+          if #v == 4 then
             redis.call('HDEL', bk, all[q])
             fields = fields + 1
           else
@@ -654,6 +763,62 @@ _UNAVAILABLE = (
     rexc.RedisClusterException,  # no reachable startup node, slot not covered
 )
 _BUSY = ("BUSY", "LOADING", "MASTERDOWN")  # replies of a server that is there but cannot serve yet
+_TIERS = {int(t): t for t in TierName}
+
+
+class _Detour(Exception):
+    """The read lane cannot take this call; the ordinary path must."""
+
+
+class _ReadLane:
+    """A few connections kept out of redis-py's pool for the read scripts (lookup, holders) of
+    a single server.
+
+    Why: redis-py's per-command path (a pool checkout and return, a retry wrapper, an
+    asyncio Task per send to apply the socket timeout, a timer per read) costs ~60 us here,
+    a sixth of a 64-block lookup. A lane connection sends the packed command and reads the
+    reply itself under one deadline for the whole call. What the lane does not handle (all
+    its connections busy, NOSCRIPT, a broken connection) goes the ordinary way, with its
+    retries and reconnects; a Cluster client has no lane (it routes by slot).
+    """
+
+    def __init__(self, pool: Any, timeout_s: float, size: int) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._size = size
+        self._idle: list[Any] = []
+        self._busy = 0
+
+    async def call(self, command: tuple) -> Any:
+        if self._idle:
+            conn = self._idle.pop()
+        elif self._busy < self._size:
+            # the pool's own settings (address, TLS, credentials, db), minus the socket timeout
+            # whose per-send Task is what the lane avoids: the call's deadline replaces it
+            conn = self._pool.connection_class(**{**self._pool.connection_kwargs, "socket_timeout": None})
+        else:
+            raise _Detour
+        self._busy += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await conn.send_packed_command(conn.pack_command(*command), check_health=False)
+                reply = await conn.read_response()
+        except rexc.ResponseError:  # the reply was read whole: the connection is fine
+            self._busy -= 1
+            self._idle.append(conn)
+            raise
+        except BaseException:  # broken, timed out or cancelled part-way: never reuse
+            self._busy -= 1
+            await conn.disconnect(nowait=True)
+            raise
+        self._busy -= 1
+        self._idle.append(conn)
+        return reply
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.disconnect()
 
 
 class RedisIndex(PrefixIndex):
@@ -667,6 +832,11 @@ class RedisIndex(PrefixIndex):
         self._prefix = prefix
         self._nodes_key = "{%s}:nodes" % prefix
         self._sweep_turn = 0
+        self._lane: _ReadLane | None = None
+        if not isinstance(client, RedisCluster):
+            pool = client.connection_pool
+            timeout_s = pool.connection_kwargs.get("socket_timeout") or LANE_TIMEOUT_S
+            self._lane = _ReadLane(pool, timeout_s, LANE_CONNECTIONS)
 
     @classmethod
     def from_url(
@@ -710,6 +880,8 @@ class RedisIndex(PrefixIndex):
         return cls(client, where=where, prefix=prefix)
 
     async def close(self) -> None:
+        if self._lane is not None:
+            await self._lane.close()
         await self._redis.aclose()
 
     # ---- membership ------------------------------------------------------------
@@ -779,17 +951,17 @@ class RedisIndex(PrefixIndex):
         if wanted is not None and not wanted:
             return []
         head = [-1] if wanted is None else [len(wanted), *sorted(wanted)]
-        flat = await self._ns(LOOKUP, namespace, *head, *_chain(chain))
-        return sort_matches(
-            NodeMatch(flat[i].decode(), int(flat[i + 1]), TierName(int(flat[i + 2]))) for i in range(0, len(flat), 3)
-        )
+        flat = await self._read(LOOKUP, namespace, *head, *_chain(chain))
+        # sort_matches' order, on (-blocks, node id as UTF-8): bytes of UTF-8 sort as its code points do
+        rows = sorted(zip([-n for n in flat[1::3]], flat[0::3], flat[2::3]))
+        return [NodeMatch(node.decode(), -n, _TIERS[t]) for n, node, t in rows]
 
     async def holders(self, namespace: str, keys: Sequence[bytes]) -> list[list[Holder]]:
         validate_namespace(namespace)
         checked = check_keys(keys, allow_empty=True)
         if not checked:
             return []
-        per_key = await self._ns(HOLDERS, namespace, *_chain(checked))
+        per_key = await self._read(HOLDERS, namespace, *_chain(checked))
         return [
             sorted(
                 (Holder(f[i].decode(), TierName(int(f[i + 1])), int(f[i + 2])) for i in range(0, len(f), 3)),
@@ -880,6 +1052,21 @@ class RedisIndex(PrefixIndex):
     async def _global(self, script: _Script, *args: Any) -> Any:
         return await self._eval(script, self._nodes_key, args)
 
+    async def _read(self, script: _Script, namespace: str, *args: Any) -> Any:
+        """A read script through the lane when there is one; anything it cannot finish goes the
+        ordinary way (NOSCRIPT: EVAL sends the script; a broken connection: reconnect, retry)."""
+        key = self._ns_key(namespace, "meta")
+        if self._lane is not None:
+            try:
+                return await self._lane.call(("EVALSHA", script.sha, 1, key, *args))
+            except (_Detour, rexc.NoScriptError, rexc.ConnectionError, rexc.TimeoutError, OSError):
+                pass  # rexc.TimeoutError here is a connect timeout: the ordinary path retries or reports it
+            except TimeoutError as err:  # the call's deadline
+                raise self._unavailable(err) from err
+            except rexc.RedisError as err:
+                raise self._refused(script, err) from err
+        return await self._eval(script, key, args)
+
     async def _eval(self, script: _Script, key: str, args: Sequence[Any]) -> Any:
         """EVALSHA; on NOSCRIPT (a restarted or flushed server) EVAL, which caches the script again."""
         try:
@@ -891,9 +1078,12 @@ class RedisIndex(PrefixIndex):
         except _UNAVAILABLE as err:
             raise self._unavailable(err) from err
         except rexc.RedisError as err:
-            if str(err).startswith(_BUSY):
-                raise self._unavailable(err) from err
-            raise PrefixIndexError(f"Redis at {self._where} refused the {script.name} script: {err}") from err
+            raise self._refused(script, err) from err
+
+    def _refused(self, script: _Script, err: rexc.RedisError) -> PrefixIndexError:
+        if str(err).startswith(_BUSY):
+            return self._unavailable(err)
+        return PrefixIndexError(f"Redis at {self._where} refused the {script.name} script: {err}")
 
     async def _call(self, *command: Any) -> Any:
         try:
@@ -913,13 +1103,16 @@ class RedisIndex(PrefixIndex):
 
 
 def _chain(keys: list[bytes]) -> list[bytes]:
-    """Keys as the scripts read them: bucket hashes, lengths, keys; three arguments, not one per key."""
-    hashes = array("I", map(zlib.crc32, keys))
+    """Keys as the scripts read them: key lengths (one, when all keys have it), then each key with
+    its CRC-32 (the field it is stored under); two arguments, not one per key."""
+    crc32 = zlib.crc32
+    fields = b"".join([k + crc32(k).to_bytes(4, "little") for k in keys])
+    if min(map(len, keys)) == max(map(len, keys)):
+        return [len(keys[0]).to_bytes(2, "little"), fields]
     lengths = array("H", map(len, keys))
     if sys.byteorder == "big":
-        hashes.byteswap()
         lengths.byteswap()
-    return [hashes.tobytes(), lengths.tobytes(), b"".join(keys)]
+    return [lengths.tobytes(), fields]
 
 
 def _ms(seconds: float) -> int:
