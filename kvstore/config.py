@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     unix_socket: str = Field(
         "", description="also serve gRPC on this Unix socket path (lower latency for same-host clients); empty: off"
     )
+    same_host_socket: str = Field(
+        "auto",
+        description="Unix socket of the same-host block path (control of clients that map the arena, "
+        "without gRPC): 'auto' next to the arena file, 'off' to disable, or a path",
+    )
+    same_host_max_connections: int = Field(64, ge=1, le=4096, description="same-host socket connections at once")
+    same_host_idle_seconds: float = Field(300.0, gt=0, description="close a same-host connection idle this long")
     metrics_listen: str = Field("127.0.0.1:9464", description="Prometheus /metrics address, host:port; empty: off")
     node_id: str = Field(default_factory=socket.gethostname, description="this node's name in the fleet (default: hostname)")
     ram_bytes: ByteSize = Field(ByteSize(1 << 30), description="host-RAM tier size: one shared-memory arena, allocated at start")

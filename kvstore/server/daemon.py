@@ -34,6 +34,7 @@ from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.server.admission import AdmissionInterceptor
+from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.store.tiered import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
@@ -61,6 +62,7 @@ class Daemon:
         self.metrics_port: int | None = None
         self._lock_fd: int | None = None
         self._server: grpc.Server | None = None
+        self._same_host: SameHostServer | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -78,6 +80,8 @@ class Daemon:
             self._stopping = True
             if self._server is not None:
                 self._server.stop(0)
+            if self._same_host is not None:
+                self._same_host.stop()
             if self.index_agent is not None and self.store is not None:
                 self.index_agent.stop(1.0)
             if self.store is not None:
@@ -146,8 +150,16 @@ class Daemon:
             interceptors=[AdmissionInterceptor(s.max_in_flight, self.metrics)],
             options=options,
         )
+        if s.same_host_socket != "off":
+            auto = os.path.join(os.path.dirname(ram.arena.path), "samehost-" + os.path.basename(ram.arena.path) + ".sock")
+            path = auto if s.same_host_socket == "auto" else s.same_host_socket
+            self._same_host = SameHostServer(
+                self.store, path, ram.arena.token, metrics=self.metrics, max_connections=s.same_host_max_connections,
+                idle_s=s.same_host_idle_seconds,
+            ).start()
         kv_pb2_grpc.add_KVServiceServicer_to_server(
-            KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes)), server
+            KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes),
+                       self._same_host.path if self._same_host else ""), server
         )
         index_pb2_grpc.add_IndexServiceServicer_to_server(
             IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **parse_weights(s.score_weights)}), server
@@ -229,6 +241,8 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self._same_host is not None:
+            self._same_host.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

@@ -34,8 +34,10 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
 
 
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
-    def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int) -> None:
+    def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int,
+                 control_socket: str = "") -> None:
         self._store = store
+        self._control_socket = control_socket
         self._arena = arena
         self._node = node
         self._chunk = chunk_bytes
@@ -120,6 +122,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             arena_bytes=self._arena.size,
             max_block_bytes=self._store.limits.max_block_bytes,
             lease_ms=int(self._store.limits.lease_s * 1000),
+            control_socket=self._control_socket,
         )
 
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
