@@ -254,3 +254,29 @@ def test_a_long_socket_path_works(make_daemon, tmp_path):
         assert c.transport_name == "same-host"
         c.put_many("m", [BlockPut(b"a", b"1" * 10), BlockPut(b"b", b"2" * (2 * MiB))])
         assert [bytes(b.data) for b in c.get_many("m", [b"a", b"b"])] == [b"1" * 10, b"2" * (2 * MiB)]
+
+
+def test_the_async_client_takes_the_socket_and_cancelled_reads_give_their_leases_back(make_daemon):
+    import asyncio
+
+    from kvstore import AsyncClient
+
+    daemon = make_daemon(lease_seconds=300)  # only a release, not expiry, ends a lease in time
+
+    async def body():
+        async with AsyncClient(daemon.target) as c:
+            assert await c.transport_name() == "same-host"
+            items = [BlockPut(b"a%d" % i, os.urandom(size)) for i, size in enumerate([100, 300_000, 2 * MiB])]
+            assert await c.put_many("m", items) == [True, True, True]
+            got = await asyncio.gather(*(c.get_many("m", [b"a0", b"a1", b"a2", b"no"]) for _ in range(20)))
+            for blocks in got:
+                assert [bytes(b.data) for b in blocks[:3]] == [bytes(i.value) for i in items] and blocks[3] is None
+            for _ in range(20):  # cancelled at every point of the read
+                task = asyncio.ensure_future(c.get_many("m", [b"a0", b"a1", b"a2"]))
+                await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            assert (await c.get("m", b"a1")) == items[1].value
+
+    asyncio.run(body())
+    wait_until(lambda: daemon.store.stats().active_leases == 0, what="every read lease to be released")

@@ -40,7 +40,7 @@ from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
 from kvstore.transport import frames
-from kvstore.transport.unix import bind_unix
+from kvstore.transport.unix import bind_unix, set_kernel_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class SameHostServer:
         try:
             if self._hello(conn, reader):
                 self._loop(conn, reader)
-        except (EOFError, ConnectionError, TimeoutError):
+        except (EOFError, ConnectionError, TimeoutError, BlockingIOError):
             pass  # the client closed, died, idled out or stopped reading: its leases expire
         except OSError as err:
             log.debug("same-host connection ended: %s", err)
@@ -222,9 +222,10 @@ class SameHostServer:
         return True
 
     def _loop(self, conn: socket.socket, reader: frames.FrameReader) -> None:
-        # One timeout for both directions (setting it per call costs more than the call):
+        # One timeout for both directions, kept by the kernel (see set_kernel_timeouts):
         # a client idle this long, or not reading its replies, is dropped.
-        conn.settimeout(self._idle_s)
+        conn.settimeout(None)
+        set_kernel_timeouts(conn, self._idle_s)
         while True:
             try:
                 meta, payload = reader.read()

@@ -32,7 +32,7 @@ from kvstore.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, Lease
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io, frames
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
-from kvstore.transport.unix import connect_unix
+from kvstore.transport.unix import connect_unix, set_kernel_timeouts
 
 # Blocks up to this size travel inline in a Put frame: one round trip, where
 # the arena path needs two (Allocate, Commit). Above it the copy dominates
@@ -59,6 +59,8 @@ class _Connection:
             self.sock = connect_unix(path, CONNECT_TIMEOUT_S)
         except OSError as err:
             raise DaemonUnavailable(f"cannot connect to the daemon's same-host socket {path}: {err}") from None
+        self.sock.settimeout(None)  # blocking; waits are bounded in the kernel (_bound)
+        self._timeout: float | None = None
         self.reader = frames.FrameReader(self.sock)
         self.broken = False
         self._ids = itertools.count(1)
@@ -108,11 +110,19 @@ class _Connection:
         if self.broken:
             raise DaemonUnavailable("the same-host connection was closed")
         deadline.check()
-        self.sock.settimeout(deadline.remaining())
+        self._bound(deadline.remaining())
         forget = deadline.on_cancel(self._wake)
         try:
-            return fn(*args)
-        except TimeoutError:
+            while True:
+                try:
+                    return fn(*args)
+                except BlockingIOError:
+                    remaining = deadline.remaining()
+                    if fn is not self.reader.read or (remaining is not None and remaining <= 0):
+                        raise  # a send cut short cannot be resumed; a read past its deadline is over
+                    set_kernel_timeouts(self.sock, remaining)  # the bound was an earlier call's: wait out this one's
+                    self._timeout = remaining
+        except (TimeoutError, BlockingIOError):
             self.close()  # a late reply would arrive where the next one is expected
             raise DeadlineExceeded("the daemon did not answer on the same-host socket before the deadline") from None
         except (EOFError, OSError) as err:
@@ -122,6 +132,19 @@ class _Connection:
             raise DaemonUnavailable(f"the daemon's same-host socket closed: {err}") from None
         finally:
             forget()
+
+    def _bound(self, remaining: float | None) -> None:
+        """Keep the kernel's wait bound between half the call's remaining time and all of it.
+
+        Deadlines of a client's calls are mostly its fixed timeout, so the
+        bound rarely needs a system call; a bound that fires before the
+        deadline only makes a read wait again (see :meth:`_io`).
+        """
+        current = self._timeout
+        if remaining is not None and current is not None and remaining * 0.5 <= current <= remaining:
+            return
+        set_kernel_timeouts(self.sock, remaining)
+        self._timeout = remaining
 
     def _wake(self) -> None:
         try:
@@ -229,7 +252,8 @@ class SameHostTransport(Transport):
 
     # ---- reads ---------------------------------------------------------------
 
-    def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None, deadline: Deadline) -> list[Block | None]:
+    def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None,
+                 deadline: Deadline) -> list[Block | None]:
         keys = list(keys)
         if not keys:
             return []
@@ -357,7 +381,9 @@ class SameHostTransport(Transport):
             for group in arena_io.commit_groups([len(views[i]) for i, _, _ in todo]):
                 group = [todo[j] for j in group]
                 if not arena_io.lease_held(lease_deadline, received):
-                    raise LeaseExpired("the arena slots' lease ran out before they were written: nothing was stored, put again")
+                    raise LeaseExpired(
+                        "the arena slots' lease ran out before they were written: nothing was stored, put again"
+                    )
                 for i, _, offset in group:
                     deadline.check()
                     arena_io.copy_in(self._arena, offset, views[i])

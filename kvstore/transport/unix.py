@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 from collections.abc import Iterator
 
 _SUN_PATH_BYTES = 107
@@ -60,3 +61,21 @@ def connect_unix(path: str, timeout: float | None) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def set_kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
+    """Bound each blocking ``recv``/``send`` on ``sock`` in the kernel (SO_RCVTIMEO/SO_SNDTIMEO).
+
+    Python's own socket timeout makes every call a ``poll`` plus the call;
+    on a busy host each extra system call costs as much as the copy of a
+    small block. With kernel timeouts the socket stays blocking, one system
+    call per operation, and an expired wait raises BlockingIOError (EAGAIN).
+    ``None`` waits for ever.
+    """
+    if seconds is None:
+        tv = struct.pack("ll", 0, 0)
+    else:
+        seconds = max(seconds, 0.001)  # 0 would mean "for ever"
+        tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
