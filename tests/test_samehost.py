@@ -213,7 +213,7 @@ class Stalled:
                 return
             self.conns.append(conn)
             meta, _ = frames.FrameReader(conn).read()
-            frames.send(conn, frames.encode([meta[1], frames.OK, [1 << 20, 1 << 20, 64]]))
+            frames.send(conn, frames.encode([meta[1], frames.OK, [1 << 20, 1 << 20, 64, ""]]))
 
     def close(self) -> None:
         try:
@@ -280,3 +280,38 @@ def test_the_async_client_takes_the_socket_and_cancelled_reads_give_their_leases
 
     asyncio.run(body())
     wait_until(lambda: daemon.store.stats().active_leases == 0, what="every read lease to be released")
+
+
+def ops(daemon, op: str) -> float:
+    for metric in daemon.metrics.op_latency.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count") and sample.labels.get("op") == op:
+                return sample.value
+    return 0.0
+
+
+def test_repeat_reads_skip_the_round_trip_until_a_delete(daemon):
+    value = os.urandom(70_000)
+    with Client(daemon.target) as reader, Client(daemon.target) as other:
+        reader.put("m", b"k", value)
+        before = ops(daemon, "Lookup")
+        for _ in range(5):
+            assert reader.get("m", b"k") == value
+        assert ops(daemon, "Lookup") == before + 1  # only the first read asked the daemon
+        wait_until(lambda: ops(daemon, "Touch") >= 1, what="the reads to be reported for recency")
+        assert other.delete("m", [b"k"]) == 1  # another client's delete ...
+        assert reader.get("m", b"k") is None  # ... is seen at once, the bytes still intact in RAM
+
+
+def test_an_extent_given_to_another_block_is_noticed_and_the_block_read_again(make_daemon):
+    daemon = make_daemon(ram_bytes="16MiB", disk_bytes="64MiB", max_block_bytes="4MiB")
+    first = os.urandom(3 * MiB)
+    with Client(daemon.target) as c:
+        c.put("m", b"first", first)
+        assert c.get("m", b"first") == first  # its extent is now known to this client
+        for i in range(8):  # RAM fills: "first" goes down to disk and its extent is reused
+            c.put("m", b"fill%d" % i, os.urandom(3 * MiB))
+        wait_until(lambda: c.exists("m", [b"first"]) == [TierName.DISK], what="the first block to be demoted")
+        before = ops(daemon, "Lookup")
+        assert c.get("m", b"first") == first
+        assert ops(daemon, "Lookup") == before + 1

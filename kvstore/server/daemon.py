@@ -159,7 +159,8 @@ class Daemon:
             ).start()
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes),
-                       self._same_host.path if self._same_host else ""), server
+                       self._same_host.path if self._same_host else "",
+                       self._same_host.removed if self._same_host else None), server
         )
         index_pb2_grpc.add_IndexServiceServicer_to_server(
             IndexServicer(self.index_agent, {**DEFAULT_TIER_WEIGHTS, **parse_weights(s.score_weights)}), server

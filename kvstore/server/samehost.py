@@ -40,6 +40,7 @@ from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
 from kvstore.transport import frames
+from kvstore.transport.locations import RemovalPage
 from kvstore.transport.unix import bind_unix, set_kernel_timeouts
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class SameHostServer:
         self._max_connections = max_connections
         self._idle_s = idle_s
         self._listener: socket.socket | None = None
+        self._removals: RemovalPage | None = None
         self._acceptor: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -103,6 +105,7 @@ class SameHostServer:
         handlers = {
             frames.LOOKUP: self._lookup, frames.RELEASE: self._release, frames.PUT: self._put,
             frames.ALLOCATE: self._allocate, frames.COMMIT: self._commit, frames.ABORT: self._abort,
+            frames.TOUCH: self._touch,
         }
         # Per operation: its handler and its latency series, bound once (labels cost a lookup per call).
         m = self._metrics
@@ -114,6 +117,7 @@ class SameHostServer:
             return len(self._connections)
 
     def start(self) -> SameHostServer:
+        self._removals = RemovalPage(self.path + ".removals", self._token)
         self._listener = bind_unix(self.path, mode=0o600)
         self._listener.listen(128)
         self._acceptor = threading.Thread(target=self._accept_loop, name="strata-samehost-accept", daemon=True)
@@ -145,6 +149,15 @@ class SameHostServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._removals is not None:
+            self._removals.close()
+
+    def removed(self) -> None:
+        """Blocks were deleted: clients forget where they saw blocks (see kvstore.transport.locations).
+
+        Called after the store deleted and before the Delete answers."""
+        if self._removals is not None:
+            self._removals.bump()
 
     # ---- connections ---------------------------------------------------------
 
@@ -217,7 +230,8 @@ class SameHostServer:
         except StrataError as err:
             self._reply_error(conn, 0, err)
             return False
-        limits = [frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, self._store.limits.max_batch_blocks]
+        limits = [frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, self._store.limits.max_batch_blocks,
+                  self._removals.path if self._removals is not None else ""]
         frames.send(conn, frames.encode([rid, frames.OK, limits]))
         return True
 
@@ -318,6 +332,14 @@ class SameHostServer:
         [slot_ids] = _fields(args, 1, "Commit")
         done = self._store.commit([(s, None) for s in _ints(slot_ids, "slot_ids")])
         return [[stored, int(tier)] for _, stored, tier in done]
+
+    def _touch(self, args, payload) -> None:
+        """Blocks a client read without asking: a lookup and release refresh their recency."""
+        namespace, keys = _fields(args, 2, "Touch")
+        found = self._store.lookup(namespace, _list(keys, "keys"))
+        ids = [loc.lease_id for loc in found if loc is not None and loc.lease_id]
+        if ids:
+            self._store.release(ids)
 
     def _abort(self, args, payload) -> None:
         [slot_ids] = _fields(args, 1, "Abort")

@@ -47,15 +47,16 @@ MAX_PAYLOAD_BYTES = 4 << 20
 OK, ERROR = 0, 1
 
 # Request operations.
-HELLO = 1  # [version, arena token] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks]
+HELLO = 1  # [version, arena token] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks, removal page path]
 LOOKUP = 2  # [ns, keys, lease_ms, timeout_ms, release_ids] -> [lease_deadline_unix_ms, [entry or None]]
 RELEASE = 3  # [lease_ids] -> [valid per lease]
 PUT = 4  # [ns, timeout_ms, [[key, size, checksum, parent, layout]]] + payload -> [[stored, tier]]
 ALLOCATE = 5  # [ns, lease_ms, timeout_ms, [[key, size, parent, layout]]] -> [deadline_ms, [[present, slot, offset]]]
 COMMIT = 6  # [slot_ids] -> [[stored, tier]]
 ABORT = 7  # [slot_ids] -> None
+TOUCH = 8  # [ns, keys] -> None: blocks read without asking (kvstore.transport.locations), for recency
 OP_NAMES = {HELLO: "Hello", LOOKUP: "Lookup", RELEASE: "Release", PUT: "Put", ALLOCATE: "Allocate",
-            COMMIT: "Commit", ABORT: "Abort"}
+            COMMIT: "Commit", ABORT: "Abort", TOUCH: "Touch"}
 
 _ERRORS: dict[str, type[StrataError]] = {
     name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, StrataError)

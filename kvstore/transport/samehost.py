@@ -28,10 +28,11 @@ import time
 from collections.abc import Sequence
 
 from kvstore.block import TierName, checksum
-from kvstore.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, LeaseExpired, StrataError
+from kvstore.errors import ArenaUnusable, Cancelled, DaemonUnavailable, DeadlineExceeded, LeaseExpired, StrataError
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io, frames
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
+from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
 from kvstore.transport.unix import connect_unix, set_kernel_timeouts
 
 # Blocks up to this size travel inline in a Put frame: one round trip, where
@@ -42,6 +43,8 @@ MAX_IDLE_CONNECTIONS = 8
 # Read leases waiting to ride on the next Lookup: at most this many, this long.
 MAX_PENDING_RELEASES = 256
 RELEASE_DELAY_S = 0.05
+MAX_TOUCHED = 4096  # keys read without asking, reported per flush
+DEFAULT_LOCATIONS = DEFAULT_CAPACITY
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -64,7 +67,7 @@ class _Connection:
         self.reader = frames.FrameReader(self.sock)
         self.broken = False
         self._ids = itertools.count(1)
-        self.max_meta, self.max_payload, self.max_batch = self.call(
+        self.max_meta, self.max_payload, self.max_batch, self.removal_page = self.call(
             frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], deadline=Deadline.after(CONNECT_TIMEOUT_S)
         )
 
@@ -160,7 +163,8 @@ class SameHostTransport(Transport):
     shared_memory = True
 
     def __init__(self, arena: ShmArena, socket_path: str, token: bytes, *, fallback: Transport | None = None,
-                 lease_ms: int = 0, inline_bytes: int = INLINE_BYTES) -> None:
+                 lease_ms: int = 0, inline_bytes: int = INLINE_BYTES,
+                 locations: int = DEFAULT_LOCATIONS) -> None:
         self._arena = arena
         self._path = socket_path
         self._token = bytes(token)
@@ -171,10 +175,18 @@ class SameHostTransport(Transport):
         self._idle: list[_Connection] = []
         self._closed = False
         self._pending: list[int] = []  # read leases to release with the next Lookup
-        self._pending_since = 0.0
         self._flusher: threading.Thread | None = None
         self._wake = threading.Condition(self._lock)
-        self._give(_Connection(socket_path, self._token))  # fail now, not on the first call, when unusable
+        self._touched: dict[str, dict[bytes, None]] = {}  # read without asking: reported for recency
+        first = _Connection(socket_path, self._token)  # fail now, not on the first call, when unusable
+        self._locations: Locations | None = None
+        if locations and first.removal_page:
+            try:
+                self._locations = Locations(first.removal_page, self._token, locations)
+            except ArenaUnusable:
+                first.close()
+                raise
+        self._give(first)
         self._batch_bytes = arena.size // 4
 
     # ---- connections ---------------------------------------------------------
@@ -208,20 +220,19 @@ class SameHostTransport(Transport):
             conn.close()
         if flusher is not None:
             flusher.join(1.0)
+        if self._locations is not None:
+            self._locations.close()
 
     # ---- releases ------------------------------------------------------------
 
     def _release_later(self, conn: _Connection, lease_ids: list[int]) -> None:
         with self._lock:
-            if not self._pending:
-                self._pending_since = time.monotonic()
             self._pending += lease_ids
             over = len(self._pending) > MAX_PENDING_RELEASES
             if over:
                 lease_ids, self._pending = self._pending, []
-            elif self._flusher is None and not self._closed:
-                self._flusher = threading.Thread(target=self._flush_loop, name="strata-release", daemon=True)
-                self._flusher.start()
+            else:
+                self._start_flusher()
         if over:
             conn.notify(frames.RELEASE, [lease_ids])
 
@@ -230,24 +241,44 @@ class SameHostTransport(Transport):
             pending, self._pending = self._pending, []
             return pending
 
+    def _touch_later(self, namespace: str, keys: list[bytes]) -> None:
+        with self._lock:
+            touched = self._touched.setdefault(namespace, {})
+            if len(touched) < MAX_TOUCHED:  # beyond it recency is approximate, never unbounded
+                touched.update(dict.fromkeys(keys))
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None and not self._closed:
+            self._flusher = threading.Thread(target=self._flush_loop, name="strata-release", daemon=True)
+            self._flusher.start()
+
     def _flush_loop(self) -> None:
-        """Send releases that waited RELEASE_DELAY_S for a Lookup to carry them."""
+        """Send releases that waited RELEASE_DELAY_S for a Lookup to carry them, and the keys read without asking."""
         while True:
             with self._lock:
-                while not self._closed and (
-                    not self._pending or time.monotonic() - self._pending_since < RELEASE_DELAY_S
-                ):
+                while not self._closed and not (self._pending or self._touched):
                     self._wake.wait(RELEASE_DELAY_S)
                 if self._closed:
                     return
+            time.sleep(RELEASE_DELAY_S)
+            with self._lock:
+                if self._closed:
+                    return
                 pending, self._pending = self._pending, []
+                touched, self._touched = self._touched, {}
                 conn = self._idle.pop() if self._idle else None
+            if not (pending or touched):
+                continue  # a Lookup carried them
             if conn is None:
                 try:
                     conn = _Connection(self._path, self._token)
                 except StrataError:
                     continue  # the daemon is gone: the leases expire by themselves
-            conn.notify(frames.RELEASE, [pending])
+            if pending:
+                conn.notify(frames.RELEASE, [pending])
+            for namespace, keys in touched.items():
+                conn.notify(frames.TOUCH, [namespace, list(keys)])
             self._give(conn)
 
     # ---- reads ---------------------------------------------------------------
@@ -257,15 +288,64 @@ class SameHostTransport(Transport):
         keys = list(keys)
         if not keys:
             return []
+        deadline.check()
         blocks: list[Block | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if self._locations is not None:
+            todo = self._read_known(namespace, keys, place, blocks)
+        if todo:
+            self._lookup_into(namespace, keys, todo, place, blocks, deadline)
+        return blocks
+
+    def _read_known(self, namespace: str, keys: list[bytes], place: Place | None,
+                    blocks: list[Block | None]) -> list[int]:
+        """Read the blocks whose arena extent this client already knows; the indices still to look up."""
+        locations = self._locations
+        epoch = locations.epoch()
+        todo: list[int] = []
+        hits: list[int] = []
+        for i, key in enumerate(keys):
+            known = locations.get(namespace, key)
+            if known is None:
+                todo.append(i)
+                continue
+            offset, size, sum_, parent, layout = known
+            if place is None:
+                out = memoryview(bytearray(size))
+            else:
+                view = place(i, BlockInfo(key, size, layout, parent))
+                if view is None:
+                    continue  # declined: a miss
+                out = view[:size]
+            if arena_io.copy_out(self._arena, offset, out) != sum_:
+                locations.forget(namespace, key)  # the extent went to another block: ask the daemon
+                todo.append(i)
+                continue
+            blocks[i] = Block(key, out.obj if place is None else out, layout, parent, TierName.HOST)
+            hits.append(i)
+        if not hits:
+            return todo
+        if not locations.still(epoch):  # a Delete answered while we copied: nothing read here counts
+            for i in hits:
+                blocks[i] = None
+            return sorted(todo + hits)
+        self._touch_later(namespace, [keys[i] for i in hits])
+        return todo
+
+    def _lookup_into(self, namespace: str, keys: list[bytes], todo: list[int], place: Place | None,
+                     blocks: list[Block | None], deadline: Deadline) -> None:
+        """One Lookup for the keys at ``todo``; copies under its leases; refetches what it could not read."""
+        asked = [keys[i] for i in todo]
         refetch: list[int] = []
         placed: dict[int, memoryview] = {}
+        epoch = self._locations.epoch() if self._locations is not None else 0
+        learned: list[tuple[bytes, tuple]] = []
         conn = self._take()
         releases = self._take_pending()
         try:
             try:
                 lease_deadline, entries = conn.call(
-                    frames.LOOKUP, [namespace, keys, self._lease_ms, _timeout_ms(deadline), releases],
+                    frames.LOOKUP, [namespace, asked, self._lease_ms, _timeout_ms(deadline), releases],
                     deadline=deadline,
                 )
             except StrataError:
@@ -273,12 +353,12 @@ class SameHostTransport(Transport):
                     conn.notify(frames.RELEASE, [releases])
                 raise
             received = arena_io.now_ms()
-            if len(entries) != len(keys):
+            if len(entries) != len(asked):
                 conn.close()
-                raise StrataError(f"the daemon answered {len(entries)} of {len(keys)} keys")
+                raise StrataError(f"the daemon answered {len(entries)} of {len(asked)} keys")
             leased: list[tuple[int, int]] = []
             try:
-                for i, entry in enumerate(entries):
+                for i, entry in zip(todo, entries):
                     if entry is None:
                         continue
                     size, sum_, parent, layout, offset, lease_id, tier = entry
@@ -297,6 +377,7 @@ class SameHostTransport(Transport):
                         refetch.append(i)  # torn under an expired lease, or corrupt: read it again
                         continue
                     blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
+                    learned.append((keys[i], (offset, size, sum_, parent, layout)))
             except BaseException:  # a placement refused: give every lease of the read back now
                 conn.notify(frames.RELEASE, [[e[5] for e in entries if e is not None and e[5]]])
                 raise
@@ -307,6 +388,7 @@ class SameHostTransport(Transport):
                 elif arena_io.lease_held(lease_deadline, received):
                     self._release_later(conn, ids)
                 else:  # the copy ran close to the lease's end: ask whether it held
+                    learned = []
                     valid = conn.call(frames.RELEASE, [ids], deadline=deadline)
                     for (i, _), ok in zip(leased, valid):
                         if not ok and blocks[i] is not None:
@@ -314,9 +396,11 @@ class SameHostTransport(Transport):
                             refetch.append(i)
         finally:
             self._give(conn)
+        if self._locations is not None:
+            for key, location in learned:
+                self._locations.learn(epoch, namespace, key, location)
         if refetch:
             self._refetch(namespace, keys, refetch, place, placed, blocks, deadline)
-        return blocks
 
     def _refetch(self, namespace, keys, refetch, place, placed, blocks, deadline) -> None:
         if self._fallback is None:

@@ -78,7 +78,7 @@ class AsyncSameHostTransport:
         self = cls(arena, reader, writer, **options)
         self._reading = asyncio.ensure_future(self._read_loop())
         limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], (), CONNECT_TIMEOUT_S)
-        _, self._max_payload, self._max_batch = limits
+        _, self._max_payload, self._max_batch, _removals = limits  # no location table here yet
         return self
 
     async def close(self) -> None:
