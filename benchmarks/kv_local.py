@@ -58,6 +58,7 @@ from benchmarks.harness import (
 from kvstore import BlockKey, BlockMeta, BlockPut, Client
 from kvstore.block import checksum
 from kvstore.errors import StrataError
+from kvstore.transport import Deadline, Transport, open_transport, placement
 from kvstore.tiers.disk import DiskTier
 
 NAME = "kv_local"
@@ -216,6 +217,28 @@ def strata_get(w: Workload, client: Client, batched: bool, m: Meter) -> RoundFn:
 
     def round_() -> tuple[int, float]:
         result = m.measure(len(keys) * w.size, run_batched if batched else run_single)
+        if missed:
+            raise AssertionError(f"{missed} gets missed blocks that were stored")
+        return result
+
+    return round_
+
+
+def transport_get(w: Workload, transport: Transport, m: Meter) -> RoundFn:
+    """One block per call straight through a transport, into one preallocated buffer."""
+    keys = w.stored[: w.n_single]
+    buf = bytearray(w.size)
+    missed = 0
+
+    def run() -> None:
+        nonlocal missed
+        for k in keys:
+            [block] = transport.get_into(NS, [k], placement([k], [buf]), Deadline.after(60))
+            if block is None or len(block.data) != w.size:
+                missed += 1
+
+    def round_() -> tuple[int, float]:
+        result = m.measure(len(keys) * w.size, run)
         if missed:
             raise AssertionError(f"{missed} gets missed blocks that were stored")
         return result
@@ -423,9 +446,13 @@ _HOW = {
                     "computes the xxh3, the daemon verifies it while copying into the arena); larger: an Allocate "
                     "message, the client copies into the arena and Commits in up to 3 groups, each Commit in "
                     "flight while the next group is copied; the daemon checksums each slot in place",
-    ("get", "shm"): "one Lookup message on the same-host socket per call (its Release rides on the next Lookup); "
-                    "the client copies out of the arena into its own preallocated buffers (get_into) while "
-                    "computing the xxh3 it verifies",
+    ("get", "shm"): "no message at all for a block this client read before: it copies from the arena extent "
+                    "it remembers into its own preallocated buffer (get_into) while computing the xxh3 it "
+                    "verifies, and the daemon's shared removal count voids what a Delete removed (the first read "
+                    "of a block is one Lookup message: see the 'first read' case)",
+    ("get", "shm first read"): "every read asks: one Lookup message on the same-host socket per call (its Release "
+                               "rides on the next Lookup), then the copy and xxh3 into preallocated buffers "
+                               "(a same-host transport without its location table)",
     ("put", "grpc-arena"): "the same-host path before the socket: an Allocate RPC, copies into the arena, Commit RPCs",
     ("get", "grpc-arena"): "the same-host path before the socket: one Lookup RPC per call (the Release RPC is not "
                            "waited for), copies out of the arena into preallocated buffers",
@@ -443,8 +470,8 @@ def targets(op: str, path: str, size: int) -> tuple[float | None, float | None]:
     return (SHM_SINGLE_GET_TARGET if op == "get" else None), SHM_BATCH_TARGET
 
 
-def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, Client], redis_: RedisSide,
-                 rpc_us: dict[str, float]) -> None:
+def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, Client], asking: Transport,
+                 redis_: RedisSide, rpc_us: dict[str, float]) -> None:
     L, N = w.label, w.batch
     xN = f"x{N} batch"
     shm = clients["shm"]
@@ -470,6 +497,9 @@ def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, C
         for path, client in clients.items():
             fns[f"{op} {L} {path}"] = strata(w, client, False, meter(f"{op} {L} {path}"))
             fns[f"{op} {L} {path} {xN}"] = strata(w, client, True, meter(f"{op} {L} {path} {xN}"))
+        first = f"get {L} shm first read"
+        if op == "get":
+            fns[first] = transport_get(w, asking, meter(first))
         if r is not None:
             fns[single_redis] = redis_fn(w, r, False, meter(single_redis))
             fns[batch_redis] = redis_fn(w, r, True, meter(batch_redis))
@@ -491,7 +521,14 @@ def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, C
                       "page-faulted in on every call" if op == "get" and med[batch] < med[single] else "")
             bench.add(compare(s, batch, base, target_ratio=target, note=(
                 f"{grouped} per {N} blocks; {us(batch, N)}; {meters[batch].faults_note()}.{slower}")))
+        if op == "get":
+            bench.add(compare(s, first, base, note=(
+                f"{_HOW['get', 'shm first read']}; {us(first)} ({rpc_floor('shm', rpc_us)}); "
+                f"{meters[first].faults_note()}")))
         if r is not None:
+            if op == "get":
+                bench.add(compare(s, first, single_redis, case=f"{first} vs redis", note=(
+                    "no target asked, for context: a read that pays the round trip (first read of a block)")))
             bench.add(compare(s, f"{op} {L} shm", single_redis, case=f"{op} {L} shm vs redis",
                               target_ratio=REDIS_TARGET, note=(
                                   f"one block per call on both sides (goal {REDIS_GOAL:g}x); Redis {cmd} through "
@@ -554,11 +591,12 @@ def main(argv: list[str] | None = None) -> int:
                 for client in clients.values():
                     client.stats()
                     client.transport_name  # attaches now, so no round pays for it
+                asking = stack.enter_context(open_transport("same-host", target=target, locations=0))
             except StrataError as err:
                 raise SystemExit(f"a transport cannot be measured here: {err}") from None
             rpc_us = {"grpc": control_rpc_us(clients["shm"]), "socket": socket_round_trip_us(clients["shm"])}
             for seed, size in enumerate(SIZES):  # one size's buffers at a time
-                bench_daemon(bench, plan, Workload(size, plan, seed), clients, redis_side, rpc_us)
+                bench_daemon(bench, plan, Workload(size, plan, seed), clients, asking, redis_side, rpc_us)
         tier = DiskTier(scratch / "tier", 4 * GiB, fsync=False)
         files = scratch / "files"
         files.mkdir()

@@ -27,7 +27,8 @@ CHOICES = ("same-host", "grpc-arena", "grpc")
 
 
 def choose(attach: pb.AttachResponse | None, channel: grpc.Channel, stream: Transport, *,
-           use_shm: bool | None = None, want: str | None = None, lease_ms: int = 0) -> tuple[Transport, ShmArena | None]:
+           use_shm: bool | None = None, want: str | None = None, lease_ms: int = 0,
+           same_host_options: dict | None = None) -> tuple[Transport, ShmArena | None]:
     """The transport to use and the arena it maps (the caller closes both; None: nothing mapped).
 
     ``attach`` None means the caller did not ask (``use_shm`` False or
@@ -47,7 +48,7 @@ def choose(attach: pb.AttachResponse | None, channel: grpc.Channel, stream: Tran
     if want != "grpc-arena" and attach.control_socket:
         try:
             return SameHostTransport(arena, attach.control_socket, attach.arena_token, fallback=stream,
-                                     lease_ms=lease_ms), arena
+                                     lease_ms=lease_ms, **(same_host_options or {})), arena
         except DaemonUnavailable as err:
             if want == "same-host":
                 arena.close()
@@ -81,8 +82,12 @@ class _Owning(Transport):
 
 
 def connect_attached(target: str, want: str, *, timeout: float = 10.0, lease_ms: int = 0,
-                     chunk_bytes: int = grpc_blocks.DEFAULT_CHUNK) -> Transport:
-    """Open ``want`` ("same-host", "grpc-arena") to the daemon at ``target``, or fail saying why."""
+                     chunk_bytes: int = grpc_blocks.DEFAULT_CHUNK, **same_host_options) -> Transport:
+    """Open ``want`` ("same-host", "grpc-arena") to the daemon at ``target``, or fail saying why.
+
+    ``same_host_options`` go to :class:`SameHostTransport` (``locations=0``: no location table,
+    every read asks the daemon; ``inline_bytes``).
+    """
     channel = grpc.insecure_channel(target, options=grpc_blocks.CHANNEL_OPTIONS)
     stream = GrpcStreamTransport(channel, chunk_bytes=chunk_bytes)
     try:
@@ -90,7 +95,8 @@ def connect_attached(target: str, want: str, *, timeout: float = 10.0, lease_ms:
             attach = kv_pb2_grpc.KVServiceStub(channel).Attach(pb.AttachRequest(), timeout=timeout)
         except grpc.RpcError as err:
             raise DaemonUnavailable(f"cannot attach to the daemon at {target}: {err.details()}") from None
-        inner, arena = choose(attach, channel, stream, want=want, lease_ms=lease_ms)
+        inner, arena = choose(attach, channel, stream, want=want, lease_ms=lease_ms,
+                              same_host_options=same_host_options)
     except BaseException:
         channel.close()
         raise
