@@ -315,3 +315,11 @@ def test_an_extent_given_to_another_block_is_noticed_and_the_block_read_again(ma
         before = ops(daemon, "Lookup")
         assert c.get("m", b"first") == first
         assert ops(daemon, "Lookup") == before + 1
+
+
+def test_an_unusable_socket_path_stops_the_daemon_saying_what_to_change(make_daemon, tmp_path):
+    from kvstore.server.daemon import DaemonError
+
+    with pytest.raises(DaemonError, match="set --same-host-socket"):
+        make_daemon(same_host_socket=str(tmp_path / "no-such-dir" / "s.sock"))
+    assert not list(tmp_path.glob("samehost-*"))  # nothing left behind

@@ -156,7 +156,14 @@ class Daemon:
             self._same_host = SameHostServer(
                 self.store, path, ram.arena.token, metrics=self.metrics, max_connections=s.same_host_max_connections,
                 idle_s=s.same_host_idle_seconds,
-            ).start()
+            )
+            try:
+                self._same_host.start()
+            except OSError as err:
+                raise DaemonError(
+                    f"cannot serve the same-host socket at {path} ({err.strerror or err}): "
+                    "set --same-host-socket to a writable path, or 'off'"
+                ) from None
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, ram.arena, self.node, int(s.chunk_bytes),
                        self._same_host.path if self._same_host else "",

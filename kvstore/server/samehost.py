@@ -145,10 +145,11 @@ class SameHostServer:
                 pass  # already gone
         for _, thread in conns:
             thread.join(timeout)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._listener is not None:  # bound by us: ours to remove
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         if self._removals is not None:
             self._removals.close()
 
