@@ -62,6 +62,7 @@ _ERRORS: dict[str, type[StrataError]] = {
     name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, StrataError)
 }
 
+_WAITALL_BYTES = 16 << 10  # a frame's missing part above this is taken whole (MSG_WAITALL)
 _IOV_MAX = 512  # buffers per sendmsg; Linux takes at most 1024
 
 _pack = msgpack.Packer(use_bin_type=True).pack
@@ -128,7 +129,11 @@ class FrameReader:
                 self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
         while self._end - self._start < need:
-            n = self._sock.recv_into(self._view[self._end :])
+            missing = need - (self._end - self._start)
+            if missing > _WAITALL_BYTES:  # the rest of a big frame: one wait in the kernel, not one per segment
+                n = self._sock.recv_into(self._view[self._end : self._end + missing], missing, socket.MSG_WAITALL)
+            else:
+                n = self._sock.recv_into(self._view[self._end :])
             if n == 0:
                 raise EOFError("the peer closed the connection")
             self._end += n
