@@ -323,3 +323,21 @@ def test_an_unusable_socket_path_stops_the_daemon_saying_what_to_change(make_dae
     with pytest.raises(DaemonError, match="set --same-host-socket"):
         make_daemon(same_host_socket=str(tmp_path / "no-such-dir" / "s.sock"))
     assert not list(tmp_path.glob("samehost-*"))  # nothing left behind
+
+
+def test_a_restarted_daemon_voids_what_a_client_remembers(make_daemon, tmp_path):
+    """Even after SIGKILL a client must not serve a dead daemon's arena: the new daemon's page is another file."""
+    from kvstore.transport.locations import Locations, RemovalPage
+
+    page = RemovalPage(str(tmp_path / "page"), b"t" * 16)
+    seen = Locations(str(tmp_path / "page"), b"t" * 16)
+    epoch = seen.epoch()
+    seen.learn(epoch, "m", b"k", (0, 10, 1, None, ""))
+    assert seen.get("m", b"k") is not None
+    RemovalPage(str(tmp_path / "page"), b"u" * 16)  # a restart: same name, new file, count from 0
+    seen.epoch()
+    assert seen.get("m", b"k") is None
+    seen.learn(seen.epoch(), "m", b"k", (0, 10, 1, None, ""))
+    assert seen.get("m", b"k") is None  # and nothing is learned about the old arena any more
+    seen.close()
+    page.close()

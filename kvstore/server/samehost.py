@@ -126,7 +126,8 @@ class SameHostServer:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop accepting, close every connection, remove the socket file."""
+        """Stop accepting, close every connection, remove the socket file and the removal page."""
+        self.removed()  # clients stop trusting what they remember of this arena
         with self._lock:
             self._stopping = True
             conns = list(self._connections.items())

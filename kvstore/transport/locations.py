@@ -90,6 +90,8 @@ class Locations:
         if not hmac.compare_digest(self._map[:16], bytes(token)):
             self._map.close()
             raise ArenaUnusable(f"{page_path} belongs to another daemon: attach again")
+        self._path = page_path
+        self._inode = os.stat(page_path).st_ino
         self._capacity = capacity
         self._table: dict[tuple[str, bytes], tuple] = {}
         self._epoch = self._read()
@@ -99,13 +101,28 @@ class Locations:
         return PAGE.unpack_from(self._map, 0)[1]
 
     def epoch(self) -> int:
-        """The removal count now; the table is emptied when it moved since the last look."""
+        """The removal count now; the table is emptied when it moved since the last look.
+
+        A daemon that restarted (even after SIGKILL) made a new page under the
+        same name: this client's mapping of the old one, and of the old arena,
+        no longer says anything, so nothing is remembered until the client
+        attaches again (one ``stat`` per read call).
+        """
         now = self._read()
-        if now != self._epoch:
+        if now != self._epoch or not self._current():
             with self._lock:
                 self._table.clear()
                 self._epoch = now
         return now
+
+    def _current(self) -> bool:
+        try:
+            current = os.stat(self._path).st_ino == self._inode
+        except OSError:
+            current = False
+        if not current:
+            self._capacity = 0  # learn nothing more either
+        return current
 
     def still(self, epoch: int) -> bool:
         """Whether no Delete answered since ``epoch`` was taken."""
@@ -120,6 +137,8 @@ class Locations:
         with self._lock:
             if self._read() != epoch or epoch != self._epoch:
                 return  # a Delete answered meanwhile: the Lookup's answer may be stale already
+            if not self._capacity:
+                return
             if len(self._table) >= self._capacity:
                 self._table.pop(next(iter(self._table)))  # the oldest learned
             self._table[(namespace, key)] = location
