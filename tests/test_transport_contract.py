@@ -6,6 +6,8 @@ the others through its gRPC port, its arena and its same-host socket.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
 
@@ -14,11 +16,11 @@ import pytest
 from kvstore.block import TierName
 from kvstore.errors import Cancelled, CorruptBlock, DeadlineExceeded, InvalidArgument, InvalidKey, UnknownNamespace
 from kvstore.transport import TRANSPORTS, BlockPut, Deadline, open_transport, placement
-from kvstore.transport.base import BlockInfo
+from kvstore.transport.base import BlockInfo, Transport
 from conftest import wait_until
 
 MiB = 1 << 20
-NAMES = ["in-process", "grpc", "grpc-arena", "same-host"]
+NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio"]
 
 
 def blob(seed: int, size: int) -> bytes:
@@ -39,10 +41,77 @@ def daemon(make_daemon):
     return make_daemon(auto_create_namespaces=True, namespaces="m")
 
 
+class OnItsLoop(Transport):
+    """The asyncio same-host transport driven from this thread, its loop in another: the same
+    suite then runs over it. A Deadline becomes the call's timeout, a cancellation the task's."""
+
+    name = "same-host-asyncio"
+
+    def __init__(self, daemon) -> None:
+        import grpc
+
+        from kvstore.api.v1 import kv_pb2 as pb
+        from kvstore.api.v1 import kv_pb2_grpc
+        from kvstore.shm.arena import ShmArena
+        from kvstore.transport.grpc_stream import GrpcStreamTransport
+        from kvstore.transport.samehost_aio import AsyncSameHostTransport
+
+        self._channel = grpc.insecure_channel(daemon.target)
+        attach = kv_pb2_grpc.KVServiceStub(self._channel).Attach(pb.AttachRequest(), timeout=10)
+        self._arena = ShmArena.attach(attach.arena_path, attach.arena_token)
+        self._stream = GrpcStreamTransport(self._channel)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def fallback(namespace, keys, place):
+            return await asyncio.to_thread(self._stream.get_into, namespace, keys, place, Deadline.after(10))
+
+        async def off_loop(nbytes, fn, *args):
+            return await asyncio.to_thread(fn, *args)
+
+        self._inner = self._run(AsyncSameHostTransport.connect(
+            self._arena, attach.control_socket, attach.arena_token, lease_ms=0, off_loop=off_loop,
+            off_loop_bytes=1 << 20, fallback=fallback), None)
+
+    def _run(self, coro, deadline: Deadline | None):
+        if deadline is not None:
+            try:
+                deadline.check()
+            except BaseException:
+                coro.close()
+                raise
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        forget = deadline.on_cancel(future.cancel) if deadline is not None else (lambda: None)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            deadline.check()
+            raise
+        finally:
+            forget()
+
+    def put(self, namespace, blocks, deadline):
+        return self._run(self._inner.put(namespace, blocks, deadline.remaining()), deadline)
+
+    def get_into(self, namespace, keys, place, deadline):
+        return self._run(self._inner.get_into(namespace, keys, place, deadline.remaining()), deadline)
+
+    def close(self):
+        self._run(self._inner.close(), None)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+        self._arena.close()
+        self._channel.close()
+
+
 @pytest.fixture
 def transport(daemon, name):
-    options = {"store": daemon.store} if name == "in-process" else {"target": daemon.target}
-    t = open_transport(name, **options)
+    if name == "same-host-asyncio":
+        t = OnItsLoop(daemon)
+    else:
+        t = open_transport(name, **({"store": daemon.store} if name == "in-process" else {"target": daemon.target}))
     assert t.name == name
     yield t
     t.close()
@@ -54,7 +123,7 @@ def holds_nothing(daemon) -> bool:
 
 
 def test_every_transport_is_registered():
-    assert set(NAMES) <= set(TRANSPORTS)
+    assert set(NAMES) - {"same-host-asyncio"} <= set(TRANSPORTS)
 
 
 def test_an_unknown_transport_names_the_known_ones():
