@@ -341,3 +341,24 @@ def test_a_restarted_daemon_voids_what_a_client_remembers(make_daemon, tmp_path)
     assert seen.get("m", b"k") is None  # and nothing is learned about the old arena any more
     seen.close()
     page.close()
+
+
+def test_async_repeat_reads_skip_the_round_trip_until_a_delete(daemon):
+    import asyncio
+
+    from kvstore import AsyncClient
+
+    value = os.urandom(3 * MiB)
+
+    async def body():
+        async with AsyncClient(daemon.target) as reader:
+            await reader.put("m", b"k", value)
+            before = ops(daemon, "Lookup")
+            for _ in range(4):
+                assert await reader.get("m", b"k") == value
+            assert ops(daemon, "Lookup") == before + 1
+            with Client(daemon.target) as other:
+                assert other.delete("m", [b"k"]) == 1
+            assert await reader.get("m", b"k") is None
+
+    asyncio.run(body())

@@ -1,6 +1,8 @@
 """The same-host transport for asyncio: the twin of :mod:`kvstore.transport.samehost`.
 
-Same wire format, same one-round-trip get and small put, same arena copies.
+Same wire format, same reads without a message for blocks seen before
+(:mod:`kvstore.transport.locations`), same one-round-trip first get and
+small put, same arena copies.
 One connection per client carries every task's requests: requests are
 written in order and the daemon answers in order, so a reader task hands
 each reply to the future of its request id. A task cancelled (or past its
@@ -21,11 +23,12 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgpack
 
 from kvstore.block import TierName, checksum
-from kvstore.errors import DaemonUnavailable, DeadlineExceeded, LeaseExpired, StrataError
+from kvstore.errors import ArenaUnusable, DaemonUnavailable, DeadlineExceeded, LeaseExpired, StrataError
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io, frames
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
-from kvstore.transport.samehost import INLINE_BYTES, MAX_PENDING_RELEASES, RELEASE_DELAY_S
+from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
+from kvstore.transport.samehost import INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S
 from kvstore.transport.unix import connect_unix
 
 CONNECT_TIMEOUT_S = 5.0
@@ -65,9 +68,12 @@ class AsyncSameHostTransport:
         self._max_payload = frames.MAX_PAYLOAD_BYTES
         self._max_batch = 4096
         self._reading: asyncio.Task | None = None
+        self._locations: Locations | None = None
+        self._touched: dict[str, dict[bytes, None]] = {}  # read without asking: reported for recency
 
     @classmethod
-    async def connect(cls, arena: ShmArena, path: str, token: bytes, **options) -> AsyncSameHostTransport:
+    async def connect(cls, arena: ShmArena, path: str, token: bytes, *, locations: int = DEFAULT_CAPACITY,
+                      **options) -> AsyncSameHostTransport:
         loop = asyncio.get_running_loop()
         try:
             sock = await loop.run_in_executor(None, connect_unix, path, CONNECT_TIMEOUT_S)
@@ -78,7 +84,13 @@ class AsyncSameHostTransport:
         self = cls(arena, reader, writer, **options)
         self._reading = asyncio.ensure_future(self._read_loop())
         limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], (), CONNECT_TIMEOUT_S)
-        _, self._max_payload, self._max_batch, _removals = limits  # no location table here yet
+        _, self._max_payload, self._max_batch, removals = limits
+        if removals and locations:
+            try:
+                self._locations = Locations(removals, bytes(token), locations)
+            except ArenaUnusable:
+                await self.close()
+                raise
         return self
 
     async def close(self) -> None:
@@ -95,6 +107,8 @@ class AsyncSameHostTransport:
             pass  # already gone
         if self._reading is not None:
             await asyncio.gather(self._reading, return_exceptions=True)
+        if self._locations is not None:
+            self._locations.close()
 
     # ---- requests ------------------------------------------------------------
 
@@ -141,6 +155,13 @@ class AsyncSameHostTransport:
         pending, self._pending = self._pending, []
         return pending
 
+    def _touch_later(self, namespace: str, keys: list[bytes]) -> None:
+        touched = self._touched.setdefault(namespace, {})
+        if len(touched) < MAX_TOUCHED:  # beyond it recency is approximate, never unbounded
+            touched.update(dict.fromkeys(keys))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(RELEASE_DELAY_S, self._flush_pending)
+
     def _flush_pending(self) -> None:
         if self._flush is not None:
             self._flush.cancel()
@@ -148,6 +169,9 @@ class AsyncSameHostTransport:
         pending = self._take_pending()
         if pending:
             self._notify(frames.RELEASE, [pending])
+        touched, self._touched = self._touched, {}
+        for namespace, keys in touched.items():
+            self._notify(frames.TOUCH, [namespace, list(keys)])
 
     def _give_back(self, op: int, status: int, result) -> None:
         """A reply nobody waits for any more: release what it granted."""
@@ -215,19 +239,76 @@ class AsyncSameHostTransport:
         keys = list(keys)
         if not keys:
             return []
+        blocks: list[Block | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if self._locations is not None:
+            todo = await self._read_known(namespace, keys, place, blocks)
+        if todo:
+            await self._lookup_into(namespace, keys, todo, place, blocks, timeout)
+        return blocks
+
+    async def _read_known(self, namespace: str, keys: list[bytes], place: Place | None,
+                          blocks: list[Block | None]) -> list[int]:
+        """Read the blocks whose arena extent this client already knows (see kvstore.transport.locations)."""
+        locations = self._locations
+        epoch = locations.epoch()
+        todo: list[int] = []
+        jobs: list[tuple[int, memoryview, int, int]] = []
+        known: dict[int, tuple] = {}
+        for i, key in enumerate(keys):
+            where = locations.get(namespace, key)
+            if where is None:
+                todo.append(i)
+                continue
+            offset, size, sum_, parent, layout = where
+            if place is None:
+                out = memoryview(bytearray(size))
+            else:  # on the loop: placements are the caller's code
+                view = place(i, BlockInfo(key, size, layout, parent))
+                if view is None:
+                    continue  # declined: a miss
+                out = view[:size]
+            jobs.append((i, out, offset, sum_))
+            known[i] = where
+        if not jobs:
+            return todo
+        nbytes = sum(len(out) for _, out, _, _ in jobs)
+        sums = await self._off_loop(nbytes, self._copy_all, jobs) if nbytes > self._off_loop_bytes else self._copy_all(jobs)
+        hits: list[int] = []
+        for (i, out, _, sum_), got in zip(jobs, sums):
+            if got != sum_:
+                locations.forget(namespace, keys[i])  # the extent went to another block: ask the daemon
+                todo.append(i)
+                continue
+            _, _, _, parent, layout = known[i]
+            blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName.HOST)
+            hits.append(i)
+        if hits and not locations.still(epoch):  # a Delete answered while we copied: nothing read here counts
+            for i in hits:
+                blocks[i] = None
+            return sorted(todo + hits)
+        if hits:
+            self._touch_later(namespace, [keys[i] for i in hits])
+        return sorted(todo)
+
+    async def _lookup_into(self, namespace: str, keys: list[bytes], todo: list[int], place: Place | None,
+                           blocks: list[Block | None], timeout: float | None) -> None:
+        """One Lookup for the keys at ``todo``; copies under its leases; refetches what it could not read."""
+        asked = [keys[i] for i in todo]
+        epoch = self._locations.epoch() if self._locations is not None else 0
         releases = self._take_pending()
-        lease_deadline, entries = await self._call(
-            frames.LOOKUP, [namespace, keys, self._lease_ms, _timeout_ms(timeout), releases], (), timeout
+        lease_deadline, answers = await self._call(
+            frames.LOOKUP, [namespace, asked, self._lease_ms, _timeout_ms(timeout), releases], (), timeout
         )
         received = arena_io.now_ms()
-        if len(entries) != len(keys):
-            raise StrataError(f"the daemon answered {len(entries)} of {len(keys)} keys")
-        blocks: list[Block | None] = [None] * len(keys)
+        if len(answers) != len(asked):
+            raise StrataError(f"the daemon answered {len(answers)} of {len(asked)} keys")
+        entries = dict(zip(todo, answers))
         refetch: list[int] = []
         placed: dict[int, memoryview] = {}
         jobs: list[tuple[int, memoryview, int, int]] = []  # (index, out, offset, checksum)
         try:
-            for i, entry in enumerate(entries):
+            for i, entry in entries.items():
                 if entry is None:
                     continue
                 size, sum_, parent, layout, offset, lease_id, tier = entry
@@ -248,25 +329,31 @@ class AsyncSameHostTransport:
             else:
                 sums = self._copy_all(jobs)
         except BaseException:  # a placement refused, or the call was cancelled: give the leases back now
-            self._notify(frames.RELEASE, [[e[5] for e in entries if e is not None and e[5]]])
+            self._notify(frames.RELEASE, [[e[5] for e in answers if e is not None and e[5]]])
             raise
-        for (i, out, _, sum_), got in zip(jobs, sums):
+        learned: list[tuple[bytes, tuple]] = []
+        for (i, out, offset, sum_), got in zip(jobs, sums):
             if got != sum_:
                 refetch.append(i)
                 continue
             size, _, parent, layout, _, _, tier = entries[i]
             blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
-        ids = [e[5] for e in entries if e is not None and e[5]]
+            learned.append((keys[i], (offset, size, sum_, parent, layout)))
+        ids = [e[5] for e in answers if e is not None and e[5]]
         if ids:
             if refetch or not arena_io.lease_held(lease_deadline, received):
+                learned = []
                 valid = await self._call(frames.RELEASE, [ids], (), timeout)
                 by_id = dict(zip(ids, valid))
-                for i, entry in enumerate(entries):
+                for i, entry in entries.items():
                     if entry is not None and entry[5] and not by_id.get(entry[5]) and blocks[i] is not None:
                         blocks[i] = None
                         refetch.append(i)
             else:
                 self._release_later(ids)
+        if self._locations is not None:
+            for key, where in learned:
+                self._locations.learn(epoch, namespace, key, where)
         if refetch:
             refetch.sort()
 
@@ -279,7 +366,6 @@ class AsyncSameHostTransport:
             got = await self._fallback(namespace, [keys[i] for i in refetch], again if place else None)
             for i, block in zip(refetch, got):
                 blocks[i] = block
-        return blocks
 
     def _copy_all(self, jobs) -> list[int]:
         return [arena_io.copy_out(self._arena, offset, out) for _, out, offset, _ in jobs]
