@@ -16,13 +16,13 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.block import TierName, validate_namespace
 from kvstore.errors import DaemonUnavailable, InvalidArgument, ResourceExhausted, StrataError
 from kvstore.rpc.status import from_rpc_error
+from kvstore.transport.arena_io import LEASE_MARGIN_MS, MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms  # noqa: F401
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, Placement, fit, placement, writable  # noqa: F401
 from kvstore.transport.grpc_blocks import (  # noqa: F401
-    CHANNEL_OPTIONS, DEFAULT_CHUNK, LEASE_MARGIN_MS, MAX_COMMIT_GROUPS, MAX_MESSAGE_BYTES, MIN_COMMIT_GROUP_BYTES,
-    ArenaRead, GetAssembler, allocate_request, arena_batch_bytes, batches_by_bytes, check_gets, check_puts,
-    copy_into_slots, drop_expired, info_of, lease_held, leased_bytes, lookup_lease_ids, now_ms, open_arena,
-    place_lookup, put_requests, put_results, read_located, read_lookup, refetch_placement, slot_groups, slot_ids,
-    stream_put_results,
+    CHANNEL_OPTIONS, DEFAULT_CHUNK, MAX_MESSAGE_BYTES, ArenaRead, GetAssembler, allocate_request, arena_batch_bytes,
+    batches_by_bytes, check_gets, check_puts, copy_into_slots, drop_expired, info_of, leased_bytes, lookup_lease_ids,
+    open_arena, place_lookup, put_requests, put_results, read_located, read_lookup, refetch_placement, slot_groups,
+    slot_ids, stream_put_results,
 )
 
 DEFAULT_TIMEOUT_S = 10.0

@@ -62,6 +62,7 @@ _ERRORS: dict[str, type[StrataError]] = {
     name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, StrataError)
 }
 
+_KEEP_BYTES = 1 << 20  # a read buffer grown past this is given back once empty
 _WAITALL_BYTES = 16 << 10  # a frame's missing part above this is taken whole (MSG_WAITALL)
 _IOV_MAX = 512  # buffers per sendmsg; Linux takes at most 1024
 
@@ -110,6 +111,7 @@ class FrameReader:
         self._sock = sock
         self._max_meta = max_meta
         self._max_payload = max_payload
+        self._initial = initial
         self._buf = bytearray(initial)
         self._view = memoryview(self._buf)
         self._start = 0  # first unconsumed byte
@@ -142,6 +144,9 @@ class FrameReader:
         """The next frame's decoded meta and its payload view."""
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._buf) > _KEEP_BYTES:  # a big frame passed: an idle connection holds little
+                self._buf = bytearray(self._initial)
+                self._view = memoryview(self._buf)
         self._fill(HEADER.size)
         meta_len, payload_len = HEADER.unpack_from(self._buf, self._start)
         if meta_len > self._max_meta or payload_len > self._max_payload:

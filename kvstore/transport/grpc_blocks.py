@@ -16,7 +16,7 @@ from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, vali
 from kvstore.errors import ArenaUnusable, CorruptBlock, LeaseExpired
 from kvstore.shm.arena import ArenaMismatch, ShmArena
 from kvstore.transport import arena_io
-from kvstore.transport.arena_io import LEASE_MARGIN_MS, MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms
+from kvstore.transport.arena_io import MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
 
 DEFAULT_CHUNK = 1 << 20
