@@ -266,3 +266,12 @@ def test_bytes_that_fail_their_checksum_are_never_delivered(transport, daemon):
         got = [None]
     assert got == [None] or bytes(got[0].data) == data
     assert transport.get_into("m", [b"bad"], None, deadline()) == [None]  # the corrupt copy was dropped
+
+
+def test_the_clients_own_deadlines_take_the_fast_path_and_refuse_cancel(transport, daemon):
+    own = Deadline.after(10, cancellable=False)
+    assert transport.put("m", [BlockPut(b"own", b"v" * 5000)], own) == [True]
+    [block] = transport.get_into("m", [b"own"], None, own)
+    assert bytes(block.data) == b"v" * 5000
+    with pytest.raises(InvalidArgument, match="not cancellable"):
+        own.cancel()

@@ -121,7 +121,7 @@ class Client:
         return self._transport
 
     def _deadline(self) -> Deadline:
-        return Deadline.after(self.timeout)
+        return Deadline.after(self.timeout, cancellable=False)  # the call's own: nobody else can cancel it
 
     # ---- data ----------------------------------------------------------------
 

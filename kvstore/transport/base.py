@@ -118,17 +118,20 @@ class Deadline:
     blocked in the kernel wakes at once instead of polling.
     """
 
-    __slots__ = ("at", "_cancelled", "_callbacks", "_lock")
+    __slots__ = ("at", "cancellable", "_cancelled", "_callbacks", "_lock")
 
-    def __init__(self, at: float | None = None) -> None:
+    def __init__(self, at: float | None = None, *, cancellable: bool = True) -> None:
         self.at = at
+        # False: nobody else holds this deadline (a client's own call), so a
+        # transport may take a faster path that cannot be woken early.
+        self.cancellable = cancellable
         self._cancelled = False
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
     @classmethod
-    def after(cls, seconds: float | None) -> Deadline:
-        return cls(None if seconds is None else time.monotonic() + seconds)
+    def after(cls, seconds: float | None, *, cancellable: bool = True) -> Deadline:
+        return cls(None if seconds is None else time.monotonic() + seconds, cancellable=cancellable)
 
     @property
     def cancelled(self) -> bool:
@@ -146,6 +149,8 @@ class Deadline:
             raise DeadlineExceeded("the call's deadline passed: retry with a longer timeout")
 
     def cancel(self) -> None:
+        if not self.cancellable:
+            raise InvalidArgument("this deadline was made not cancellable: create it with cancellable=True")
         with self._lock:
             if self._cancelled:
                 return

@@ -57,7 +57,7 @@ class GrpcArenaTransport(Transport):
         return results
 
     def _put_group(self, namespace: str, checked, deadline: Deadline) -> list[bool]:
-        alloc = call_grpc(deadline, self._stub.Allocate.future, codec.allocate_request(namespace, checked, self._lease_ms))
+        alloc = call_grpc(deadline, self._stub.Allocate, codec.allocate_request(namespace, checked, self._lease_ms))
         received = codec.now_ms()
         in_flight: list[grpc.Future] = []
         try:
@@ -83,7 +83,7 @@ class GrpcArenaTransport(Transport):
         keys = list(keys)
         if not keys:
             return []
-        response = call_grpc(deadline, self._stub.Lookup.future,
+        response = call_grpc(deadline, self._stub.Lookup,
                              pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
         received = codec.now_ms()
         try:
@@ -97,7 +97,7 @@ class GrpcArenaTransport(Transport):
             if codec.lease_held(response.lease_deadline_unix_ms, received):
                 self._release_later(release)
             else:
-                codec.drop_expired(read, call_grpc(deadline, self._stub.Release.future, release).valid)
+                codec.drop_expired(read, call_grpc(deadline, self._stub.Release, release).valid)
         if read.refetch:
             again = codec.refetch_placement(place, placed)
             refetch = read.refetch

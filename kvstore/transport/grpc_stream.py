@@ -18,13 +18,20 @@ from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
 
 
-def call_grpc(deadline: Deadline, start, *args):
+def call_grpc(deadline: Deadline, method, *args):
     """Run one unary-reply gRPC call under ``deadline``: cancelled with it, its failure as a StrataError.
 
-    ``start`` is a stub method's ``future``; the reply is returned.
+    ``method`` is a stub's multi-callable. A deadline nobody can cancel takes
+    the blocking call, which costs a few hundred microseconds less than a
+    future here (no hand-off of the reply between threads).
     """
     deadline.check()
-    return wait_grpc(deadline, start(*args, timeout=deadline.remaining()))
+    if not deadline.cancellable:
+        try:
+            return method(*args, timeout=deadline.remaining())
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+    return wait_grpc(deadline, method.future(*args, timeout=deadline.remaining()))
 
 
 def wait_grpc(deadline: Deadline, future: grpc.Future):
@@ -66,7 +73,7 @@ class GrpcStreamTransport(Transport):
         checked = codec.check_puts(namespace, blocks)
         if not checked:
             return []
-        response = call_grpc(deadline, self._stub.Put.future, codec.put_requests(namespace, checked, self._chunk))
+        response = call_grpc(deadline, self._stub.Put, codec.put_requests(namespace, checked, self._chunk))
         return codec.stream_put_results(checked, response)
 
     def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None, deadline: Deadline,

@@ -48,6 +48,10 @@ DEFAULT_LOCATIONS = DEFAULT_CAPACITY
 CONNECT_TIMEOUT_S = 5.0
 
 
+def _nothing() -> None:
+    pass
+
+
 def _timeout_ms(deadline: Deadline) -> int:
     """The daemon's share of the deadline: a little less, so its answer (a refusal, say) arrives in time."""
     remaining = deadline.remaining()
@@ -114,7 +118,7 @@ class _Connection:
             raise DaemonUnavailable("the same-host connection was closed")
         deadline.check()
         self._bound(deadline.remaining())
-        forget = deadline.on_cancel(self._wake)
+        forget = deadline.on_cancel(self._wake) if deadline.cancellable else _nothing
         try:
             while True:
                 try:
