@@ -25,6 +25,11 @@ Limits: a meta part over :data:`MAX_META_BYTES` or a payload over
 :data:`MAX_PAYLOAD_BYTES` is refused before it is read; the daemon then
 replies with an error and closes the connection (the stream cannot be
 resynchronised).
+
+Errors, beyond :mod:`kvstore.errors`::
+
+    InvalidArgument
+    └── FrameError    a frame broke the format or its limits (crosses the socket as InvalidArgument)
 """
 
 from __future__ import annotations
