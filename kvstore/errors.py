@@ -24,6 +24,7 @@ says what was wrong and what to do about it.
     ├── TierUnavailable             a tier's device failed (UNAVAILABLE)
     │   └── DiskFull                the disk tier's filesystem is full
     ├── DeadlineExceeded            the caller's deadline passed (DEADLINE_EXCEEDED)
+    ├── Cancelled                   client side: the caller cancelled the call
     ├── PrefixIndexError            the prefix index
     │   ├── IndexUnavailable        its backing service cannot be reached (UNAVAILABLE)
     │   └── StaleEpoch              a write names an epoch older than the node's (FAILED_PRECONDITION)
@@ -129,6 +130,10 @@ class DiskFull(TierUnavailable):
 
 
 class DeadlineExceeded(StrataError):
+    pass
+
+
+class Cancelled(StrataError):
     pass
 
 

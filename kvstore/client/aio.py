@@ -1,6 +1,9 @@
 """asyncio client of a Strata daemon: the twin of :class:`kvstore.client.sync.Client`.
 
-Same arguments, same methods, same results; each call is a coroutine. All
+Same arguments, same methods, same results; each call is a coroutine. On
+the daemon's host, block bytes go through the arena with control over the
+daemon's same-host socket (:mod:`kvstore.transport.samehost_aio`); without
+that socket, control goes as gRPC calls; elsewhere, bytes are streamed. All
 request building, parsing, arena copies and the retry policy come from
 :mod:`kvstore.client.codec`, so only the loops over them live here.
 
@@ -19,6 +22,7 @@ refusal as INTERNAL instead of the server's status (see
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -30,8 +34,11 @@ from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
-from kvstore.errors import ArenaUnusable, StrataError
+from kvstore.errors import ArenaUnusable, DaemonUnavailable, StrataError
 from kvstore.shm.arena import ShmArena
+from kvstore.transport.samehost_aio import AsyncSameHostTransport
+
+log = logging.getLogger(__name__)
 
 OFF_LOOP_BYTES = 1 << 20
 # Streamed Puts in flight per client; each holds a gRPC thread feeding it.
@@ -67,6 +74,7 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._arena: ShmArena | None = None
+        self._same_host: AsyncSameHostTransport | None = None
         self._arena_checked = False
         self._attach_lock = asyncio.Lock()  # one Attach, however many first calls race
         self._copies: set[asyncio.Future] = set()  # threads holding arena views
@@ -87,6 +95,8 @@ class AsyncClient:
             await asyncio.wait(list(self._copies))
         if self._releases:  # let pending releases reach the daemon; failures expire by themselves
             await asyncio.wait(list(self._releases), timeout=self.timeout)
+        if self._same_host is not None:
+            await self._same_host.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -103,6 +113,8 @@ class AsyncClient:
                 return await attempt_once()
             except grpc.RpcError as rpc_err:
                 err = codec.translate(rpc_err)
+            except StrataError as transport_err:  # the same-host transport raises Strata errors already
+                err = transport_err
             delay = codec.retry_delay(err, method, attempt, self.retries)
             if delay is None:
                 raise err
@@ -140,17 +152,34 @@ class AsyncClient:
         """Whether block bytes move through the daemon's arena (asks the daemon once)."""
         return await self._arena_or_none() is not None
 
+    async def transport_name(self) -> str:
+        """The transport block bytes take: "same-host", "grpc-arena" or "grpc" (asks the daemon once)."""
+        if await self._arena_or_none() is None:
+            return "grpc"
+        return "grpc-arena" if self._same_host is None else self._same_host.name
+
     async def _arena_or_none(self) -> ShmArena | None:
         if self._use_shm is False:
             return None
         if not self._arena_checked:
             async with self._attach_lock:
                 if not self._arena_checked:
+                    attach = None
                     try:
-                        self._arena = codec.open_arena(await self._call("Attach", pb.AttachRequest()))
+                        attach = await self._call("Attach", pb.AttachRequest())
+                        self._arena = codec.open_arena(attach)
                     except ArenaUnusable:
                         if self._use_shm:
                             raise
+                    if self._arena is not None and attach.control_socket:
+                        try:
+                            self._same_host = await AsyncSameHostTransport.connect(
+                                self._arena, attach.control_socket, attach.arena_token, lease_ms=self._lease_ms,
+                                off_loop=self._off_loop, off_loop_bytes=OFF_LOOP_BYTES,
+                                fallback=lambda ns, keys, place: self._get_streamed(ns, keys, place),
+                            )
+                        except DaemonUnavailable as err:
+                            log.info("same-host socket unusable, control goes over gRPC: %s", err)
                     self._arena_checked = True
         return self._arena
 
@@ -168,6 +197,9 @@ class AsyncClient:
         arena = await self._arena_or_none()
         if arena is None:
             return codec.stream_put_results(checked, await self._call_put(namespace, checked))
+        if self._same_host is not None:
+            items = [item for item, _, _ in checked]
+            return await self._retrying("Put", lambda: self._same_host.put(namespace, items, self.timeout))
         results: list[bool] = []
         for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(arena)):
             results += await self._put_shm(arena, namespace, group)
@@ -252,6 +284,8 @@ class AsyncClient:
         arena = await self._arena_or_none()
         if arena is None:
             return await self._get_streamed(namespace, keys, place)
+        if self._same_host is not None:
+            return await self._retrying("Get", lambda: self._same_host.get_into(namespace, keys, place, self.timeout))
         response = await self._call(
             "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
         )

@@ -1,14 +1,17 @@
 """Blocking client of a Strata daemon.
 
-On the daemon's host the client maps the daemon's arena and moves block
-bytes through shared memory (gRPC carries only control); anywhere else, or
-when the arena cannot be mapped, it streams bytes over gRPC. The caller sees
-the same results either way.
+Block bytes move through a transport (:mod:`kvstore.transport`) picked from
+what the daemon offers: on the daemon's host the client maps its arena and
+sends control messages over the daemon's same-host socket (or, when none is
+offered, as gRPC calls); anywhere else, or when the arena cannot be mapped,
+it streams bytes over gRPC. The caller sees the same results either way.
+Control calls that move no block bytes (Exists, Pin, List, Stats, Score...)
+are gRPC calls.
 """
 
 from __future__ import annotations
 
-import collections
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -19,8 +22,11 @@ from kvstore.api.v1 import index_pb2, index_pb2_grpc, kv_pb2_grpc
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
-from kvstore.errors import ArenaUnusable, StrataError
+from kvstore.errors import StrataError
 from kvstore.shm.arena import ShmArena
+from kvstore.transport.attached import choose
+from kvstore.transport.base import Deadline, Transport
+from kvstore.transport.grpc_stream import GrpcStreamTransport
 
 
 class Client:
@@ -28,6 +34,8 @@ class Client:
 
     ``use_shm``: None picks shared memory when the daemon's arena can be
     mapped from here; False always streams; True requires shared memory.
+    ``transport`` names one ("same-host", "grpc-arena", "grpc") instead of
+    picking, and fails rather than fall back.
     """
 
     def __init__(
@@ -39,19 +47,21 @@ class Client:
         use_shm: bool | None = None,
         lease_ms: int = 0,
         chunk_bytes: int = codec.DEFAULT_CHUNK,
+        transport: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self._use_shm = use_shm
+        self._want = transport
         self._lease_ms = lease_ms
-        self._chunk = chunk_bytes
         self._channel = grpc.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._index = index_pb2_grpc.IndexServiceStub(self._channel)
+        self._stream = GrpcStreamTransport(self._channel, chunk_bytes=chunk_bytes)
+        self._transport: Transport | None = None
         self._arena: ShmArena | None = None
-        self._arena_checked = False
-        self._releases: collections.deque[grpc.Future] = collections.deque()
+        self._pick_lock = threading.Lock()
 
     def __enter__(self) -> Client:
         return self
@@ -60,12 +70,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        for future in self._releases:  # let pending releases reach the daemon
-            try:
-                future.result(timeout=self.timeout)
-            except grpc.RpcError:
-                pass  # the leases expire by themselves
-        self._releases.clear()
+        if self._transport is not None:
+            self._transport.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -80,6 +86,8 @@ class Client:
                 return attempt_once()
             except grpc.RpcError as rpc_err:
                 err = codec.translate(rpc_err)
+            except StrataError as transport_err:  # transports raise Strata errors already
+                err = transport_err
             delay = codec.retry_delay(err, method, attempt, self.retries)
             if delay is None:
                 raise err
@@ -93,19 +101,27 @@ class Client:
     @property
     def shared_memory(self) -> bool:
         """Whether block bytes move through the daemon's arena."""
-        return self._arena_or_none() is not None
+        return self._data().shared_memory
 
-    def _arena_or_none(self) -> ShmArena | None:
-        if self._use_shm is False:
-            return None
-        if not self._arena_checked:
-            try:
-                self._arena = codec.open_arena(self._call("Attach", pb.AttachRequest()))
-            except ArenaUnusable:
-                if self._use_shm:
-                    raise
-            self._arena_checked = True
-        return self._arena
+    @property
+    def transport_name(self) -> str:
+        """The transport block bytes take: "same-host", "grpc-arena" or "grpc"."""
+        return self._data().name
+
+    def _data(self) -> Transport:
+        if self._transport is None:
+            with self._pick_lock:
+                if self._transport is None:
+                    wants_arena = self._use_shm is not False and self._want != "grpc"
+                    attach = self._call("Attach", pb.AttachRequest()) if wants_arena else None
+                    self._transport, self._arena = choose(
+                        attach, self._channel, self._stream, use_shm=self._use_shm, want=self._want,
+                        lease_ms=self._lease_ms,
+                    )
+        return self._transport
+
+    def _deadline(self) -> Deadline:
+        return Deadline.after(self.timeout, cancellable=False)  # the call's own: nobody else can cancel it
 
     # ---- data ----------------------------------------------------------------
 
@@ -118,47 +134,9 @@ class Client:
         checked = codec.check_puts(namespace, items)
         if not checked:
             return []
-        arena = self._arena_or_none()
-        if arena is None:
-            return codec.stream_put_results(checked, self._call_put(namespace, checked))
-        results: list[bool] = []
-        for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(arena)):
-            results += self._put_shm(arena, namespace, group)
-        return results
-
-    def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
-        alloc = self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
-        received = codec.now_ms()
-        in_flight: list[tuple[grpc.Future, pb.CommitRequest]] = []
-        try:
-            for group in codec.slot_groups(checked, alloc):
-                request = codec.copy_into_slots(arena, alloc, received, group)
-                in_flight.append((self._stub.Commit.future(request, timeout=self.timeout), request))
-            done = [self._commit_result(future, request) for future, request in in_flight]
-        except BaseException:
-            for future, _ in in_flight:
-                future.cancel()
-            try:  # committed slots are skipped; the rest are given back
-                self._call("Abort", pb.AbortRequest(slot_ids=codec.slot_ids(alloc)))
-            except StrataError:
-                pass  # the slots expire by themselves
-            raise
-        return codec.put_results(alloc, done)
-
-    def _commit_result(self, future: grpc.Future, request: pb.CommitRequest) -> pb.CommitResponse:
-        try:
-            return future.result()
-        except grpc.RpcError as rpc_err:
-            err = codec.translate(rpc_err)
-        if codec.retry_delay(err, "Commit", 0, self.retries) is None:
-            raise err
-        time.sleep(codec.retry_delay(err, "Commit", 0, self.retries))
-        return self._call("Commit", request)
-
-    def _call_put(self, namespace: str, checked) -> pb.PutResponse:
-        return self._retrying(
-            "Put", lambda: self._stub.Put(codec.put_requests(namespace, checked, self._chunk), timeout=self.timeout)
-        )
+        transport = self._data()
+        items = [item for item, _, _ in checked]
+        return self._retrying("Put", lambda: transport.put(namespace, items, self._deadline()))
 
     def get(self, namespace: str, key: bytes) -> bytes | bytearray | None:
         """The block's bytes, or None on a miss."""
@@ -167,7 +145,7 @@ class Client:
 
     def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
         """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
-        return self._get(namespace, keys, None)
+        return self._get(codec.check_gets(namespace, keys), namespace, None)
 
     def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence | codec.Placement) -> list[Block | None]:
         """Read blocks straight into caller-owned memory: no buffer allocated per block.
@@ -184,51 +162,13 @@ class Client:
         may be placed again: return the same buffer for the same index.
         """
         keys = codec.check_gets(namespace, keys)
-        return self._get(namespace, keys, codec.placement(keys, buffers))
+        return self._get(keys, namespace, codec.placement(keys, buffers))
 
-    def _get(self, namespace: str, keys: Sequence[bytes], place) -> list[Block | None]:
-        keys = codec.check_gets(namespace, keys)
+    def _get(self, keys: list[bytes], namespace: str, place) -> list[Block | None]:
         if not keys:
             return []
-        arena = self._arena_or_none()
-        if arena is None:
-            return self._get_streamed(namespace, keys, place)
-        response = self._call("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
-        received = codec.now_ms()
-        try:
-            placed = None if place is None else codec.place_lookup(response, place)
-            read = codec.read_lookup(arena, response, placed)
-        except BaseException:  # a placement refused: give the read leases back now
-            self._release_later(pb.ReleaseRequest(lease_ids=codec.lookup_lease_ids(response)))
-            raise
-        if read.leased:
-            release = pb.ReleaseRequest(lease_ids=read.lease_ids())
-            if codec.lease_held(response.lease_deadline_unix_ms, received):
-                self._release_later(release)
-            else:
-                codec.drop_expired(read, self._call("Release", release).valid)
-        if read.refetch:
-            again = self._get_streamed(
-                namespace, [keys[i] for i in read.refetch], codec.refetch_placement(place, placed), read.refetch
-            )
-            for i, block in zip(read.refetch, again):
-                read.blocks[i] = block
-        return read.blocks
-
-    def _release_later(self, request: pb.ReleaseRequest) -> None:
-        """Release read leases without waiting for the answer (the reads are already known good)."""
-        while self._releases and self._releases[0].done():
-            self._releases.popleft()
-        self._releases.append(self._stub.Release.future(request, timeout=self.timeout))
-
-    def _get_streamed(self, namespace: str, keys: list[bytes], place=None, indices=None) -> list[Block | None]:
-        def once() -> list[Block | None]:
-            assembler = codec.GetAssembler(place, indices)
-            for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
-                assembler.feed(msg)
-            return assembler.finish()
-
-        return self._retrying("Get", once)
+        transport = self._data()
+        return self._retrying("Get", lambda: transport.get_into(namespace, keys, place, self._deadline()))
 
     # ---- control -------------------------------------------------------------
 

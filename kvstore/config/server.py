@@ -26,6 +26,13 @@ class ServerSettings(Section):
     unix_socket: str = setting(
         "", "also serve gRPC on this Unix socket path (lower latency for same-host clients); empty: off"
     )
+    same_host_socket: str = setting(
+        "auto",
+        "Unix socket of the same-host block path (control of clients that map the arena, without gRPC): "
+        "'auto' next to the arena file, 'off' to disable, or a path",
+    )
+    same_host_max_connections: int = setting(64, "same-host socket connections at once", ge=1, le=4096)
+    same_host_idle_seconds: float = setting(300.0, "close a same-host connection idle this long", gt=0, le=86400)
     metrics_listen: str = setting("127.0.0.1:9464", "Prometheus /metrics address, host:port; empty: off")
     workers: int = setting(16, "gRPC worker threads", ge=1, le=1024)
     max_in_flight: int = setting(

@@ -35,6 +35,7 @@ from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.server.admission import AdmissionInterceptor
+from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
 from kvstore.store.events import EventBus
@@ -62,6 +63,7 @@ class Daemon:
         self.metrics_port: int | None = None
         self._lock_fd: int | None = None
         self._server: grpc.Server | None = None
+        self._same_host: SameHostServer | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -80,6 +82,8 @@ class Daemon:
             self._stopping = True
             if self._server is not None:
                 self._server.stop(0)
+            if self._same_host is not None:
+                self._same_host.stop()
             if self.index_agent is not None and self.store is not None:
                 self.index_agent.stop(1.0)
             if self.store is not None:
@@ -143,8 +147,25 @@ class Daemon:
             interceptors=[AdmissionInterceptor(s.server.max_in_flight, self.metrics)],
             options=options,
         )
+        arena = self.store.head.arena
+        if s.server.same_host_socket != "off":
+            auto = os.path.join(os.path.dirname(arena.path), "samehost-" + os.path.basename(arena.path) + ".sock")
+            path = auto if s.server.same_host_socket == "auto" else s.server.same_host_socket
+            self._same_host = SameHostServer(
+                self.store, path, arena.token, metrics=self.metrics,
+                max_connections=s.server.same_host_max_connections, idle_s=s.server.same_host_idle_seconds,
+            )
+            try:
+                self._same_host.start()
+            except OSError as err:
+                raise DaemonError(
+                    f"cannot serve the same-host socket at {path} ({err.strerror or err}): "
+                    "set --same-host-socket to a writable path, or 'off'"
+                ) from None
         kv_pb2_grpc.add_KVServiceServicer_to_server(
-            KVServicer(self.store, self.store.head.arena, self.node, int(s.server.chunk_bytes)), server
+            KVServicer(self.store, arena, self.node, int(s.server.chunk_bytes),
+                       self._same_host.path if self._same_host else "",
+                       self._same_host.removed if self._same_host else None), server
         )
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
@@ -229,6 +250,8 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self._same_host is not None:
+            self._same_host.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

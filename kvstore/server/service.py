@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -34,8 +34,12 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
 
 
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
-    def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int) -> None:
+    def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int,
+                 control_socket: str = "", removed: Callable[[], None] | None = None) -> None:
         self._store = store
+        self._control_socket = control_socket
+        # Told after blocks were deleted, before the Delete answers (same-host clients' location tables).
+        self._removed = removed
         self._arena = arena
         self._node = node
         self._chunk = chunk_bytes
@@ -120,6 +124,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             arena_bytes=self._arena.size,
             max_block_bytes=self._store.limits.max_block_bytes,
             lease_ms=int(self._store.limits.lease_s * 1000),
+            control_socket=self._control_socket,
         )
 
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
@@ -176,7 +181,10 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.ExistsResponse(prefix_blocks=len(tiers), tiers=[int(t) for t in tiers])
 
     def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
-        return pb.DeleteResponse(deleted=self._store.delete(request.namespace, list(request.keys)))
+        deleted = self._store.delete(request.namespace, list(request.keys))
+        if deleted and self._removed is not None:
+            self._removed()
+        return pb.DeleteResponse(deleted=deleted)
 
     def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
         lease, missing = self._store.pin(request.namespace, list(request.keys), _lease_s(request.lease_ms))

@@ -93,18 +93,20 @@ class AttachRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("arena_path", "arena_token", "arena_bytes", "max_block_bytes", "lease_ms")
+    __slots__ = ("arena_path", "arena_token", "arena_bytes", "max_block_bytes", "lease_ms", "control_socket")
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     arena_path: str
     arena_token: bytes
     arena_bytes: int
     max_block_bytes: int
     lease_ms: int
-    def __init__(self, arena_path: _Optional[str] = ..., arena_token: _Optional[bytes] = ..., arena_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    control_socket: str
+    def __init__(self, arena_path: _Optional[str] = ..., arena_token: _Optional[bytes] = ..., arena_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., control_socket: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("namespace", "blocks", "lease_ms")

@@ -1,0 +1,348 @@
+"""The daemon's same-host control socket: the store's arena calls without gRPC's per-call cost.
+
+A client on the daemon's host maps the arena (block bytes move there) and
+sends its control messages here: Lookup and Release around an in-place
+read, Allocate and Commit around an in-place write, and whole small blocks
+inline (one round trip per put). The format is :mod:`kvstore.transport.frames`.
+
+Why threads with blocking sockets: a connection's requests are served in
+order, one at a time, by the connection's own thread, which sleeps in
+``recv`` between them; the store call dominates, and a thread per
+connection adds no hop (a selector loop handing requests to a pool would add
+two thread switches per request, ~20 us here). The cost is one thread per
+connected client, so connections are limited.
+
+Limits: ``max_connections`` at once (one more is told Overloaded, with a
+retry delay, and closed); one request in flight per connection (the next
+is not read until the reply is sent; the kernel's socket buffer bounds what
+a client can queue); frames within :mod:`~kvstore.transport.frames` limits;
+a connection idle for ``idle_s``, or whose client stops reading its
+replies for as long, is closed (the client reconnects). A
+client that dies leaves its leases and slots to expire as on gRPC.
+
+The first frame must be a Hello carrying the arena's token: the socket file
+is created 0600 next to the arena, and the token proves the client mapped
+this daemon's arena rather than a stale one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+
+from kvstore.block import BlockKey, BlockMeta, validate_namespace
+from kvstore.errors import InvalidArgument, Overloaded, StrataError
+from kvstore.metrics import StoreMetrics
+from kvstore.rpc.status import code_for
+from kvstore.store.tiered import TieredStore
+from kvstore.transport import frames
+from kvstore.transport.locations import RemovalPage
+from kvstore.transport.unix import bind_unix, set_kernel_timeouts
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 10.0  # a connection that does not say Hello this soon is dropped
+
+
+def _lease_s(lease_ms) -> float | None:
+    return lease_ms / 1000 if lease_ms else None
+
+
+def _deadline(timeout_ms) -> float | None:
+    return time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+
+
+def _unix_ms(deadline_monotonic: float) -> int:
+    return int((time.time() + (deadline_monotonic - time.monotonic())) * 1000)
+
+
+def _fields(value, n: int, what: str) -> list:
+    """A request part that must be a list of ``n`` fields (msgpack arrays decode as lists)."""
+    if not isinstance(value, list) or len(value) != n:
+        raise InvalidArgument(f"malformed same-host {what}: expected {n} fields, got {value!r:.80}")
+    return value
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise InvalidArgument(f"malformed same-host request: {what} is not a list")
+    return value
+
+
+def _int(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"malformed same-host request: {what} is not a non-negative integer")
+    return value
+
+
+def _ints(values, what: str) -> list[int]:
+    for v in _list(values, what):
+        _int(v, what)
+    return values
+
+
+class SameHostServer:
+    """Serves one store's arena calls on a Unix socket. :meth:`start`, then :meth:`stop`."""
+
+    def __init__(self, store: TieredStore, path: str, token: bytes, *, metrics: StoreMetrics | None = None,
+                 max_connections: int = 64, idle_s: float = 300.0) -> None:
+        self._store = store
+        self._metrics = metrics if metrics is not None else store.metrics
+        self.path = path
+        self._token = bytes(token)
+        self._max_connections = max_connections
+        self._idle_s = idle_s
+        self._listener: socket.socket | None = None
+        self._removals: RemovalPage | None = None
+        self._acceptor: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._stopping = False
+        handlers = {
+            frames.LOOKUP: self._lookup, frames.RELEASE: self._release, frames.PUT: self._put,
+            frames.ALLOCATE: self._allocate, frames.COMMIT: self._commit, frames.ABORT: self._abort,
+            frames.TOUCH: self._touch,
+        }
+        # Per operation: its handler and its latency series, bound once (labels cost a lookup per call).
+        m = self._metrics
+        self._ops = {op: (fn, m.op_latency.labels(frames.OP_NAMES[op]), frames.OP_NAMES[op]) for op, fn in handlers.items()}
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def start(self) -> SameHostServer:
+        self._removals = RemovalPage(self.path + ".removals", self._token)
+        self._listener = bind_unix(self.path, mode=0o600)
+        self._listener.listen(128)
+        self._acceptor = threading.Thread(target=self._accept_loop, name="strata-samehost-accept", daemon=True)
+        self._acceptor.start()
+        log.info("same-host block path on %s", self.path)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection, remove the socket file and the removal page."""
+        self.removed()  # clients stop trusting what they remember of this arena
+        with self._lock:
+            self._stopping = True
+            conns = list(self._connections.items())
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected: nothing to wake
+            self._listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout)
+        for conn, _ in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone
+        for _, thread in conns:
+            thread.join(timeout)
+        if self._listener is not None:  # bound by us: ours to remove
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self._removals is not None:
+            self._removals.close()
+
+    def removed(self) -> None:
+        """Blocks were deleted: clients forget where they saw blocks (see kvstore.transport.locations).
+
+        Called after the store deleted and before the Delete answers."""
+        if self._removals is not None:
+            self._removals.bump()
+
+    # ---- connections ---------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # the listener was closed: stopping
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(conn,), name="strata-samehost", daemon=True)
+                    self._connections[conn] = thread
+            if full:
+                self._refuse(conn)
+            else:
+                thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        err = Overloaded(
+            f"the same-host socket serves at most {self._max_connections} connections: retry later, "
+            "or share one client between threads", retry_after_s=0.5,
+        )
+        try:
+            conn.settimeout(1.0)
+            frames.send(conn, frames.encode([0, frames.ERROR, frames.error_result(err)]))
+        except OSError:
+            pass  # the client went away first
+        conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reader = frames.FrameReader(conn)
+        try:
+            if self._hello(conn, reader):
+                self._loop(conn, reader)
+        except (EOFError, ConnectionError, TimeoutError, BlockingIOError):
+            pass  # the client closed, died, idled out or stopped reading: its leases expire
+        except OSError as err:
+            log.debug("same-host connection ended: %s", err)
+        except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
+            log.exception("same-host connection closed after an unexpected error")
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)
+            conn.close()
+
+    def _hello(self, conn: socket.socket, reader: frames.FrameReader) -> bool:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            meta, _ = reader.read()
+            op, rid, args = _fields(meta, 3, "request")
+            if op != frames.HELLO:
+                raise InvalidArgument("the first frame on the same-host socket must be Hello")
+            version, token = _fields(args, 2, "Hello")
+            if version != frames.PROTOCOL_VERSION:
+                raise InvalidArgument(
+                    f"same-host protocol {version} is not the daemon's {frames.PROTOCOL_VERSION}: "
+                    "upgrade the client or the daemon so they match"
+                )
+            if not isinstance(token, bytes) or not hmac.compare_digest(token, self._token):
+                raise InvalidArgument("the arena token does not match this daemon's: attach again")
+        except (TypeError, ValueError) as err:
+            self._reply_error(conn, 0, InvalidArgument(f"malformed Hello frame ({err})"))
+            return False
+        except StrataError as err:
+            self._reply_error(conn, 0, err)
+            return False
+        limits = [frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, self._store.limits.max_batch_blocks,
+                  self._removals.path if self._removals is not None else ""]
+        frames.send(conn, frames.encode([rid, frames.OK, limits]))
+        return True
+
+    def _loop(self, conn: socket.socket, reader: frames.FrameReader) -> None:
+        # One timeout for both directions, kept by the kernel (see set_kernel_timeouts):
+        # a client idle this long, or not reading its replies, is dropped.
+        conn.settimeout(None)
+        set_kernel_timeouts(conn, self._idle_s)
+        while True:
+            try:
+                meta, payload = reader.read()
+            except frames.FrameError as err:
+                self._reply_error(conn, 0, err)
+                return  # the stream cannot be resynchronised
+            rid, name = 0, "Unknown"
+            t0 = time.perf_counter()
+            try:
+                op, rid, args = _fields(meta, 3, "request")
+                if not isinstance(rid, int):
+                    raise InvalidArgument("malformed same-host request: its id is not an integer")
+                handler, latency, name = self._ops.get(op) or (None, None, "Unknown")
+                if handler is None:
+                    raise InvalidArgument(f"unknown same-host operation {op!r}: upgrade the daemon or the client")
+                result = handler(args, payload)
+                latency.observe(time.perf_counter() - t0)
+            except StrataError as err:
+                self._failed(conn, rid, name, err)
+                continue
+            if rid:
+                frames.send(conn, frames.encode([rid, frames.OK, result]))
+
+    def _failed(self, conn: socket.socket, rid: int, op: str, err: StrataError) -> None:
+        self._metrics.rpc_errors.labels(op, code_for(err).name).inc()
+        if rid:
+            self._reply_error(conn, rid, err)
+
+    def _reply_error(self, conn: socket.socket, rid: int, err: StrataError) -> None:
+        try:
+            frames.send(conn, frames.encode([rid, frames.ERROR, frames.error_result(err)]))
+        except OSError:
+            pass  # the client is gone
+
+    # ---- operations: translate to store calls, nothing more --------------------
+
+    def _lookup(self, args, payload) -> list:
+        namespace, keys, lease_ms, timeout_ms, release_ids = _fields(args, 5, "Lookup")
+        keys, release_ids = _list(keys, "keys"), _ints(release_ids, "release_ids")
+        lease_ms, timeout_ms = _int(lease_ms, "lease_ms"), _int(timeout_ms, "timeout_ms")
+        if release_ids:
+            self._store.release(release_ids)
+        lease_s = _lease_s(lease_ms)
+        found = self._store.lookup(namespace, keys, lease_s, _deadline(timeout_ms))
+        lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
+        out = []
+        for loc in found:
+            if loc is None:
+                out.append(None)
+            else:
+                m = loc.meta
+                out.append([m.size, m.checksum, m.parent, m.layout, loc.offset, loc.lease_id, int(loc.tier)])
+        return [_unix_ms(lease_deadline), out]
+
+    def _release(self, args, payload) -> list:
+        [lease_ids] = _fields(args, 1, "Release")
+        return self._store.release(_ints(lease_ids, "lease_ids"))
+
+    def _put(self, args, payload) -> list:
+        namespace, timeout_ms, blocks = _fields(args, 3, "Put")
+        validate_namespace(namespace)
+        self._store.check_batch(_list(blocks, "blocks"))
+        blocks = [_fields(b, 5, "Put block") for b in blocks]
+        for b in blocks:
+            _int(b[1], "size"), _int(b[2], "checksum")
+        timeout_ms = _int(timeout_ms, "timeout_ms")
+        if sum(b[1] for b in blocks) != len(payload):
+            raise InvalidArgument(f"the blocks declare {sum(b[1] for b in blocks)} bytes but {len(payload)} came")
+        deadline = _deadline(timeout_ms)
+        out, at = [], 0
+        for key, size, sum_, parent, layout in blocks:
+            meta = BlockMeta(size, sum_, parent or None, layout)
+            stored, tier = self._store.put(BlockKey.checked(namespace, key), payload[at : at + size], meta, deadline)
+            at += size
+            out.append([stored, int(tier)])
+        return out
+
+    def _allocate(self, args, payload) -> list:
+        namespace, lease_ms, timeout_ms, blocks = _fields(args, 4, "Allocate")
+        lease_ms, timeout_ms = _int(lease_ms, "lease_ms"), _int(timeout_ms, "timeout_ms")
+        blocks = [tuple(_fields(b, 4, "Allocate block")) for b in _list(blocks, "blocks")]
+        for b in blocks:
+            _int(b[1], "size")
+        lease_s = _lease_s(lease_ms)
+        grants = self._store.allocate(namespace, blocks, lease_s, _deadline(timeout_ms))
+        lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
+        return [_unix_ms(lease_deadline), [[g.present, g.slot_id, g.offset] for g in grants]]
+
+    def _commit(self, args, payload) -> list:
+        [slot_ids] = _fields(args, 1, "Commit")
+        done = self._store.commit([(s, None) for s in _ints(slot_ids, "slot_ids")])
+        return [[stored, int(tier)] for _, stored, tier in done]
+
+    def _touch(self, args, payload) -> None:
+        """Blocks a client read without asking: a lookup and release refresh their recency."""
+        namespace, keys = _fields(args, 2, "Touch")
+        found = self._store.lookup(namespace, _list(keys, "keys"))
+        ids = [loc.lease_id for loc in found if loc is not None and loc.lease_id]
+        if ids:
+            self._store.release(ids)
+
+    def _abort(self, args, payload) -> None:
+        [slot_ids] = _fields(args, 1, "Abort")
+        self._store.abort(_ints(slot_ids, "slot_ids"))

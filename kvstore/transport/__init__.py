@@ -1,0 +1,68 @@
+"""Transports: how block bytes move between a client and a daemon (later, between daemons).
+
+One contract (:class:`~kvstore.transport.base.Transport`, stated in its
+module docstring), a registry of implementations by name, one contract
+suite over all of them (``tests/test_transport_contract.py``):
+
+- ``in-process``: calls a :class:`~kvstore.store.tiered.TieredStore` in this process;
+- ``grpc``: Put/Get streams over gRPC, any host;
+- ``grpc-arena``: the daemon's shared arena, control as gRPC calls;
+- ``same-host``: the daemon's shared arena, control over its Unix socket.
+
+A new transport is one module and one entry in :data:`TRANSPORTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.errors import InvalidArgument
+from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Placement, Transport, placement
+
+
+def _in_process(*, store, **_) -> Transport:
+    from kvstore.transport.inprocess import InProcessTransport
+
+    return InProcessTransport(store)
+
+
+def _grpc(*, target: str, **options) -> Transport:
+    from kvstore.transport.grpc_stream import GrpcStreamTransport
+
+    return GrpcStreamTransport.connect(target, **options)
+
+
+def _grpc_arena(*, target: str, **options) -> Transport:
+    from kvstore.transport.attached import connect_attached
+
+    return connect_attached(target, "grpc-arena", **options)
+
+
+def _same_host(*, target: str, **options) -> Transport:
+    from kvstore.transport.attached import connect_attached
+
+    return connect_attached(target, "same-host", **options)
+
+
+# Name → constructor (keyword arguments: ``store`` for in-process, ``target``
+# for the others); a new transport registers here.
+TRANSPORTS: dict[str, Callable[..., Transport]] = {
+    "in-process": _in_process,
+    "grpc": _grpc,
+    "grpc-arena": _grpc_arena,
+    "same-host": _same_host,
+}
+
+
+def open_transport(name: str, **options) -> Transport:
+    try:
+        factory = TRANSPORTS[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}") from None
+    return factory(**options)
+
+
+__all__ = [
+    "TRANSPORTS", "Block", "BlockInfo", "BlockPut", "Deadline", "Place", "Placement", "Transport", "open_transport",
+    "placement",
+]
