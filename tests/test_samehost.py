@@ -31,7 +31,7 @@ def path_of(daemon) -> str:
 
 
 def token_of(daemon) -> bytes:
-    return daemon.store._ram.arena.token
+    return daemon.store.head.arena.token
 
 
 class Raw:
@@ -129,7 +129,7 @@ def test_the_first_frame_must_be_hello_with_this_daemons_token(daemon):
     raw = Raw(daemon, hello=False)
     rid, status, (name, message, _) = raw.call(frames.HELLO, [frames.PROTOCOL_VERSION, b"\0" * 16])
     assert "token does not match" in message and raw.closed_by_peer()
-    arena = ShmArena.attach(daemon.store._ram.arena.path, token_of(daemon))
+    arena = ShmArena.attach(daemon.store.head.arena.path, token_of(daemon))
     try:
         with pytest.raises(InvalidArgument, match="token does not match"):
             SameHostTransport(arena, path_of(daemon), b"\1" * 16)

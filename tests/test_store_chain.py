@@ -447,3 +447,34 @@ def test_holdings_are_read_a_page_at_a_time(store):
     assert [(k.namespace, k.key) for k, _ in got] == [("a", b"k0"), ("a", b"k1"), ("a", b"k3"), ("a", b"k4")] + [
         ("b", b"k%d" % i) for i in range(5)
     ]
+
+
+def test_a_lease_outlives_a_corrupt_copy_dropped_under_it(tmp_path, clock, stores):
+    """Reader A holds a read lease; reader B finds the only copy corrupt and drops it; A's release
+    and a later put of the same key still work, and the block is gone meanwhile."""
+    store = TieredStore([HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-tomb")],
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    stores.append(store)
+    put(store, b"a", value(1))
+    [loc] = store.lookup("m", [b"a"])
+    view = store.head.view(loc.offset, 1)
+    view[0] ^= 0xFF  # damage the arena copy under the lease
+    view.release()
+    from kvstore.errors import CorruptBlock
+
+    with pytest.raises(CorruptBlock):
+        store.get(BlockKey("m", b"a"))
+    assert store.exists("m", [b"a"]) == [] and list(store.holdings()) == []
+    assert store.release([loc.lease_id]) == [True]
+    assert put(store, b"a", value(1)) == (True, HOST)
+    assert store.get(BlockKey("m", b"a"))[0] == value(1)
+
+
+def test_touch_marks_blocks_used(tmp_path, clock, stores):
+    store = TieredStore([HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-touch")],
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    stores.append(store)
+    put(store, b"a", value(1))
+    put(store, b"b", value(2))
+    assert store.touch("m", [b"a", b"zz"]) == 1
+    assert [k.key for k in store._recency.oldest(HOST)] == [b"b", b"a"]

@@ -256,7 +256,7 @@ def test_bytes_that_fail_their_checksum_are_never_delivered(transport, daemon):
     data = blob(7, 100_000)
     transport.put("m", [BlockPut(b"bad", data)], deadline())
     [loc] = daemon.store.lookup("m", [b"bad"])
-    view = daemon.store._ram.arena.view(loc.offset + 500, 1)
+    view = daemon.store.head.arena.view(loc.offset + 500, 1)
     view[0] ^= 0x01  # a flipped bit in RAM
     view.release()
     daemon.store.release([loc.lease_id])

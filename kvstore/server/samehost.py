@@ -336,12 +336,9 @@ class SameHostServer:
         return [[stored, int(tier)] for _, stored, tier in done]
 
     def _touch(self, args, payload) -> None:
-        """Blocks a client read without asking: a lookup and release refresh their recency."""
+        """Blocks a client read without asking: refresh their recency."""
         namespace, keys = _fields(args, 2, "Touch")
-        found = self._store.lookup(namespace, _list(keys, "keys"))
-        ids = [loc.lease_id for loc in found if loc is not None and loc.lease_id]
-        if ids:
-            self._store.release(ids)
+        self._store.touch(namespace, _list(keys, "keys"))
 
     def _abort(self, args, payload) -> None:
         [slot_ids] = _fields(args, 1, "Abort")

@@ -73,7 +73,7 @@ class HeadPlacement:
                 self._head.unreserve(offset)  # lost a race with another writer of the same key
                 self._cond.notify_all()
                 return False, self._s.best(entry)
-            if entry is not None:
+            if entry is not None and entry.tiers:
                 # Deleted but still pinned by a reader: revive it. Keys are
                 # content- or prefix-addressed, so the bytes are the same.
                 entry.deleted = False
@@ -84,8 +84,12 @@ class HeadPlacement:
             if not self._head.commit(key, offset, meta, verify=verify):
                 self._cond.notify_all()
                 return False, head
-            entry = Entry(meta, {head})
-            self._catalog.add(key, entry)
+            if entry is not None:  # a pinned tombstone (its copies are gone): this write brings it back
+                entry.meta, entry.deleted = meta, False
+                entry.tiers.add(head)
+            else:
+                entry = Entry(meta, {head})
+                self._catalog.add(key, entry)
             self._recency.add(head, key)
             self._bytes_in.inc(meta.size)
             self._s.stored_locked(key, entry, head)

@@ -127,12 +127,17 @@ class StoreState:
         self.cond.notify_all()
 
     def remove_locked(self, key: BlockKey, entry: Entry) -> None:
+        """The block leaves the store. One still pinned (a reader dropped its corrupt last copy
+        while a lease names it) stays as an invisible tombstone until its last pin goes."""
         for tier in entry.tiers:
             self.free_copy_locked(tier, key)
         entry.tiers.clear()
-        self.catalog.remove(key)
         if not entry.deleted:  # a client's delete published its Removed already
             self.emit_locked(Removed(key, dropped=True))
+        if entry.pins:
+            entry.deleted = True
+        else:
+            self.catalog.remove(key)
         self.cond.notify_all()
 
     def free_copy_locked(self, tier: TierName, key: BlockKey) -> None:

@@ -472,6 +472,20 @@ class TieredStore:
                 tiers.append(self._s.best(entry))
             return tiers
 
+    def touch(self, namespace: str, keys: list[bytes]) -> int:
+        """Mark blocks used (a client read them without asking); returns how many are present."""
+        self.check_batch(keys)
+        keys = [validate_key(k) for k in keys]
+        touched = 0
+        with self._cond:
+            self._s.readable_namespace(namespace)
+            for k in keys:
+                entry = self._catalog.live(BlockKey(namespace, k))
+                if entry is not None:
+                    self._s.touch_locked(BlockKey(namespace, k), entry)
+                    touched += 1
+        return touched
+
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
