@@ -10,7 +10,8 @@ says what was wrong and what to do about it.
     │   ├── BlockTooLarge           value over the configured block limit
     │   ├── InvalidHashInput        token ids or extra keys vLLM's hashing cannot take   [index.keys]
     │   │   └── ChainTooLong        more tokens than one chain may have                   [index.keys]
-    │   └── MalformedEvent          a vLLM KV-event message that does not parse           [index.events]
+    │   ├── MalformedEvent          a vLLM KV-event message that does not parse           [index.events]
+    │   └── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
     ├── LeaseError                  FAILED_PRECONDITION
     │   ├── LeaseExpired            lease or slot deadline passed
@@ -54,6 +55,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "InvalidHashInput": "kvstore.index.keys",
     "ChainTooLong": "kvstore.index.keys",
     "MalformedEvent": "kvstore.index.events",
+    "FrameError": "kvstore.transport.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "DaemonError": "kvstore.server.daemon",
 }
