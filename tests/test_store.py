@@ -21,21 +21,9 @@ from kvstore.errors import (
 from kvstore.store.tiered import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
+from store_blocks import MiB, Clock, value
 
-MiB = 1 << 20
 HOST, DISK = TierName.HOST, TierName.DISK
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def value(tag: int, size: int = MiB) -> bytes:
-    return (tag.to_bytes(4, "big") * (size // 4 + 1))[:size]
 
 
 def meta_of(data: bytes, parent: bytes | None = None, layout: str = "") -> BlockMeta:

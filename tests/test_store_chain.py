@@ -6,7 +6,6 @@ behaviour runs over each (RAM only; RAM + disk; more as tiers join).
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -16,22 +15,10 @@ from kvstore.store import EdgePolicy, LeaseKind, StoreLimits, TierChain, TieredS
 from kvstore.tiers import known_tiers, open_tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
+from store_blocks import MiB, Clock, value
 from kvstore.tiers.remote import RemoteTier
 
-MiB = 1 << 20
 HOST, DISK = TierName.HOST, TierName.DISK
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def value(tag: int, size: int = MiB) -> bytes:
-    return (tag.to_bytes(4, "big") * (size // 4 + 1))[:size]
 
 
 def put(store: TieredStore, key: bytes, data: bytes, parent: bytes | None = None, ns: str = "m"):

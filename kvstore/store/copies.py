@@ -17,20 +17,14 @@ from kvstore.errors import BlockTooLarge, CorruptBlock, TierFull, TierUnavailabl
 from kvstore.store.demotion import Copy
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
-from kvstore.store.state import StoreState
+from kvstore.store.state import StorePart, StoreState
 
 log = logging.getLogger(__name__)
 
 
-class CopyDown:
+class CopyDown(StorePart):
     def __init__(self, state: StoreState) -> None:
-        self._s = state
-        self._cond = state.cond
-        self._catalog = state.catalog
-        self._recency = state.recency
-        self._chain = state.chain
-        self._head = state.head
-        self._clock = state.clock
+        super().__init__(state)
 
     def copy_down(self, job: Copy) -> None:
         """Write one marked block from ``job.src`` into ``job.dst``; then, for a demotion, drop the upper copy."""

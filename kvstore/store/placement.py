@@ -15,18 +15,12 @@ from kvstore.errors import TierFull
 from kvstore.store.demotion import Copy, Demoter
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
-from kvstore.store.state import StoreState
+from kvstore.store.state import StorePart, StoreState
 
 
-class HeadPlacement:
+class HeadPlacement(StorePart):
     def __init__(self, state: StoreState, demoter: Demoter) -> None:
-        self._s = state
-        self._cond = state.cond
-        self._catalog = state.catalog
-        self._recency = state.recency
-        self._chain = state.chain
-        self._head = state.head
-        self._clock = state.clock
+        super().__init__(state)
         self._demoter = demoter
         self._bytes_in = state.metrics.bytes_in.labels(state.head.name.label)
         self._high_bytes = state.limits.high_watermark * state.head.capacity_bytes

@@ -15,20 +15,14 @@ from kvstore.block import BlockKey, BlockMeta, TierName, checksum
 from kvstore.errors import CorruptBlock, TierUnavailable
 from kvstore.store.entries import Entry
 from kvstore.store.placement import HeadPlacement
-from kvstore.store.state import StoreState
+from kvstore.store.state import StorePart, StoreState
 
 log = logging.getLogger(__name__)
 
 
-class ChainReader:
+class ChainReader(StorePart):
     def __init__(self, state: StoreState, placement: HeadPlacement) -> None:
-        self._s = state
-        self._cond = state.cond
-        self._catalog = state.catalog
-        self._recency = state.recency
-        self._chain = state.chain
-        self._head = state.head
-        self._clock = state.clock
+        super().__init__(state)
         self._place = placement
 
     def read_through(self, key: BlockKey, deadline: float | None) -> tuple[bytes, BlockMeta, TierName] | None:

@@ -275,3 +275,17 @@ class StoreState:
         except UnknownNamespace:
             if not self.chain.remote():
                 raise
+
+
+class StorePart:
+    """A part of the store (placement, reads, copies down, the facade): the shared state,
+    and short names for the objects on it that every part uses."""
+
+    def __init__(self, state: StoreState) -> None:
+        self._s = state
+        self._cond = state.cond
+        self._catalog = state.catalog
+        self._recency = state.recency
+        self._chain = state.chain
+        self._head = state.head
+        self._clock = state.clock

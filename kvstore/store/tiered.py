@@ -85,7 +85,7 @@ from kvstore.store.reads import ChainReader
 from kvstore.store.recency import TOUCH_BATCH_BLOCKS
 from kvstore.store.recovery import recover
 from kvstore.store.events import Removed
-from kvstore.store.state import EventSink, StoreState
+from kvstore.store.state import EventSink, StorePart, StoreState
 from kvstore.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class StoreStats:
     namespaces: list[str]
 
 
-class TieredStore:
+class TieredStore(StorePart):
     def __init__(
         self,
         tiers: TierChain | Sequence[Tier],
@@ -161,14 +161,8 @@ class TieredStore:
         self.limits = limits
         self.metrics = metrics or StoreMetrics()
         state = StoreState(chain, limits, self.metrics, clock, namespaces, auto_create_namespaces, events)
-        self._s = state
-        self._cond = state.cond
-        self._catalog = state.catalog
-        self._recency = state.recency
-        self._chain = state.chain
-        self._head = state.head
+        super().__init__(state)
         self._leases = state.leases
-        self._clock = clock
         self._closed = threading.Event()
         state.namespaces |= recover(chain, state.catalog, state.recency)
         self._copies = CopyDown(state)
