@@ -324,3 +324,20 @@ def test_the_holdings_snapshot_runs_off_the_agents_loop_which_keeps_serving(agen
     assert "strata-index" not in holdings.threads
     holdings.gate.set()
     wait_until(lambda: node_blocks(agent, [b"k0", b"k4999"]) == [HOST, HOST], what="the full publication")
+
+
+def test_events_gather_while_the_thread_lingers_and_batches_stay_capped():
+    bus = EventBus(linger_s=1.0, batch_events=4)
+    try:
+        rec = Recorder()
+        bus.subscribe("gather", rec)
+        for i in range(3):
+            bus.publish(stored(i))
+        wait_until(lambda: rec.batches, what="the lingering batch")
+        assert rec.batches == [[stored(0), stored(1), stored(2)]], "one callback for events published together"
+        for i in range(3, 11):
+            bus.publish(stored(i))
+        wait_until(lambda: sum(map(len, rec.batches)) == 11, what="full batches")
+        assert [len(b) for b in rec.batches[1:]] == [4, 4], "batches are capped at batch_events"
+    finally:
+        bus.close()
