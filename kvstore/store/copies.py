@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from kvstore.block import BlockKey, BlockMeta, TierName
-from kvstore.errors import BlockTooLarge, CorruptBlock, TierFull, TierUnavailable
+from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
 from kvstore.store.demotion import Copy
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
@@ -35,8 +35,14 @@ class CopyDown(StorePart):
             if entry.deleted or job.src not in entry.tiers:
                 self._s.end_copy_locked(job.key, entry)
                 return
-        outcome = self._write_copy(job, entry)
-        self._s.metrics.demotions.labels(outcome).inc()
+        outcome = "failed"
+        try:
+            outcome = self._write_copy(job, entry)
+        finally:  # whatever happened, the mark ends: a copy in flight forever would pin the block above
+            self._s.metrics.demotions.labels(outcome).inc()
+            self._finish(job, entry, outcome)
+
+    def _finish(self, job: Copy, entry: Entry, outcome: str) -> None:
         with self._s.locked():
             if outcome == "ok":
                 if job.dst not in entry.tiers:
@@ -48,7 +54,9 @@ class CopyDown(StorePart):
                     self._s.metrics.evictions.labels(job.src.label).inc()
             elif outcome == "corrupt":
                 self._s.drop_copy_locked(job.key, entry, job.src)
-            elif outcome == "failed":
+            elif outcome == "refused":  # this block can never go down: its problem, not the tier's
+                entry.stays_above = True
+            elif outcome == "failed":  # the tier itself failed: evict above by dropping for a while
                 self._s.unhealthy_until[job.dst] = self._clock() + self._s.limits.tier_retry_s
             self._s.end_copy_locked(job.key, entry)
 
@@ -74,9 +82,13 @@ class CopyDown(StorePart):
             log.error("block %s failed its checksum in the %s tier while being copied down: dropped", job.key, job.src.label)
             self._s.metrics.corrupt.labels(job.src.label).inc()
             return "corrupt"
-        except (TierFull, BlockTooLarge) as err:
-            log.warning("no room in the %s tier for %s, keeping it above: %s", job.dst.label, job.key, err)
-            return "failed"
+        except TierFull as err:  # full of blocks that cannot leave now: try this one again later
+            log.info("no room in the %s tier for %s now, keeping it above: %s", job.dst.label, job.key, err)
+            return "full"
+        except InvalidArgument as err:  # BlockTooLarge, a field the tier cannot store: never for this block
+            log.warning("the %s tier refuses %s, which stays above and is never demoted: %s",
+                        job.dst.label, job.key, err)
+            return "refused"
         except TierUnavailable as err:
             self._s.metrics.tier_errors.labels(job.dst.label).inc()
             log.warning("could not copy %s down to the %s tier, keeping it above: %s", job.key, job.dst.label, err)
@@ -86,7 +98,7 @@ class CopyDown(StorePart):
         """Write a block into a lower tier, evicting from it (and further down) as it fills."""
         tier = self._chain.tier(dst)
         if meta.size > tier.capacity_bytes:
-            raise TierFull(f"block {key} ({meta.size} bytes) is larger than the whole {dst.label} tier")
+            raise BlockTooLarge(f"block {key} ({meta.size} bytes) is larger than the whole {dst.label} tier")
         while True:
             try:
                 tier.put(key, data, meta)

@@ -27,6 +27,7 @@ class Entry:
     pins: int = 0  # leases, readers and writers that need it to stay
     demoting: bool = False  # a copy of it is being written down the chain
     deleted: bool = False  # deleted while pinned: invisible, removed when the last pin goes
+    stays_above: bool = False  # the tier below refused this block itself: it is dropped, never demoted
 
     @property
     def visible(self) -> bool:

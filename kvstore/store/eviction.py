@@ -58,10 +58,10 @@ def plan_eviction(
             if background:
                 continue
             plan.drop_copy.append(key)
-        elif can_demote and catalog.has_child_in(key, tier):
+        elif can_demote and not entry.stays_above and catalog.has_child_in(key, tier):
             later.append(key)
             continue
-        elif can_demote:
+        elif can_demote and not entry.stays_above:
             plan.demote.append(key)
         elif not background and not catalog.has_children(key):
             plan.drop.append(key)

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from kvstore.block import (
     MAX_KEY_BYTES,
+    MAX_LAYOUT_CHARS,
     BlockKey,
     BlockMeta,
     TierName,
@@ -684,6 +685,17 @@ class TieredStore(StorePart):
                     log.warning("%s tier still mapped at close; it is unlinked and freed at exit", level.name.label)
 
     def _check_block(self, key: BlockKey, meta: BlockMeta) -> None:
+        """Every limit of a block, at the boundary: nothing past here fails for a field's size."""
+        if len(meta.layout) > MAX_LAYOUT_CHARS:
+            raise InvalidArgument(
+                f"block {key} has a layout of {len(meta.layout)} characters; the limit is {MAX_LAYOUT_CHARS}: "
+                "describe the value's shape and dtype more briefly"
+            )
+        if meta.parent is not None:
+            try:
+                validate_key(meta.parent)
+            except InvalidArgument as err:
+                raise type(err)(f"block {key} names a bad parent key: {err}") from None
         if meta.size <= 0:
             raise InvalidArgument(f"block {key} is empty: a block needs at least one byte")
         if meta.size > self.limits.max_block_bytes:

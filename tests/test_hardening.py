@@ -1,0 +1,67 @@
+"""Regression tests for defects a hostile test found (issue: hardening). Each fails on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.block import MAX_LAYOUT_CHARS, BlockKey, BlockMeta, TierName, checksum
+from kvstore.errors import InvalidArgument, InvalidKey
+from kvstore.store import StoreLimits, TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.ram import HostRamTier
+from store_blocks import MiB, Clock, value
+
+HOST, DISK = TierName.HOST, TierName.DISK
+
+
+@pytest.fixture
+def make(tmp_path):
+    made: list[TieredStore] = []
+
+    def build(ram_mib: int = 4, disk_mib: int = 32, **limits) -> TieredStore:
+        limits.setdefault("max_block_bytes", 2 * MiB)
+        limits.setdefault("demotion_threads", 0)
+        n = len(made)
+        tiers = [HostRamTier(ram_mib * MiB, shm_dir=str(tmp_path), arena_name=f"h{n}"),
+                 DiskTier(tmp_path / f"disk{n}", disk_mib * MiB)]
+        store = TieredStore(tiers, limits=StoreLimits.from_settings(**limits), clock=Clock())
+        made.append(store)
+        return store
+
+    yield build
+    for s in made:
+        s.close()
+
+
+def put(store, ns, key, data, parent=None, layout=""):
+    return store.put(BlockKey(ns, key), data, BlockMeta(len(data), checksum(data), parent, layout))
+
+
+def test_every_block_limit_is_enforced_at_the_boundary(make):
+    store = make()
+    with pytest.raises(InvalidArgument, match=f"layout of 70000 characters; the limit is {MAX_LAYOUT_CHARS}"):
+        put(store, "m", b"k", value(1, 4096), layout="x" * 70_000)
+    with pytest.raises(InvalidKey, match="bad parent key"):
+        put(store, "m", b"k", value(1, 4096), parent=b"")
+    with pytest.raises(InvalidKey, match="bad parent key"):
+        put(store, "m", b"k", value(1, 4096), parent=b"p" * 5000)
+    with pytest.raises(InvalidArgument, match="layout"):
+        store.allocate("m", [(b"k", 4096, None, "y" * 2000)])
+    assert store.stats().tiers[0].used_bytes == 0, "a refused block takes no room"
+
+
+def test_a_block_the_disk_refuses_is_its_own_problem_not_the_tiers(make):
+    """A block no disk copy can hold stays in RAM (or is dropped like a RAM-only block); the disk
+    stays healthy, and every block of another namespace still goes down and is kept."""
+    store = make(ram_mib=4, disk_mib=1)  # a 1.5 MiB block can never fit the disk tier
+    put(store, "big", b"b", value(99, 3 * MiB // 2))
+    acknowledged = []
+    for i in range(40):  # 2.5 MiB: RAM must send some of them down
+        put(store, "other", b"k%d" % i, value(i, 64 << 10))
+        acknowledged.append(i)
+        store.flush_demotions()
+    lost = [i for i in acknowledged if not store.exists("other", [b"k%d" % i])]
+    assert lost == [], f"blocks of another namespace were dropped: {lost}"
+    assert store.tier_stats()[1].blocks > 0, "the disk kept taking blocks"
+    assert store.metrics.demotions.labels("refused")._value.get() == 1, "refused once, then never demoted again"
+    assert store.metrics.demotions.labels("failed")._value.get() == 0
