@@ -65,3 +65,42 @@ def test_a_block_the_disk_refuses_is_its_own_problem_not_the_tiers(make):
     assert store.tier_stats()[1].blocks > 0, "the disk kept taking blocks"
     assert store.metrics.demotions.labels("refused")._value.get() == 1, "refused once, then never demoted again"
     assert store.metrics.demotions.labels("failed")._value.get() == 0
+
+
+def test_pin_with_no_keys_is_refused(make):
+    store = make()
+    with pytest.raises(InvalidArgument, match="at least one key"):
+        store.pin("m", [])
+    assert store.stats().active_leases == 0
+
+
+def test_a_damaged_epoch_file_never_makes_the_epoch_go_back(tmp_path):
+    from kvstore.node import NodeIdentity
+
+    for _ in range(3):
+        last = NodeIdentity.start("n", tmp_path).epoch
+    assert last == 3
+    (tmp_path / "epoch").write_bytes(b"\x00garbage\xff")
+    damaged = NodeIdentity.start("n", tmp_path).epoch
+    assert damaged > last
+    assert NodeIdentity.start("n", tmp_path).epoch == damaged + 1
+
+
+def test_a_restart_with_a_smaller_disk_evicts_down_to_it(tmp_path):
+    ram = lambda name: HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name=name)  # noqa: E731
+    limits = StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0)
+    store = TieredStore([ram("a"), DiskTier(tmp_path / "disk", 16 * MiB)], limits=limits, clock=Clock())
+    for i in range(10):
+        put(store, "m", b"k%d" % i, value(i))
+    store.persist_ram(float("inf"))
+    store.close()
+    smaller = TieredStore([ram("b"), DiskTier(tmp_path / "disk", 4 * MiB)], limits=limits, clock=Clock())
+    try:
+        disk = smaller.tier_stats()[1]
+        assert disk.used_bytes <= disk.capacity_bytes
+        kept = [i for i in range(10) if smaller.exists("m", [b"k%d" % i])]
+        assert 0 < len(kept) < 10
+        for i in kept:
+            assert smaller.get(BlockKey("m", b"k%d" % i))[0] == value(i)
+    finally:
+        smaller.close()

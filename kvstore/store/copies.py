@@ -109,6 +109,22 @@ class CopyDown(StorePart):
             self._s.metrics.bytes_in.labels(dst.label).inc(meta.size)
             return
 
+    def fit_capacity(self) -> int:
+        """Evict from every lower local tier that holds more than its capacity (a restart
+        with a smaller size); returns how many blocks went. Least recently used first,
+        a chain from its deepest block up, as for any eviction."""
+        evicted = 0
+        for level in self._chain:
+            if self._chain.is_head(level.name) or level.tier.remote:
+                continue
+            while level.tier.stats().used_bytes > level.tier.capacity_bytes:
+                if not self._evict_one_below(level.name):
+                    break
+                evicted += 1
+            if evicted:
+                log.warning("the %s tier held more than its capacity: evicted %d blocks", level.name.label, evicted)
+        return evicted
+
     def _evict_one_below(self, tier: TierName) -> bool:
         """Make room in a lower tier by one block: drop a copy held elsewhere, demote it further, or drop it."""
         below = self._s.usable_below(tier)

@@ -171,6 +171,7 @@ class TieredStore(StorePart):
         self._demoter = Demoter(self._copies.copy_down, limits.demotion_queue_blocks, threads)
         self._place = HeadPlacement(state, self._demoter)
         self._reader = ChainReader(state, self._place)
+        self._copies.fit_capacity()
         self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
         self._reaper = threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)
         self._reaper.start()
@@ -530,6 +531,8 @@ class TieredStore(StorePart):
         """
         if kind in (LeaseKind.READ, LeaseKind.SLOT):
             raise InvalidArgument(f"{kind.value} leases come from lookup and allocate, not from lease()")
+        if not keys:
+            raise InvalidArgument(f"a {kind.value} lease needs at least one key: name the blocks to hold")
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
         lease_s = self._lease_seconds(lease_s, self.limits.pin_lease_s)
