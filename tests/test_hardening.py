@@ -104,3 +104,20 @@ def test_a_restart_with_a_smaller_disk_evicts_down_to_it(tmp_path):
             assert smaller.get(BlockKey("m", b"k%d" % i))[0] == value(i)
     finally:
         smaller.close()
+
+
+def test_the_default_block_limit_fits_an_lmcache_chunk_of_a_large_model():
+    from kvstore.config import load_settings
+
+    chunk_70b = 256 * 80 * 2 * 8 * 128 * 2  # tokens x layers x (K, V) x KV heads x head size x bf16, TP=1
+    assert chunk_70b == 80 * MiB
+    assert load_settings(environ={}).store.max_block_bytes >= chunk_70b
+    assert load_settings(environ={}, ram_bytes="64MiB").store.max_block_bytes == 16 * MiB, "a small RAM tier lowers it"
+
+
+def test_a_block_over_the_limit_is_refused_naming_the_setting(make):
+    from kvstore.errors import BlockTooLarge
+
+    store = make()
+    with pytest.raises(BlockTooLarge, match="--max-block-bytes"):
+        put(store, "m", b"big", value(1, 3 * MiB))

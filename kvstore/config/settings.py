@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import ByteSize, model_validator
 
 from kvstore.config.index import IndexSettings
 from kvstore.config.log import LoggingSettings
 from kvstore.config.section import Section, setting
 from kvstore.config.server import NodeSettings, ServerSettings
-from kvstore.config.store import StoreSettings
+from kvstore.config.store import DEFAULT_MAX_BLOCK_BYTES, StoreSettings
 from kvstore.config.tiers import TierSettings
 
 
@@ -32,6 +32,9 @@ class Settings(Section):
     @model_validator(mode="after")
     def _block_fits_ram(self) -> Settings:
         block, ram = self.store.max_block_bytes, self.tiers.ram.bytes
+        if block is None:  # not set: the default, lowered to a quarter of a small RAM tier
+            self.store.max_block_bytes = ByteSize(min(DEFAULT_MAX_BLOCK_BYTES, int(ram) // 4))
+            return self
         if block > ram:
             raise ValueError(
                 f"max_block_bytes ({block.human_readable()}) is larger than ram_bytes ({ram.human_readable()}): "

@@ -14,12 +14,20 @@ from kvstore.config.section import Section, setting
 from kvstore.config.values import split_commas
 
 MAX_DEMOTION_THREADS = 64
+# Fits one LMCache chunk of the large models (256 tokens of Llama-3-70B at TP=1
+# are 80 MiB; of Llama-3.1-405B 126 MiB); the daemon lowers it to a quarter of a
+# small RAM tier unless it is set.
+DEFAULT_MAX_BLOCK_BYTES = 256 << 20
 
 
 class StoreSettings(Section):
     title = "the tiered store: block and batch limits, leases, demotion from RAM to disk, namespaces"
 
-    max_block_bytes: ByteSize = setting(ByteSize(64 << 20), "largest block accepted")
+    max_block_bytes: ByteSize | None = setting(
+        None,
+        "largest block accepted (default 256MiB, or a quarter of the RAM tier if that is smaller); "
+        "an LMCache chunk is chunk_size x layers x 2 x KV heads x head size x dtype bytes",
+    )
     max_batch_blocks: int = setting(4096, "blocks in one request", ge=1, le=1 << 20)
     lease_seconds: float = setting(30.0, "default lease on arena slots and in-place reads", gt=0)
     pin_lease_seconds: float = setting(300.0, "default lease of Pin", gt=0)
@@ -60,7 +68,7 @@ class StoreSettings(Section):
     def limits(self) -> dict[str, Any]:
         """Keyword arguments of ``kvstore.store.tiered.StoreLimits``, in the store's own field names."""
         return {
-            "max_block_bytes": int(self.max_block_bytes),
+            "max_block_bytes": int(self.max_block_bytes) if self.max_block_bytes is not None else DEFAULT_MAX_BLOCK_BYTES,
             "lease_s": self.lease_seconds,
             "pin_lease_s": self.pin_lease_seconds,
             "max_lease_s": self.max_lease_seconds,
