@@ -121,3 +121,43 @@ def test_a_block_over_the_limit_is_refused_naming_the_setting(make):
     store = make()
     with pytest.raises(BlockTooLarge, match="--max-block-bytes"):
         put(store, "m", b"big", value(1, 3 * MiB))
+
+
+def test_bytes_that_are_not_a_request_are_invalid_argument_on_every_method(daemon):
+    import grpc
+
+    from kvstore.api.v1 import index_pb2, kv_pb2
+
+    garbage = b"\xff\xff\xff\xff\x0f"  # a varint that never ends: no message parses from it
+    methods = [
+        (svc.full_name, m) for svc in (kv_pb2.DESCRIPTOR.services_by_name["KVService"],
+                                       index_pb2.DESCRIPTOR.services_by_name["IndexService"])
+        for m in svc.methods
+    ]
+    assert len(methods) == 16
+    with grpc.insecure_channel(daemon.target) as channel:
+        for service, m in methods:
+            path = f"/{service}/{m.name}"
+            if m.client_streaming:
+                call = channel.stream_unary(path)
+                request = iter([garbage])
+            elif m.server_streaming:
+                call = channel.unary_stream(path)
+                request = garbage
+            else:
+                call = channel.unary_unary(path)
+                request = garbage
+            with pytest.raises(grpc.RpcError) as info:
+                result = call(request, timeout=10)
+                if m.server_streaming:
+                    list(result)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (m.name, info.value.code(), info.value.details())
+            assert "not a valid protobuf message" in info.value.details()
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1.0])
+def test_a_tier_weight_that_is_not_a_finite_non_negative_number_is_refused(weight):
+    from kvstore.index.scoring import ScoringPolicy
+
+    with pytest.raises(InvalidArgument, match="finite and non-negative"):
+        ScoringPolicy({TierName.HOST: weight})

@@ -13,6 +13,8 @@ router that names its candidates always gets all of them back.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -43,8 +45,10 @@ class ScoringPolicy:
     def __init__(self, weights: Mapping[TierName, float] = DEFAULT_TIER_WEIGHTS) -> None:
         merged = {**DEFAULT_TIER_WEIGHTS, **weights}
         for tier, weight in merged.items():
-            if not weight >= 0:  # also refuses NaN
-                raise InvalidArgument(f"tier weight for {TierName(tier).label} is {weight}: weights must be non-negative")
+            if not (math.isfinite(weight) and weight >= 0):  # refuses NaN and infinities too
+                raise InvalidArgument(
+                    f"tier weight for {TierName(tier).label} is {weight}: weights must be finite and non-negative"
+                )
         self._weights = {TierName(t): float(w) for t, w in merged.items()}
 
     @property

@@ -8,6 +8,11 @@ becomes INTERNAL and a log line; it never takes the daemon down.
 
 Health and reflection are not throttled: an overloaded daemon must still
 answer its probes.
+
+A request whose bytes are not the method's message is bad input, not a
+server fault: gRPC's own answer for a request it cannot deserialize is
+INTERNAL, so the interceptor gives each method a deserializer that hands
+the failure to the handler, which answers INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import threading
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from kvstore.errors import DeadlineExceeded, Overloaded, StrataError
+from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for, to_status
 
@@ -41,6 +47,8 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
         if handler is None or not method.startswith(_GUARDED_PREFIX):
             return handler
         op = method.rsplit("/", 1)[-1]
+        if handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         if handler.unary_unary:
             return handler._replace(unary_unary=self._unary(handler.unary_unary, op))
         if handler.stream_unary:
@@ -84,7 +92,7 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
             self._admit(context, op)
             start = time.perf_counter()
             try:
-                return behavior(request, context)
+                return behavior(_checked(request, op), context)
             except Exception as err:
                 if _is_abort(err, context):
                     raise
@@ -99,7 +107,7 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
             self._admit(context, op)
             start = time.perf_counter()
             try:
-                yield from behavior(request, context)
+                yield from behavior(_checked(request, op), context)
             except Exception as err:
                 if _is_abort(err, context):
                     raise
@@ -108,6 +116,45 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
                 self._done(op, start)
 
         return guarded
+
+
+class _Undecodable:
+    """What a tolerant deserializer returns for bytes that are not the method's message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as err:
+            return _Undecodable(err)
+
+    return parse
+
+
+def _refuse(op: str, bad: _Undecodable) -> InvalidArgument:
+    return InvalidArgument(f"{op}: the request is not a valid protobuf message ({bad.error}): check the client's proto")
+
+
+def _checked(request, op: str):
+    """The request, or InvalidArgument when it did not decode; a stream of requests is checked as it is read."""
+    if isinstance(request, _Undecodable):
+        raise _refuse(op, request)
+    if hasattr(request, "__next__"):
+        return _checked_stream(request, op)
+    return request
+
+
+def _checked_stream(requests, op: str):
+    for request in requests:
+        if isinstance(request, _Undecodable):
+            raise _refuse(op, request)
+        yield request
 
 
 def _is_abort(err: Exception, context: grpc.ServicerContext) -> bool:
