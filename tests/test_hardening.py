@@ -161,3 +161,44 @@ def test_a_tier_weight_that_is_not_a_finite_non_negative_number_is_refused(weigh
 
     with pytest.raises(InvalidArgument, match="finite and non-negative"):
         ScoringPolicy({TierName.HOST: weight})
+
+
+def test_idle_streams_cannot_stall_health_or_queue_work(make_daemon):
+    """Streams that open and send nothing hold at most the admitted share of the workers: health
+    answers at once, and work beyond capacity is refused with a retry delay instead of queueing."""
+    import threading
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
+    from kvstore.rpc.status import from_rpc_error
+    from kvstore.errors import Overloaded
+
+    daemon = make_daemon(workers=4, max_in_flight=64)
+    release = threading.Event()
+
+    def idle():  # a stream that opens and sends nothing until released
+        release.wait(30)
+        yield from ()
+
+    with grpc.insecure_channel(daemon.target) as channel:
+        stub = kv_pb2_grpc.KVServiceStub(channel)
+        calls = [stub.Put.future(idle(), timeout=30) for _ in range(4)]
+        try:
+            refused = []
+            for call in calls:
+                try:
+                    call.result(timeout=0.5)
+                except grpc.FutureTimeoutError:
+                    continue  # still open: admitted and idle
+                except grpc.RpcError as err:
+                    refused.append(from_rpc_error(err))
+            assert len(refused) == 2 and all(isinstance(e, Overloaded) and e.retry_after_s > 0 for e in refused)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Exists(kv_pb2.ExistsRequest(namespace="m", keys=[b"k"]), timeout=5)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            release.set()

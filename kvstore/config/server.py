@@ -10,6 +10,7 @@ from kvstore.config.section import Section, setting
 
 # A streamed message carries one chunk plus its header fields.
 MESSAGE_HEADROOM_BYTES = 64 << 10
+HEALTH_WORKERS = 2  # gRPC worker threads no admitted RPC may take: health and reflection answer on them
 
 
 class NodeSettings(Section):
@@ -34,9 +35,10 @@ class ServerSettings(Section):
     same_host_max_connections: int = setting(64, "same-host socket connections at once", ge=1, le=4096)
     same_host_idle_seconds: float = setting(300.0, "close a same-host connection idle this long", gt=0, le=86400)
     metrics_listen: str = setting("127.0.0.1:9464", "Prometheus /metrics address, host:port; empty: off")
-    workers: int = setting(16, "gRPC worker threads", ge=1, le=1024)
+    workers: int = setting(16, "gRPC worker threads; health checks always keep two of them", ge=3, le=1024)
     max_in_flight: int = setting(
-        64, "RPCs served at once; more get RESOURCE_EXHAUSTED with a retry delay", ge=1, le=1 << 16
+        64, "RPCs served at once, at most workers - 2 (the two left answer health checks); more get "
+        "RESOURCE_EXHAUSTED with a retry delay, never a queue", ge=1, le=1 << 16
     )
     chunk_bytes: ByteSize = setting(ByteSize(1 << 20), "chunk size of streamed values")
     grace_seconds: float = setting(10.0, "on SIGTERM, time given to in-flight RPCs", ge=0, le=3600)
@@ -47,6 +49,12 @@ class ServerSettings(Section):
         if not 4 << 10 <= value <= 4 << 20:
             raise ValueError(f"chunk_bytes is {value.human_readable()}; it must be between 4KiB and 4MiB")
         return value
+
+    @property
+    def admitted_rpcs(self) -> int:
+        """RPCs admitted at once: never more than the workers that can run them, less the
+        two kept for health checks, so work beyond capacity is refused instead of queued."""
+        return min(self.max_in_flight, self.workers - HEALTH_WORKERS)
 
     @property
     def max_message_bytes(self) -> int:

@@ -144,7 +144,7 @@ class Daemon:
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
-            interceptors=[AdmissionInterceptor(s.server.max_in_flight, self.metrics)],
+            interceptors=[AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)],
             options=options,
         )
         arena = self.store.head.arena
@@ -169,8 +169,8 @@ class Daemon:
         )
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
-            # Index RPCs may wait on a slow index: at most half the workers, the rest stay for the cache.
-            IndexServicer(self.index_agent, ScoringPolicy(weights), max_in_flight=max(1, s.server.workers // 2)),
+            # Index RPCs may wait on a slow index: at most half the admitted RPCs, the rest stay for the cache.
+            IndexServicer(self.index_agent, ScoringPolicy(weights), max_in_flight=max(1, s.server.admitted_rpcs // 2)),
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
