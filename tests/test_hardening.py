@@ -202,3 +202,43 @@ def test_idle_streams_cannot_stall_health_or_queue_work(make_daemon):
             assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
             release.set()
+
+
+def test_lease_and_slot_ids_cannot_be_guessed_from_ones_own(make):
+    store = make()
+    put(store, "m", b"a", value(1, 4096))
+    ids = [store.pin("m", [b"a"])[0].id for _ in range(50)]
+    ids += [g.slot_id for g in store.allocate("m", [(b"s%d" % i, 4096, None, "") for i in range(50)])]
+    steps = {abs(a - b) for a, b in zip(ids, ids[1:])}
+    assert min(steps) > 1 << 20, "ids are not a counter a stranger could walk"
+    assert len(set(ids)) == len(ids)
+
+
+def test_a_commit_without_the_writers_checksum_stores_nothing(daemon):
+    """A slot half written and committed without a checksum used to be stored as a valid block."""
+    import grpc
+
+    from kvstore.api.v1 import kv_pb2 as pb
+    from kvstore.api.v1 import kv_pb2_grpc
+    from kvstore.shm.arena import ShmArena
+
+    data = value(7, 64 << 10)
+    with grpc.insecure_channel(daemon.target) as channel:
+        stub = kv_pb2_grpc.KVServiceStub(channel)
+        attach = stub.Attach(pb.AttachRequest())
+        arena = ShmArena.attach(attach.arena_path, attach.arena_token)
+        try:
+            [slot] = stub.Allocate(pb.AllocateRequest(namespace="m", blocks=[pb.BlockHeader(key=b"k", size=len(data))])).slots
+            view = arena.view(slot.offset, slot.size)
+            view[: len(data) // 2] = data[: len(data) // 2]  # half written
+            view.release()
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Commit(pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=slot.slot_id)]))
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "writer's checksum" in info.value.details()
+            with pytest.raises(grpc.RpcError) as info:  # the checksum of the whole value: the slot does not match it
+                stub.Commit(pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=slot.slot_id, checksum=checksum(data))]))
+            assert info.value.code() is grpc.StatusCode.DATA_LOSS
+            assert stub.Exists(pb.ExistsRequest(namespace="m", keys=[b"k"])).prefix_blocks == 0
+        finally:
+            arena.close()

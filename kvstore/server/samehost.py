@@ -331,8 +331,11 @@ class SameHostServer:
         return [_unix_ms(lease_deadline), [[g.present, g.slot_id, g.offset] for g in grants]]
 
     def _commit(self, args, payload) -> list:
-        [slot_ids] = _fields(args, 1, "Commit")
-        done = self._store.commit([(s, None) for s in _ints(slot_ids, "slot_ids")])
+        slot_ids, sums = _fields(args, 2, "Commit")
+        slot_ids, sums = _ints(slot_ids, "slot_ids"), _ints(sums, "checksums")
+        if len(sums) != len(slot_ids):
+            raise InvalidArgument(f"Commit names {len(slot_ids)} slots but {len(sums)} checksums: send one per slot")
+        done = self._store.commit(list(zip(slot_ids, sums)))
         return [[stored, int(tier)] for _, stored, tier in done]
 
     def _touch(self, args, payload) -> None:

@@ -68,9 +68,9 @@ class LeaseTable:
         self._max = max_leases
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
-        # Ids start at a random point so that an id a client kept from a
-        # previous daemon run is unlikely to name a live lease of this one.
-        self._ids = itertools.count(secrets.randbits(40) + 1)
+        # Ids are random 63-bit numbers: another client cannot guess a live
+        # lease from its own (sequential ids could be taken over by counting),
+        # and an id kept from a previous daemon run names nothing here.
         # Recently ended leases and why, so an error can say "expired" or
         # "already committed" rather than just "unknown".
         self._ended: dict[int, str] = {}
@@ -88,10 +88,16 @@ class LeaseTable:
                 "release leases you no longer need, or retry shortly",
                 retry_after_s=0.05,
             )
-        lease = Lease(next(self._ids), kind, deadline, **fields)
+        lease = Lease(self._new_id(), kind, deadline, **fields)
         self._leases[lease.id] = lease
         heapq.heappush(self._deadlines, (deadline, lease.id))
         return lease
+
+    def _new_id(self) -> int:
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._leases and lease_id not in self._ended:
+                return lease_id
 
     def take(self, lease_id: int, kind: LeaseKind, now: float, owner: str = "") -> Lease:
         """Remove and return a live lease; raise if it expired, never existed or is another's."""

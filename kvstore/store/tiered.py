@@ -308,16 +308,21 @@ class TieredStore(StorePart):
         return grants
 
     def commit(self, items: list[tuple[int, int | None]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
-        """Turn written slots into blocks; ``items`` holds (slot_id, checksum or None).
+        """Turn written slots into blocks; ``items`` holds (slot_id, the writer's checksum).
 
-        With no checksum the daemon computes it from the slot: the bytes were
-        written in place and never travelled, so this is where the block's
-        checksum is born. A given checksum is verified (``verify_commits``).
+        The writer's checksum is required and verified against the slot
+        (``verify_commits``): a slot committed half written, or written by
+        someone else, would otherwise be stored as a valid block.
         All or nothing: every slot must be live, else nothing is committed
         and the live slots stay open. A mismatch frees every slot of the
         request and raises CorruptBlock.
         """
         self.check_batch(items)
+        if any(declared is None for _, declared in items):
+            raise InvalidArgument(
+                "Commit needs the writer's checksum (xxh3-64) of every slot: compute it while copying "
+                "the value in, and send it with the slot id"
+            )
         with self._cond:
             self._s.expire_locked()
             now = self._clock()

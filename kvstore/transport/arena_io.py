@@ -44,10 +44,11 @@ def copy_out(arena: ShmArena, offset: int, out: memoryview) -> int:
         src.release()
 
 
-def copy_in(arena: ShmArena, offset: int, value: memoryview) -> None:
+def copy_in(arena: ShmArena, offset: int, value: memoryview) -> int:
+    """Copy a value into its slot; returns its xxh3, computed in the same pass (the Commit carries it)."""
     dst = arena.view(offset, len(value))
     try:
-        dst[:] = value
+        return copy_and_checksum(dst, value)
     finally:
         dst.release()
 

@@ -192,19 +192,21 @@ def copy_into_slots(
 ) -> pb.CommitRequest:
     """Copy values into their slots and build their Commit.
 
-    No checksum is sent: the bytes do not travel, so the daemon checksums
-    them in place at commit. Slots are written only while their lease holds
-    with a margin: an expired slot may already belong to another block.
+    The Commit carries each value's xxh3, computed while copying: the daemon
+    verifies the slot against it, so a slot half written (or written by
+    someone else) is never stored. Slots are written only while their lease
+    holds with a margin: an expired slot may already belong to another block.
     """
     if not lease_held(response.lease_deadline_unix_ms, received_ms):
         raise LeaseExpired("the arena slots' lease ran out before they were written: nothing was stored, put again")
+    items = []
     for view, slot in group:
         dst = arena.view(slot.offset, slot.size)
         try:
-            dst[:] = view
+            items.append(pb.CommitRequest.Item(slot_id=slot.slot_id, checksum=copy_and_checksum(dst, view)))
         finally:
             dst.release()
-    return pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=slot.slot_id) for _, slot in group])
+    return pb.CommitRequest(items=items)
 
 
 def slot_ids(response: pb.AllocateResponse) -> list[int]:

@@ -472,10 +472,12 @@ class SameHostTransport(Transport):
                     raise LeaseExpired(
                         "the arena slots' lease ran out before they were written: nothing was stored, put again"
                     )
+                sums = []
                 for i, _, offset in group:
                     deadline.check()
-                    arena_io.copy_in(self._arena, offset, views[i])
-                sent.append((conn.send(frames.COMMIT, [[slot for _, slot, _ in group]], deadline=deadline), group))
+                    sums.append(arena_io.copy_in(self._arena, offset, views[i]))
+                commit = [[slot for _, slot, _ in group], sums]
+                sent.append((conn.send(frames.COMMIT, commit, deadline=deadline), group))
                 unread += 1
             for rid, group in sent:  # the daemon checksummed each group while the next was copied
                 unread -= 1

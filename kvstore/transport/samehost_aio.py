@@ -409,10 +409,10 @@ class AsyncSameHostTransport:
                     )
                 nbytes = sum(len(views[i]) for i, _, _ in group)
                 if nbytes > self._off_loop_bytes:
-                    await self._off_loop(nbytes, self._copy_in, group, views)
+                    sums = await self._off_loop(nbytes, self._copy_in, group, views)
                 else:
-                    self._copy_in(group, views)
-                commits.append((self._send(frames.COMMIT, [[slot for _, slot, _ in group]], ()), group))
+                    sums = self._copy_in(group, views)
+                commits.append((self._send(frames.COMMIT, [[slot for _, slot, _ in group], sums], ()), group))
             await self._writer.drain()
             for future, group in commits:  # the daemon checksummed each group while the next was copied
                 for (i, _, _), (stored, _tier) in zip(group, await self._wait(future, timeout, frames.COMMIT)):
@@ -424,7 +424,6 @@ class AsyncSameHostTransport:
                 self._notify(frames.ABORT, [[slot for _, slot, _ in todo]])
             raise
 
-    def _copy_in(self, group, views) -> None:
-        for i, _, offset in group:
-            arena_io.copy_in(self._arena, offset, views[i])
+    def _copy_in(self, group, views) -> list[int]:
+        return [arena_io.copy_in(self._arena, offset, views[i]) for i, _, offset in group]
 
