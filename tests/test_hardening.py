@@ -242,3 +242,43 @@ def test_a_commit_without_the_writers_checksum_stores_nothing(daemon):
             assert stub.Exists(pb.ExistsRequest(namespace="m", keys=[b"k"])).prefix_blocks == 0
         finally:
             arena.close()
+
+
+def test_streamed_puts_promise_memory_only_within_a_budget(make_daemon):
+    """Streams that declare big blocks and send nothing more hold at most --put-budget-bytes; past it
+    a new one is refused with a retry delay, and the budget comes back when the streams end."""
+    import threading
+
+    import grpc
+
+    from kvstore import Client
+    from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
+    from kvstore.errors import Overloaded
+    from kvstore.rpc.status import from_rpc_error
+
+    daemon = make_daemon(put_budget_bytes="16MiB", max_block_bytes="8MiB")
+    release = threading.Event()
+    opened = threading.Semaphore(0)
+
+    def declare_and_stall():
+        yield kv_pb2.PutRequest(namespace="m", header=kv_pb2.BlockHeader(key=b"big", size=8 << 20, checksum=1))
+        opened.release()
+        release.wait(30)
+
+    with grpc.insecure_channel(daemon.target) as channel:
+        stub = kv_pb2_grpc.KVServiceStub(channel)
+        holding = [stub.Put.future(declare_and_stall(), timeout=30) for _ in range(2)]
+        for _ in holding:
+            assert opened.acquire(timeout=10)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Put(declare_and_stall(), timeout=10)
+            err = from_rpc_error(info.value)
+            assert isinstance(err, Overloaded) and err.retry_after_s > 0 and "--put-budget-bytes" in str(err)
+        finally:
+            release.set()
+        for call in holding:  # each ends with its block incomplete: nothing stored, its budget given back
+            with pytest.raises(grpc.RpcError):
+                call.result(timeout=10)
+    with Client(daemon.target, use_shm=False) as kv:
+        assert kv.put("m", b"after", value(3, 8 << 20)) is True

@@ -41,6 +41,11 @@ class ServerSettings(Section):
         "RESOURCE_EXHAUSTED with a retry delay, never a queue", ge=1, le=1 << 16
     )
     chunk_bytes: ByteSize = setting(ByteSize(1 << 20), "chunk size of streamed values")
+    put_budget_bytes: ByteSize = setting(
+        ByteSize(1 << 30),
+        "memory streamed puts in flight may hold at once (each holds its block's declared size from its "
+        "header on); beyond it RESOURCE_EXHAUSTED with a retry delay. At least max_block_bytes",
+    )
     grace_seconds: float = setting(10.0, "on SIGTERM, time given to in-flight RPCs", ge=0, le=3600)
 
     @field_validator("chunk_bytes")

@@ -33,8 +33,13 @@ class Settings(Section):
     def _block_fits_ram(self) -> Settings:
         block, ram = self.store.max_block_bytes, self.tiers.ram.bytes
         if block is None:  # not set: the default, lowered to a quarter of a small RAM tier
-            self.store.max_block_bytes = ByteSize(min(DEFAULT_MAX_BLOCK_BYTES, int(ram) // 4))
-            return self
+            block = self.store.max_block_bytes = ByteSize(min(DEFAULT_MAX_BLOCK_BYTES, int(ram) // 4))
+        if block > self.server.put_budget_bytes:
+            raise ValueError(
+                f"put_budget_bytes ({self.server.put_budget_bytes.human_readable()}) is smaller than max_block_bytes "
+                f"({block.human_readable()}): a block that large could never be streamed in; raise "
+                "--put-budget-bytes or lower --max-block-bytes"
+            )
         if block > ram:
             raise ValueError(
                 f"max_block_bytes ({block.human_readable()}) is larger than ram_bytes ({ram.human_readable()}): "

@@ -35,6 +35,7 @@ from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.server.admission import AdmissionInterceptor
+from kvstore.server.budget import ByteBudget
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
@@ -165,7 +166,8 @@ class Daemon:
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, arena, self.node, int(s.server.chunk_bytes),
                        self._same_host.path if self._same_host else "",
-                       self._same_host.removed if self._same_host else None), server
+                       self._same_host.removed if self._same_host else None,
+                       ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")), server
         )
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(

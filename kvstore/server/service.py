@@ -12,6 +12,7 @@ from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.errors import BlockTooLarge, InvalidArgument
 from kvstore.node import NodeIdentity
+from kvstore.server.budget import ByteBudget
 from kvstore.store.tiered import TieredStore
 from kvstore.shm.arena import ShmArena
 
@@ -35,7 +36,8 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
 
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int,
-                 control_socket: str = "", removed: Callable[[], None] | None = None) -> None:
+                 control_socket: str = "", removed: Callable[[], None] | None = None,
+                 put_budget: ByteBudget | None = None) -> None:
         self._store = store
         self._control_socket = control_socket
         # Told after blocks were deleted, before the Delete answers (same-host clients' location tables).
@@ -43,10 +45,18 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         self._arena = arena
         self._node = node
         self._chunk = chunk_bytes
+        self._put_budget = put_budget or ByteBudget(1 << 62, "streamed puts", "--put-budget-bytes")
 
     # ---- streamed bytes ---------------------------------------------------
 
     def Put(self, request_iterator: Iterator[pb.PutRequest], context) -> pb.PutResponse:
+        held = [0]  # bytes of the put budget this stream holds: its current block's buffer
+        try:
+            return self._put(request_iterator, context, held)
+        finally:
+            self._put_budget.give(held[0])
+
+    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: list[int]) -> pb.PutResponse:
         results = []
         namespace = ""
         header: pb.BlockHeader | None = None
@@ -67,6 +77,8 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             stored, tier = self._store.put(key, buf, meta, _deadline(context))
             results.append(pb.PutResult(key=header.key, stored=stored, tier=int(tier)))
             header, buf = None, None
+            self._put_budget.give(held[0])
+            held[0] = 0
 
         for msg in request_iterator:
             if msg.namespace:
@@ -83,6 +95,8 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                     )
                 header = msg.header
                 BlockKey.checked(namespace, header.key)
+                self._put_budget.take(header.size)  # before the buffer exists: bytes are promised only within budget
+                held[0] = header.size
                 buf = bytearray(header.size)
                 filled = 0
             elif part == "chunk":
