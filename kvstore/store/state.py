@@ -25,6 +25,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName, validate_namespace
 from kvstore.errors import TierUnavailable, UnknownNamespace
 from kvstore.metrics import StoreMetrics
 from kvstore.store.chain import Level, TierChain
+from kvstore.store.checks import BlockChecks
 from kvstore.store.demotion import Copy
 from kvstore.store.entries import Catalog, Entry
 from kvstore.store.events import BlockEvent, Evicted, Moved, Removed, Stored
@@ -71,6 +72,7 @@ class StoreState:
         self.chain = chain
         self.head = chain.head
         self.limits = limits
+        self.checks = BlockChecks(limits)
         self.metrics = metrics
         self.clock = clock
         self.cond = threading.Condition(threading.Lock())

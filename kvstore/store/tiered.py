@@ -11,7 +11,8 @@ Policy lives here; the tiers only hold bytes. The store composes its parts:
 - :mod:`~kvstore.store.demotion`: the bounded write-behind queue and its workers;
 - :mod:`~kvstore.store.recovery`: what persistent tiers kept from the last run;
 - :mod:`~kvstore.store.leases`: pins, reads in place, arena slots, and any kind
-  a component defines;
+  a component defines; :mod:`~kvstore.store.slots`: the slot protocol of
+  same-host writers; :mod:`~kvstore.store.checks`: every input limit;
 - :mod:`~kvstore.store.state`: the facts all parts decide on, under one lock,
   and the bookkeeping on them; :mod:`~kvstore.store.placement` (room in the
   head, adoption, promotion), :mod:`~kvstore.store.reads` (reads down the
@@ -58,17 +59,14 @@ from dataclasses import dataclass
 
 from kvstore.block import (
     MAX_KEY_BYTES,
-    MAX_LAYOUT_CHARS,
     BlockKey,
     BlockMeta,
     TierName,
-    checksum,
     copy_and_checksum,
     validate_key,
     validate_namespace,
 )
 from kvstore.errors import (
-    BlockTooLarge,
     CorruptBlock,
     InvalidArgument,
     LeaseError,
@@ -86,6 +84,7 @@ from kvstore.store.reads import ChainReader
 from kvstore.store.recency import TOUCH_BATCH_BLOCKS
 from kvstore.store.recovery import recover
 from kvstore.store.events import Removed
+from kvstore.store.slots import SlotGrant, SlotProtocol
 from kvstore.store.state import EventSink, StorePart, StoreState
 from kvstore.tiers.base import Tier, TierStats
 
@@ -110,15 +109,6 @@ class Located:
     tier: TierName
     offset: int = 0
     lease_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SlotGrant:
-    key: BlockKey
-    present: bool
-    slot_id: int = 0
-    offset: int = 0
-    size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +161,7 @@ class TieredStore(StorePart):
         self._demoter = Demoter(self._copies.copy_down, limits.demotion_queue_blocks, threads)
         self._place = HeadPlacement(state, self._demoter)
         self._reader = ChainReader(state, self._place)
+        self._slots = SlotProtocol(state, self._place)
         self._copies.fit_capacity()
         self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
         self._reaper = threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)
@@ -195,7 +186,7 @@ class TieredStore(StorePart):
 
     def put(self, key: BlockKey, data: bytes | bytearray | memoryview, meta: BlockMeta, deadline: float | None = None) -> tuple[bool, TierName]:
         """Store a block; returns (stored, tier). ``stored`` is False for a repeated put."""
-        self._check_block(key, meta)
+        self._s.checks.check_block(key, meta)
         data = memoryview(data).cast("B")
         if len(data) != meta.size:
             raise InvalidArgument(f"block {key} declares {meta.size} bytes but {len(data)} were sent")
@@ -269,112 +260,18 @@ class TieredStore(StorePart):
         self, namespace: str, blocks: list[tuple[bytes, int, bytes | None, str]], lease_s: float | None = None,
         deadline: float | None = None, owner: str = "",
     ) -> list[SlotGrant]:
-        """Reserve head extents for blocks a same-host client will write itself.
+        """Reserve head extents for blocks a same-host client writes itself (see :mod:`kvstore.store.slots`)."""
+        return self._slots.allocate(namespace, blocks, lease_s, deadline, owner)
 
-        ``blocks`` holds (key, size, parent_key, layout). A key already stored
-        gets ``present=True`` and no slot. All slots or none: if one cannot be
-        reserved, the ones reserved so far are given back.
-        """
-        self.check_batch(blocks)
-        lease_s = self._lease_seconds(lease_s, self.limits.lease_s)
-        with self._cond:
-            self._s.known_namespace(namespace, write=True)
-        grants: list[SlotGrant] = []
-        try:
-            for key_bytes, size, parent, layout in blocks:
-                key = BlockKey(namespace, validate_key(key_bytes))
-                meta = BlockMeta(size=size, checksum=0, parent=parent or None, layout=layout)
-                self._check_block(key, meta)
-                with self._cond:
-                    entry = self._catalog.live(key)
-                    if entry is not None:
-                        self._s.touch_locked(key, entry)
-                        grants.append(SlotGrant(key, present=True))
-                        continue
-                offset = self._place.reserve(size, deadline)
-                with self._cond:
-                    try:
-                        lease = self._leases.issue(
-                            LeaseKind.SLOT, self._clock() + lease_s, block=key, offset=offset, meta=meta, owner=owner
-                        )
-                    except BaseException:
-                        self._head.unreserve(offset)
-                        raise
-                    lease.keys = self._s.pin_parent_locked(key, meta)
-                grants.append(SlotGrant(key, False, lease.id, offset, size))
-        except BaseException:
-            self.abort([g.slot_id for g in grants if not g.present], owner=owner)
-            raise
-        return grants
-
-    def commit(self, items: list[tuple[int, int | None]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
-        """Turn written slots into blocks; ``items`` holds (slot_id, the writer's checksum).
-
-        The writer's checksum is required and verified against the slot
-        (``verify_commits``): a slot committed half written, or written by
-        someone else, would otherwise be stored as a valid block.
-        All or nothing: every slot must be live, else nothing is committed
-        and the live slots stay open. A mismatch frees every slot of the
-        request and raises CorruptBlock.
-        """
-        self.check_batch(items)
-        if any(declared is None for _, declared in items):
-            raise InvalidArgument(
-                "Commit needs the writer's checksum (xxh3-64) of every slot: compute it while copying "
-                "the value in, and send it with the slot id"
-            )
-        with self._cond:
-            self._s.expire_locked()
-            now = self._clock()
-            taken: list[Lease] = []
-            try:
-                for slot_id, _ in items:
-                    taken.append(self._leases.take(slot_id, LeaseKind.SLOT, now, owner))
-            except LeaseError:
-                for lease in taken:  # put them back untouched
-                    self._leases.restore(lease)
-                raise
-        metas, bad = [], []
-        for lease, (_, declared) in zip(taken, items):
-            if declared is None or self.limits.verify_commits:
-                view = self._head.view(lease.offset, lease.meta.size)
-                try:
-                    actual = checksum(view)
-                finally:
-                    view.release()
-                if declared is not None and actual != declared:
-                    bad.append(lease.block)
-            else:
-                actual = declared
-            metas.append(BlockMeta(lease.meta.size, actual, lease.meta.parent, lease.meta.layout))
-        if bad:
-            with self._s.locked():
-                for lease in taken:
-                    self._head.unreserve(lease.offset)
-                    self._s.end_pins_locked(lease)
-                self._cond.notify_all()
-            self.metrics.corrupt.labels(self._head.name.label).inc(len(bad))
-            raise CorruptBlock(
-                f"{len(bad)} slot(s) hold bytes that do not match their checksum (first: {bad[0]}); "
-                "nothing was committed: write the blocks again"
-            )
-        done = [(lease.block, *self._place.adopt(lease.block, lease.offset, meta, verify=False)) for lease, meta in zip(taken, metas)]
-        with self._s.locked():
-            for lease in taken:
-                self._s.end_pins_locked(lease)
-        return done
+    def commit(self, items: list[tuple[int, int]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
+        """Turn written slots into blocks; ``items`` holds (slot_id, the writer's checksum)."""
+        return self._slots.commit(items, owner)
 
     def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
-        with self._s.locked():
-            now = self._clock()
-            for slot_id in slot_ids:
-                try:
-                    lease = self._leases.take(slot_id, LeaseKind.SLOT, now, owner)
-                except LeaseError:
-                    continue  # expired or unknown: already given back
-                self._head.unreserve(lease.offset)
-                self._s.end_pins_locked(lease)
-            self._cond.notify_all()
+        self._slots.abort(slot_ids, owner)
+
+    def check_batch(self, items) -> None:
+        self._s.checks.check_batch(items)
 
     def lookup(
         self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None,
@@ -386,7 +283,7 @@ class TieredStore(StorePart):
         it out of the arena, verifies its checksum and releases the lease.
         """
         self.check_batch(keys)
-        lease_s = self._lease_seconds(lease_s, self.limits.lease_s)
+        lease_s = self._s.checks.lease_seconds(lease_s, self.limits.lease_s)
         with self._cond:
             self._s.readable_namespace(namespace)
         out: list[Located | None] = []
@@ -540,7 +437,7 @@ class TieredStore(StorePart):
             raise InvalidArgument(f"a {kind.value} lease needs at least one key: name the blocks to hold")
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
-        lease_s = self._lease_seconds(lease_s, self.limits.pin_lease_s)
+        lease_s = self._s.checks.lease_seconds(lease_s, self.limits.pin_lease_s)
         with self._cond:
             self._s.expire_locked()
             self._s.known_namespace(namespace)
@@ -691,39 +588,6 @@ class TieredStore(StorePart):
                     level.tier.close()
                 except BufferError:
                     log.warning("%s tier still mapped at close; it is unlinked and freed at exit", level.name.label)
-
-    def _check_block(self, key: BlockKey, meta: BlockMeta) -> None:
-        """Every limit of a block, at the boundary: nothing past here fails for a field's size."""
-        if len(meta.layout) > MAX_LAYOUT_CHARS:
-            raise InvalidArgument(
-                f"block {key} has a layout of {len(meta.layout)} characters; the limit is {MAX_LAYOUT_CHARS}: "
-                "describe the value's shape and dtype more briefly"
-            )
-        if meta.parent is not None:
-            try:
-                validate_key(meta.parent)
-            except InvalidArgument as err:
-                raise type(err)(f"block {key} names a bad parent key: {err}") from None
-        if meta.size <= 0:
-            raise InvalidArgument(f"block {key} is empty: a block needs at least one byte")
-        if meta.size > self.limits.max_block_bytes:
-            raise BlockTooLarge(
-                f"block {key} is {meta.size} bytes; this daemon's limit is {self.limits.max_block_bytes} "
-                "(--max-block-bytes): split the value into smaller blocks"
-            )
-
-    def check_batch(self, items) -> None:
-        if len(items) > self.limits.max_batch_blocks:
-            raise InvalidArgument(
-                f"{len(items)} blocks in one request; the limit is {self.limits.max_batch_blocks}: split the batch"
-            )
-
-    def _lease_seconds(self, requested: float | None, default: float) -> float:
-        if requested is None or requested <= 0:
-            return default
-        if requested > self.limits.max_lease_s:
-            raise InvalidArgument(f"lease of {requested:.0f}s exceeds the limit of {self.limits.max_lease_s:.0f}s")
-        return requested
 
     def _reap_loop(self) -> None:
         ticks = 0

@@ -53,6 +53,15 @@ def copy_in(arena: ShmArena, offset: int, value: memoryview) -> int:
         dst.release()
 
 
+def target(place, i: int, info) -> memoryview | None:
+    """Where a block read out of the arena goes: a fresh buffer, or the caller's placement
+    (``None``: declined, a miss), cut to the block's size."""
+    if place is None:
+        return memoryview(bytearray(info.size))
+    view = place(i, info)
+    return None if view is None else view[: info.size]
+
+
 def commit_groups(sizes: list[int]) -> list[list[int]]:
     """Indices of the slots to write, in commit groups (see MIN_COMMIT_GROUP_BYTES)."""
     group_bytes = max(MIN_COMMIT_GROUP_BYTES, -(-sum(sizes) // MAX_COMMIT_GROUPS))

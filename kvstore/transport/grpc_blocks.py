@@ -16,7 +16,7 @@ from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, vali
 from kvstore.errors import ArenaUnusable, CorruptBlock, LeaseExpired
 from kvstore.shm.arena import ArenaMismatch, ShmArena
 from kvstore.transport import arena_io
-from kvstore.transport.arena_io import MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms
+from kvstore.transport.arena_io import commit_groups, lease_held, now_ms  # noqa: F401 - grpc_arena uses it from here
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
 
 DEFAULT_CHUNK = 1 << 20
@@ -168,23 +168,9 @@ def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, Blo
 
 
 def slot_groups(items, response: pb.AllocateResponse) -> list[list[tuple[memoryview, pb.Slot]]]:
-    """The slots to write (keys already present need none), in commit groups."""
-    total = sum(slot.size for slot in response.slots if not slot.present)
-    group_bytes = max(MIN_COMMIT_GROUP_BYTES, -(-total // MAX_COMMIT_GROUPS))
-    groups: list[list[tuple[memoryview, pb.Slot]]] = []
-    group: list[tuple[memoryview, pb.Slot]] = []
-    size = 0
-    for (_, view, _), slot in zip(items, response.slots):
-        if slot.present:
-            continue
-        group.append((view, slot))
-        size += slot.size
-        if size >= group_bytes:
-            groups.append(group)
-            group, size = [], 0
-    if group:
-        groups.append(group)
-    return groups
+    """The slots to write (keys already present need none), in commit groups (:func:`arena_io.commit_groups`)."""
+    todo = [(view, slot) for (_, view, _), slot in zip(items, response.slots) if not slot.present]
+    return [[todo[k] for k in group] for group in commit_groups([slot.size for _, slot in todo])]
 
 
 def copy_into_slots(

@@ -314,13 +314,9 @@ class SameHostTransport(Transport):
                 todo.append(i)
                 continue
             offset, size, sum_, parent, layout = known
-            if place is None:
-                out = memoryview(bytearray(size))
-            else:
-                view = place(i, BlockInfo(key, size, layout, parent))
-                if view is None:
-                    continue  # declined: a miss
-                out = view[:size]
+            out = arena_io.target(place, i, BlockInfo(key, size, layout, parent))
+            if out is None:
+                continue  # declined: a miss
             if arena_io.copy_out(self._arena, offset, out) != sum_:
                 locations.forget(namespace, key)  # the extent went to another block: ask the daemon
                 todo.append(i)

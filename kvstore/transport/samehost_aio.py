@@ -261,13 +261,9 @@ class AsyncSameHostTransport:
                 todo.append(i)
                 continue
             offset, size, sum_, parent, layout = where
-            if place is None:
-                out = memoryview(bytearray(size))
-            else:  # on the loop: placements are the caller's code
-                view = place(i, BlockInfo(key, size, layout, parent))
-                if view is None:
-                    continue  # declined: a miss
-                out = view[:size]
+            out = arena_io.target(place, i, BlockInfo(key, size, layout, parent))  # on the loop: the caller's code
+            if out is None:
+                continue  # declined: a miss
             jobs.append((i, out, offset, sum_))
             known[i] = where
         if not jobs:

@@ -1,0 +1,144 @@
+"""The slot protocol: blocks a same-host client writes into the head itself.
+
+``allocate`` reserves head extents under SLOT leases (pinning each block's
+parent, so a prefix cannot go while its next block is written); the client
+copies its values in and computes their checksums as it goes; ``commit``
+verifies each slot against its writer's checksum and adopts it as a block,
+all or nothing; ``abort`` gives slots back. A slot whose lease lapses is
+reclaimed by the store's lease expiry, so a client that dies mid-write
+leaks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum, validate_key
+from kvstore.errors import CorruptBlock, InvalidArgument, LeaseError
+from kvstore.store.leases import Lease, LeaseKind
+from kvstore.store.placement import HeadPlacement
+from kvstore.store.state import StorePart, StoreState
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    key: BlockKey
+    present: bool
+    slot_id: int = 0
+    offset: int = 0
+    size: int = 0
+
+
+class SlotProtocol(StorePart):
+    def __init__(self, state: StoreState, placement: HeadPlacement) -> None:
+        super().__init__(state)
+        self._place = placement
+
+    def allocate(
+        self, namespace: str, blocks: list[tuple[bytes, int, bytes | None, str]], lease_s: float | None = None,
+        deadline: float | None = None, owner: str = "",
+    ) -> list[SlotGrant]:
+        """Reserve head extents for blocks a same-host client will write itself.
+
+        ``blocks`` holds (key, size, parent_key, layout). A key already stored
+        gets ``present=True`` and no slot. All slots or none: if one cannot be
+        reserved, the ones reserved so far are given back.
+        """
+        self._s.checks.check_batch(blocks)
+        lease_s = self._s.checks.lease_seconds(lease_s, self._s.limits.lease_s)
+        with self._cond:
+            self._s.known_namespace(namespace, write=True)
+        grants: list[SlotGrant] = []
+        try:
+            for key_bytes, size, parent, layout in blocks:
+                key = BlockKey(namespace, validate_key(key_bytes))
+                meta = BlockMeta(size=size, checksum=0, parent=parent or None, layout=layout)
+                self._s.checks.check_block(key, meta)
+                with self._cond:
+                    entry = self._catalog.live(key)
+                    if entry is not None:
+                        self._s.touch_locked(key, entry)
+                        grants.append(SlotGrant(key, present=True))
+                        continue
+                offset = self._place.reserve(size, deadline)
+                with self._cond:
+                    try:
+                        lease = self._s.leases.issue(
+                            LeaseKind.SLOT, self._clock() + lease_s, block=key, offset=offset, meta=meta, owner=owner
+                        )
+                    except BaseException:
+                        self._head.unreserve(offset)
+                        raise
+                    lease.keys = self._s.pin_parent_locked(key, meta)
+                grants.append(SlotGrant(key, False, lease.id, offset, size))
+        except BaseException:
+            self.abort([g.slot_id for g in grants if not g.present], owner=owner)
+            raise
+        return grants
+
+    def commit(self, items: list[tuple[int, int | None]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
+        """Turn written slots into blocks; ``items`` holds (slot_id, the writer's checksum).
+
+        The writer's checksum is required and verified against the slot
+        (``verify_commits``): a slot committed half written, or written by
+        someone else, would otherwise be stored as a valid block.
+        All or nothing: every slot must be live, else nothing is committed
+        and the live slots stay open. A mismatch frees every slot of the
+        request and raises CorruptBlock.
+        """
+        self._s.checks.check_batch(items)
+        if any(declared is None for _, declared in items):
+            raise InvalidArgument(
+                "Commit needs the writer's checksum (xxh3-64) of every slot: compute it while copying "
+                "the value in, and send it with the slot id"
+            )
+        with self._cond:
+            self._s.expire_locked()
+            now = self._clock()
+            taken: list[Lease] = []
+            try:
+                for slot_id, _ in items:
+                    taken.append(self._s.leases.take(slot_id, LeaseKind.SLOT, now, owner))
+            except LeaseError:
+                for lease in taken:  # put them back untouched
+                    self._s.leases.restore(lease)
+                raise
+        metas, bad = [], []
+        for lease, (_, declared) in zip(taken, items):
+            if self._s.limits.verify_commits:
+                view = self._head.view(lease.offset, lease.meta.size)
+                try:
+                    if checksum(view) != declared:
+                        bad.append(lease.block)
+                finally:
+                    view.release()
+            metas.append(BlockMeta(lease.meta.size, declared, lease.meta.parent, lease.meta.layout))
+        if bad:
+            with self._s.locked():
+                for lease in taken:
+                    self._head.unreserve(lease.offset)
+                    self._s.end_pins_locked(lease)
+                self._cond.notify_all()
+            self._s.metrics.corrupt.labels(self._head.name.label).inc(len(bad))
+            raise CorruptBlock(
+                f"{len(bad)} slot(s) hold bytes that do not match their checksum (first: {bad[0]}); "
+                "nothing was committed: write the blocks again"
+            )
+        done = [(lease.block, *self._place.adopt(lease.block, lease.offset, meta, verify=False)) for lease, meta in zip(taken, metas)]
+        with self._s.locked():
+            for lease in taken:
+                self._s.end_pins_locked(lease)
+        return done
+
+    def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
+        with self._s.locked():
+            now = self._clock()
+            for slot_id in slot_ids:
+                try:
+                    lease = self._s.leases.take(slot_id, LeaseKind.SLOT, now, owner)
+                except LeaseError:
+                    continue  # expired or unknown: already given back
+                self._head.unreserve(lease.offset)
+                self._s.end_pins_locked(lease)
+            self._cond.notify_all()
