@@ -351,7 +351,7 @@ class SubscriberConfig:
     max_payload_bytes: int = MAX_PAYLOAD_BYTES
     replay_timeout_s: float = 2.0  # one whole replay exchange
     max_replay_batches: int = 10_000  # vLLM's default buffer_steps; a longer gap is not asked for
-    max_tracked_blocks: int = 1 << 20  # per engine: keys whose mediums are remembered
+    max_tracked_blocks: int = 1 << 20  # per engine: keys (and further copies) whose holdings are remembered
     zmq_heartbeat_s: float = 5.0  # ZMTP pings, so a dead peer is seen as a disconnect
 
     def __post_init__(self) -> None:
