@@ -2,7 +2,9 @@
 
 Config checks the syntax of each value and hands the index its parts as
 plain values (:meth:`IndexSettings.event_sources`, :meth:`IndexSettings.tier_weights`);
-the index package builds its own types from them, so config imports none.
+the index package builds its own types from them, so config imports none
+(only the index's URL redaction, when the settings are shown: the URL may
+carry a password).
 """
 
 from __future__ import annotations
