@@ -3,7 +3,8 @@
 Each server is Debian's ``redis-server`` on free loopback ports, in its own
 directory, with persistence off; it dies with the test session (and, on
 Linux, with this process even if pytest is killed). The machine's own Redis
-on 6379 is never used.
+on 6379 is never used. A server can require a password (``requirepass``) and
+serve TLS only (Debian's build has TLS; certificates come from the test).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import ctypes
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -37,15 +40,37 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of a TLS server: its certificate and key, and the CA it trusts for clients."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert: Path | None = None  # a client certificate and key the CA signed (for tests that connect)
+    client_key: Path | None = None
+
+
 class RedisServer:
-    def __init__(self, home: Path, *extra: str) -> None:
+    """``password``: the default user's (``requirepass``); ``tls``: serve TLS only, on ``port``."""
+
+    def __init__(self, home: Path, *extra: str, password: str | None = None, tls: TLSFiles | None = None) -> None:
         self.home = home
         self.port = _free_port()
+        self.password = password
+        self.tls = tls
         self.log = home / "redis.log"
         home.mkdir(parents=True, exist_ok=True)
+        ports = ["--port", str(self.port)]
+        if tls is not None:
+            ports = [
+                "--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(tls.cert),
+                "--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.ca),
+            ]
+        auth = ["--requirepass", password] if password is not None else []
         args = [
-            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(home),
-            "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log), *extra,
+            REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--dir", str(home),
+            "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log), *auth, *extra,
         ]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
@@ -57,10 +82,20 @@ class RedisServer:
 
     def ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as raw:
+                s = raw
+                if self.tls is not None:
+                    context = ssl.create_default_context(cafile=str(self.tls.ca))
+                    if self.tls.client_cert is not None:
+                        context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
+                    s = context.wrap_socket(raw, server_hostname="127.0.0.1")
+                if self.password is not None:
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not s.recv(16).startswith(b"+OK"):
+                        return False
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
-        except OSError:
+        except (OSError, ssl.SSLError):
             return False
 
     def wait_ready(self) -> RedisServer:
@@ -74,8 +109,9 @@ class RedisServer:
         return self
 
     def cli(self, *args: str) -> str:
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password is not None else []
         out = subprocess.run(
-            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *auth, *args],
             capture_output=True, text=True, timeout=30, check=True,
         )
         return out.stdout
@@ -90,9 +126,11 @@ def start_standalone(home: Path) -> RedisServer:
     return RedisServer(home).wait_ready()
 
 
-def start_cluster(home: Path, masters: int = 3) -> list[RedisServer]:
-    """A real Cluster: ``masters`` servers, slots spread by ``redis-cli --cluster create``."""
+def start_cluster(home: Path, masters: int = 3, password: str | None = None) -> list[RedisServer]:
+    """A real Cluster: ``masters`` servers, slots spread by ``redis-cli --cluster create``;
+    with ``password`` every node requires it (and uses it towards the others)."""
     servers: list[RedisServer] = []
+    auth = ["-a", password, "--no-auth-warning"] if password is not None else []
     try:
         for i in range(masters):
             d = home / f"node{i}"
@@ -100,12 +138,14 @@ def start_cluster(home: Path, masters: int = 3) -> list[RedisServer]:
                 RedisServer(
                     d, "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
                     "--cluster-port", str(_free_port()), "--cluster-node-timeout", "5000",
+                    *(["--masterauth", password] if password is not None else []),
+                    password=password,
                 )
             )
         for s in servers:
             s.wait_ready()
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
+            [REDIS_CLI, *auth, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
              "--cluster-replicas", "0", "--cluster-yes"],
             capture_output=True, text=True, timeout=60, check=True,
         )

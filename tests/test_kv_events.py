@@ -4,7 +4,8 @@ A test engine publishes on a real PUB socket bound to a free 127.0.0.1 port: mul
 ``(topic, seq 8-byte big-endian, msgpack payload)``, the payload built with msgpack in the
 exact structure vLLM's msgspec encoder writes (checked against msgspec itself where it is
 installed). Its replay socket is a real ROUTER serving its buffer the way
-``ZmqEventPublisher._service_replay`` does. The index is the real MemoryIndex.
+``ZmqEventPublisher._service_replay`` does. The index is the real MemoryIndex (the
+KV-cache group tests run against a real redis-server too).
 
 Each test runs its coroutine with ``asyncio.run``. Waits are bounded polls, never timing
 assertions; the ZMQ slow joiner is handled by publishing empty probe batches until the
@@ -892,5 +893,146 @@ def test_beyond_the_tracking_cap_a_removal_from_any_medium_drops_the_key():
             await flush(e, t.sub)
             tiers = [[x.tier for x in hs] for hs in await t.index.holders(NS, [k(1), k(2), k(3)])]
             assert tiers == [[TierName.HOST], [TierName.HOST], []]  # h(3) untracked: a miss, not a lie
+
+    run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid models: KV-cache groups (group_idx), in the embedded index and in Redis
+
+
+def stored_in(group: int, hashes, **kw):
+    """A BlockStored of one KV-cache group (extra_keys, the field before group_idx, unset)."""
+    return stored(hashes, extra_keys=None, group_idx=group, **kw)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_index(request):
+    """A factory of the index backend under test; call it inside the test's event loop."""
+    if request.param == "memory":
+        return MemoryIndex
+    import hashlib
+
+    from kvstore.index.redis import RedisIndex
+
+    url = request.getfixturevalue("redis_url")
+    prefix = "t" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
+    return lambda: RedisIndex.from_url(url, prefix=prefix)
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_a_block_removed_from_one_group_stays_while_another_group_holds_it(make_index, encoding):
+    """A hybrid model (full attention in group 0, a sliding window in group 1) stores each block
+    for both groups; the window later drops old blocks from group 1 only."""
+
+    async def main():
+        index = make_index()
+        try:
+            async with Harness(index=index) as t:
+                e, chain = t.engine, [k(i) for i in range(4)]
+                e.publish([stored_in(g, [h(i) for i in range(4)]) for g in (0, 1)], encoding)
+                await flush(e, t.sub)
+                assert await t.blocks(chain) == 4
+
+                e.publish([removed([h(0), h(1)], group_idx=1)], encoding)  # out of the window
+                await flush(e, t.sub)
+                assert await t.blocks(chain) == 4  # the full-attention group still holds them
+
+                e.publish([removed([h(0)], group_idx=0)], encoding)  # gone from every group
+                await flush(e, t.sub)
+                assert await t.blocks(chain) == 0
+                assert [len(x) for x in await t.index.holders(NS, chain)] == [0, 1, 1, 1]
+
+                e.publish([removed([h(2)], group_idx=1)], encoding)
+                e.publish([removed([h(2)], group_idx=0)], encoding)
+                await flush(e, t.sub)
+                assert [len(x) for x in await t.index.holders(NS, chain)] == [0, 1, 0, 1]
+
+                # AllBlocksCleared empties every group: nothing is left to a later removal
+                e.publish([stored_in(0, [h(5)]), stored_in(1, [h(5)]), cleared()], encoding)
+                e.publish([stored_in(1, [h(6)])], encoding)
+                await flush(e, t.sub)
+                assert [len(x) for x in await t.index.holders(NS, [k(1), k(3), k(5), k(6)])] == [0, 0, 0, 1]
+                assert t.sub.epoch_bumps["loss"] == 0
+        finally:
+            await index.close()
+
+    run(main())
+
+
+def test_groups_and_mediums_together_keep_the_fastest_copy(make_index):
+    async def main():
+        index = make_index()
+        try:
+            async with Harness(index=index) as t:
+                e = t.engine
+                e.publish([stored_in(1, [h(1)], medium="GPU"), stored_in(0, [h(1)], medium="CPU")], "map")
+                await flush(e, t.sub)
+                assert [x.tier for x in (await t.index.holders(NS, [k(1)]))[0]] == [TierName.GPU]
+                e.publish([removed([h(1)], medium="GPU", group_idx=0)], "map")  # no such copy: nothing changes
+                await flush(e, t.sub)
+                assert [x.tier for x in (await t.index.holders(NS, [k(1)]))[0]] == [TierName.GPU]
+                e.publish([removed([h(1)], medium="GPU", group_idx=1)], "map")
+                await flush(e, t.sub)
+                assert [x.tier for x in (await t.index.holders(NS, [k(1)]))[0]] == [TierName.HOST]
+                e.publish([removed([h(1)], medium="CPU", group_idx=0)], "map")
+                await flush(e, t.sub)
+                assert await t.index.holders(NS, [k(1)]) == [[]]
+        finally:
+            await index.close()
+
+    run(main())
+
+
+def test_two_copies_of_one_hash_in_one_group_need_two_removals():
+    """vLLM's block pool can cache two physical blocks under one hash; it sends a BlockStored
+    for each and a BlockRemoved for each (its kv-events wire tests say so)."""
+
+    async def main():
+        async with Harness() as t:
+            e = t.engine
+            e.publish([stored([h(1), h(2)])], "map")
+            e.publish([stored([h(1), h(2)])], "map")  # second copy, same group and medium
+            e.publish([removed([h(1), h(2)])], "map")
+            await flush(e, t.sub)
+            assert await t.blocks([k(1), k(2)]) == 2
+            e.publish([removed([h(1)])], "map")
+            await flush(e, t.sub)
+            assert await t.blocks([k(1), k(2)]) == 0 and await t.blocks([k(2)]) == 1
+            e.publish([removed([h(1)])], "map")  # one removal too many: nothing to drop, no error
+            await flush(e, t.sub)
+            assert t.sub.epoch_bumps["loss"] == 0
+
+    run(main())
+
+
+def test_events_without_group_idx_are_one_group():
+    async def main():
+        async with Harness() as t:
+            e = t.engine
+            e.publish([stored([h(1)])], "array")  # no group_idx at all (older releases)
+            e.publish([removed([h(1)], group_idx=0)], "map")
+            await flush(e, t.sub)
+            assert await t.blocks([k(1)]) == 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("group", [-1, 256, 1 << 40, True, "1"])
+def test_decode_rejects_a_group_idx_out_of_range(group):
+    payload = wire_batch([removed([h(1)], group_idx=group)], "map")
+    with pytest.raises(MalformedEvent, match="group_idx") as err:
+        decode_batch(payload)
+    assert err.value.reason == "event"
+
+
+def test_beyond_the_tracking_cap_a_removal_from_any_group_drops_the_key():
+    async def main():
+        async with Harness(config=SubscriberConfig(max_tracked_blocks=2)) as t:
+            e = t.engine
+            e.publish([stored_in(g, [h(1), h(2), h(3)]) for g in (0, 1)], "map")
+            e.publish([removed([h(1), h(2), h(3)], group_idx=1)], "map")
+            await flush(e, t.sub)
+            assert [len(x) for x in await t.index.holders(NS, [k(1), k(2), k(3)])] == [1, 1, 0]  # a miss, not a lie
 
     run(main())

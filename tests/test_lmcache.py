@@ -41,6 +41,7 @@ from kvstore.block import validate_namespace  # noqa: E402
 from kvstore.integrations.lmcache import (  # noqa: E402
     ChunkLayout,
     PluginSettings,
+    StrataAdapter,
     StrataConnector,
     block_key,
     cache_key,
@@ -95,18 +96,28 @@ def token_ids() -> torch.Tensor:
     return torch.arange(1000, 1000 + TOKENS)
 
 
-def lmcache_config(target: str, **options) -> LMCacheEngineConfig:
+def plugin_entry(name: str, target: str, class_name: str = "StrataAdapter", **options) -> dict:
+    """The extra_config lines of one remote_storage_plugins entry."""
     extra = {
-        "remote_storage_plugin.strata.module_path": "kvstore.integrations.lmcache",
-        "remote_storage_plugin.strata.class_name": "StrataConnector",
-        "remote_storage_plugin.strata.target": target,
-        "remote_storage_plugin.strata.timeout_s": 2.0,
+        f"remote_storage_plugin.{name}.module_path": "kvstore.integrations.lmcache",
+        f"remote_storage_plugin.{name}.class_name": class_name,
+        f"remote_storage_plugin.{name}.target": target,
+        f"remote_storage_plugin.{name}.timeout_s": 2.0,
     }
-    extra.update({f"remote_storage_plugin.strata.{k}": v for k, v in options.items()})
+    extra.update({f"remote_storage_plugin.{name}.{k}": v for k, v in options.items()})
+    return extra
+
+
+def lmcache_config(target: str | None, entries: dict[str, dict] | None = None, **options) -> LMCacheEngineConfig:
+    """One entry "strata" at ``target``, or ``entries``: name -> the options of plugin_entry."""
+    entries = entries if entries is not None else {"strata": dict(target=target, **options)}
+    extra: dict = {}
+    for name, entry in entries.items():
+        extra.update(plugin_entry(name, **entry))
     # local_cpu off: every lookup and retrieve goes to Strata, none is served from LMCache's own RAM.
     return LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05, remote_serde="naive",
-        remote_storage_plugins=["strata"], save_unfull_chunk=True, blocking_timeout_secs=5, extra_config=extra,
+        remote_storage_plugins=list(entries), save_unfull_chunk=True, blocking_timeout_secs=5, extra_config=extra,
     )
 
 
@@ -120,11 +131,11 @@ def metadata() -> LMCacheMetadata:
 class Engine:
     """One LMCacheEngine with the Strata plugin, destroyed on exit."""
 
-    def __init__(self, target: str, **options) -> None:
+    def __init__(self, target: str | None, entries: dict[str, dict] | None = None, **options) -> None:
         self.instance_id = f"strata-{uuid.uuid4().hex[:8]}"
         self.kv = CPUKVConnector(torch.zeros(2, LAYERS, TOKENS, HEADS * HEAD_SIZE, dtype=torch.bfloat16))
         self.engine = LMCacheEngineBuilder.get_or_create(
-            self.instance_id, lmcache_config(target, **options), metadata(), self.kv,
+            self.instance_id, lmcache_config(target, entries, **options), metadata(), self.kv,
             lambda *a: None, lambda *a: None,
         )
         self.engine.post_init()
@@ -140,8 +151,12 @@ class Engine:
 
     @property
     def connector(self) -> StrataConnector:
-        backend = self.engine.storage_manager.storage_backends["RemoteBackend-strata"]
-        return backend.connection.getWrappedConnector()
+        return self.connector_of("strata")
+
+    def connector_of(self, entry: str) -> StrataConnector | None:
+        """The connector LMCache made for one remote_storage_plugins entry (None: it failed)."""
+        connection = self.engine.storage_manager.storage_backends[f"RemoteBackend-{entry}"].connection
+        return None if connection is None else connection.getWrappedConnector()
 
     def store(self, kv: torch.Tensor) -> None:
         self.kv.kv = kv
@@ -304,6 +319,69 @@ def test_chunks_stored_through_lmcache_are_found_in_the_shared_prefix_index(make
         assert (best.node_id, best.blocks) == ("prefill-0", CHUNKS)
 
 
+# ---- several Strata entries in one LMCache config --------------------------------
+
+
+def test_two_strata_entries_each_use_their_own_target_and_namespace(make_daemon):
+    """remote_storage_plugins: ["strata.local", "strata.remote"]: two connectors, each with its
+    own entry's options, each storing every chunk on its own daemon in its own namespace."""
+    local, remote = make_daemon(), make_daemon()
+    entries = {
+        "strata.local": dict(target=local.target, namespace="kv-local"),
+        "strata.remote": dict(target=remote.target, namespace="kv-remote", shared_memory="false"),
+    }
+    source = kv_source()
+    with Engine(None, entries) as e:
+        settings = {n: e.connector_of(n).settings for n in entries}
+        assert {n: (s.target, s.namespace, s.shared_memory) for n, s in settings.items()} == {
+            "strata.local": (local.target, "kv-local", None),
+            "strata.remote": (remote.target, "kv-remote", False),
+        }
+        e.store(source)
+        wait_for_blocks(local.target, CHUNKS, "kv-local")
+        wait_for_blocks(remote.target, CHUNKS, "kv-remote")
+        with Client(local.target) as c:
+            assert c.stats().namespaces == ["kv-local"]
+        with Client(remote.target) as c:
+            assert c.stats().namespaces == ["kv-remote"]
+        assert e.lookup() == TOKENS
+        retrieved, kv = e.retrieve()
+        assert retrieved == TOKENS and same_bytes(kv, source)
+
+
+def test_two_entries_of_the_plain_connector_class_are_refused_with_the_fix(make_daemon, caplog):
+    """class_name StrataConnector is built by LMCache without its entry's name: with two Strata
+    entries no connector is made (LMCache logs why and serves misses) rather than two that
+    silently share the first entry's settings."""
+    local, remote = make_daemon(), make_daemon()
+    entries = {
+        "strata.local": dict(target=local.target, class_name="StrataConnector"),
+        "strata.remote": dict(target=remote.target, class_name="StrataConnector"),
+    }
+    with Engine(None, entries) as e:
+        assert [e.connector_of(n) for n in entries] == [None, None]
+        e.store(kv_source())
+        assert e.lookup() == 0
+    assert "class_name: StrataAdapter on every Strata entry" in caplog.text
+    with pytest.raises(ValueError, match="StrataAdapter"):
+        StrataConnector(config=lmcache_config(None, entries))
+
+
+def test_one_entry_of_the_plain_connector_class_still_works(make_daemon):
+    daemon = make_daemon()
+    with Engine(daemon.target, class_name="StrataConnector", namespace="plain") as e:
+        assert (e.connector.settings.target, e.connector.plugin_name) == (daemon.target, "strata")
+        e.store(kv_source())
+        wait_for_blocks(daemon.target, CHUNKS, "plain")
+        assert e.lookup() == TOKENS
+
+
+def test_the_adapter_claims_only_strata_entries():
+    adapter = StrataAdapter()
+    assert [adapter.can_parse(u) for u in ("plugin://strata", "plugin://strata.a", "plugin://stratax", "plugin://fs",
+                                           "plugin://fs.strata", "strata://x")] == [True, True, False, False, False, False]
+
+
 # ---- other processes, restarts, a daemon that is gone ----------------------------
 
 
@@ -374,15 +452,15 @@ def chunk_keys(e: Engine) -> list[CacheEngineKey]:
     return [key for _, _, key in e.engine.token_database.process_tokens(token_ids())]
 
 
-def wait_for_blocks(target: str, n: int) -> None:
+def wait_for_blocks(target: str, n: int, namespace: str = namespace_of(MODEL)) -> None:
     def count() -> int:
         with Client(target, use_shm=False, timeout=2) as c:
             try:
-                return c.stats(namespace_of(MODEL)).blocks
+                return c.stats(namespace).blocks
             except Exception:  # noqa: BLE001 - the namespace appears with the first block
                 return 0
 
-    wait_until(lambda: count() >= n, what=f"{n} LMCache chunks stored in Strata")
+    wait_until(lambda: count() >= n, what=f"{n} LMCache chunks stored in Strata at {target} in {namespace}")
 
 
 def run_engine(action: str, target: str) -> dict:

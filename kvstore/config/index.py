@@ -2,7 +2,9 @@
 
 Config checks the syntax of each value and hands the index its parts as
 plain values (:meth:`IndexSettings.event_sources`, :meth:`IndexSettings.tier_weights`);
-the index package builds its own types from them, so config imports none.
+the index package builds its own types from them, so config imports none
+(only the index's URL redaction, when the settings are shown: the URL may
+carry a password).
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class IndexSettings(Section):
 
     url: str = setting(
         "memory://",
-        "prefix index: memory:// (embedded, this node only), redis://HOST:PORT/DB, "
-        "or redis+cluster://HOST:PORT for a Redis Cluster",
+        "prefix index: memory:// (embedded, this node only), redis://[USER:PASSWORD@]HOST:PORT/DB, "
+        "redis+cluster://HOST:PORT for a Redis Cluster, rediss:// (or rediss+cluster://) for TLS with "
+        "?tls_ca_file=PEM[&tls_cert_file=PEM&tls_key_file=PEM]; the password is shown as *** everywhere",
     )
     ttl_seconds: float = setting(10.0, "node heartbeat TTL in the prefix index", gt=0, le=3600)
     score_weights: str = setting(
@@ -96,6 +99,12 @@ class IndexSettings(Section):
     def _check_weights(cls, value: str) -> str:
         parse_tier_weights(value)
         return value
+
+    def __repr_args__(self):
+        from kvstore.index.redis_url import redact  # the index's redaction; imported only when shown
+
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if name == "url" else value
 
     def event_sources(self) -> list[dict[str, Any]]:
         """Keyword arguments of ``kvstore.index.events.EngineSource``, one per engine."""

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidArgument
 from kvstore.index.base import PrefixIndex
+from kvstore.index.redis_url import redact
 
 
 def _memory(url: str) -> PrefixIndex:
@@ -34,12 +35,15 @@ BACKENDS: dict[str, Callable[[str], PrefixIndex]] = {
 
 
 def open_index(url: str) -> PrefixIndex:
-    scheme = urlsplit(url).scheme
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError as err:
+        raise InvalidArgument(f"prefix index URL {redact(url)!r} is not a URL ({err})") from None
     try:
         factory = BACKENDS[scheme]
     except KeyError:
         raise InvalidArgument(
-            f"prefix index URL {url!r}: unknown scheme {scheme!r}; use one of "
+            f"prefix index URL {redact(url)!r}: unknown scheme {scheme!r}; use one of "
             + ", ".join(f"{s}://" for s in BACKENDS)
         ) from None
     return factory(url)

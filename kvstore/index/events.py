@@ -17,8 +17,15 @@ publishes every change of its prefix cache on a ZMQ PUB socket
                      ["AllBlocksCleared"] / {"type": "AllBlocksCleared"}
 
 The two levels changed form in different releases (an array batch of map events exists
-too); each level is accepted in either form. Newer fields (``kv_cache_spec_kind``, ...)
-follow ``group_idx`` and are ignored, as are unknown map keys.
+too); each level is accepted in either form. Newer fields (``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``, ``locality``, ...) follow ``group_idx`` and are
+ignored, as are unknown map keys.
+
+``group_idx`` names the KV-cache group of a hybrid model (full attention, sliding window,
+Mamba state, ...): the same block hash is stored once per group and removed per group, a
+sliding window dropping old blocks from its group only. An engine's key stays in the index
+while any (medium, group, copy) holds it (:class:`_Holdings`); ``AllBlocksCleared`` empties
+every group. Events without ``group_idx`` (older releases, one group) count as group 0.
 
 Block hashes are 64-bit ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the default) or the
 raw digest bytes; both become the same 8-byte key (vLLM's own conversion,
@@ -71,6 +78,7 @@ SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 MAX_PAYLOAD_BYTES = 64 << 20
 MAX_HASH_BYTES = 64
+MAX_KV_CACHE_GROUPS = 256  # group_idx bound (hybrid models have a few groups; each costs bits per key)
 INDEX_BATCH_BLOCKS = 1024  # keys per index call (the index bounds what it accepts)
 _U64 = (1 << 64) - 1
 
@@ -178,6 +186,14 @@ def _ints(v: Any) -> tuple[int, ...]:
     return tuple(v)  # not used to key anything; element types are not checked
 
 
+def _opt_group(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_KV_CACHE_GROUPS:
+        return v
+    raise MalformedEvent(R_EVENT, f"group_idx is {v!r}, not a KV-cache group index from 0 to {MAX_KV_CACHE_GROUPS - 1}")
+
+
 def _opt_list(v: Any) -> tuple[Any, ...] | None:
     if v is None:
         return None
@@ -200,11 +216,11 @@ _EVENT_SPECS: dict[str, tuple[type, tuple[tuple[str, Any], ...], int]] = {
             ("medium", _opt_str),
             ("lora_name", _opt_str),
             ("extra_keys", _opt_list),
-            ("group_idx", _opt_int),
+            ("group_idx", _opt_group),
         ),
         4,
     ),
-    "BlockRemoved": (BlockRemoved, (("block_hashes", _hashes), ("medium", _opt_str), ("group_idx", _opt_int)), 1),
+    "BlockRemoved": (BlockRemoved, (("block_hashes", _hashes), ("medium", _opt_str), ("group_idx", _opt_group)), 1),
     "AllBlocksCleared": (AllBlocksCleared, (), 0),
 }
 
@@ -335,7 +351,7 @@ class SubscriberConfig:
     max_payload_bytes: int = MAX_PAYLOAD_BYTES
     replay_timeout_s: float = 2.0  # one whole replay exchange
     max_replay_batches: int = 10_000  # vLLM's default buffer_steps; a longer gap is not asked for
-    max_tracked_blocks: int = 1 << 20  # per engine: keys whose mediums are remembered
+    max_tracked_blocks: int = 1 << 20  # per engine: keys (and further copies) whose holdings are remembered
     zmq_heartbeat_s: float = 5.0  # ZMTP pings, so a dead peer is seen as a disconnect
 
     def __post_init__(self) -> None:
@@ -389,32 +405,58 @@ class EngineStatus:
 
 
 class _Holdings:
-    """Which mediums hold each key of one engine, as its events since the last loss say.
+    """Which copies of each key one engine holds, as its events since the last loss say.
 
-    vLLM reports GPU and offloaded (CPU, disk) copies separately; the index keeps one tier
-    per key. A removal from one medium must leave the key under the others, and the key's
-    tier is the fastest medium holding it. The same map lets the engine be re-published in
-    full when the index lost it (expired, restarted, unreachable for a while). Beyond
-    ``cap`` keys nothing new is remembered: such a key leaves the index on its first
-    removal from any medium and is not re-published (a miss, never a lie).
+    vLLM reports a block once per copy: per medium (GPU, and offloaded CPU or disk
+    copies), per KV-cache group (a hybrid model stores the same block hash for its
+    full-attention group and its sliding-window group, and a sliding window drops old
+    blocks from its group only), and per physical copy inside one group (its block pool
+    can cache two blocks under one hash; each store is balanced by one removal). The
+    index keeps one row per (engine, key), so a removal of one copy must leave the key
+    listed while any other copy remains, and the key's tier is the fastest medium that
+    holds it in any group.
+
+    Per key an int: bit ``group * 8 + tier`` is set while that (medium, group) holds a
+    copy (an engine that sends no ``group_idx`` uses group 0: one int a key, as before
+    groups). Further copies of the same (medium, group) are counted in ``_extra`` (rare).
+    The same map lets the engine be re-published in full when the index lost it
+    (expired, restarted, unreachable for a while). Beyond ``cap`` entries nothing new
+    is remembered: such a copy is forgotten, so the key leaves the index at the first
+    removal that finds no copy recorded (a miss, never a lie).
     """
 
     def __init__(self, cap: int) -> None:
         self._cap = cap
         self._mask: dict[bytes, int] = {}
+        self._extra: dict[tuple[bytes, int], int] = {}  # (key, bit) -> copies beyond the first
 
-    def store(self, key: bytes, tier: TierName) -> TierName:
+    def store(self, key: bytes, tier: TierName, group: int) -> TierName:
+        bit = group * _GROUP_BITS + tier
         mask = self._mask.get(key)
+        full = len(self._mask) + len(self._extra) >= self._cap
         if mask is None:
-            if len(self._mask) >= self._cap:
+            if full:
                 return tier
             mask = 0
-        mask |= 1 << tier
-        self._mask[key] = mask
+        if mask >> bit & 1:
+            if not full:
+                self._extra[key, bit] = self._extra.get((key, bit), 0) + 1
+        else:
+            mask |= 1 << bit
+            self._mask[key] = mask
         return _fastest(mask)
 
-    def remove(self, key: bytes, tier: TierName) -> TierName | None:
-        mask = self._mask.pop(key, 0) & ~(1 << tier)
+    def remove(self, key: bytes, tier: TierName, group: int) -> TierName | None:
+        """The key's fastest tier after this copy is gone; ``None`` if no copy is left."""
+        bit = group * _GROUP_BITS + tier
+        more = self._extra.get((key, bit))
+        if more:
+            if more == 1:
+                del self._extra[key, bit]
+            else:
+                self._extra[key, bit] = more - 1
+            return _fastest(self._mask[key])
+        mask = self._mask.pop(key, 0) & ~(1 << bit)
         if not mask:
             return None
         self._mask[key] = mask
@@ -422,13 +464,22 @@ class _Holdings:
 
     def clear(self) -> None:
         self._mask.clear()
+        self._extra.clear()
 
     def snapshot(self) -> list[tuple[bytes, TierName]]:
         return [(k, _fastest(m)) for k, m in self._mask.items()]
 
 
+_GROUP_BITS = 8  # bits per KV-cache group in a holdings mask: one per tier (TierName fits in 3 bits)
+_TIERS_OF_A_GROUP = (1 << _GROUP_BITS) - 1
+
+
 def _fastest(mask: int) -> TierName:
-    return TierName((mask & -mask).bit_length() - 1)
+    tiers = 0
+    while mask:  # fold the groups: a key is as fast as its fastest copy in any group
+        tiers |= mask & _TIERS_OF_A_GROUP
+        mask >>= _GROUP_BITS
+    return TierName((tiers & -tiers).bit_length() - 1)
 
 
 _Op = tuple[str, Any]  # ("add", [(key, tier)]) | ("remove", [key]) | ("clear", None)
@@ -756,14 +807,15 @@ class KVEventSubscriber:
                 ops.append(("clear", None))
                 continue
             tier = medium_tier(event.medium) or TierName.GPU  # a medium newer than this code: vLLM's default
+            group = event.group_idx or 0  # no group_idx: an engine with one KV-cache group
             keys = [block_key(h) for h in event.block_hashes]
             if isinstance(event, BlockStored):
-                ops.append(("add", [(k, eng.holdings.store(k, tier)) for k in keys]))
+                ops.append(("add", [(k, eng.holdings.store(k, tier, group)) for k in keys]))
                 continue
             gone: list[bytes] = []
-            kept: list[tuple[bytes, TierName]] = []  # still held in another medium
+            kept: list[tuple[bytes, TierName]] = []  # still held in another medium, group or copy
             for k in keys:
-                left = eng.holdings.remove(k, tier)
+                left = eng.holdings.remove(k, tier, group)
                 if left is None:
                     gone.append(k)
                 else:

@@ -2,7 +2,10 @@
 
 URLs: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix:///path``) for
 one server; ``redis+cluster://host:port`` (or ``cluster=True``) for a Cluster,
-the address being any one of its masters.
+the address being any one of its masters. A user and password in the URL
+authenticate (``AUTH``); TLS files are query parameters of a ``rediss://`` URL
+(:mod:`kvstore.index.redis_url`). Messages and reprs show the URL with its
+password replaced by ``***``.
 
 Key layout
 ----------
@@ -97,7 +100,6 @@ import zlib
 from array import array
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from redis import exceptions as rexc
 from redis.asyncio import Redis
@@ -107,6 +109,7 @@ from redis.backoff import ExponentialBackoff
 
 from kvstore.block import TierName, validate_namespace
 from kvstore.errors import InvalidArgument, PrefixIndexError, StaleEpoch
+from kvstore.index import redis_url
 from kvstore.index.base import (
     Holder,
     IndexUnavailable,
@@ -763,7 +766,22 @@ _UNAVAILABLE = (
     rexc.RedisClusterException,  # no reachable startup node, slot not covered
 )
 _BUSY = ("BUSY", "LOADING", "MASTERDOWN")  # replies of a server that is there but cannot serve yet
+# How a refused AUTH reads once a Cluster client has wrapped it in RedisClusterException (as text).
+_AUTH_REFUSED = ("WRONGPASS", "NOAUTH", "invalid username-password pair", "Authentication required",
+                 "HELLO must be called with the client already authenticated", "invalid password")
 _TIERS = {int(t): t for t in TierName}
+
+
+def _auth_failure(err: BaseException) -> bool:
+    """Whether Redis refused the credentials (or wanted some), however redis-py wrapped it."""
+    seen: BaseException | None = err
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            break
+        if isinstance(seen, rexc.AuthenticationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return any(marker in str(err) for marker in _AUTH_REFUSED)
 
 
 class _Detour(Exception):
@@ -824,11 +842,14 @@ class _ReadLane:
 class RedisIndex(PrefixIndex):
     """Use :meth:`from_url`; the constructor takes a ready ``redis.asyncio`` client."""
 
-    def __init__(self, client: Redis | RedisCluster, *, where: str = "redis", prefix: str = "strata") -> None:
+    def __init__(
+        self, client: Redis | RedisCluster, *, where: str = "redis", prefix: str = "strata", tls: bool = False
+    ) -> None:
         if not prefix or not set(prefix) <= _PREFIX_CHARS:
             raise InvalidArgument(f"key prefix {prefix!r} must be non-empty and use only [A-Za-z0-9._-]")
         self._redis = client
-        self._where = where
+        self._where = redis_url.redact(where)
+        self._tls = tls
         self._prefix = prefix
         self._nodes_key = "{%s}:nodes" % prefix
         self._sweep_turn = 0
@@ -849,35 +870,31 @@ class RedisIndex(PrefixIndex):
         connect_timeout_s: float = 2.0,
         retries: int = 2,
     ) -> RedisIndex:
-        """``redis://host:port/db``, ``rediss://…``, ``unix:///path``, or ``redis+cluster://host:port``.
+        """``redis://[USER:PASSWORD@]host:port/db``, ``rediss://…[?tls_ca_file=…]``, ``unix:///path``,
+        or ``redis+cluster://host:port`` (:mod:`kvstore.index.redis_url` has the syntax).
 
         ``cluster=True`` treats a plain ``redis://`` URL as a Cluster's entry point. Every
         command has ``timeout_s``; a failed connection is retried ``retries`` times, briefly.
         """
-        parts = urlsplit(url)
-        scheme = parts.scheme
-        if scheme in ("redis+cluster", "rediss+cluster"):
-            cluster = True
-            scheme = scheme.removesuffix("+cluster")
-        elif scheme not in ("redis", "rediss", "unix"):
-            raise InvalidArgument(
-                f"index URL {url!r}: use redis://HOST:PORT/DB, rediss://…, unix:///PATH or redis+cluster://HOST:PORT"
-            )
-        plain = urlunsplit(parts._replace(scheme=scheme))
-        where = _redact(url)
+        parsed = redis_url.parse(url)
+        cluster = cluster or parsed.cluster
         options: dict[str, Any] = dict(
             socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+            **parsed.options,
         )
         try:
             if cluster:
-                client: Redis | RedisCluster = RedisCluster.from_url(plain, **options)
+                client: Redis | RedisCluster = RedisCluster.from_url(parsed.client_url, **options)
             else:
-                client = Redis.from_url(plain, **options)
-        except (ValueError, rexc.RedisError, rexc.RedisClusterException) as err:
-            raise InvalidArgument(f"index URL {where}: {err}") from None
-        return cls(client, where=where, prefix=prefix)
+                client = Redis.from_url(parsed.client_url, **options)
+        except (ValueError, TypeError, rexc.RedisError, rexc.RedisClusterException) as err:
+            raise InvalidArgument(f"index URL {parsed.where}: {err}") from None
+        return cls(client, where=parsed.where, prefix=prefix, tls=parsed.tls)
+
+    def __repr__(self) -> str:
+        return f"<RedisIndex {self._where} prefix={self._prefix}>"
 
     async def close(self) -> None:
         if self._lane is not None:
@@ -1083,6 +1100,12 @@ class RedisIndex(PrefixIndex):
     def _refused(self, script: _Script, err: rexc.RedisError) -> PrefixIndexError:
         if str(err).startswith(_BUSY):
             return self._unavailable(err)
+        if isinstance(err, rexc.NoPermissionError):
+            return PrefixIndexError(
+                f"Redis at {self._where} refused the {script.name} script: {err}: grant the index's user scripts "
+                f"and reads and writes of its keys, e.g. ACL SETUSER USER +@scripting +@read +@write +@fast "
+                f"~{{{self._prefix}}}* ~{{{self._prefix}:*"
+            )
         return PrefixIndexError(f"Redis at {self._where} refused the {script.name} script: {err}")
 
     async def _call(self, *command: Any) -> Any:
@@ -1096,10 +1119,25 @@ class RedisIndex(PrefixIndex):
             raise PrefixIndexError(f"Redis at {self._where} refused {command[0]}: {err}") from err
 
     def _unavailable(self, err: BaseException) -> IndexUnavailable:
-        return IndexUnavailable(
-            f"the prefix index at {self._where} cannot be reached ({type(err).__name__}: {err}): "
-            "check that Redis runs there and that index_url (STRATA_INDEX_URL) points at it"
-        )
+        """Unreachable, refused credentials or a failed TLS handshake: all are the index being
+        unavailable to this node (the daemon serves local hits and retries), each with its fix."""
+        what = f"{type(err).__name__}: {err}"
+        if _auth_failure(err):
+            return IndexUnavailable(
+                f"Redis at {self._where} refused the index's credentials ({what}): put the right user and "
+                "password in index_url (STRATA_INDEX_URL), redis://USER:PASSWORD@HOST:PORT/DB, or "
+                "redis://:PASSWORD@HOST:PORT/DB for a server with requirepass (percent-encode special characters)"
+            )
+        fix = "check that Redis runs there and that index_url (STRATA_INDEX_URL) points at it"
+        if self._tls:
+            fix += (
+                "; for TLS, that tls_ca_file holds the CA that signed the server's certificate and the certificate "
+                "names the URL's host, and that tls_cert_file and tls_key_file are given if the server requires "
+                "client certificates"
+            )
+        elif "reset by peer" in str(err) or "closed by server" in str(err):
+            fix += "; if the server speaks TLS, use rediss://"
+        return IndexUnavailable(f"the prefix index at {self._where} cannot be reached ({what}): {fix}")
 
 
 def _chain(keys: list[bytes]) -> list[bytes]:
@@ -1124,12 +1162,3 @@ def _older(node_id: str, epoch: int, current: bytes) -> str:
         f"node {node_id!r} is at epoch {int(current)}; epoch {epoch} is older: "
         "this process was replaced by a restarted one and must stop writing"
     )
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))

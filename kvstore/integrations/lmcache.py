@@ -6,12 +6,23 @@ vLLM is needed::
     remote_storage_plugins: ["strata"]
     extra_config:
       remote_storage_plugin.strata.module_path: kvstore.integrations.lmcache
-      remote_storage_plugin.strata.class_name: StrataConnector
+      remote_storage_plugin.strata.class_name: StrataAdapter
       remote_storage_plugin.strata.target: "127.0.0.1:50051"
 
 Options (``remote_storage_plugin.<name>.<option>``; see :class:`PluginSettings`):
 ``target``, ``namespace``, ``timeout_s``, ``retries``, ``shared_memory``,
 ``down_backoff_s``.
+
+Several entries. LMCache names plugin entries ``<type>`` or
+``<type>.<instance>``; entries ``strata.local`` and ``strata.remote`` (say,
+the node's sidecar and a shared daemon) each get their own connector with
+their own options. Only an adapter learns which entry it builds for (LMCache
+hands :class:`StrataAdapter` a context with the entry's name; a plain
+``RemoteConnector`` class is built with no name), so ``class_name:
+StrataAdapter`` is the form that works for any number of entries.
+``class_name: StrataConnector`` still works for a single Strata entry of any
+name; with two or more Strata entries it is refused with a message saying to
+use ``StrataAdapter``, never silently given the first entry's settings.
 
 Mapping. Each LMCache chunk is one Strata block. The block key is the
 ``CacheEngineKey``'s own string form (``model@world@worker@hash@dtype[@tags]``),
@@ -56,6 +67,7 @@ from typing import Any, TypeVar
 import torch
 from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE, TORCH_DTYPE_TO_STR_DTYPE, CacheEngineKey, parse_cache_key
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.block import MAX_KEY_BYTES, MAX_NAMESPACE_CHARS, validate_namespace
@@ -75,6 +87,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_PLUGIN_NAME = "strata"
+PLUGIN_TYPE = "strata"  # entries "strata" and "strata.<instance>" are this plugin's (LMCache's naming)
 LAYOUT_VERSION = "lmcache/1"
 # Errors that say the daemon itself is gone or stuck (not a refusal of one call).
 DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)
@@ -142,18 +155,38 @@ def _tristate(value: Any) -> bool | None:
     raise ValueError(f"shared_memory is {value!r}; use auto, true or false")
 
 
-def plugin_name_of(config, cls: type) -> str:
-    """The name this class is registered under in ``remote_storage_plugins``.
-
-    LMCache builds a plugin class with ``cls(loop, local_cpu_backend, config)``
-    and does not say which plugin entry it serves; the entry whose
-    ``class_name`` names this class is the one.
-    """
+def strata_entries(config) -> list[str]:
+    """The ``remote_storage_plugins`` entries that load this module."""
     extra = getattr(config, "extra_config", None) or {}
-    for name in getattr(config, "remote_storage_plugins", None) or []:
-        if extra.get(f"remote_storage_plugin.{name}.class_name") == cls.__name__:
-            return name
-    return DEFAULT_PLUGIN_NAME
+    return [
+        name
+        for name in getattr(config, "remote_storage_plugins", None) or []
+        if extra.get(f"remote_storage_plugin.{name}.module_path") == __name__
+        or extra.get(f"remote_storage_plugin.{name}.class_name") in (StrataConnector.__name__, StrataAdapter.__name__)
+    ]
+
+
+def plugin_name_of(config, cls: type) -> str:
+    """The entry a connector built without a name serves: the config's only Strata entry.
+
+    LMCache builds a plain ``RemoteConnector`` class with ``cls(loop,
+    local_cpu_backend, config)`` and does not say which entry it serves. With one
+    Strata entry that is the one; with several it cannot be known, and guessing
+    would give every entry the first one's target and namespace.
+    """
+    entries = strata_entries(config)
+    if len(entries) > 1:
+        raise ValueError(_ambiguous(entries))
+    return entries[0] if entries else DEFAULT_PLUGIN_NAME
+
+
+def _ambiguous(entries: list[str]) -> str:
+    return (
+        f"remote_storage_plugins has {len(entries)} Strata entries ({', '.join(entries)}) but LMCache builds "
+        f"class_name {StrataConnector.__name__} without saying which entry it is for: set "
+        f"remote_storage_plugin.<name>.class_name: {StrataAdapter.__name__} on every Strata entry, and name them "
+        f"{PLUGIN_TYPE} or {PLUGIN_TYPE}.<instance> (e.g. {PLUGIN_TYPE}.local, {PLUGIN_TYPE}.remote)"
+    )
 
 
 # ---- keys and layouts --------------------------------------------------------
@@ -302,6 +335,7 @@ class StrataConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         name = plugin_name or plugin_name_of(config, type(self))
+        self.plugin_name = name
         self.settings = PluginSettings.from_extra_config(getattr(config, "extra_config", None), name)
         self._health = DaemonHealth(self.settings.down_backoff_s)
         self._aio: AsyncClient | None = None
@@ -310,7 +344,7 @@ class StrataConnector(RemoteConnector):
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"<StrataConnector {self.settings.target}>"
+        return f"<StrataConnector {self.plugin_name} {self.settings.target}>"
 
     # ---- clients ---------------------------------------------------------------
 
@@ -572,6 +606,39 @@ class StrataConnector(RemoteConnector):
                 log.warning("closing the Strata client took over %.1fs; left to gRPC", self.settings.timeout_s)
         if sync is not None:
             await asyncio.to_thread(sync.close)
+
+
+class StrataAdapter(ConnectorAdapter):
+    """LMCache's adapter for Strata entries: each connector gets its own entry's options.
+
+    LMCache makes one adapter per entry whose ``class_name`` names this class and asks
+    each whether it can parse the backend's URL, ``plugin://<entry name>``; the first
+    that can builds the connector from a context carrying the entry's name. The adapter
+    claims the entries of type ``strata`` (``strata``, ``strata.<instance>``), as
+    LMCache's own adapters claim theirs, so whichever adapter answers, the connector
+    reads the options of the entry it serves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(f"plugin://{PLUGIN_TYPE}")
+
+    def can_parse(self, url: str) -> bool:
+        scheme, sep, name = url.partition("://")
+        return scheme == "plugin" and bool(sep) and extract_plugin_type(name) == PLUGIN_TYPE
+
+    def create_connector(self, context: ConnectorContext) -> StrataConnector:
+        entries = strata_entries(context.config)
+        extra = getattr(context.config, "extra_config", None) or {}
+        plain = [n for n in entries if extra.get(f"remote_storage_plugin.{n}.class_name") == StrataConnector.__name__]
+        if len(entries) > 1 and plain:
+            raise ValueError(_ambiguous(entries))  # the plain entries would get no name; refuse them all alike
+        return StrataConnector(
+            loop=context.loop,
+            local_cpu_backend=context.local_cpu_backend,
+            config=context.config,
+            metadata=context.metadata,
+            plugin_name=context.plugin_name or plugin_name_of(context.config, StrataConnector),
+        )
 
 
 # ---- helpers -------------------------------------------------------------------
