@@ -41,7 +41,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         for s in names:
             default = s.field.get_default(call_default_factory=True)
             help_text = f"{s.field.description} [env {s.env}; config key {s.path[-1]}; default {_show(default)}]"
-            if s.field.annotation is bool:
+            if s.repeatable:
+                group.add_argument(s.option, dest=s.flag, action="append", default=None, metavar=s.flag.upper(), help=help_text)
+            elif s.field.annotation is bool:
                 group.add_argument(s.option, dest=s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             else:
                 literal = typing.get_origin(s.field.annotation) is typing.Literal
