@@ -168,7 +168,8 @@ def test_lease_and_slot_ids_route_by_their_arenas_tag(make_daemon):
     daemon = two_arenas(make_daemon)
     with grpc.insecure_channel(daemon.target) as channel:
         stub = kv_pb2_grpc.KVServiceStub(channel)
-        alloc = stub.Allocate(pb.AllocateRequest(namespace="a-1", blocks=[pb.BlockHeader(key=b"s", size=4096)]))
+        alloc = stub.Allocate(pb.AllocateRequest(namespace="a-1", blocks=[pb.BlockHeader(key=b"s", size=4096)],
+                                                 arena="team-a"))
         slot = alloc.slots[0].slot_id
         assert tag_of(slot) == 1
         forged = slot & ((1 << RANDOM_BITS) - 1)  # the same random bits with the default arena's tag
@@ -202,6 +203,28 @@ def test_lease_and_slot_ids_route_by_their_arenas_tag(make_daemon):
     finally:
         raw.close()
     assert daemon.store.release([lease_b]) == [True]
+
+
+def test_grpc_offsets_only_into_the_arena_the_caller_mapped(make_daemon):
+    daemon = two_arenas(make_daemon)
+    with Client(daemon.target) as c:
+        c.put("a-1", b"k", value(1, MiB))
+    with grpc.insecure_channel(daemon.target) as channel:
+        stub = kv_pb2_grpc.KVServiceStub(channel)
+        block = [pb.BlockHeader(key=b"n", size=4096)]
+        for arena in ("", "default"):  # an older client sends none: it mapped the default arena
+            for call, request in [(stub.Lookup, pb.LookupRequest(namespace="a-1", keys=[b"k"], arena=arena)),
+                                  (stub.Allocate, pb.AllocateRequest(namespace="a-1", blocks=block, arena=arena))]:
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "belongs to arena 'team-a'" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Lookup(pb.LookupRequest(namespace="a-1", keys=[b"k"], arena="gone"))
+        assert "no arena 'gone'" in err.value.details() and "Attach again" in err.value.details()
+        found = stub.Lookup(pb.LookupRequest(namespace="a-1", keys=[b"k"], arena="team-a")).blocks[0]
+        assert found.found and tag_of(found.lease_id) == 1
+        assert stub.Release(pb.ReleaseRequest(lease_ids=[found.lease_id])).valid == [True]
 
 
 def test_stats_per_arena_and_for_the_node(make_daemon):

@@ -57,6 +57,7 @@ T = TypeVar("T")
 class _Attached:
     """One arena this client maps, and its same-host socket when the daemon offers one."""
 
+    name: str
     arena: ShmArena
     same_host: AsyncSameHostTransport | None = None
 
@@ -195,7 +196,7 @@ class AsyncClient:
 
     async def _map(self, attach: pb.AttachResponse) -> _Attached | None:
         try:
-            attached = _Attached(codec.open_arena(attach))
+            attached = _Attached(attach.arena_name, codec.open_arena(attach))
         except ArenaUnusable:
             if self._use_shm:
                 raise
@@ -230,11 +231,12 @@ class AsyncClient:
             return await self._retrying("Put", lambda: attached.same_host.put(namespace, items, self.timeout))
         results: list[bool] = []
         for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(attached.arena)):
-            results += await self._put_shm(attached.arena, namespace, group)
+            results += await self._put_shm(attached, namespace, group)
         return results
 
-    async def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
-        alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
+    async def _put_shm(self, attached: _Attached, namespace: str, checked) -> list[bool]:
+        arena = attached.arena
+        alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms, attached.name))
         received = codec.now_ms()
         commits: list[asyncio.Task] = []
         try:
@@ -316,7 +318,7 @@ class AsyncClient:
             return await self._retrying("Get", lambda: attached.same_host.get_into(namespace, keys, place, self.timeout))
         arena = attached.arena
         response = await self._call(
-            "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
+            "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms, arena=attached.name)
         )
         received = codec.now_ms()
         try:

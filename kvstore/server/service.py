@@ -130,6 +130,11 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     # ---- shared-memory path -------------------------------------------------
 
+    def _mapped(self, arena_name: str) -> StoreGroup:
+        """The one arena a caller of Allocate or Lookup mapped (empty: the default arena, what an
+        older client mapped): offsets are only ever handed out into that arena."""
+        return self._store.only(arena_name or self._store.default.name)
+
     def _may_attach(self, context, arena: StoreArena) -> bool:
         """Whether this caller may map ``arena``'s shared memory: only if it may read and write
         every namespace of it (``arena.namespaces``). No: it gets streamed bytes for them."""
@@ -151,7 +156,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
         lease_s = _lease_s(request.lease_ms)
-        grants = self._store.allocate(
+        grants = self._mapped(request.arena).allocate(
             request.namespace,
             [(b.key, b.size, b.parent_key, b.layout) for b in request.blocks],
             lease_s,
@@ -178,7 +183,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         lease_s = _lease_s(request.lease_ms)
-        found = self._store.lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
+        found = self._mapped(request.arena).lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
         out = []
         for key_bytes, loc in zip(request.keys, found):
             if loc is None:

@@ -11,6 +11,7 @@ there is more than one arena.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from kvstore.config import Settings
@@ -20,6 +21,8 @@ from kvstore.store.group import StoreArena, StoreGroup, watch_group
 from kvstore.store.namespace_rules import NamespaceRules
 from kvstore.store.state import EventSink
 from kvstore.tiers import open_tier
+
+log = logging.getLogger(__name__)
 
 
 def open_stores(settings: Settings, state_dir: Path, metrics: StoreMetrics, events: EventSink) -> StoreGroup:
@@ -49,7 +52,19 @@ def open_stores(settings: Settings, state_dir: Path, metrics: StoreMetrics, even
         raise
     group = StoreGroup(arenas, metrics=metrics)
     watch_group(metrics, group)
+    _warn_of_orphans(state_dir, {a["name"] for a in plan})
     return group
+
+
+def _warn_of_orphans(state_dir: Path, names: set[str]) -> None:
+    """A disk folder of an arena no longer configured holds blocks no store counts or serves."""
+    try:
+        orphans = sorted(p for p in (state_dir / "arenas").iterdir() if p.is_dir() and p.name not in names)
+    except FileNotFoundError:
+        return
+    for path in orphans:
+        log.warning("disk folder %s belongs to arena %r, which is not configured: its blocks are not served "
+                    "or counted; configure the arena again, or delete the folder", path, path.name)
 
 
 def _chain(settings: Settings, arena: dict, state_dir: Path) -> TierChain:

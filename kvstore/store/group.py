@@ -31,6 +31,7 @@ Errors, beyond :mod:`kvstore.errors`::
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -90,7 +91,11 @@ class StoreGroup:
 
     def only(self, name: str) -> StoreGroup:
         """The view of arena ``name`` alone: namespaces and ids of the others are refused."""
-        return StoreGroup(self.arenas, metrics=self.metrics, member=name)
+        if name not in self._by_name:
+            raise WrongArena(f"this daemon has no arena {name!r} (it may have restarted with other arenas): Attach again")
+        view = copy.copy(self)
+        view._member = name
+        return view
 
     # ---- routing ---------------------------------------------------------------
 
@@ -107,7 +112,7 @@ class StoreGroup:
         if self._member is not None and arena.name != self._member:
             raise WrongArena(
                 f"namespace {namespace!r} belongs to arena {arena.name!r}, and this path serves arena "
-                f"{self._member!r} only: Attach with namespace {namespace!r} and use the socket it names"
+                f"{self._member!r} only: Attach with namespace {namespace!r} and use the arena and socket it names"
             )
         return arena
 

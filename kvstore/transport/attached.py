@@ -57,7 +57,7 @@ def choose(attach: pb.AttachResponse | None, channel: grpc.Channel, stream: Tran
     elif want == "same-host":
         arena.close()
         raise ArenaUnusable("the daemon offers no same-host socket (--same-host-socket off)")
-    return GrpcArenaTransport(channel, arena, stream, lease_ms=lease_ms), arena
+    return GrpcArenaTransport(channel, arena, stream, lease_ms=lease_ms, arena_name=attach.arena_name), arena
 
 
 class _Owning(Transport):

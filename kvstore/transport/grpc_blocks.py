@@ -162,8 +162,11 @@ def batches_by_bytes(items: list, limit: int) -> Iterator[list]:
         yield [items[i] for i in group]
 
 
-def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], lease_ms: int) -> pb.AllocateRequest:
+def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], lease_ms: int,
+                     arena: str = "") -> pb.AllocateRequest:
+    """``arena``: the one the caller mapped (Attach's ``arena_name``); the daemon refuses other arenas' namespaces."""
     return pb.AllocateRequest(
+        arena=arena,
         namespace=namespace,
         blocks=[
             pb.BlockHeader(key=item.key, size=len(view), parent_key=item.parent or b"", layout=item.layout)
