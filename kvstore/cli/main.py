@@ -37,7 +37,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         names = [s for s in SETTINGS if s.path[:-1] == path]
         if not names:
             continue
-        group = parser.add_argument_group(f"[{'.'.join(path)}]", section.title)
+        group = parser.add_argument_group(group_title(path), section.title)
         for s in names:
             default = s.field.get_default(call_default_factory=True)
             help_text = f"{s.field.description} [env {s.env}; config key {s.path[-1]}; default {_show(default)}]"
@@ -49,6 +49,11 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
                 literal = typing.get_origin(s.field.annotation) is typing.Literal
                 choices = typing.get_args(s.field.annotation) if literal else None
                 group.add_argument(s.option, dest=s.flag, default=None, choices=choices, metavar=s.flag.upper(), help=help_text)
+
+
+def group_title(path: tuple[str, ...]) -> str:
+    """A --help group: the config file's table, or its top level (``[[arenas]]``)."""
+    return f"[{'.'.join(path)}]" if path else "top-level keys"
 
 
 def _show(value) -> str:
