@@ -11,7 +11,8 @@ says what was wrong and what to do about it.
     │   ├── InvalidHashInput        token ids or extra keys vLLM's hashing cannot take   [index.keys]
     │   │   └── ChainTooLong        more tokens than one chain may have                   [index.keys]
     │   ├── MalformedEvent          a vLLM KV-event message that does not parse           [index.events]
-    │   └── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
+    │   ├── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
+    │   └── WrongArena              a namespace of another arena, on one arena's socket   [store.group]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
     ├── LeaseError                  FAILED_PRECONDITION
     │   ├── LeaseExpired            lease or slot deadline passed
@@ -58,6 +59,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "FrameError": "kvstore.transport.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "DaemonError": "kvstore.server.daemon",
+    "WrongArena": "kvstore.store.group",
 }
 
 

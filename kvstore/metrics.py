@@ -82,6 +82,10 @@ class StoreMetrics:
     def watch_tiers(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
         self.registry.register(_TierCollector(read_stats, read_queue_depth))
 
+    def watch_arenas(self, read_stats: Callable[[], Iterable[tuple[str, TierStats]]]) -> None:
+        """Per-arena tier gauges (``arena`` is a configured name: a bounded label)."""
+        self.registry.register(_ArenaCollector(read_stats))
+
 
 class _TierCollector(Collector):
     def __init__(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
@@ -99,6 +103,22 @@ class _TierCollector(Collector):
         depth = GaugeMetricFamily("strata_kv_demotion_queue_blocks", "Blocks waiting to be written down to disk")
         depth.add_metric([], self._read_queue_depth())
         return [used, cap, blocks, depth]
+
+
+class _ArenaCollector(Collector):
+    def __init__(self, read_stats: Callable[[], Iterable[tuple[str, TierStats]]]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self):
+        labels = ["arena", "tier"]
+        used = GaugeMetricFamily("strata_arena_tier_used_bytes", "Bytes held by one arena's tier", labels=labels)
+        cap = GaugeMetricFamily("strata_arena_tier_capacity_bytes", "Capacity of one arena's tier", labels=labels)
+        blocks = GaugeMetricFamily("strata_arena_tier_blocks", "Blocks held by one arena's tier", labels=labels)
+        for arena, s in self._read_stats():
+            used.add_metric([arena, s.tier.label], s.used_bytes)
+            cap.add_metric([arena, s.tier.label], s.capacity_bytes)
+            blocks.add_metric([arena, s.tier.label], s.blocks)
+        return [used, cap, blocks]
 
 
 class _EventBusCollector(Collector):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ByteSize
 
-from kvstore.cli.main import build_parser, main, serve_overrides
+from kvstore.cli.main import build_parser, group_title, main, serve_overrides
 from kvstore.config import SETTINGS, Section, Settings, SettingsError, StoreSettings, load_settings
 from kvstore.config.section import iter_settings, setting
 from kvstore.config.tiers import TierSettings
@@ -165,7 +165,7 @@ def test_every_setting_has_a_flag_with_help_in_its_section_group():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     groups = {g.title: {a.dest: a for a in g._group_actions} for g in serve._action_groups}
     for s in SETTINGS:
-        group = groups[f"[{'.'.join(s.path[:-1])}]"]
+        group = groups[group_title(s.path[:-1])]
         assert s.flag in group, s.flag
         assert s.field.description and s.env in group[s.flag].help and s.option in group[s.flag].option_strings
 

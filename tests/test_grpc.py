@@ -137,7 +137,7 @@ def test_commit_of_unknown_or_committed_slot(daemon):
     [slot] = alloc.slots
     with Client(daemon.target, use_shm=True) as c:
         assert c.shared_memory
-        view = c._arena.view(slot.offset, 10)
+        view = c._mapped[0].view(slot.offset, 10)
         view[:] = b"0123456789"
         view.release()
     commit = pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=slot.slot_id, checksum=checksum(b"0123456789"))])

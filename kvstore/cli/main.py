@@ -37,16 +37,23 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         names = [s for s in SETTINGS if s.path[:-1] == path]
         if not names:
             continue
-        group = parser.add_argument_group(f"[{'.'.join(path)}]", section.title)
+        group = parser.add_argument_group(group_title(path), section.title)
         for s in names:
             default = s.field.get_default(call_default_factory=True)
             help_text = f"{s.field.description} [env {s.env}; config key {s.path[-1]}; default {_show(default)}]"
-            if s.field.annotation is bool:
+            if s.repeatable:
+                group.add_argument(s.option, dest=s.flag, action="append", default=None, metavar=s.flag.upper(), help=help_text)
+            elif s.field.annotation is bool:
                 group.add_argument(s.option, dest=s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             else:
                 literal = typing.get_origin(s.field.annotation) is typing.Literal
                 choices = typing.get_args(s.field.annotation) if literal else None
                 group.add_argument(s.option, dest=s.flag, default=None, choices=choices, metavar=s.flag.upper(), help=help_text)
+
+
+def group_title(path: tuple[str, ...]) -> str:
+    """A --help group: the config file's table, or its top level (``[[arenas]]``)."""
+    return f"[{'.'.join(path)}]" if path else "top-level keys"
 
 
 def _show(value) -> str:

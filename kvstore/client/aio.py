@@ -17,6 +17,10 @@ runs as a future of a blocking channel, which the loop awaits while gRPC's
 own thread feeds the stream, because grpc.aio can report such a call's
 refusal as INTERNAL instead of the server's status (see
 ``AsyncClient._put_stream``).
+
+As in the blocking client, the path is picked per arena: a namespace's
+first block call attaches its arena (once per arena, not per namespace);
+an arena the client may not map is streamed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -41,10 +46,20 @@ from kvstore.transport.samehost_aio import AsyncSameHostTransport
 log = logging.getLogger(__name__)
 
 OFF_LOOP_BYTES = 1 << 20
+MAX_KNOWN_NAMESPACES = 4096  # namespace → arena memo; beyond it, starts over
 # Streamed Puts in flight per client; each holds a gRPC thread feeding it.
 MAX_PUT_STREAMS = 8
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Attached:
+    """One arena this client maps, and its same-host socket when the daemon offers one."""
+
+    name: str
+    arena: ShmArena
+    same_host: AsyncSameHostTransport | None = None
 
 
 class AsyncClient:
@@ -73,10 +88,9 @@ class AsyncClient:
         self._chunk = chunk_bytes
         self._channel = grpc.aio.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
-        self._arena: ShmArena | None = None
-        self._same_host: AsyncSameHostTransport | None = None
-        self._arena_checked = False
-        self._attach_lock = asyncio.Lock()  # one Attach, however many first calls race
+        self._attached: dict[str, _Attached | None] = {}  # arena name → mapped, or None: streamed
+        self._arena_of: dict[str, str] = {}  # namespace → arena name
+        self._attach_lock = asyncio.Lock()  # one Attach per arena, however many first calls race
         self._copies: set[asyncio.Future] = set()  # threads holding arena views
         self._releases: set[asyncio.Future] = set()  # lease releases not awaited by their caller
         self._put_streams = asyncio.Semaphore(MAX_PUT_STREAMS)
@@ -95,11 +109,13 @@ class AsyncClient:
             await asyncio.wait(list(self._copies))
         if self._releases:  # let pending releases reach the daemon; failures expire by themselves
             await asyncio.wait(list(self._releases), timeout=self.timeout)
-        if self._same_host is not None:
-            await self._same_host.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        attached, self._attached, self._arena_of = self._attached, {}, {}
+        for one in attached.values():
+            if one is not None and one.same_host is not None:
+                await one.same_host.close()
+        for one in attached.values():
+            if one is not None:
+                one.arena.close()
         if self._put_channel is not None:
             self._put_channel.close()
         await self._channel.close()
@@ -148,40 +164,53 @@ class AsyncClient:
                     continue  # the copy ends within milliseconds
             raise
 
-    async def uses_shared_memory(self) -> bool:
-        """Whether block bytes move through the daemon's arena (asks the daemon once)."""
-        return await self._arena_or_none() is not None
+    async def uses_shared_memory(self, namespace: str = "") -> bool:
+        """Whether block bytes of ``namespace`` (default: the default arena's) move through shared memory."""
+        return await self._attached_for(namespace) is not None
 
-    async def transport_name(self) -> str:
-        """The transport block bytes take: "same-host", "grpc-arena" or "grpc" (asks the daemon once)."""
-        if await self._arena_or_none() is None:
+    async def transport_name(self, namespace: str = "") -> str:
+        """The transport block bytes of ``namespace``'s arena take: "same-host", "grpc-arena" or "grpc"."""
+        attached = await self._attached_for(namespace)
+        if attached is None:
             return "grpc"
-        return "grpc-arena" if self._same_host is None else self._same_host.name
+        return "grpc-arena" if attached.same_host is None else attached.same_host.name
 
-    async def _arena_or_none(self) -> ShmArena | None:
+    async def _attached_for(self, namespace: str) -> _Attached | None:
+        """The mapped arena of ``namespace``, attaching it on first use; None: stream its bytes."""
         if self._use_shm is False:
             return None
-        if not self._arena_checked:
-            async with self._attach_lock:
-                if not self._arena_checked:
-                    attach = None
-                    try:
-                        attach = await self._call("Attach", pb.AttachRequest())
-                        self._arena = codec.open_arena(attach)
-                    except ArenaUnusable:
-                        if self._use_shm:
-                            raise
-                    if self._arena is not None and attach.control_socket:
-                        try:
-                            self._same_host = await AsyncSameHostTransport.connect(
-                                self._arena, attach.control_socket, attach.arena_token, lease_ms=self._lease_ms,
-                                off_loop=self._off_loop, off_loop_bytes=OFF_LOOP_BYTES,
-                                fallback=lambda ns, keys, place: self._get_streamed(ns, keys, place),
-                            )
-                        except DaemonUnavailable as err:
-                            log.info("same-host socket unusable, control goes over gRPC: %s", err)
-                    self._arena_checked = True
-        return self._arena
+        name = self._arena_of.get(namespace)
+        if name is not None:
+            return self._attached[name]
+        async with self._attach_lock:
+            name = self._arena_of.get(namespace)
+            if name is not None:
+                return self._attached[name]
+            attach = await self._call("Attach", pb.AttachRequest(namespace=namespace))
+            if attach.arena_name not in self._attached:
+                self._attached[attach.arena_name] = await self._map(attach)
+            if len(self._arena_of) >= MAX_KNOWN_NAMESPACES:
+                self._arena_of.clear()
+            self._arena_of[namespace] = attach.arena_name
+            return self._attached[attach.arena_name]
+
+    async def _map(self, attach: pb.AttachResponse) -> _Attached | None:
+        try:
+            attached = _Attached(attach.arena_name, codec.open_arena(attach))
+        except ArenaUnusable:
+            if self._use_shm:
+                raise
+            return None
+        if attach.control_socket:
+            try:
+                attached.same_host = await AsyncSameHostTransport.connect(
+                    attached.arena, attach.control_socket, attach.arena_token, lease_ms=self._lease_ms,
+                    off_loop=self._off_loop, off_loop_bytes=OFF_LOOP_BYTES,
+                    fallback=lambda ns, keys, place: self._get_streamed(ns, keys, place),
+                )
+            except DaemonUnavailable as err:
+                log.info("same-host socket unusable, control goes over gRPC: %s", err)
+        return attached
 
     # ---- data ----------------------------------------------------------------
 
@@ -194,19 +223,20 @@ class AsyncClient:
         checked = codec.check_puts(namespace, items)
         if not checked:
             return []
-        arena = await self._arena_or_none()
-        if arena is None:
+        attached = await self._attached_for(namespace)
+        if attached is None:
             return codec.stream_put_results(checked, await self._call_put(namespace, checked))
-        if self._same_host is not None:
+        if attached.same_host is not None:
             items = [item for item, _, _ in checked]
-            return await self._retrying("Put", lambda: self._same_host.put(namespace, items, self.timeout))
+            return await self._retrying("Put", lambda: attached.same_host.put(namespace, items, self.timeout))
         results: list[bool] = []
-        for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(arena)):
-            results += await self._put_shm(arena, namespace, group)
+        for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(attached.arena)):
+            results += await self._put_shm(attached, namespace, group)
         return results
 
-    async def _put_shm(self, arena: ShmArena, namespace: str, checked) -> list[bool]:
-        alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms))
+    async def _put_shm(self, attached: _Attached, namespace: str, checked) -> list[bool]:
+        arena = attached.arena
+        alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms, attached.name))
         received = codec.now_ms()
         commits: list[asyncio.Task] = []
         try:
@@ -281,13 +311,14 @@ class AsyncClient:
         keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
-        arena = await self._arena_or_none()
-        if arena is None:
+        attached = await self._attached_for(namespace)
+        if attached is None:
             return await self._get_streamed(namespace, keys, place)
-        if self._same_host is not None:
-            return await self._retrying("Get", lambda: self._same_host.get_into(namespace, keys, place, self.timeout))
+        if attached.same_host is not None:
+            return await self._retrying("Get", lambda: attached.same_host.get_into(namespace, keys, place, self.timeout))
+        arena = attached.arena
         response = await self._call(
-            "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms)
+            "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms, arena=attached.name)
         )
         received = codec.now_ms()
         try:

@@ -7,6 +7,12 @@ offered, as gRPC calls); anywhere else, or when the arena cannot be mapped,
 it streams bytes over gRPC. The caller sees the same results either way.
 Control calls that move no block bytes (Exists, Pin, List, Stats, Score...)
 are gRPC calls.
+
+A daemon may group namespaces into isolated arenas, each with its own file
+and socket. The transport is picked per arena: on the first block call for
+a namespace the client attaches that namespace's arena (or reuses the one
+it already attached for another namespace of it), and streams the bytes of
+arenas it may not map.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from kvstore.shm.arena import ShmArena
 from kvstore.transport.attached import choose
 from kvstore.transport.base import Deadline, Transport
 from kvstore.transport.grpc_stream import GrpcStreamTransport
+
+# Namespaces whose arena the client remembers; beyond it the memo starts over
+# (an Attach per namespace again, the arenas stay mapped).
+MAX_KNOWN_NAMESPACES = 4096
 
 
 class Client:
@@ -59,8 +69,9 @@ class Client:
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._index = index_pb2_grpc.IndexServiceStub(self._channel)
         self._stream = GrpcStreamTransport(self._channel, chunk_bytes=chunk_bytes)
-        self._transport: Transport | None = None
-        self._arena: ShmArena | None = None
+        self._transports: dict[str, Transport] = {}  # arena name → the transport to it
+        self._arena_of: dict[str, str] = {}  # namespace → arena name
+        self._mapped: list[ShmArena] = []
         self._pick_lock = threading.Lock()
 
     def __enter__(self) -> Client:
@@ -70,11 +81,15 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        with self._pick_lock:
+            transports, self._transports, self._arena_of = self._transports, {}, {}
+            mapped, self._mapped = self._mapped, []
+        for transport in {id(t): t for t in transports.values()}.values():
+            if transport is not self._stream:
+                transport.close()
+        self._stream.close()
+        for arena in mapped:
+            arena.close()
         self._channel.close()
 
     # ---- calls ---------------------------------------------------------------
@@ -100,25 +115,43 @@ class Client:
 
     @property
     def shared_memory(self) -> bool:
-        """Whether block bytes move through the daemon's arena."""
-        return self._data().shared_memory
+        """Whether block bytes of the default arena's namespaces move through shared memory."""
+        return self._data("").shared_memory
 
     @property
     def transport_name(self) -> str:
-        """The transport block bytes take: "same-host", "grpc-arena" or "grpc"."""
-        return self._data().name
+        """The transport block bytes of the default arena take: "same-host", "grpc-arena" or "grpc"."""
+        return self._data("").name
 
-    def _data(self) -> Transport:
-        if self._transport is None:
-            with self._pick_lock:
-                if self._transport is None:
-                    wants_arena = self._use_shm is not False and self._want != "grpc"
-                    attach = self._call("Attach", pb.AttachRequest()) if wants_arena else None
-                    self._transport, self._arena = choose(
-                        attach, self._channel, self._stream, use_shm=self._use_shm, want=self._want,
-                        lease_ms=self._lease_ms,
-                    )
-        return self._transport
+    def transport_for(self, namespace: str) -> str:
+        """The transport block bytes of ``namespace`` take (its arena's)."""
+        return self._data(namespace).name
+
+    def _data(self, namespace: str) -> Transport:
+        """The transport of ``namespace``'s arena, attaching that arena on first use."""
+        if self._use_shm is False or self._want == "grpc":
+            return self._stream
+        name = self._arena_of.get(namespace)
+        if name is not None:
+            return self._transports[name]
+        with self._pick_lock:
+            name = self._arena_of.get(namespace)
+            if name is not None:
+                return self._transports[name]
+            attach = self._call("Attach", pb.AttachRequest(namespace=namespace))
+            transport = self._transports.get(attach.arena_name)
+            if transport is None:
+                transport, arena = choose(
+                    attach, self._channel, self._stream, use_shm=self._use_shm, want=self._want,
+                    lease_ms=self._lease_ms,
+                )
+                self._transports[attach.arena_name] = transport
+                if arena is not None:
+                    self._mapped.append(arena)
+            if len(self._arena_of) >= MAX_KNOWN_NAMESPACES:
+                self._arena_of.clear()
+            self._arena_of[namespace] = attach.arena_name
+            return transport
 
     def _deadline(self) -> Deadline:
         return Deadline.after(self.timeout, cancellable=False)  # the call's own: nobody else can cancel it
@@ -134,7 +167,7 @@ class Client:
         checked = codec.check_puts(namespace, items)
         if not checked:
             return []
-        transport = self._data()
+        transport = self._data(namespace)
         items = [item for item, _, _ in checked]
         return self._retrying("Put", lambda: transport.put(namespace, items, self._deadline()))
 
@@ -167,7 +200,7 @@ class Client:
     def _get(self, keys: list[bytes], namespace: str, place) -> list[Block | None]:
         if not keys:
             return []
-        transport = self._data()
+        transport = self._data(namespace)
         return self._retrying("Get", lambda: transport.get_into(namespace, keys, place, self._deadline()))
 
     # ---- control -------------------------------------------------------------

@@ -46,9 +46,14 @@ class Section(BaseModel):
     title: ClassVar[str] = ""
 
 
-def setting(default: Any = PydanticUndefined, description: str = "", *, flag: str | None = None, **kwargs: Any) -> Any:
-    """A field of a section; ``flag`` fixes its flat name (flag and environment variable)."""
-    extra = {"flag": flag} if flag else None
+def setting(default: Any = PydanticUndefined, description: str = "", *, flag: str | None = None,
+            repeatable: bool = False, **kwargs: Any) -> Any:
+    """A field of a section; ``flag`` fixes its flat name (flag and environment variable);
+    ``repeatable``: the flag is given once per list item (``--arena A --arena B``)."""
+    extra: dict[str, Any] = {"flag": flag} if flag else {}
+    if repeatable:
+        extra["repeatable"] = True
+    extra = extra or None
     return Field(default, description=description, json_schema_extra=extra, **kwargs)
 
 
@@ -60,6 +65,11 @@ class SettingName:
     flag: str  # "ram_bytes": the argparse dest and the flat name
     field: FieldInfo
     section: type[Section]
+
+    @property
+    def repeatable(self) -> bool:
+        extra = self.field.json_schema_extra
+        return isinstance(extra, dict) and bool(extra.get("repeatable"))
 
     @property
     def option(self) -> str:

@@ -57,6 +57,14 @@ class RamSettings(Section):
         arena_name = "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
         return {"capacity_bytes": int(self.bytes), "shm_dir": str(self.shm_dir), "arena_name": arena_name}
 
+    def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
+        """``options`` for one arena's own tier (``arena`` as in ``Settings.arena_plan``): its RAM
+        share; a named arena's file is the default arena's name plus ``-NAME``."""
+        options = {**options, "capacity_bytes": arena["ram_bytes"]}
+        if not arena["default"]:
+            options["arena_name"] = f"{options['arena_name']}-{arena['name']}"
+        return options
+
 
 class LowerTierSettings(Section):
     """What every tier below the head has: the policy of the edge above it."""
@@ -67,6 +75,11 @@ class LowerTierSettings(Section):
         "keeping the upper copy), off (never; evicted blocks are dropped)",
     )
     promote: bool = setting(True, "copy a block read from this tier up into RAM, so the next read is served there")
+
+    def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
+        """``options`` for one arena's own instance of this tier; None leaves the tier out of
+        that arena's chain. Unless a tier says otherwise, every arena's instance is configured alike."""
+        return options
 
     def edge(self) -> dict[str, bool]:
         """Keyword arguments of ``kvstore.store.EdgePolicy`` for the edge above this tier."""
@@ -91,6 +104,16 @@ class DiskSettings(LowerTierSettings):
 
     def tier_options(self, state_dir: Path) -> dict[str, Any]:
         return {"directory": state_dir / "blocks", "capacity_bytes": int(self.bytes), "fsync": self.fsync}
+
+    def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
+        """One arena's disk share; a named arena keeps its blocks in ``arenas/NAME`` under the disk
+        directory (the default arena keeps ``blocks``, so a node's cache survives adding arenas)."""
+        if arena["disk_bytes"] <= 0:
+            return None  # that arena lives in RAM only
+        options = {**options, "capacity_bytes": arena["disk_bytes"]}
+        if not arena["default"]:
+            options["directory"] = state_dir / "arenas" / arena["name"]
+        return options
 
 
 class TierSettings(Section):

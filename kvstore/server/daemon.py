@@ -38,9 +38,9 @@ from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.budget import ByteBudget
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
-from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
+from kvstore.server.stores import open_stores
 from kvstore.store.events import EventBus
-from kvstore.tiers import open_tier
+from kvstore.store.group import StoreGroup
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,14 @@ class Daemon:
         self.metrics_port: int | None = None
         self._lock_fd: int | None = None
         self._server: grpc.Server | None = None
-        self._same_host: SameHostServer | None = None
+        self._same_host: SameHostServer | None = None  # the default arena's
+        self._same_hosts: dict[str, SameHostServer] = {}  # every arena's, by arena name
         self._metrics_server = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopping = False
-        self.store: TieredStore | None = None
+        self.store: StoreGroup | None = None  # one store per arena, called as one store
         self.index_agent: IndexAgent | None = None
         self.events = EventBus()  # the store's events: the index agent and metrics subscribe
         self.kv_events = None  # KVEventSubscriber, when engines are configured
@@ -83,8 +84,8 @@ class Daemon:
             self._stopping = True
             if self._server is not None:
                 self._server.stop(0)
-            if self._same_host is not None:
-                self._same_host.stop()
+            for same_host in self._same_hosts.values():
+                same_host.stop()
             if self.index_agent is not None and self.store is not None:
                 self.index_agent.stop(1.0)
             if self.store is not None:
@@ -100,22 +101,7 @@ class Daemon:
         state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
         self._lock_state_dir(state_dir)
         self.node = NodeIdentity.start(s.node.id, state_dir)
-        tiers: list = []
-        edges: list[EdgePolicy] = []
-        try:
-            for name in s.tiers.chain:
-                section = s.tiers.section(name)
-                if not section.enabled:
-                    continue
-                if tiers:  # the policy of the edge above this tier
-                    edges.append(EdgePolicy(**section.edge()))
-                tiers.append(open_tier(name, **section.tier_options(state_dir)))
-            index = open_index(s.index.url)
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
-        limits = StoreLimits.from_settings(s.store)
+        index = open_index(s.index.url)
         self.index_agent = IndexAgent(
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
             ttl_s=s.index.ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
@@ -123,11 +109,7 @@ class Daemon:
         self.events.subscribe("index", self.index_agent.on_events)
         self.events.subscribe("metrics", self.metrics.count_events)
         self.metrics.watch_event_bus(self.events.subscriptions)
-        self.store = TieredStore(
-            TierChain(tiers, edges), limits=limits,
-            namespaces=s.store.namespaces, auto_create_namespaces=s.store.auto_create_namespaces,
-            metrics=self.metrics, events=self.events,
-        )
+        self.store = open_stores(s, state_dir, self.metrics, self.events)
         self.index_agent.start()
         if s.index.kv_events:
             from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
@@ -148,25 +130,29 @@ class Daemon:
             interceptors=[AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)],
             options=options,
         )
-        arena = self.store.head.arena
         if s.server.same_host_socket != "off":
-            auto = os.path.join(os.path.dirname(arena.path), "samehost-" + os.path.basename(arena.path) + ".sock")
-            path = auto if s.server.same_host_socket == "auto" else s.server.same_host_socket
-            self._same_host = SameHostServer(
-                self.store, path, arena.token, metrics=self.metrics,
-                max_connections=s.server.same_host_max_connections, idle_s=s.server.same_host_idle_seconds,
-            )
-            try:
-                self._same_host.start()
-            except OSError as err:
-                raise DaemonError(
-                    f"cannot serve the same-host socket at {path} ({err.strerror or err}): "
-                    "set --same-host-socket to a writable path, or 'off'"
-                ) from None
+            for named in self.store.arenas:  # one socket per arena, serving that arena's namespaces only
+                arena = named.shm
+                auto = os.path.join(os.path.dirname(arena.path), "samehost-" + os.path.basename(arena.path) + ".sock")
+                path = auto if s.server.same_host_socket == "auto" else s.server.same_host_socket
+                if named.index and s.server.same_host_socket != "auto":
+                    path = f"{path}.{named.name}"
+                same_host = self._same_hosts[named.name] = SameHostServer(
+                    self.store.only(named.name), path, arena.token, metrics=self.metrics,
+                    max_connections=s.server.same_host_max_connections, idle_s=s.server.same_host_idle_seconds,
+                )
+                try:
+                    same_host.start()
+                except OSError as err:
+                    raise DaemonError(
+                        f"cannot serve the same-host socket at {path} ({err.strerror or err}): "
+                        "set --same-host-socket to a writable path, or 'off'"
+                    ) from None
+            self._same_host = self._same_hosts[self.store.default.name]
         kv_pb2_grpc.add_KVServiceServicer_to_server(
-            KVServicer(self.store, arena, self.node, int(s.server.chunk_bytes),
-                       self._same_host.path if self._same_host else "",
-                       self._same_host.removed if self._same_host else None,
+            KVServicer(self.store, self.node, int(s.server.chunk_bytes),
+                       {name: sh.path for name, sh in self._same_hosts.items()},
+                       lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
                        ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")), server
         )
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
@@ -216,6 +202,7 @@ class Daemon:
                 "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
                 "ram_bytes": int(s.tiers.ram.bytes), "disk_bytes": int(s.tiers.disk.bytes), "disk_dir": str(state_dir),
                 "arena": self.store.head.arena.path, "recovered_blocks": stats.blocks,
+                "arenas": [a.name for a in self.store.arenas],
             },
         )
         return self
@@ -252,8 +239,8 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace).wait()
-        if self._same_host is not None:
-            self._same_host.stop()
+        for same_host in self._same_hosts.values():
+            same_host.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import grpc
 
@@ -13,8 +13,7 @@ from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.errors import BlockTooLarge, InvalidArgument
 from kvstore.node import NodeIdentity
 from kvstore.server.budget import ByteBudget
-from kvstore.store.tiered import TieredStore
-from kvstore.shm.arena import ShmArena
+from kvstore.store.group import StoreArena, StoreGroup
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -35,14 +34,14 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
 
 
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
-    def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int,
-                 control_socket: str = "", removed: Callable[[], None] | None = None,
+    def __init__(self, store: StoreGroup, node: NodeIdentity, chunk_bytes: int,
+                 control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
                  put_budget: ByteBudget | None = None) -> None:
-        self._store = store
-        self._control_socket = control_socket
-        # Told after blocks were deleted, before the Delete answers (same-host clients' location tables).
+        self._store = store  # every arena's store; each call goes to its namespace's arena
+        self._control_sockets = dict(control_sockets or {})  # arena name → its same-host socket
+        # Told (with the arena's name) after blocks were deleted, before the Delete answers
+        # (same-host clients' location tables).
         self._removed = removed
-        self._arena = arena
         self._node = node
         self._chunk = chunk_bytes
         self._put_budget = put_budget or ByteBudget(1 << 62, "streamed puts", "--put-budget-bytes")
@@ -131,19 +130,33 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     # ---- shared-memory path -------------------------------------------------
 
-    def Attach(self, request, context) -> pb.AttachResponse:
-        return pb.AttachResponse(
-            arena_path=self._arena.path,
-            arena_token=self._arena.token,
-            arena_bytes=self._arena.size,
+    def _mapped(self, arena_name: str) -> StoreGroup:
+        """The one arena a caller of Allocate or Lookup mapped (empty: the default arena, what an
+        older client mapped): offsets are only ever handed out into that arena."""
+        return self._store.only(arena_name or self._store.default.name)
+
+    def _may_attach(self, context, arena: StoreArena) -> bool:
+        """Whether this caller may map ``arena``'s shared memory: only if it may read and write
+        every namespace of it (``arena.namespaces``). No: it gets streamed bytes for them."""
+        return True
+
+    def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+        arena = self._store.arena_of(request.namespace) if request.namespace else self._store.default
+        response = pb.AttachResponse(
             max_block_bytes=self._store.limits.max_block_bytes,
             lease_ms=int(self._store.limits.lease_s * 1000),
-            control_socket=self._control_socket,
+            arena_name=arena.name,
+            namespaces=arena.namespaces,
         )
+        if self._may_attach(context, arena):
+            shm = arena.shm
+            response.arena_path, response.arena_token, response.arena_bytes = shm.path, shm.token, shm.size
+            response.control_socket = self._control_sockets.get(arena.name, "")
+        return response
 
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
         lease_s = _lease_s(request.lease_ms)
-        grants = self._store.allocate(
+        grants = self._mapped(request.arena).allocate(
             request.namespace,
             [(b.key, b.size, b.parent_key, b.layout) for b in request.blocks],
             lease_s,
@@ -170,7 +183,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         lease_s = _lease_s(request.lease_ms)
-        found = self._store.lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
+        found = self._mapped(request.arena).lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
         out = []
         for key_bytes, loc in zip(request.keys, found):
             if loc is None:
@@ -197,7 +210,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         deleted = self._store.delete(request.namespace, list(request.keys))
         if deleted and self._removed is not None:
-            self._removed()
+            self._removed(self._store.arena_of(request.namespace).name)
         return pb.DeleteResponse(deleted=deleted)
 
     def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:

@@ -30,6 +30,19 @@ from kvstore.errors import InvalidArgument, LeaseExpired, LeaseOwnedElsewhere, O
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
+# A tagged table (one store of several, see kvstore.store.group) puts its tag
+# in the top bits of every id, so an id alone names the store that issued it
+# without a shared map; the rest stay random.
+ID_BITS = 63
+TAG_BITS = 8
+RANDOM_BITS = ID_BITS - TAG_BITS
+MAX_ID_TAG = (1 << TAG_BITS) - 1
+
+
+def tag_of(lease_id: int) -> int:
+    """The tag a tagged table put in ``lease_id`` (its top bits)."""
+    return lease_id >> RANDOM_BITS
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseKind:
@@ -64,8 +77,14 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, max_leases: int) -> None:
+    """``id_tag`` None: ids are 63 random bits. A number: ids carry it in their top
+    ``TAG_BITS`` bits and 55 random bits below (still unguessable)."""
+
+    def __init__(self, max_leases: int, id_tag: int | None = None) -> None:
+        if id_tag is not None and not 0 <= id_tag <= MAX_ID_TAG:
+            raise ValueError(f"lease id tag {id_tag} is outside 0..{MAX_ID_TAG}")
         self._max = max_leases
+        self._tag = id_tag
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
         # Ids are random 63-bit numbers: another client cannot guess a live
@@ -95,7 +114,10 @@ class LeaseTable:
 
     def _new_id(self) -> int:
         while True:
-            lease_id = secrets.randbits(63)
+            if self._tag is None:
+                lease_id = secrets.randbits(ID_BITS)
+            else:
+                lease_id = self._tag << RANDOM_BITS | secrets.randbits(RANDOM_BITS)
             if lease_id and lease_id not in self._leases and lease_id not in self._ended:
                 return lease_id
 

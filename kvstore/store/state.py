@@ -67,7 +67,7 @@ class StoreState:
     def __init__(
         self, chain: TierChain, limits: StoreLimits, metrics: StoreMetrics, clock: Callable[[], float],
         namespaces: Iterable[str], auto_create_namespaces: bool,
-        events: EventSink | None,
+        events: EventSink | None, id_tag: int | None = None,
     ) -> None:
         self.chain = chain
         self.head = chain.head
@@ -78,7 +78,7 @@ class StoreState:
         self.cond = threading.Condition(threading.Lock())
         self.catalog = Catalog()
         self.recency = Recency(chain.names, chain.persistent())
-        self.leases = LeaseTable(limits.max_leases)
+        self.leases = LeaseTable(limits.max_leases, id_tag)
         self.namespaces = {validate_namespace(ns) for ns in namespaces}
         self.auto_create = auto_create_namespaces
         # Told of every change (under the lock: publish never blocks): the

@@ -141,7 +141,12 @@ class TieredStore(StorePart):
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         events: EventSink | None = None,
+        id_tag: int | None = None,
+        watch_tiers: bool = True,
     ) -> None:
+        """``id_tag``: put in every lease and slot id (see :class:`~kvstore.store.leases.LeaseTable`),
+        so a :class:`~kvstore.store.group.StoreGroup` routes an id to its store. ``watch_tiers``
+        False: the caller reports this store's tier gauges itself (a group sums its stores')."""
         chain = tiers if isinstance(tiers, TierChain) else TierChain(list(tiers), edges)
         limits = limits or StoreLimits.from_settings()
         if limits.max_block_bytes > chain.head.capacity_bytes:
@@ -151,7 +156,7 @@ class TieredStore(StorePart):
             )
         self.limits = limits
         self.metrics = metrics or StoreMetrics()
-        state = StoreState(chain, limits, self.metrics, clock, namespaces, auto_create_namespaces, events)
+        state = StoreState(chain, limits, self.metrics, clock, namespaces, auto_create_namespaces, events, id_tag)
         super().__init__(state)
         self._leases = state.leases
         self._closed = threading.Event()
@@ -163,7 +168,8 @@ class TieredStore(StorePart):
         self._reader = ChainReader(state, self._place)
         self._slots = SlotProtocol(state, self._place)
         self._copies.fit_capacity()
-        self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
+        if watch_tiers:
+            self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
         self._reaper = threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)
         self._reaper.start()
 

@@ -57,7 +57,7 @@ def choose(attach: pb.AttachResponse | None, channel: grpc.Channel, stream: Tran
     elif want == "same-host":
         arena.close()
         raise ArenaUnusable("the daemon offers no same-host socket (--same-host-socket off)")
-    return GrpcArenaTransport(channel, arena, stream, lease_ms=lease_ms), arena
+    return GrpcArenaTransport(channel, arena, stream, lease_ms=lease_ms, arena_name=attach.arena_name), arena
 
 
 class _Owning(Transport):
@@ -82,8 +82,10 @@ class _Owning(Transport):
 
 
 def connect_attached(target: str, want: str, *, timeout: float = 10.0, lease_ms: int = 0,
-                     chunk_bytes: int = grpc_blocks.DEFAULT_CHUNK, **same_host_options) -> Transport:
+                     chunk_bytes: int = grpc_blocks.DEFAULT_CHUNK, namespace: str = "", **same_host_options) -> Transport:
     """Open ``want`` ("same-host", "grpc-arena") to the daemon at ``target``, or fail saying why.
+
+    It maps the arena of ``namespace`` (default: the default arena) and serves that arena's namespaces only.
 
     ``same_host_options`` go to :class:`SameHostTransport` (``locations=0``: no location table,
     every read asks the daemon; ``inline_bytes``).
@@ -92,7 +94,7 @@ def connect_attached(target: str, want: str, *, timeout: float = 10.0, lease_ms:
     stream = GrpcStreamTransport(channel, chunk_bytes=chunk_bytes)
     try:
         try:
-            attach = kv_pb2_grpc.KVServiceStub(channel).Attach(pb.AttachRequest(), timeout=timeout)
+            attach = kv_pb2_grpc.KVServiceStub(channel).Attach(pb.AttachRequest(namespace=namespace), timeout=timeout)
         except grpc.RpcError as err:
             raise DaemonUnavailable(f"cannot attach to the daemon at {target}: {err.details()}") from None
         inner, arena = choose(attach, channel, stream, want=want, lease_ms=lease_ms,

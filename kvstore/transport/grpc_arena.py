@@ -30,9 +30,11 @@ class GrpcArenaTransport(Transport):
     name = "grpc-arena"
     shared_memory = True
 
-    def __init__(self, channel: grpc.Channel, arena: ShmArena, fallback: Transport, *, lease_ms: int = 0) -> None:
+    def __init__(self, channel: grpc.Channel, arena: ShmArena, fallback: Transport, *, lease_ms: int = 0,
+                 arena_name: str = "") -> None:
         self._stub = kv_pb2_grpc.KVServiceStub(channel)
         self._arena = arena
+        self._arena_name = arena_name  # sent with Allocate and Lookup: offsets only ever of this arena
         self._fallback = fallback
         self._lease_ms = lease_ms
         self._releases: collections.deque[grpc.Future] = collections.deque()
@@ -57,7 +59,7 @@ class GrpcArenaTransport(Transport):
         return results
 
     def _put_group(self, namespace: str, checked, deadline: Deadline) -> list[bool]:
-        alloc = call_grpc(deadline, self._stub.Allocate, codec.allocate_request(namespace, checked, self._lease_ms))
+        alloc = call_grpc(deadline, self._stub.Allocate, codec.allocate_request(namespace, checked, self._lease_ms, self._arena_name))
         received = codec.now_ms()
         in_flight: list[grpc.Future] = []
         try:
@@ -84,7 +86,8 @@ class GrpcArenaTransport(Transport):
         if not keys:
             return []
         response = call_grpc(deadline, self._stub.Lookup,
-                             pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms))
+                             pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms,
+                                             arena=self._arena_name))
         received = codec.now_ms()
         try:
             placed = None if place is None else codec.place_lookup(response, place)

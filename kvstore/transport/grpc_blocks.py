@@ -138,7 +138,13 @@ class GetAssembler:
 
 
 def open_arena(attach: pb.AttachResponse) -> ShmArena:
-    """Map the daemon's arena, or raise ArenaUnusable when this client cannot (another host)."""
+    """Map the daemon's arena, or raise ArenaUnusable when this client cannot (another host),
+    or may not (the daemon sent no path: it does not let this caller map that arena)."""
+    if not attach.arena_path:
+        raise ArenaUnusable(
+            f"the daemon does not let this client map arena {attach.arena_name or 'default'!r}: "
+            "its namespaces' bytes are streamed over gRPC"
+        )
     try:
         return ShmArena.attach(attach.arena_path, attach.arena_token)
     except (OSError, ArenaMismatch) as err:
@@ -156,8 +162,11 @@ def batches_by_bytes(items: list, limit: int) -> Iterator[list]:
         yield [items[i] for i in group]
 
 
-def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], lease_ms: int) -> pb.AllocateRequest:
+def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], lease_ms: int,
+                     arena: str = "") -> pb.AllocateRequest:
+    """``arena``: the one the caller mapped (Attach's ``arena_name``); the daemon refuses other arenas' namespaces."""
     return pb.AllocateRequest(
+        arena=arena,
         namespace=namespace,
         blocks=[
             pb.BlockHeader(key=item.key, size=len(view), parent_key=item.parent or b"", layout=item.layout)

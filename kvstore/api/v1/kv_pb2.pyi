@@ -89,34 +89,42 @@ class GetHeader(_message.Message):
     def __init__(self, found: bool = ..., block: _Optional[_Union[BlockHeader, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("arena_path", "arena_token", "arena_bytes", "max_block_bytes", "lease_ms", "control_socket")
+    __slots__ = ("arena_path", "arena_token", "arena_bytes", "max_block_bytes", "lease_ms", "control_socket", "arena_name", "namespaces")
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     arena_path: str
     arena_token: bytes
     arena_bytes: int
     max_block_bytes: int
     lease_ms: int
     control_socket: str
-    def __init__(self, arena_path: _Optional[str] = ..., arena_token: _Optional[bytes] = ..., arena_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., control_socket: _Optional[str] = ...) -> None: ...
+    arena_name: str
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, arena_path: _Optional[str] = ..., arena_token: _Optional[bytes] = ..., arena_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., control_socket: _Optional[str] = ..., arena_name: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace", "blocks", "lease_ms")
+    __slots__ = ("namespace", "blocks", "lease_ms", "arena")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
     lease_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    arena: str
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("key", "present", "slot_id", "offset", "size")
@@ -170,14 +178,16 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ms")
+    __slots__ = ("namespace", "keys", "lease_ms", "arena")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    arena: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
 
 class Located(_message.Message):
     __slots__ = ("found", "block", "offset", "lease_id", "tier")
