@@ -13,6 +13,10 @@ says what was wrong and what to do about it.
     │   ├── MalformedEvent          a vLLM KV-event message that does not parse           [index.events]
     │   └── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
+    ├── AuthError                   who the caller is, and what it may do
+    │   ├── Unauthenticated         no credentials, or ones this daemon does not know (UNAUTHENTICATED)
+    │   ├── PermissionDenied        an identity not allowed this namespace or call (PERMISSION_DENIED)
+    │   └── PolicyError             a policy file that does not parse; the old policy stays   [auth.policy]
     ├── LeaseError                  FAILED_PRECONDITION
     │   ├── LeaseExpired            lease or slot deadline passed
     │   ├── UnknownLease            lease or slot id never issued, or released
@@ -58,6 +62,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "FrameError": "kvstore.transport.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "DaemonError": "kvstore.server.daemon",
+    "PolicyError": "kvstore.auth.policy",
 }
 
 
@@ -85,6 +90,18 @@ class UnknownNamespace(StrataError):
     pass
 
 
+class AuthError(StrataError):
+    pass
+
+
+class Unauthenticated(AuthError):
+    pass
+
+
+class PermissionDenied(AuthError):
+    pass
+
+
 class LeaseError(StrataError):
     pass
 
@@ -102,7 +119,9 @@ class SlotAlreadyCommitted(LeaseError):
 
 
 class LeaseOwnedElsewhere(LeaseError):
-    pass
+    """Servers answer the stranger with ``stranger_view`` (the answer for an id never issued) instead."""
+
+    stranger_view: StrataError | None = None
 
 
 class ResourceExhausted(StrataError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import ByteSize, model_validator
 
+from kvstore.config.auth import AuthSettings
 from kvstore.config.index import IndexSettings
 from kvstore.config.log import LoggingSettings
 from kvstore.config.section import Section, setting
@@ -27,6 +28,7 @@ class Settings(Section):
     tiers: TierSettings = setting(default_factory=TierSettings)
     store: StoreSettings = setting(default_factory=StoreSettings)
     index: IndexSettings = setting(default_factory=IndexSettings)
+    auth: AuthSettings = setting(default_factory=AuthSettings)
     logging: LoggingSettings = setting(default_factory=LoggingSettings)
 
     @model_validator(mode="after")

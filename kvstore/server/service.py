@@ -9,8 +9,10 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.auth import EVERY_NAMESPACE, current_identity, may_attach, owner_of
+from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
-from kvstore.errors import BlockTooLarge, InvalidArgument
+from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere
 from kvstore.node import NodeIdentity
 from kvstore.server.budget import ByteBudget
 from kvstore.store.tiered import TieredStore
@@ -37,8 +39,9 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int,
                  control_socket: str = "", removed: Callable[[], None] | None = None,
-                 put_budget: ByteBudget | None = None) -> None:
+                 put_budget: ByteBudget | None = None, arena_namespaces=EVERY_NAMESPACE) -> None:
         self._store = store
+        self._arena_namespaces = arena_namespaces  # the namespaces the arena holds (see kvstore.auth.may_attach)
         self._control_socket = control_socket
         # Told after blocks were deleted, before the Delete answers (same-host clients' location tables).
         self._removed = removed
@@ -132,6 +135,11 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     # ---- shared-memory path -------------------------------------------------
 
     def Attach(self, request, context) -> pb.AttachResponse:
+        if not may_attach(current_identity(), self._arena_namespaces):
+            # No path: the client streams its bytes (it may not see every namespace in the arena).
+            return pb.AttachResponse(
+                max_block_bytes=self._store.limits.max_block_bytes, lease_ms=int(self._store.limits.lease_s * 1000),
+            )
         return pb.AttachResponse(
             arena_path=self._arena.path,
             arena_token=self._arena.token,
@@ -148,6 +156,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             [(b.key, b.size, b.parent_key, b.layout) for b in request.blocks],
             lease_s,
             _deadline(context),
+            owner_of(context),
         )
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
         return pb.AllocateResponse(
@@ -159,18 +168,22 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         )
 
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
-        done = self._store.commit([(i.slot_id, i.checksum if i.HasField("checksum") else None) for i in request.items])
+        items = [(i.slot_id, i.checksum if i.HasField("checksum") else None) for i in request.items]
+        try:
+            done = self._store.commit(items, owner_of(context))
+        except LeaseOwnedElsewhere as err:
+            raise err.stranger_view from None
         return pb.CommitResponse(
             results=[pb.PutResult(key=key.key, stored=stored, tier=int(tier)) for key, stored, tier in done]
         )
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        self._store.abort(request.slot_ids)
+        self._store.abort(request.slot_ids, owner_of(context))
         return pb.AbortResponse()
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         lease_s = _lease_s(request.lease_ms)
-        found = self._store.lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
+        found = self._store.lookup(request.namespace, list(request.keys), lease_s, _deadline(context), owner_of(context))
         out = []
         for key_bytes, loc in zip(request.keys, found):
             if loc is None:
@@ -186,7 +199,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.LookupResponse(blocks=out, lease_deadline_unix_ms=_to_ms(lease_deadline))
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(valid=self._store.release(request.lease_ids))
+        return pb.ReleaseResponse(valid=self._store.release(request.lease_ids, owner_of(context)))
 
     # ---- control ------------------------------------------------------------
 
@@ -201,13 +214,19 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.DeleteResponse(deleted=deleted)
 
     def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
-        lease, missing = self._store.pin(request.namespace, list(request.keys), _lease_s(request.lease_ms))
+        lease, missing = self._store.pin(
+            request.namespace, list(request.keys), _lease_s(request.lease_ms), owner_of(context)
+        )
         return pb.PinResponse(
             lease_id=lease.id, pinned=len(lease.keys), missing=missing, lease_deadline_unix_ms=_to_ms(lease.deadline)
         )
 
     def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
-        return pb.UnpinResponse(released=self._store.unpin(request.lease_id))
+        try:
+            released = self._store.unpin(request.lease_id, owner_of(context))
+        except LeaseOwnedElsewhere:
+            released = False  # as for an id never issued: a stranger learns nothing of it
+        return pb.UnpinResponse(released=released)
 
     def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
         page, token = self._store.list_keys(request.namespace, request.prefix, request.page_size, request.page_token)
@@ -216,7 +235,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         )
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        s = self._store.stats(request.namespace)
+        s = visible_stats(current_identity(), self._store.stats(request.namespace))
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(tier=int(t.tier), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks)
