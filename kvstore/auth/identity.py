@@ -7,10 +7,10 @@ namespaces it may read and write. A daemon without authentication serves
 every caller as :data:`ANONYMOUS`, allowed everything (protected mode keeps
 those callers local).
 
-A :class:`Caller` adds the owner its slots and leases are bound to: the
-principal when authenticated (the same client may reconnect), else its
-connection (the gRPC peer, or one same-host connection), so that a stranger
-on another connection cannot end them either way. The caller of the
+A :class:`Caller` adds the owner its slots and leases are bound to: on
+gRPC the principal when authenticated (the same client may reconnect),
+else its connection (the gRPC peer); on the same-host socket the
+connecting process (SO_PEERCRED's pid). A stranger cannot end them either way. The caller of the
 request being served sits in a context variable, set by the gRPC
 interceptor for the call or by the same-host server for its connection's
 thread, so a servicer asks :func:`owner_of` without carrying it through.
@@ -92,8 +92,8 @@ def reset_caller(token: contextvars.Token) -> None:
 def owner_of(context=None) -> str:
     """Whom slots and leases taken in the current request belong to.
 
-    The authenticated principal, else the connection: the caller the
-    same-host server set for its connection, or the gRPC peer of ``context``
+    The caller's owner (the authenticated principal, or the process the
+    same-host server saw connect), else the gRPC peer of ``context``
     (``ipv4:127.0.0.1:54321``, one per TCP connection). gRPC reports every
     Unix-socket peer as ``unix:``, so unauthenticated callers on the gRPC
     Unix socket share one owner; the same-host socket tells its connections apart.

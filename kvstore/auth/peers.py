@@ -29,6 +29,18 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
+def _owner(pid: int) -> str:
+    """Slots and leases belong to the connecting process.
+
+    Not to the connection: a client spreads its calls over a pool of
+    connections (a Release may go on another one than its Lookup). Not to
+    the uid: two processes of one user must not end each other's slots by
+    mistake. A peer in a pid namespace the daemon cannot see reads as pid 0;
+    its connection is then the owner.
+    """
+    return f"pid:{pid}" if pid > 0 else f"conn:{secrets.token_hex(8)}"
+
+
 class PeerGate:
     """Admits same-host connections by their uid and checks each request's namespace."""
 
@@ -37,11 +49,9 @@ class PeerGate:
 
     def admit(self, conn: socket.socket) -> Caller:
         """The connection's caller; Unauthenticated when its uid has no rule and authentication is required."""
-        _, uid, _ = peer_credentials(conn)
+        pid, uid, _ = peer_credentials(conn)
         identity = self._authority.from_peer(uid)
-        # Unauthenticated callers own their slots per connection, not per uid.
-        owner = identity.principal if identity.authenticated else f"samehost:{secrets.token_hex(8)}"
-        return Caller(identity, owner)
+        return Caller(identity, _owner(pid))
 
     def check(self, namespace, action: str) -> None:
         """PERMISSION_DENIED unless the connection's caller may ``action`` ``namespace``."""

@@ -25,7 +25,7 @@ is created 0600 next to the arena (``mode``), and the token proves the client ma
 this daemon's arena rather than a stale one. The connecting uid (SO_PEERCRED)
 is the connection's identity (:class:`kvstore.auth.peers.PeerGate`): each
 request's namespace is checked against it, and its slots and leases are
-bound to it (to the connection itself when the daemon has no authentication).
+bound to the connecting process.
 """
 
 from __future__ import annotations
