@@ -557,3 +557,11 @@ def test_credentials_stay_out_of_reprs(tmp_path):
     token_file = tmp_path / "t"
     token_file.write_text(f"  {TOKEN_A}  \n")
     assert ChannelSecurity.build(token_file=token_file).token == TOKEN_A
+
+
+def test_the_example_policy_file_loads():
+    from pathlib import Path
+
+    policy = load_policy(Path(__file__).resolve().parent.parent / "deploy" / "policy.example.toml")
+    assert policy.by_subjects(["prefill-0.prod.example"]).grant.allows("team-a-1", "write")
+    assert policy.by_uid(1000).name == "uid:1000"
