@@ -14,6 +14,10 @@ says what was wrong and what to do about it.
     │   ├── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
     │   └── WrongArena              a namespace of another arena, on one arena's socket   [store.group]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
+    ├── AuthError                   who the caller is, and what it may do
+    │   ├── Unauthenticated         no credentials, or ones this daemon does not know (UNAUTHENTICATED)
+    │   ├── PermissionDenied        an identity not allowed this namespace or call (PERMISSION_DENIED)
+    │   └── PolicyError             a policy file that does not parse; the old policy stays   [auth.policy]
     ├── LeaseError                  FAILED_PRECONDITION
     │   ├── LeaseExpired            lease or slot deadline passed
     │   ├── UnknownLease            lease or slot id never issued, or released
@@ -60,6 +64,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "ArenaMismatch": "kvstore.shm.arena",
     "DaemonError": "kvstore.server.daemon",
     "WrongArena": "kvstore.store.group",
+    "PolicyError": "kvstore.auth.policy",
 }
 
 
@@ -87,6 +92,18 @@ class UnknownNamespace(StrataError):
     pass
 
 
+class AuthError(StrataError):
+    pass
+
+
+class Unauthenticated(AuthError):
+    pass
+
+
+class PermissionDenied(AuthError):
+    pass
+
+
 class LeaseError(StrataError):
     pass
 
@@ -104,7 +121,9 @@ class SlotAlreadyCommitted(LeaseError):
 
 
 class LeaseOwnedElsewhere(LeaseError):
-    pass
+    """Servers answer the stranger with ``stranger_view`` (the answer for an id never issued) instead."""
+
+    stranger_view: StrataError | None = None
 
 
 class ResourceExhausted(StrataError):

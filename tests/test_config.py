@@ -116,7 +116,7 @@ def test_unknown_key_in_a_config_file_is_named_with_the_known_ones(tmp_path):
     text = str(info.value)
     assert "tiers.ram.byts: unknown section or key; known in [tiers.ram]: bytes, shm_dir" in text
     assert "tiers.gpu: unknown section or key; known in [tiers]: chain, ram, disk" in text
-    assert "sever: unknown section or key; known at the top level: node, server, tiers, store, index, logging" in text
+    assert "sever: unknown section or key; known at the top level: node, server, tiers, store, index, auth, logging" in text
 
 
 def test_a_flat_key_of_the_old_file_layout_says_where_it_went(tmp_path):

@@ -158,9 +158,10 @@ def test_commit_of_unknown_or_committed_slot(daemon):
 def test_commit_of_bytes_not_matching_checksum_is_data_loss(daemon):
     with Client(daemon.target, use_shm=True) as c:
         c.put("m", b"warm", b"w")
-        alloc = stub(daemon).Allocate(pb.AllocateRequest(namespace="m", blocks=[pb.BlockHeader(key=b"s", size=10)]))
+        s = stub(daemon)  # one connection: slots belong to the connection that allocated them
+        alloc = s.Allocate(pb.AllocateRequest(namespace="m", blocks=[pb.BlockHeader(key=b"s", size=10)]))
         with pytest.raises(grpc.RpcError) as info:
-            stub(daemon).Commit(pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=alloc.slots[0].slot_id, checksum=7)]))
+            s.Commit(pb.CommitRequest(items=[pb.CommitRequest.Item(slot_id=alloc.slots[0].slot_id, checksum=7)]))
         assert info.value.code() is grpc.StatusCode.DATA_LOSS
         assert c.get("m", b"s") is None
 

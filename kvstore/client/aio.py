@@ -36,6 +36,7 @@ import grpc.aio
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
@@ -66,7 +67,8 @@ class AsyncClient:
     """A connection to one daemon, bound to the event loop it was created on.
 
     Create it inside a running loop (``async with AsyncClient(...) as c:``);
-    its calls may run concurrently as tasks of that loop. ``use_shm`` is as
+    its calls may run concurrently as tasks of that loop. ``use_shm`` and the
+    credentials (``token``, ``token_file``, ``tls_*``, ``security``) are as
     for :class:`kvstore.client.sync.Client`.
     """
 
@@ -79,6 +81,13 @@ class AsyncClient:
         use_shm: bool | None = None,
         lease_ms: int = 0,
         chunk_bytes: int = codec.DEFAULT_CHUNK,
+        token: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -86,7 +95,11 @@ class AsyncClient:
         self._use_shm = use_shm
         self._lease_ms = lease_ms
         self._chunk = chunk_bytes
-        self._channel = grpc.aio.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
+        if security is None:
+            security = ChannelSecurity.build(token=token, token_file=token_file, tls_ca=tls_ca, tls_cert=tls_cert,
+                                             tls_key=tls_key, tls_server_name=tls_server_name)
+        self._security = security
+        self._channel = security.aio_channel(target, codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._attached: dict[str, _Attached | None] = {}  # arena name → mapped, or None: streamed
         self._arena_of: dict[str, str] = {}  # namespace → arena name
@@ -270,7 +283,7 @@ class AsyncClient:
         request thread also keeps the checksums and chunk copies off the loop.
         """
         if self._put_stub is None:
-            self._put_channel = grpc.insecure_channel(self.target, options=codec.CHANNEL_OPTIONS)
+            self._put_channel = self._security.channel(self.target, codec.CHANNEL_OPTIONS)
             self._put_stub = kv_pb2_grpc.KVServiceStub(self._put_channel)
         call = self._put_stub.Put.future(codec.put_requests(namespace, checked, self._chunk), timeout=self.timeout)
         loop = asyncio.get_running_loop()

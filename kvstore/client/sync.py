@@ -25,6 +25,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import index_pb2, index_pb2_grpc, kv_pb2_grpc
+from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
@@ -46,6 +47,12 @@ class Client:
     mapped from here; False always streams; True requires shared memory.
     ``transport`` names one ("same-host", "grpc-arena", "grpc") instead of
     picking, and fails rather than fall back.
+
+    Credentials, for a daemon with authentication: ``token`` or
+    ``token_file`` (a bearer token), ``tls_ca`` (PEM that verifies the
+    daemon's certificate), ``tls_cert``/``tls_key`` (this client's
+    certificate, for mTLS), ``tls_server_name`` (the name to verify when the
+    target is an address); or a prepared ``security``.
     """
 
     def __init__(
@@ -58,6 +65,13 @@ class Client:
         lease_ms: int = 0,
         chunk_bytes: int = codec.DEFAULT_CHUNK,
         transport: str | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -65,7 +79,10 @@ class Client:
         self._use_shm = use_shm
         self._want = transport
         self._lease_ms = lease_ms
-        self._channel = grpc.insecure_channel(target, options=codec.CHANNEL_OPTIONS)
+        if security is None:
+            security = ChannelSecurity.build(token=token, token_file=token_file, tls_ca=tls_ca, tls_cert=tls_cert,
+                                             tls_key=tls_key, tls_server_name=tls_server_name)
+        self._channel = security.channel(target, codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._index = index_pb2_grpc.IndexServiceStub(self._channel)
         self._stream = GrpcStreamTransport(self._channel, chunk_bytes=chunk_bytes)

@@ -11,6 +11,7 @@ One section per component, each a model that holds its settings' defaults
     │   └── disk  DiskSettings      [tiers.disk]   dir, bytes, fsync
     ├── store     StoreSettings     [store]        block and batch limits, leases, demotion, namespaces
     ├── index     IndexSettings     [index]        url, ttl_seconds, score_weights, kv_events
+    ├── auth      AuthSettings      [auth]         policy file, TLS, protected mode, socket mode
     └── logging   LoggingSettings   [logging]      level, format
 
 Precedence, highest first: command-line flags, ``STRATA_*`` environment
@@ -29,6 +30,7 @@ Config builds no domain types: sections hand plain values to the code that
 owns them (:meth:`StoreSettings.limits`, :meth:`IndexSettings.event_sources`).
 """
 
+from kvstore.config.auth import AuthSettings
 from kvstore.config.index import IndexSettings, parse_event_source, parse_tier_weights
 from kvstore.config.load import SETTINGS, SettingsError, load_settings
 from kvstore.config.log import LoggingSettings
@@ -40,6 +42,7 @@ from kvstore.config.tiers import DiskSettings, RamSettings, TierSettings
 
 __all__ = [
     "SETTINGS",
+    "AuthSettings",
     "DiskSettings",
     "IndexSettings",
     "LoggingSettings",

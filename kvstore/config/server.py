@@ -34,7 +34,10 @@ class ServerSettings(Section):
     )
     same_host_max_connections: int = setting(64, "same-host socket connections at once", ge=1, le=4096)
     same_host_idle_seconds: float = setting(300.0, "close a same-host connection idle this long", gt=0, le=86400)
-    metrics_listen: str = setting("127.0.0.1:9464", "Prometheus /metrics address, host:port; empty: off")
+    metrics_listen: str = setting(
+        "127.0.0.1:9464", "Prometheus /metrics address, host:port (':PORT' binds loopback; give 0.0.0.0:PORT "
+        "for every interface); empty: off"
+    )
     workers: int = setting(16, "gRPC worker threads; health checks always keep two of them", ge=3, le=1024)
     max_in_flight: int = setting(
         64, "RPCs served at once, at most workers - 2 (the two left answer health checks); more get "

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from pydantic import ByteSize, Field, field_validator, model_validator
 
 from kvstore.config.arenas import MAX_ARENAS, ArenaSettings, parse_arenas, plan_arenas
+from kvstore.config.auth import AuthSettings
 from kvstore.config.index import IndexSettings
 from kvstore.config.log import LoggingSettings
 from kvstore.config.section import Section, setting
@@ -30,6 +31,7 @@ class Settings(Section):
     tiers: TierSettings = setting(default_factory=TierSettings)
     store: StoreSettings = setting(default_factory=StoreSettings)
     index: IndexSettings = setting(default_factory=IndexSettings)
+    auth: AuthSettings = setting(default_factory=AuthSettings)
     logging: LoggingSettings = setting(default_factory=LoggingSettings)
     arenas: Annotated[list[ArenaSettings], Field(max_length=MAX_ARENAS)] = setting(
         default_factory=list,

@@ -11,7 +11,10 @@ vLLM is needed::
 
 Options (``remote_storage_plugin.<name>.<option>``; see :class:`PluginSettings`):
 ``target``, ``namespace``, ``timeout_s``, ``retries``, ``shared_memory``,
-``down_backoff_s``.
+``down_backoff_s``; for a daemon with authentication ``token_file`` (a file
+holding the bearer token: LMCache's config is logged, so the token itself
+is not an option), ``tls_ca``, ``tls_cert``, ``tls_key`` and
+``tls_server_name``.
 
 Several entries. LMCache names plugin entries ``<type>`` or
 ``<type>.<instance>``; entries ``strata.local`` and ``strata.remote`` (say,
@@ -113,6 +116,11 @@ class PluginSettings:
     retries: int = 1
     shared_memory: bool | None = None
     down_backoff_s: float = 5.0
+    token_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict | None, plugin_name: str) -> PluginSettings:
@@ -120,11 +128,12 @@ class PluginSettings:
         options = {k[len(prefix):]: v for k, v in (extra or {}).items() if k.startswith(prefix)}
         options.pop("module_path", None)
         options.pop("class_name", None)
-        unknown = set(options) - {"target", "namespace", "timeout_s", "retries", "shared_memory", "down_backoff_s"}
+        unknown = set(options) - {"target", "namespace", "timeout_s", "retries", "shared_memory", "down_backoff_s",
+                                  *_SECURITY_OPTIONS}
         if unknown:
             raise ValueError(
                 f"unknown option(s) {', '.join(prefix + u for u in sorted(unknown))}: the Strata plugin takes "
-                "target, namespace, timeout_s, retries, shared_memory, down_backoff_s"
+                "target, namespace, timeout_s, retries, shared_memory, down_backoff_s, " + ", ".join(_SECURITY_OPTIONS)
             )
         try:
             settings = cls(
@@ -134,6 +143,7 @@ class PluginSettings:
                 retries=int(options.get("retries", cls.retries)),
                 shared_memory=_tristate(options.get("shared_memory", "auto")),
                 down_backoff_s=float(options.get("down_backoff_s", cls.down_backoff_s)),
+                **{k: str(options[k]) for k in _SECURITY_OPTIONS if options.get(k)},
             )
         except ValueError as err:
             raise ValueError(f"bad option under {prefix}*: {err}") from None
@@ -142,6 +152,9 @@ class PluginSettings:
         if settings.namespace:
             validate_namespace(settings.namespace)
         return settings
+
+
+_SECURITY_OPTIONS = ("token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
 
 def _tristate(value: Any) -> bool | None:
@@ -350,7 +363,8 @@ class StrataConnector(RemoteConnector):
 
     def _client_options(self) -> dict:
         s = self.settings
-        return dict(timeout=s.timeout_s, retries=s.retries, use_shm=s.shared_memory)
+        return dict(timeout=s.timeout_s, retries=s.retries, use_shm=s.shared_memory,
+                    **{k: getattr(s, k) for k in _SECURITY_OPTIONS})
 
     def _async_client(self) -> AsyncClient:
         if self._aio is None:  # made inside LMCache's loop: grpc.aio binds to it

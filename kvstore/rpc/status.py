@@ -1,7 +1,8 @@
 """The one place Strata errors become gRPC statuses, and back.
 
 Each status code means one thing: bad input INVALID_ARGUMENT, an unknown
-namespace NOT_FOUND, a lease or slot that is no longer valid
+namespace NOT_FOUND, missing or unknown credentials UNAUTHENTICATED, an
+identity not allowed a namespace PERMISSION_DENIED, a lease or slot that is no longer valid
 FAILED_PRECONDITION, full or overloaded RESOURCE_EXHAUSTED (with a
 ``google.rpc.RetryInfo`` delay), a checksum mismatch DATA_LOSS, a failed
 device UNAVAILABLE. The exact error class travels as ``google.rpc.ErrorInfo``
@@ -26,6 +27,8 @@ DOMAIN = "strata"
 _CODES: list[tuple[type[errors.StrataError], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.UnknownNamespace, grpc.StatusCode.NOT_FOUND),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.CorruptBlock, grpc.StatusCode.DATA_LOSS),

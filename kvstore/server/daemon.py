@@ -2,7 +2,8 @@
 
 Serves ``strata.kv.v1.KVService``, ``grpc.health.v1.Health`` and server
 reflection on one gRPC server (TCP, and a Unix socket when configured), and
-Prometheus metrics over HTTP. SIGTERM or SIGINT drains it: health turns
+Prometheus metrics over HTTP. Authentication and protected mode are
+:mod:`kvstore.auth`'s; SIGHUP reloads the auth policy file. SIGTERM or SIGINT drains it: health turns
 NOT_SERVING, in-flight RPCs get ``grace_seconds``, then the store closes and
 the arena is unlinked.
 """
@@ -25,6 +26,10 @@ from prometheus_client import disable_created_metrics, start_http_server
 
 from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
 from kvstore.api.v1 import index_pb2, index_pb2_grpc
+from kvstore.auth import Authority
+from kvstore.auth.exposure import refusal, split_host
+from kvstore.auth.interceptor import AuthInterceptor
+from kvstore.auth.peers import PeerGate
 from kvstore.block import TierName
 from kvstore.config import Settings
 from kvstore.index import open_index
@@ -75,6 +80,7 @@ class Daemon:
         self.index_agent: IndexAgent | None = None
         self.events = EventBus()  # the store's events: the index agent and metrics subscribe
         self.kv_events = None  # KVEventSubscriber, when engines are configured
+        self.authority: Authority | None = None
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -98,6 +104,7 @@ class Daemon:
 
     def _start(self) -> Daemon:
         s = self.settings
+        self.authority = self._authority()
         state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
         self._lock_state_dir(state_dir)
         self.node = NodeIdentity.start(s.node.id, state_dir)
@@ -125,9 +132,12 @@ class Daemon:
             ("grpc.max_send_message_length", s.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        interceptors = [AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)]
+        if self.authority.required:  # inside admission: its refusals become statuses there
+            interceptors.append(AuthInterceptor(self.authority))
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
-            interceptors=[AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)],
+            interceptors=interceptors,
             options=options,
         )
         if s.server.same_host_socket != "off":
@@ -140,6 +150,7 @@ class Daemon:
                 same_host = self._same_hosts[named.name] = SameHostServer(
                     self.store.only(named.name), path, arena.token, metrics=self.metrics,
                     max_connections=s.server.same_host_max_connections, idle_s=s.server.same_host_idle_seconds,
+                    gate=PeerGate(self.authority), mode=s.auth.mode,
                 )
                 try:
                     same_host.start()
@@ -172,7 +183,11 @@ class Daemon:
             server,
         )
         try:
-            self.port = server.add_insecure_port(s.server.listen)
+            tls = self._server_credentials()
+            if tls is None:
+                self.port = server.add_insecure_port(s.server.listen)
+            else:
+                self.port = server.add_secure_port(s.server.listen, tls)
         except RuntimeError as err:
             raise DaemonError(f"cannot listen on {s.server.listen} ({err}): pick a free address with --listen") from None
         if s.server.unix_socket:
@@ -180,10 +195,12 @@ class Daemon:
             server.add_insecure_port(f"unix:{s.server.unix_socket}")
         server.start()
         self._server = server
+        if s.server.unix_socket:
+            os.chmod(s.server.unix_socket, s.auth.mode)
         if s.server.metrics_listen:
-            host, _, port = s.server.metrics_listen.rpartition(":")
-            try:
-                self._metrics_server, _ = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
+            host, port = split_host(s.server.metrics_listen)
+            try:  # ':PORT' is loopback: metrics leave the host only when an address says so
+                self._metrics_server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.metrics.registry)
             except OSError as err:
                 raise DaemonError(
                     f"cannot serve metrics on {s.server.metrics_listen} ({err}): pick a free address with --metrics-listen, "
@@ -206,6 +223,42 @@ class Daemon:
             },
         )
         return self
+
+    def _authority(self) -> Authority:
+        """Who may call, and protected mode: refuse to expose an unauthenticated daemon beyond loopback."""
+        a = self.settings.auth
+        why = refusal(self.settings.server.listen, a.authenticated, a.insecure)
+        if why is not None:
+            raise DaemonError(why)
+        if not a.authenticated and refusal(self.settings.server.listen, False, False) is not None:
+            log.warning(
+                "--insecure: serving %s without authentication; any client that reaches it may read and "
+                "overwrite every namespace", self.settings.server.listen,
+            )
+        trusted = [os.getuid()] if a.trust_own_uid else []
+        authority = Authority(a.file, mtls=bool(a.tls_client_ca), reload_s=a.reload_seconds, trusted_uids=trusted)
+        if a.file and not a.tls_cert and refusal(self.settings.server.listen, False, False) is not None:
+            log.warning("bearer tokens cross %s in plaintext: set --tls-cert and --tls-key", self.settings.server.listen)
+        return authority
+
+    def _server_credentials(self) -> grpc.ServerCredentials | None:
+        a = self.settings.auth
+        if not a.tls_cert:
+            return None
+
+        def read(path: str, flag: str) -> bytes:
+            try:
+                return Path(path).expanduser().read_bytes()
+            except OSError as err:
+                raise DaemonError(f"cannot read {path} ({err.strerror}): check {flag}") from None
+
+        pair = (read(a.tls_key, "--tls-key"), read(a.tls_cert, "--tls-cert"))
+        ca = read(a.tls_client_ca, "--tls-client-ca") if a.tls_client_ca else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+    def reload_auth(self) -> bool:
+        """Load the auth policy file again (SIGHUP); the old rules stay when it is broken."""
+        return self.authority.reload() if self.authority is not None else False
 
     def _index_degraded(self, degraded: bool) -> None:
         """Health detail: the index service reports NOT_SERVING while the index is unreachable;
@@ -274,7 +327,11 @@ def serve(settings: Settings) -> int:
         log.info("received %s", signal.Signals(signum).name)
         threading.Thread(target=daemon.stop, name="strata-shutdown").start()
 
+    def on_hangup(_signum, _frame):
+        threading.Thread(target=daemon.reload_auth, name="strata-auth-reload").start()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     daemon.wait()
     return 0

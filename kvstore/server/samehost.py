@@ -21,8 +21,11 @@ replies for as long, is closed (the client reconnects). A
 client that dies leaves its leases and slots to expire as on gRPC.
 
 The first frame must be a Hello carrying the arena's token: the socket file
-is created 0600 next to the arena, and the token proves the client mapped
-this daemon's arena rather than a stale one.
+is created 0600 next to the arena (``mode``), and the token proves the client mapped
+this daemon's arena rather than a stale one. The connecting uid (SO_PEERCRED)
+is the connection's identity (:class:`kvstore.auth.peers.PeerGate`): each
+request's namespace is checked against it, and its slots and leases are
+bound to the connecting process.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ import socket
 import threading
 import time
 
-from kvstore.block import BlockKey, BlockMeta, validate_namespace
-from kvstore.errors import InvalidArgument, Overloaded, StrataError
+from kvstore.auth import READ, WRITE, owner_of
+from kvstore.auth.identity import set_caller
+from kvstore.auth.peers import PeerGate
+from kvstore.block import BlockKey, BlockMeta
+from kvstore.errors import InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
@@ -89,8 +95,11 @@ class SameHostServer:
     """Serves one store's arena calls on a Unix socket. :meth:`start`, then :meth:`stop`."""
 
     def __init__(self, store: TieredStore, path: str, token: bytes, *, metrics: StoreMetrics | None = None,
-                 max_connections: int = 64, idle_s: float = 300.0) -> None:
+                 max_connections: int = 64, idle_s: float = 300.0, gate: PeerGate | None = None,
+                 mode: int = 0o600) -> None:
         self._store = store
+        self._gate = gate if gate is not None else PeerGate()
+        self._mode = mode
         self._metrics = metrics if metrics is not None else store.metrics
         self.path = path
         self._token = bytes(token)
@@ -118,7 +127,7 @@ class SameHostServer:
 
     def start(self) -> SameHostServer:
         self._removals = RemovalPage(self.path + ".removals", self._token)
-        self._listener = bind_unix(self.path, mode=0o600)
+        self._listener = bind_unix(self.path, mode=self._mode)
         self._listener.listen(128)
         self._acceptor = threading.Thread(target=self._accept_loop, name="strata-samehost-accept", daemon=True)
         self._acceptor.start()
@@ -226,6 +235,7 @@ class SameHostServer:
                 )
             if not isinstance(token, bytes) or not hmac.compare_digest(token, self._token):
                 raise InvalidArgument("the arena token does not match this daemon's: attach again")
+            set_caller(self._gate.admit(conn))  # this connection's thread serves only this caller
         except (TypeError, ValueError) as err:
             self._reply_error(conn, 0, InvalidArgument(f"malformed Hello frame ({err})"))
             return False
@@ -283,9 +293,10 @@ class SameHostServer:
         keys, release_ids = _list(keys, "keys"), _ints(release_ids, "release_ids")
         lease_ms, timeout_ms = _int(lease_ms, "lease_ms"), _int(timeout_ms, "timeout_ms")
         if release_ids:
-            self._store.release(release_ids)
+            self._store.release(release_ids, owner_of())
+        self._gate.check(namespace, READ)
         lease_s = _lease_s(lease_ms)
-        found = self._store.lookup(namespace, keys, lease_s, _deadline(timeout_ms))
+        found = self._store.lookup(namespace, keys, lease_s, _deadline(timeout_ms), owner_of())
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
         out = []
         for loc in found:
@@ -298,11 +309,11 @@ class SameHostServer:
 
     def _release(self, args, payload) -> list:
         [lease_ids] = _fields(args, 1, "Release")
-        return self._store.release(_ints(lease_ids, "lease_ids"))
+        return self._store.release(_ints(lease_ids, "lease_ids"), owner_of())
 
     def _put(self, args, payload) -> list:
         namespace, timeout_ms, blocks = _fields(args, 3, "Put")
-        validate_namespace(namespace)
+        self._gate.check(namespace, WRITE)
         self._store.check_batch(_list(blocks, "blocks"))
         blocks = [_fields(b, 5, "Put block") for b in blocks]
         for b in blocks:
@@ -321,12 +332,13 @@ class SameHostServer:
 
     def _allocate(self, args, payload) -> list:
         namespace, lease_ms, timeout_ms, blocks = _fields(args, 4, "Allocate")
+        self._gate.check(namespace, WRITE)
         lease_ms, timeout_ms = _int(lease_ms, "lease_ms"), _int(timeout_ms, "timeout_ms")
         blocks = [tuple(_fields(b, 4, "Allocate block")) for b in _list(blocks, "blocks")]
         for b in blocks:
             _int(b[1], "size")
         lease_s = _lease_s(lease_ms)
-        grants = self._store.allocate(namespace, blocks, lease_s, _deadline(timeout_ms))
+        grants = self._store.allocate(namespace, blocks, lease_s, _deadline(timeout_ms), owner_of())
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
         return [_unix_ms(lease_deadline), [[g.present, g.slot_id, g.offset] for g in grants]]
 
@@ -335,14 +347,18 @@ class SameHostServer:
         slot_ids, sums = _ints(slot_ids, "slot_ids"), _ints(sums, "checksums")
         if len(sums) != len(slot_ids):
             raise InvalidArgument(f"Commit names {len(slot_ids)} slots but {len(sums)} checksums: send one per slot")
-        done = self._store.commit(list(zip(slot_ids, sums)))
+        try:
+            done = self._store.commit(list(zip(slot_ids, sums)), owner_of())
+        except LeaseOwnedElsewhere as err:
+            raise err.stranger_view from None
         return [[stored, int(tier)] for _, stored, tier in done]
 
     def _touch(self, args, payload) -> None:
         """Blocks a client read without asking: refresh their recency."""
         namespace, keys = _fields(args, 2, "Touch")
+        self._gate.check(namespace, READ)
         self._store.touch(namespace, _list(keys, "keys"))
 
     def _abort(self, args, payload) -> None:
         [slot_ids] = _fields(args, 1, "Abort")
-        self._store.abort(_ints(slot_ids, "slot_ids"))
+        self._store.abort(_ints(slot_ids, "slot_ids"), owner_of())

@@ -9,8 +9,10 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.auth import EVERY_NAMESPACE, current_identity, may_attach, owner_of
+from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
-from kvstore.errors import BlockTooLarge, InvalidArgument
+from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied
 from kvstore.node import NodeIdentity
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreArena, StoreGroup
@@ -133,12 +135,20 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def _mapped(self, arena_name: str) -> StoreGroup:
         """The one arena a caller of Allocate or Lookup mapped (empty: the default arena, what an
         older client mapped): offsets are only ever handed out into that arena."""
-        return self._store.only(arena_name or self._store.default.name)
+        name = arena_name or self._store.default.name
+        view = self._store.only(name)  # an unknown name: WrongArena
+        if not self._may_attach(None, self._store.arena(name)):
+            # The same answer as for an unknown arena's offsets: this caller streams its bytes.
+            raise PermissionDenied(
+                "this identity may not map the arena of this namespace: use the streamed Put and Get "
+                "(Attach answers without an arena path)"
+            )
+        return view
 
     def _may_attach(self, context, arena: StoreArena) -> bool:
         """Whether this caller may map ``arena``'s shared memory: only if it may read and write
         every namespace of it (``arena.namespaces``). No: it gets streamed bytes for them."""
-        return True
+        return may_attach(current_identity(), EVERY_NAMESPACE if arena is self._store.default else arena.namespaces)
 
     def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
         arena = self._store.arena_of(request.namespace) if request.namespace else self._store.default
@@ -161,6 +171,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             [(b.key, b.size, b.parent_key, b.layout) for b in request.blocks],
             lease_s,
             _deadline(context),
+            owner_of(context),
         )
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
         return pb.AllocateResponse(
@@ -172,18 +183,24 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         )
 
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
-        done = self._store.commit([(i.slot_id, i.checksum if i.HasField("checksum") else None) for i in request.items])
+        items = [(i.slot_id, i.checksum if i.HasField("checksum") else None) for i in request.items]
+        try:
+            done = self._store.commit(items, owner_of(context))
+        except LeaseOwnedElsewhere as err:
+            raise err.stranger_view from None
         return pb.CommitResponse(
             results=[pb.PutResult(key=key.key, stored=stored, tier=int(tier)) for key, stored, tier in done]
         )
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        self._store.abort(request.slot_ids)
+        self._store.abort(request.slot_ids, owner_of(context))
         return pb.AbortResponse()
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         lease_s = _lease_s(request.lease_ms)
-        found = self._mapped(request.arena).lookup(request.namespace, list(request.keys), lease_s, _deadline(context))
+        found = self._mapped(request.arena).lookup(
+            request.namespace, list(request.keys), lease_s, _deadline(context), owner_of(context)
+        )
         out = []
         for key_bytes, loc in zip(request.keys, found):
             if loc is None:
@@ -199,7 +216,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.LookupResponse(blocks=out, lease_deadline_unix_ms=_to_ms(lease_deadline))
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(valid=self._store.release(request.lease_ids))
+        return pb.ReleaseResponse(valid=self._store.release(request.lease_ids, owner_of(context)))
 
     # ---- control ------------------------------------------------------------
 
@@ -214,13 +231,19 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.DeleteResponse(deleted=deleted)
 
     def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
-        lease, missing = self._store.pin(request.namespace, list(request.keys), _lease_s(request.lease_ms))
+        lease, missing = self._store.pin(
+            request.namespace, list(request.keys), _lease_s(request.lease_ms), owner_of(context)
+        )
         return pb.PinResponse(
             lease_id=lease.id, pinned=len(lease.keys), missing=missing, lease_deadline_unix_ms=_to_ms(lease.deadline)
         )
 
     def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
-        return pb.UnpinResponse(released=self._store.unpin(request.lease_id))
+        try:
+            released = self._store.unpin(request.lease_id, owner_of(context))
+        except LeaseOwnedElsewhere:
+            released = False  # as for an id never issued: a stranger learns nothing of it
+        return pb.UnpinResponse(released=released)
 
     def List(self, request: pb.ListRequest, context) -> pb.ListResponse:
         page, token = self._store.list_keys(request.namespace, request.prefix, request.page_size, request.page_token)
@@ -229,7 +252,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         )
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        s = self._store.stats(request.namespace)
+        s = visible_stats(current_identity(), self._store.stats(request.namespace))
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(tier=int(t.tier), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks)

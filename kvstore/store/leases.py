@@ -76,6 +76,10 @@ class Lease:
     meta: BlockMeta | None = None
 
 
+def _never_issued(kind: LeaseKind, lease_id: int) -> UnknownLease:
+    return UnknownLease(f"no {kind.value} lease {lease_id}: it was never issued by this daemon (it may have restarted)")
+
+
 class LeaseTable:
     """``id_tag`` None: ids are 63 random bits. A number: ids carry it in their top
     ``TAG_BITS`` bits and 55 random bits below (still unguessable)."""
@@ -125,9 +129,13 @@ class LeaseTable:
         """Remove and return a live lease; raise if it expired, never existed or is another's."""
         lease = self._leases.get(lease_id)
         if lease is not None and lease.kind == kind and lease.owner and owner != lease.owner:
-            raise LeaseOwnedElsewhere(
+            err = LeaseOwnedElsewhere(
                 f"{kind.value} lease {lease_id} belongs to another client: only the client that took it may end it"
             )
+            # What a server tells the stranger instead: the same as for an id never issued, so that
+            # presenting another client's id teaches nothing about it.
+            err.stranger_view = _never_issued(kind, lease_id)
+            raise err
         if lease is None or lease.kind != kind:
             ended = self._ended.get(lease_id)
             if ended == "expired":
@@ -139,7 +147,7 @@ class LeaseTable:
                 raise SlotAlreadyCommitted(f"slot {lease_id} was already committed or aborted: allocate a new slot")
             if ended == "taken":
                 raise UnknownLease(f"{kind.value} lease {lease_id} was already released")
-            raise UnknownLease(f"no {kind.value} lease {lease_id}: it was never issued by this daemon (it may have restarted)")
+            raise _never_issued(kind, lease_id)
         if lease.deadline <= now:
             # Let the caller treat it as expired; expire() does the reclaiming.
             raise LeaseExpired(
