@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -50,6 +51,8 @@ disable_created_metrics()
 
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
 INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_name
+TIER_HEALTH_PREFIX = "strata.tier."  # + a tier's label: one health service per tier
+TIER_CHECK_SECONDS = 1.0
 
 
 class DaemonError(StrataError):
@@ -70,6 +73,7 @@ class Daemon:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopping = False
+        self._watch_stop = threading.Event()
         self.store: TieredStore | None = None
         self.index_agent: IndexAgent | None = None
         self.events = EventBus()  # the store's events: the index agent and metrics subscribe
@@ -98,6 +102,7 @@ class Daemon:
     def _start(self) -> Daemon:
         s = self.settings
         state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
+        self._state_dir = state_dir
         self._lock_state_dir(state_dir)
         self.node = NodeIdentity.start(s.node.id, state_dir)
         tiers: list = []
@@ -207,6 +212,9 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._index_degraded(self.index_agent.degraded)
+        self._check_tiers()
+        self._tier_watch = threading.Thread(target=self._watch_tiers, name="strata-tier-health", daemon=True)
+        self._tier_watch.start()
         stats = self.store.stats()
         log.info(
             "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
@@ -219,6 +227,21 @@ class Daemon:
             },
         )
         return self
+
+    def _watch_tiers(self) -> None:
+        while not self._watch_stop.wait(TIER_CHECK_SECONDS):
+            self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """Health detail per tier: ``strata.tier.<tier>`` is NOT_SERVING while the tier is degraded
+        (a full filesystem, a device that failed a write); the KV service keeps serving from the
+        tiers that work. An epoch that could not be written at start is written once there is room."""
+        for stats in self.store.tier_stats():
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stats.degraded else health_pb2.HealthCheckResponse.SERVING
+            self._health.set(f"{TIER_HEALTH_PREFIX}{stats.tier.label}", status)
+        if not self.node.persisted and self.node.persist(self._state_dir):
+            self.node = replace(self.node, persisted=True)
+            log.info("epoch %d written to %s: the filesystem has room again", self.node.epoch, self._state_dir)
 
     def _index_degraded(self, degraded: bool) -> None:
         """Health detail: the index service reports NOT_SERVING while the index is unreachable;
@@ -250,6 +273,7 @@ class Daemon:
         grace = self.settings.server.grace_seconds if grace is None else grace
         log.info("strata stopping", extra={"grace_seconds": grace})
         self._health.enter_graceful_shutdown()
+        self._watch_stop.set()
         if self._server is not None:
             self._server.stop(grace).wait()
         if self._same_host is not None:
