@@ -119,10 +119,13 @@ class CopyDown(StorePart):
     def _put_below(self, dst: TierName, key: BlockKey, data, meta: BlockMeta, may_drop: bool = True) -> None:
         """Write a block into a lower tier, evicting from it (and further down) as it fills.
 
-        A full filesystem (``DiskFull``) gets one eviction: the tier has just
-        shrunk its capacity to what it holds, so one block out makes room for
-        one in. A filesystem still full after that is filling from elsewhere,
-        and evicting on would empty the tier into it block by block.
+        A write the filesystem refused (``DiskFull``) is tried once more, with
+        no eviction: the tier has shrunk its capacity to what it holds and asks
+        its filesystem again before that write, so a filesystem that really is
+        full turns into an ordinary ``TierFull`` (evict, like a tier at its
+        configured size), and one whose space came back takes the block. A
+        second refusal means the filesystem is filling from elsewhere: the copy
+        ends ``full`` rather than empty the tier into it block by block.
         """
         tier = self._chain.tier(dst)
         if meta.size > tier.capacity_bytes:
@@ -132,7 +135,7 @@ class CopyDown(StorePart):
             try:
                 tier.put(key, data, meta)
             except DiskFull:
-                if refused_by_filesystem or not self._evict_one_below(dst, may_drop):
+                if refused_by_filesystem:
                     raise
                 refused_by_filesystem = True
                 continue
