@@ -36,6 +36,19 @@ before its rename, so a mismatch commits nothing. The index keeps each
 header's own checksum, so a get recognises its header without parsing it.
 ``get`` returns the ``bytearray`` it read into, not ``bytes``.
 
+Room. The tier holds at most ``capacity_bytes`` and at most what its
+filesystem can: at start, what it holds plus the free space (``statvfs``),
+asked again by :meth:`DiskTier.upkeep` and whenever a put does not fit. A
+write that finds the filesystem full (``ENOSPC``) raises ``DiskFull``, a
+kind of ``TierFull``: the tier is full, not failing, and holds what it has
+until the filesystem has room again; meanwhile it reports itself degraded.
+A failed fsync leaves durability unknown, so the block is not committed
+(see :meth:`DiskTier._write`). A deleted block whose unlink failed leaves
+the index at once and its file goes on the next upkeep.
+
+File-system calls. Every one goes through a :class:`~kvstore.tiers.fsops.FileOps`
+(the real ``os`` calls unless a test passes a faulty one).
+
 Concurrency. One lock guards the index, the LRU order and the byte counts.
 Reads, writes and fsyncs of block bytes run outside it. The two metadata
 operations that change which file a name points to, the commit ``rename`` and
