@@ -25,10 +25,10 @@ says what was wrong and what to do about it.
     │   └── LeaseOwnedElsewhere     a lease or slot ended by a client other than its owner
     ├── ResourceExhausted           RESOURCE_EXHAUSTED, carries retry_after_s
     │   ├── TierFull                no space even after eviction
+    │   │   └── DiskFull            the disk tier's filesystem is full (a full tier, not a failing one)
     │   └── Overloaded              too many requests in flight
     ├── CorruptBlock                checksum mismatch (DATA_LOSS)
     ├── TierUnavailable             a tier's device failed (UNAVAILABLE)
-    │   └── DiskFull                the disk tier's filesystem is full
     ├── DeadlineExceeded            the caller's deadline passed (DEADLINE_EXCEEDED)
     ├── Cancelled                   client side: the caller cancelled the call
     ├── PrefixIndexError            the prefix index
@@ -148,7 +148,7 @@ class TierUnavailable(StrataError):
     pass
 
 
-class DiskFull(TierUnavailable):
+class DiskFull(TierFull):
     pass
 
 

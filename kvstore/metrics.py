@@ -94,15 +94,26 @@ class _TierCollector(Collector):
 
     def collect(self):
         used = GaugeMetricFamily("strata_tier_used_bytes", "Bytes held by a tier (blocks and reserved slots)", labels=["tier"])
-        cap = GaugeMetricFamily("strata_tier_capacity_bytes", "Configured capacity of a tier", labels=["tier"])
+        cap = GaugeMetricFamily(
+            "strata_tier_capacity_bytes",
+            "Capacity of a tier: as configured, or what its filesystem can hold when that is less",
+            labels=["tier"],
+        )
         blocks = GaugeMetricFamily("strata_tier_blocks", "Blocks held by a tier", labels=["tier"])
+        degraded = GaugeMetricFamily(
+            "strata_tier_degraded",
+            "1 while a tier cannot do its job (a full filesystem, a device that failed a write); "
+            "Stats and the health service strata.tier.<tier> say why",
+            labels=["tier"],
+        )
         for s in self._read_stats():
             used.add_metric([s.tier.label], s.used_bytes)
             cap.add_metric([s.tier.label], s.capacity_bytes)
             blocks.add_metric([s.tier.label], s.blocks)
+            degraded.add_metric([s.tier.label], 1 if s.degraded else 0)
         depth = GaugeMetricFamily("strata_kv_demotion_queue_blocks", "Blocks waiting to be written down to disk")
         depth.add_metric([], self._read_queue_depth())
-        return [used, cap, blocks, depth]
+        return [used, cap, blocks, degraded, depth]
 
 
 class _ArenaCollector(Collector):

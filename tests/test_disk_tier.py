@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.block import BlockKey, BlockMeta, checksum
-from kvstore.errors import CorruptBlock, DiskFull, TierUnavailable
+from kvstore.errors import CorruptBlock, DiskFull, TierFull, TierUnavailable
 from kvstore.tiers.disk import DiskTier, block_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def test_a_new_instance_recovers_every_block(root, fsync):
 
     again = DiskTier(root, BIG)
     assert (again.recovered_blocks, again.dropped_on_recovery) == (13, 0)
-    assert again.stats() == before
+    assert (again.stats().used_bytes, again.stats().blocks) == (before.used_bytes, before.blocks)
     written = [key(i) for i in range(12) if i != 3] + [key(0, "tenant-b"), key(3)]
     assert list(again.lru()) == written, "the order of puts and touches survives the restart; gets do not stamp"
     assert again.namespaces() == {"ns", "tenant-b"}
@@ -362,15 +362,19 @@ def test_a_full_disk_raises_disk_full_and_keeps_what_was_written(tmp_path, block
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         tier = DiskTier(mnt, BIG)
         stored = {}
-        with pytest.raises(DiskFull) as caught:
+        with pytest.raises(TierFull) as caught:  # DiskFull when the write found it, TierFull when the free space did
             for i in range(10_000):
                 before = tier.stats()
                 stored[i] = put(tier, i, random.Random(i).randbytes(block_bytes))
         message = str(caught.value)
         assert str(mnt) in message and "--disk-bytes" in message and "free space" in message
-        assert isinstance(caught.value, TierUnavailable)
+        assert isinstance(caught.value, TierFull), "a full filesystem is a full tier, not a failing one"
+        assert not isinstance(caught.value, TierUnavailable)
         assert temp_files(mnt) == []
-        assert tier.stats() == before
+        after = tier.stats()
+        assert (after.used_bytes, after.blocks) == (before.used_bytes, before.blocks)
+        assert after.used_bytes <= after.capacity_bytes < after.used_bytes + block_bytes, "no room for one more"
+        assert str(mnt) in after.degraded and "--disk-bytes" in after.degraded
         assert stored, "some blocks fit before the disk filled"
         for i, data in stored.items():
             assert tier.get(key(i)) == data

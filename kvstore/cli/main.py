@@ -254,6 +254,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for tier, t in s.tiers.items():
         pct = 100 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0
         print(f"  {tier:5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.1f} MiB ({pct:.0f}%)  {t['blocks']} blocks")
+        if t.get("degraded"):
+            print(f"        degraded: {t['degraded']}")
     print(f"  namespaces: {', '.join(s.namespaces) or 'none'}")
     return 0
 

@@ -140,7 +140,10 @@ def parse_list(r: pb.ListResponse) -> ListPage:
 def parse_stats(r: pb.StatsResponse) -> Stats:
     return Stats(
         tiers={
-            TierName(t.tier).label: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "blocks": t.blocks}
+            TierName(t.tier).label: {
+                "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "blocks": t.blocks,
+                "degraded": t.degraded,
+            }
             for t in r.tiers
         },
         blocks=r.blocks,

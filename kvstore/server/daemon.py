@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -55,6 +56,8 @@ disable_created_metrics()
 
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
 INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_name
+TIER_HEALTH_PREFIX = "strata.tier."  # + a tier's label: one health service per tier
+TIER_CHECK_SECONDS = 1.0
 
 
 class DaemonError(StrataError):
@@ -76,6 +79,7 @@ class Daemon:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopping = False
+        self._watch_stop = threading.Event()
         self.store: StoreGroup | None = None  # one store per arena, called as one store
         self.index_agent: IndexAgent | None = None
         self.events = EventBus()  # the store's events: the index agent and metrics subscribe
@@ -90,6 +94,8 @@ class Daemon:
             self._stopping = True
             if self._server is not None:
                 self._server.stop(0)
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
             for same_host in self._same_hosts.values():
                 same_host.stop()
             if self.index_agent is not None and self.store is not None:
@@ -106,6 +112,7 @@ class Daemon:
         s = self.settings
         self.authority = self._authority()
         state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
+        self._state_dir = state_dir
         self._lock_state_dir(state_dir)
         self.node = NodeIdentity.start(s.node.id, state_dir)
         index = open_index(s.index.url)
@@ -160,11 +167,12 @@ class Daemon:
                         "set --same-host-socket to a writable path, or 'off'"
                     ) from None
             self._same_host = self._same_hosts[self.store.default.name]
+        self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},
                        lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
-                       ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")), server
+                       self.put_budget), server
         )
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
@@ -193,10 +201,6 @@ class Daemon:
         if s.server.unix_socket:
             Path(s.server.unix_socket).unlink(missing_ok=True)
             server.add_insecure_port(f"unix:{s.server.unix_socket}")
-        server.start()
-        self._server = server
-        if s.server.unix_socket:
-            os.chmod(s.server.unix_socket, s.auth.mode)
         if s.server.metrics_listen:
             host, port = split_host(s.server.metrics_listen)
             try:  # ':PORT' is loopback: metrics leave the host only when an address says so
@@ -207,9 +211,23 @@ class Daemon:
                     "or pass an empty one to turn metrics off"
                 ) from None
             self.metrics_port = self._metrics_server.server_port
+        # Metrics answer before the first RPC does. The gRPC Unix socket is created owner-only (no
+        # window in which another user could connect), then given its configured mode.
+        mask = os.umask(0o177) if s.server.unix_socket else None
+        try:
+            server.start()
+        finally:
+            if mask is not None:
+                os.umask(mask)
+        self._server = server
+        if s.server.unix_socket:
+            os.chmod(s.server.unix_socket, s.auth.mode)
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._index_degraded(self.index_agent.degraded)
+        self._check_tiers()
+        self._tier_watch = threading.Thread(target=self._watch_tiers, name="strata-tier-health", daemon=True)
+        self._tier_watch.start()
         stats = self.store.stats()
         log.info(
             "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
@@ -260,6 +278,21 @@ class Daemon:
         """Load the auth policy file again (SIGHUP); the old rules stay when it is broken."""
         return self.authority.reload() if self.authority is not None else False
 
+    def _watch_tiers(self) -> None:
+        while not self._watch_stop.wait(TIER_CHECK_SECONDS):
+            self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """Health detail per tier: ``strata.tier.<tier>`` is NOT_SERVING while the tier is degraded
+        (a full filesystem, a device that failed a write); the KV service keeps serving from the
+        tiers that work. An epoch that could not be written at start is written once there is room."""
+        for stats in self.store.tier_stats():
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stats.degraded else health_pb2.HealthCheckResponse.SERVING
+            self._health.set(f"{TIER_HEALTH_PREFIX}{stats.tier.label}", status)
+        if not self.node.persisted and self.node.persist(self._state_dir):
+            self.node = replace(self.node, persisted=True)
+            log.info("epoch %d written to %s: the filesystem has room again", self.node.epoch, self._state_dir)
+
     def _index_degraded(self, degraded: bool) -> None:
         """Health detail: the index service reports NOT_SERVING while the index is unreachable;
         the KV service keeps serving local hits."""
@@ -290,6 +323,7 @@ class Daemon:
         grace = self.settings.server.grace_seconds if grace is None else grace
         log.info("strata stopping", extra={"grace_seconds": grace})
         self._health.enter_graceful_shutdown()
+        self._watch_stop.set()
         if self._server is not None:
             self._server.stop(grace).wait()
         for same_host in self._same_hosts.values():

@@ -255,7 +255,10 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         s = visible_stats(current_identity(), self._store.stats(request.namespace))
         return pb.StatsResponse(
             tiers=[
-                pb.TierStats(tier=int(t.tier), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks)
+                pb.TierStats(
+                    tier=int(t.tier), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks,
+                    degraded=t.degraded,
+                )
                 for t in s.tiers
             ],
             blocks=s.blocks,

@@ -28,6 +28,10 @@ class Copy:
     src: TierName
     dst: TierName
     evict: bool  # drop the source copy once the destination holds it
+    # Whether making room below may drop a block's last copy (at the bottom of the chain). A
+    # writer waiting for room may; headroom kept ahead of writers may not: it never drops a
+    # block below to move one down while the upper tier still has room.
+    may_drop: bool = True
 
 
 class Demoter:

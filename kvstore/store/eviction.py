@@ -9,7 +9,9 @@ The rules, in order, for each block of the tier from least recently used on
    this tier goes only when the leaves were not enough, so a chain leaves
    from its deepest block up;
 3. nothing below: drop it if no block names it as parent, so a prefix
-   always outlives its descendants.
+   always outlives its descendants — unless dropping is ruled out
+   (``can_drop=False``: the tier below is full, not absent, and a block
+   that could not go down is kept, not lost; the writer is refused instead).
 
 Background headroom (``background=True``) only demotes: it never drops
 what a reader may ask for next. The scan decides first and the store acts
@@ -38,7 +40,7 @@ class EvictionPlan:
 
 def plan_eviction(
     tier: TierName, need: int, catalog: Catalog, recency: Recency, *, can_demote: bool, background: bool = False,
-    max_victims: int | None = None,
+    max_victims: int | None = None, can_drop: bool = True,
 ) -> EvictionPlan:
     """Blocks of ``tier`` to evict for ``need`` bytes (or ``max_victims`` blocks)."""
     plan = EvictionPlan()
@@ -63,7 +65,7 @@ def plan_eviction(
             continue
         elif can_demote and not entry.stays_above:
             plan.demote.append(key)
-        elif not background and not catalog.has_children(key):
+        elif not background and can_drop and not catalog.has_children(key):
             plan.drop.append(key)
         else:
             continue

@@ -295,13 +295,19 @@ class StoreGroup:
 def sum_tiers(per_store: Iterable[Iterable[TierStats]]) -> list[TierStats]:
     """Tier stats of several stores added up by tier name, in the order tiers first appear."""
     total: dict[TierName, list[int]] = {}
+    degraded: dict[TierName, list[str]] = {}  # every arena's reason, once each: a tier is degraded if any arena's is
     for tiers in per_store:
         for t in tiers:
             acc = total.setdefault(t.tier, [0, 0, 0])
             acc[0] += t.used_bytes
             acc[1] += t.capacity_bytes
             acc[2] += t.blocks
-    return [TierStats(tier, used, cap, blocks) for tier, (used, cap, blocks) in total.items()]
+            reasons = degraded.setdefault(t.tier, [])
+            if t.degraded and t.degraded not in reasons:
+                reasons.append(t.degraded)
+    return [
+        TierStats(tier, used, cap, blocks, "; ".join(degraded[tier])) for tier, (used, cap, blocks) in total.items()
+    ]
 
 
 def watch_group(metrics: StoreMetrics, group: StoreGroup) -> None:

@@ -42,11 +42,16 @@ class HeadPlacement(StorePart):
                 remaining = deadline - self._clock()
                 if not pending or remaining <= 0:
                     stats = self._head.stats()
+                    full = self._s.full_below(self._head.name)
+                    why = (
+                        f"the {full.label} tier below is full, so nothing can go down and no block is dropped for it"
+                        if full is not None else "the rest is pinned, leased or being demoted"
+                    )
                     raise TierFull(
                         f"the {self._head.name.label} tier has no room for {size} bytes ({stats.used_bytes} of "
-                        f"{stats.capacity_bytes} used, largest free extent {self._head.largest_free_bytes}; the rest "
-                        "is pinned, leased or being demoted): retry later, unpin blocks, or raise --ram-bytes",
-                        retry_after_s=0.1,
+                        f"{stats.capacity_bytes} used, largest free extent {self._head.largest_free_bytes}; {why}): "
+                        "retry later, unpin blocks, or raise --ram-bytes",
+                        retry_after_s=1.0 if full is not None else 0.1,
                     )
                 if not self._demoter.threaded:
                     # No demotion thread: write the queued blocks down here.
@@ -119,7 +124,8 @@ class HeadPlacement(StorePart):
         if self._head.used_bytes <= self._high_bytes:
             return
         stats = self._head.stats()
-        if self._s.usable_below(self._head.name):
+        below = self._s.usable_below(self._head.name)
+        if below is not None and self._clock() >= self._s.no_headroom_until.get(below.name, 0.0):
             target_free = int((1 - self._s.limits.low_watermark) * stats.capacity_bytes)
             self._make_room_locked(target_free - (stats.capacity_bytes - stats.used_bytes), background=True)
 
@@ -127,8 +133,11 @@ class HeadPlacement(StorePart):
         """Evict from the head; returns (freed now, copies down pending)."""
         head = self._head.name
         below = self._s.usable_below(head)
-        plan = plan_eviction(head, need, self._catalog, self._recency, can_demote=below is not None, background=background)
-        self._s.apply_plan_locked(head, plan, below, self._demoter.offer)
+        plan = plan_eviction(
+            head, need, self._catalog, self._recency, can_demote=below is not None, background=background,
+            can_drop=self._s.full_below(head) is None,
+        )
+        self._s.apply_plan_locked(head, plan, below, self._demoter.offer, may_drop=not background)
         return plan.frees_now, self._s.demoting > 0
 
     def write_through_locked(self, key: BlockKey, entry: Entry) -> None:
@@ -136,7 +145,8 @@ class HeadPlacement(StorePart):
         below = self._chain.below(head)
         if below is None or not self._chain.edge_below(head).write_through:
             return
-        if self._clock() < self._s.unhealthy_until.get(below.name, 0.0):
+        now = self._clock()
+        if now < self._s.unhealthy_until.get(below.name, 0.0) or now < self._s.full_until.get(below.name, 0.0):
             return
         if self._s.mark_copy_locked(key, below.name):
             if not self._demoter.offer(Copy(key, head, below.name, evict=False)):

@@ -85,6 +85,12 @@ class StoreState:
         # prefix index's and the metrics' feed, and later replication's.
         self.events = events
         self.unhealthy_until: dict[TierName, float] = {}  # a lower tier that failed a write: skipped until then
+        self.unhealthy_reason: dict[TierName, str] = {}
+        # A lower tier that could make no room for a copy (a full filesystem, or only pinned
+        # blocks there): until then nothing is demoted into it, and the tier above keeps its
+        # blocks rather than drop them; a writer that finds no room is refused, with a retry delay.
+        self.full_until: dict[TierName, float] = {}
+        self.no_headroom_until: dict[TierName, float] = {}  # a headroom copy found no room there: none until then
         self.demoting = 0  # blocks marked for a copy down, queued or being written
         # Deletes of copies in tiers other than the head, run outside the lock.
         self.deletes: list[tuple[Tier, BlockKey]] = []
@@ -208,9 +214,17 @@ class StoreState:
         below = self.chain.below(tier)
         if below is None or not self.chain.edge_below(tier).demote:
             return None
-        if self.clock() < self.unhealthy_until.get(below.name, 0.0):
+        now = self.clock()
+        if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
             return None
         return below
+
+    def full_below(self, tier: TierName) -> TierName | None:
+        """The next tier down, when it is in its full period: the tier above then drops nothing of its own."""
+        below = self.chain.below(tier)
+        if below is None or not self.chain.edge_below(tier).demote:
+            return None
+        return below.name if self.clock() < self.full_until.get(below.name, 0.0) else None
 
     def mark_copy_locked(self, key: BlockKey, dst: TierName) -> bool:
         entry = self.catalog.entries[key]
@@ -233,6 +247,7 @@ class StoreState:
 
     def apply_plan_locked(
         self, tier: TierName, plan: EvictionPlan, below: Level | None, offer: Callable[[Copy], bool] | None = None,
+        may_drop: bool = True,
     ) -> list[BlockKey]:
         """Carry out an eviction plan in ``tier``; returns the blocks marked for a copy down.
 
@@ -252,7 +267,7 @@ class StoreState:
                 break
             if not self.mark_copy_locked(key, below.name):
                 continue  # its old copy below is still being deleted: try it next time
-            if offer is not None and not offer(Copy(key, tier, below.name, evict=True)):
+            if offer is not None and not offer(Copy(key, tier, below.name, evict=True, may_drop=may_drop)):
                 self.unmark_copy_locked(key)
                 break
             marked.append(key)

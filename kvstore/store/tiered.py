@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvstore.block import (
     MAX_KEY_BYTES,
@@ -168,6 +168,7 @@ class TieredStore(StorePart):
         self._reader = ChainReader(state, self._place)
         self._slots = SlotProtocol(state, self._place)
         self._copies.fit_capacity()
+        self._was_degraded: dict = {lvl.name: bool(lvl.tier.stats().degraded) for lvl in chain}
         if watch_tiers:
             self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
         self._reaper = threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)
@@ -477,7 +478,28 @@ class TieredStore(StorePart):
         return self.end_lease(lease_id, LeaseKind.PIN, owner)
 
     def tier_stats(self) -> list[TierStats]:
-        return [lvl.tier.stats() for lvl in self._chain]
+        """Each tier's occupancy; ``degraded`` says why a tier cannot do its job now: its own
+        reason (a full filesystem), or the store's (a write failed and it is skipped for a while)."""
+        out = []
+        now = self._clock()
+        for lvl in self._chain:
+            stats = lvl.tier.stats()
+            if not stats.degraded and now < self._s.unhealthy_until.get(lvl.name, 0.0):
+                stats = replace(stats, degraded=f"a write failed, skipped for now: {self._s.unhealthy_reason.get(lvl.name, '')}")
+            out.append(stats)
+        return out
+
+    def upkeep(self) -> None:
+        """Let every tier check its device again (the reaper does this every second). A tier that
+        has room again ends the store's full period for it at once, not after ``tier_retry_s``."""
+        for lvl in self._chain:
+            lvl.tier.upkeep()
+            degraded = bool(lvl.tier.stats().degraded)
+            if self._was_degraded.get(lvl.name) and not degraded:
+                with self._cond:
+                    self._s.full_until.pop(lvl.name, None)
+                    self._s.no_headroom_until.pop(lvl.name, None)
+            self._was_degraded[lvl.name] = degraded
 
     def demotion_queue_depth(self) -> int:
         return self._demoter.depth()
@@ -605,3 +627,7 @@ class TieredStore(StorePart):
                     self.flush_recency()
                 except Exception:  # a bug: the order is a hint; keep reaping leases
                     log.exception("writing recency back failed unexpectedly")
+                try:
+                    self.upkeep()
+                except Exception:  # a bug in a tier's upkeep: keep reaping leases
+                    log.exception("tier upkeep failed unexpectedly")

@@ -47,8 +47,9 @@ from kvstore.block import BlockKey, BlockMeta, TierName
 class TierStats:
     tier: TierName
     used_bytes: int
-    capacity_bytes: int
+    capacity_bytes: int  # what it can hold now: the configured size, or less when its device holds less
     blocks: int
+    degraded: str = ""  # why it cannot take what it was configured for (a full filesystem); "" when it can
 
 
 class Tier(abc.ABC):
@@ -99,6 +100,11 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> TierStats: ...
+
+    def upkeep(self) -> None:
+        """Periodic housekeeping; the store calls it about once a second. A tier whose room depends
+        on its device (the disk tier on a filesystem that fills) checks it again here, so a
+        degraded tier recovers by itself. The default does nothing."""
 
     def close(self) -> None:
         """Release the tier's resources. Blocks on a persistent tier stay."""

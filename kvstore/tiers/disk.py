@@ -36,6 +36,19 @@ before its rename, so a mismatch commits nothing. The index keeps each
 header's own checksum, so a get recognises its header without parsing it.
 ``get`` returns the ``bytearray`` it read into, not ``bytes``.
 
+Room. The tier holds at most ``capacity_bytes`` and at most what its
+filesystem can: at start, what it holds plus the free space (``statvfs``),
+asked again by :meth:`DiskTier.upkeep` and whenever a put does not fit. A
+write that finds the filesystem full (``ENOSPC``) raises ``DiskFull``, a
+kind of ``TierFull``: the tier is full, not failing, and holds what it has
+until the filesystem has room again; meanwhile it reports itself degraded.
+A failed fsync leaves durability unknown, so the block is not committed
+(see :meth:`DiskTier._write`). A deleted block whose unlink failed leaves
+the index at once and its file goes on the next upkeep.
+
+File-system calls. Every one goes through a :class:`~kvstore.tiers.fsops.FileOps`
+(the real ``os`` calls unless a test passes a faulty one).
+
 Concurrency. One lock guards the index, the LRU order and the byte counts.
 Reads, writes and fsyncs of block bytes run outside it. The two metadata
 operations that change which file a name points to, the commit ``rename`` and
@@ -73,6 +86,7 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.tiers.base import Tier, TierStats
+from kvstore.tiers.fsops import REAL, FileOps
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +99,7 @@ _HAS_PARENT = 1
 _MAX_FIELD = 0xFFFF
 _MAX_HEADER = _FIXED.size + 4 * (_LEN.size + _MAX_FIELD) + _HEADER_SUM.size
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_LOW_SPACE_BYTES = 1 << 20  # a filesystem with less free than this (and a tier below its size) is full
 _LOCK_FILE = "LOCK"
 _FOLDERS = [f"{i:02x}" for i in range(256)]  # fan-out by the name's first byte
 _IO_CHUNK = 1 << 20  # bytes per read or write: small enough that a chunk just hashed is still in cache
@@ -201,25 +216,32 @@ class DiskTier(Tier):
     name = TierName.DISK
     persistent = True
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False, ops: FileOps = REAL,
+    ) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(
                 f"disk tier capacity is {capacity_bytes} bytes; pass a positive --disk-bytes"
             )
         self._root = Path(directory)
         self._root_str = os.fspath(self._root)  # paths are built as strings: pathlib costs microseconds a call
-        self._capacity = capacity_bytes
+        self._configured = capacity_bytes
+        self._limit = capacity_bytes  # the effective capacity: what the filesystem lets this tier hold
+        self._full = ""  # why the filesystem takes no more blocks now; "" while it does
         self._fsync = fsync
+        self._ops = ops
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # block name -> entry, LRU first
         self._used = 0
         self._reserved = 0  # bytes of puts in flight, so concurrent puts cannot overshoot capacity
+        self._doomed: dict[str, int] = {}  # deleted blocks whose unlink failed: name -> bytes, retried by upkeep
         self._clock_ns = 0  # last mtime stamp handed out; strictly increasing
         self.recovered_blocks = 0
         self.dropped_on_recovery = 0
         self._lock_fd = self._open_directory()
         try:
             self._recover()
+            self._bound_by_filesystem()
         except BaseException:
             self.close()
             raise
@@ -228,7 +250,12 @@ class DiskTier(Tier):
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The configured capacity: no block larger than this can ever be held.
+
+        What the tier can hold now, bounded by its filesystem, is
+        ``stats().capacity_bytes`` (see :meth:`_bound_by_filesystem`).
+        """
+        return self._configured
 
     @property
     def directory(self) -> Path:
@@ -249,8 +276,9 @@ class DiskTier(Tier):
         if entry is None:
             return None
         path = self._path(name)
+        ops = self._ops
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = ops.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self._forget(name, entry)
             return None
@@ -267,7 +295,7 @@ class DiskTier(Tier):
         except OSError as e:
             raise self._unavailable(path, e) from e
         finally:
-            os.close(fd)
+            ops.close(fd)
         if payload is not None:
             with self._lock:
                 if self._index.get(name) is entry:
@@ -287,7 +315,7 @@ class DiskTier(Tier):
         h = xxhash.xxh3_64()
         with memoryview(payload) as view:
             with view[:_IO_CHUNK] as chunk:
-                pos = os.readv(fd, [head, chunk]) - len(head)
+                pos = self._ops.readv(fd, [head, chunk]) - len(head)
             if pos < 0:
                 if self._replaced(name, entry):
                     return None
@@ -298,13 +326,13 @@ class DiskTier(Tier):
                 h.update(chunk)
             while pos < size:
                 with view[pos : pos + _IO_CHUNK] as chunk:
-                    n = os.readv(fd, [chunk])
+                    n = self._ops.readv(fd, [chunk])
                     with chunk[:n] as done:
                         h.update(done)
                 if n == 0:
                     break
                 pos += n
-        if pos != size or os.read(fd, 1):
+        if pos != size or self._ops.read(fd, 1):
             raise _BadPayload("file size disagrees with its header")
         if h.intdigest() != entry.meta.checksum:
             raise _BadPayload("payload checksum mismatch")
@@ -358,17 +386,23 @@ class DiskTier(Tier):
         header = encode_header(key, meta)
         (header_sum,) = _HEADER_SUM.unpack_from(header, len(header) - _HEADER_SUM.size)
         entry = _Entry(key, meta, len(header), header_sum)
-        if entry.disk_bytes > self._capacity:
+        if entry.disk_bytes > self._configured:
             raise BlockTooLarge(
-                f"{key} takes {entry.disk_bytes} bytes on disk; the disk tier holds only {self._capacity}"
+                f"{key} takes {entry.disk_bytes} bytes on disk; the disk tier holds only {self._configured}"
             )
         name = block_name(key)
         with self._lock:
             if self._lookup(name, key) is not None:
                 return False
-            if self._used + self._reserved + entry.disk_bytes > self._capacity:
+            if not self._fits_locked(entry.disk_bytes):
+                if self._limit < self._configured:
+                    raise TierFull(
+                        f"disk tier directory {self._root} holds {self._used} bytes and its filesystem has no room "
+                        f"for {entry.disk_bytes} more (--disk-bytes is {self._configured}): evict and retry, "
+                        "free space on that filesystem or lower --disk-bytes"
+                    )
                 raise TierFull(
-                    f"disk tier holds {self._used} of {self._capacity} bytes; "
+                    f"disk tier holds {self._used} of {self._configured} bytes; "
                     f"{key} needs {entry.disk_bytes} more: evict and retry"
                 )
             self._reserved += entry.disk_bytes
@@ -378,6 +412,17 @@ class DiskTier(Tier):
         finally:
             with self._lock:
                 self._reserved -= entry.disk_bytes
+
+    def _fits_locked(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit now; below the configured size, asks the filesystem again first."""
+        if self._used + self._reserved + size <= self._limit:
+            return True
+        if self._limit < self._configured:
+            try:
+                self._refresh_locked(self._ops.free_bytes(self._root_str))
+            except OSError as e:
+                log.warning("disk tier %s: cannot read its filesystem's free space: %s", self._root, e.strerror)
+        return self._used + self._reserved + size <= self._limit
 
     def delete(self, key: BlockKey) -> bool:
         name = block_name(key)
@@ -402,7 +447,79 @@ class DiskTier(Tier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(self.name, self._used, self._capacity, len(self._index))
+            return TierStats(self.name, self._used, self._limit, len(self._index), self._degraded_locked())
+
+    @property
+    def degraded(self) -> str:
+        """Why the tier cannot take the blocks it was configured for (its filesystem is full); "" when it can."""
+        with self._lock:
+            return self._degraded_locked()
+
+    def _degraded_locked(self) -> str:
+        if not self._full:
+            return ""
+        return (
+            f"the filesystem of {self._root} is full ({self._full}): the disk tier holds {self._used} of its "
+            f"{self._configured} bytes and takes more only as it evicts; free space there or lower --disk-bytes"
+        )
+
+    def upkeep(self) -> None:
+        """Ask the filesystem again how much it holds (space may have come back, or gone to another
+        writer), and retry the unlinks of deleted blocks that failed. The store calls this about
+        once a second; it is how a tier degraded by a full filesystem recovers."""
+        with self._lock:
+            doomed = list(self._doomed.items())
+        for name, size in doomed:
+            try:
+                self._ops.unlink(self._path(name))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("disk tier: still cannot remove deleted block file %s: %s", self._path(name), e.strerror)
+                continue
+            with self._lock:
+                if self._doomed.get(name) == size:
+                    del self._doomed[name]
+                    self._used -= size
+        try:
+            free = self._ops.free_bytes(self._root_str)
+        except OSError as e:
+            log.warning("disk tier %s: cannot read its filesystem's free space: %s", self._root, e.strerror)
+            return
+        with self._lock:
+            self._refresh_locked(free)
+
+    def _refresh_locked(self, free: int) -> None:
+        """Bound the capacity by what the filesystem holds: what the tier has plus the free space, never
+        more than configured and never less than what it holds (those blocks are safe where they are)."""
+        self._limit = min(self._configured, self._used + free)  # never below what it holds: those blocks stay
+        was = self._full
+        if free >= _LOW_SPACE_BYTES or self._limit >= self._configured:
+            self._full = ""
+        elif not self._full:
+            self._full = f"{free} bytes free"
+        if was and not self._full:
+            log.warning(
+                "disk tier %s: its filesystem has room again (%d bytes free); capacity %d of %d configured bytes",
+                self._root, free, self._limit, self._configured,
+                extra={"disk_dir": self._root_str, "free_bytes": free, "capacity_bytes": self._limit},
+            )
+        elif self._full and not was:
+            self._log_degraded_locked()
+
+    def _filled_locked(self, e: OSError, pending: int) -> None:
+        """A write found the filesystem full: the tier now holds what it has (and the puts still in flight)."""
+        self._limit = min(self._limit, max(self._used + self._reserved - pending, self._used))
+        was, self._full = self._full, e.strerror or "no space left on device"
+        if not was:
+            self._log_degraded_locked()
+
+    def _log_degraded_locked(self) -> None:
+        log.warning(
+            "disk tier degraded: %s; blocks stay in RAM while it has room",
+            self._degraded_locked(),
+            extra={"disk_dir": self._root_str, "capacity_bytes": self._limit, "configured_bytes": self._configured},
+        )
 
     def namespaces(self) -> set[str]:
         """Namespaces with at least one block here; the daemon re-registers them after a restart."""
@@ -412,39 +529,55 @@ class DiskTier(Tier):
     def close(self) -> None:
         """Release the directory lock. Blocks stay on disk for the next instance."""
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            self._ops.close(self._lock_fd)
             self._lock_fd = None
 
     # -- writing ---------------------------------------------------------------
 
     def _write(self, name: str, entry: _Entry, header: bytes, view: memoryview, stamp: int) -> bool:
+        """Write the block to a temp file and rename it into place; True once it is committed.
+
+        With ``fsync`` a block counts as on disk only once both the file and
+        its folder are synced. A failed fsync leaves the durability of what
+        it covered unknown (Linux may even drop the unwritten pages and
+        report the next fsync clean), so the block is not committed: before
+        the rename the temp file goes; after it, the file is unlinked and
+        the index forgets it, and the caller keeps its copy above.
+        """
         folder = self._folder(name)
+        ops = self._ops
         tmp = None
+        committed = False
         try:
-            tmp, fd = _create_temp(folder, name)
+            tmp, fd = self._create_temp(folder, name)
             try:
                 self._write_verified(fd, entry, header, view)
                 if self._fsync:
-                    os.fsync(fd)
-                os.utime(fd, ns=(stamp, stamp))
+                    ops.fsync(fd)
+                ops.utime(fd, ns=(stamp, stamp))
             finally:
-                os.close(fd)
+                ops.close(fd)
             with self._lock:
                 if self._lookup(name, entry.key) is not None:
                     return False  # a concurrent put of the same key committed first
-                os.replace(tmp, self._path(name))
+                ops.replace(tmp, self._path(name))
                 tmp = None
                 displaced = self._index.pop(name, None)  # a hash collision: the newer block wins
                 if displaced is not None:
                     self._used -= displaced.disk_bytes
+                self._used -= self._doomed.pop(name, 0)  # the rename replaced a deleted block's file
                 self._index[name] = entry
                 self._used += entry.disk_bytes
+                committed = True
             if self._fsync:
-                # Raises after the commit: the block is readable, only its durability is in doubt.
                 self._fsync_dir(folder)
             return True
         except OSError as e:
+            if committed:
+                self._uncommit(name, entry)
             if e.errno in _FULL_ERRNOS:
+                with self._lock:
+                    self._filled_locked(e, entry.disk_bytes)
                 raise DiskFull(
                     f"disk tier directory {self._root} is full ({e.strerror}) writing {entry.key}: "
                     "free space on that filesystem or lower --disk-bytes below its free space"
@@ -452,7 +585,13 @@ class DiskTier(Tier):
             raise self._unavailable(tmp or folder, e) from e
         finally:
             if tmp is not None:
-                _remove_quietly(tmp)
+                self._remove_quietly(tmp)
+
+    def _uncommit(self, name: str, entry: _Entry) -> None:
+        """Take back a renamed block whose folder fsync failed: it must not count as on disk."""
+        with self._lock:
+            if self._index.get(name) is entry:
+                self._unlink_locked(name, entry, quiet=True)
 
     def _write_verified(self, fd: int, entry: _Entry, header: bytes, view: memoryview) -> None:
         """Write header and payload to ``fd``, hashing each chunk right after it is written.
@@ -465,21 +604,73 @@ class DiskTier(Tier):
         """
         h = xxhash.xxh3_64()
         with view[:_IO_CHUNK] as chunk:
-            _write_all(fd, [header, chunk])
+            self._write_all(fd, [header, chunk])
             h.update(chunk)
         for pos in range(_IO_CHUNK, len(view), _IO_CHUNK):
             with view[pos : pos + _IO_CHUNK] as chunk:
-                _write_all(fd, [chunk])
+                self._write_all(fd, [chunk])
                 h.update(chunk)
         if h.intdigest() != entry.meta.checksum:
             raise CorruptBlock(f"{entry.key}: payload checksum does not match the metadata; nothing stored")
 
+    def _write_all(self, fd: int, parts: list[bytes | memoryview]) -> None:
+        """``writev`` until every byte is written: a write may stop short (a signal, a nearly full disk)."""
+        ops = self._ops
+        written = ops.writev(fd, parts)
+        for part in parts:
+            if written >= len(part):
+                written -= len(part)
+                continue
+            with memoryview(part) as rest:
+                while written < len(rest):
+                    with rest[written:] as tail:
+                        n = ops.write(fd, tail)
+                    if n == 0:
+                        raise OSError(errno.EIO, "write made no progress")
+                    written += n
+            written = 0
+
     def _fsync_dir(self, folder: str) -> None:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        fd = self._ops.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(fd)
+            self._ops.fsync(fd)
         finally:
-            os.close(fd)
+            self._ops.close(fd)
+
+    def _create_temp(self, folder: str, name: str) -> tuple[str, int]:
+        """Create a new, empty temp file for block ``name``; its path and an fd open for writing.
+
+        Names come from the pid and a counter, not from ``tempfile.mkstemp``'s
+        random names: cheaper, and just as unique, since the directory has one
+        owning process and each of its puts takes the next number. ``O_EXCL``
+        still refuses to reuse a name; a leftover under one moves to the next.
+        A fan-out folder that could not be made at start (a full filesystem)
+        is made here, on its first block.
+        """
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        for _ in range(_TEMP_ATTEMPTS):
+            tmp = f"{folder}/{name}.{os.getpid()}-{next(_temp_numbers)}.tmp"
+            try:
+                return tmp, self._ops.open(tmp, flags, 0o600)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:
+                self._ops.mkdir(folder)
+                return tmp, self._ops.open(tmp, flags, 0o600)
+        raise FileExistsError(errno.EEXIST, f"no free temp file name after {_TEMP_ATTEMPTS} tries", folder)
+
+    def _remove_quietly(self, path: str | Path) -> None:
+        """Remove a temp or dropped file while another error, or recovery, is under way.
+
+        A failure here must not hide the error being raised; the file is garbage
+        that the next recovery removes, so it is logged rather than raised.
+        """
+        try:
+            self._ops.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("disk tier: could not remove %s: %s", path, e.strerror)
 
     # -- index helpers (call the *_locked ones, and _lookup, with the lock held) --
 
@@ -487,16 +678,23 @@ class DiskTier(Tier):
         entry = self._index.get(name)
         return entry if entry is not None and entry.key == key else None
 
-    def _unlink_locked(self, name: str, entry: _Entry) -> None:
+    def _unlink_locked(self, name: str, entry: _Entry, quiet: bool = False) -> None:
+        """Remove a block: from the index at once, from the directory now or, when the unlink
+        fails, by :meth:`upkeep` later (its bytes count as used until then). Raises
+        TierUnavailable for a failed unlink unless ``quiet``."""
         del self._index[name]
-        self._used -= entry.disk_bytes
         path = self._path(name)
         try:
-            os.unlink(path)
+            self._ops.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise self._unavailable(path, e) from e
+            self._doomed[name] = self._doomed.get(name, 0) + entry.disk_bytes  # still used until upkeep removes it
+            if not quiet:
+                raise self._unavailable(path, e) from e
+            log.warning("disk tier: could not remove %s (%s); retrying later", path, e.strerror)
+            return
+        self._used -= entry.disk_bytes
 
     def _forget(self, name: str, entry: _Entry) -> None:
         """Drop an entry whose file vanished, if no one replaced it meanwhile."""
@@ -527,7 +725,7 @@ class DiskTier(Tier):
             stamp = self._next_stamp()
         path = self._path(name)
         try:
-            os.utime(path, ns=(stamp, stamp))
+            self._ops.utime(path, ns=(stamp, stamp))
         except FileNotFoundError:
             pass  # deleted meanwhile
         except OSError as e:
@@ -553,46 +751,75 @@ class DiskTier(Tier):
     # -- start-up ----------------------------------------------------------------
 
     def _open_directory(self) -> int:
+        ops = self._ops
         try:
-            self._root.mkdir(parents=True, exist_ok=True)
-            present = set(os.listdir(self._root))
+            _make_dirs(ops, self._root)
+            present = set(ops.listdir(self._root_str))
             for folder in _FOLDERS:
                 if folder not in present:
-                    (self._root / folder).mkdir(exist_ok=True)
+                    try:
+                        ops.mkdir(f"{self._root_str}/{folder}")
+                    except FileExistsError:
+                        pass
+                    except OSError as e:
+                        if e.errno not in _FULL_ERRNOS:
+                            raise
+                        # A full filesystem: the folder is made by the first put into it.
             # Read-only: flock needs no more, and a file open for writing would
             # keep the filesystem from being remounted read-only after errors.
-            fd = os.open(self._root / _LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
+            fd = ops.open(f"{self._root_str}/{_LOCK_FILE}", os.O_RDONLY | os.O_CREAT, 0o644)
         except OSError as e:
             raise TierUnavailable(
                 f"cannot use {self._root} as the disk tier directory: {os.strerror(e.errno or 0)}; "
                 "point --disk-dir at a writable directory"
             ) from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
+            ops.close(fd)
             raise TierUnavailable(
                 f"disk tier directory {self._root} is in use by another process; "
                 "stop it or give this one its own --disk-dir"
             ) from e
         return fd
 
+    def _bound_by_filesystem(self) -> None:
+        """At start: the capacity is at most what the tier holds plus the filesystem's free space."""
+        try:
+            free = self._ops.free_bytes(self._root_str)
+        except OSError as e:
+            log.warning("disk tier %s: cannot read its filesystem's free space: %s", self._root, e.strerror)
+            return
+        with self._lock:
+            self._refresh_locked(free)
+            if self._limit < self._configured:
+                log.warning(
+                    "disk tier %s: --disk-bytes is %d but its filesystem holds only %d more bytes beside the %d "
+                    "it has: the tier holds at most %d; lower --disk-bytes or free space there",
+                    self._root, self._configured, free, self._used, self._limit,
+                    extra={"disk_dir": self._root_str, "configured_bytes": self._configured,
+                           "capacity_bytes": self._limit, "free_bytes": free},
+                )
+
     def _recover(self) -> None:
         found: list[tuple[int, str, _Entry]] = []
-        for folder in map(self._root.joinpath, _FOLDERS):
+        for folder in _FOLDERS:
+            folder_path = f"{self._root_str}/{folder}"
             try:
-                with os.scandir(folder) as it:
+                with self._ops.scandir(folder_path) as it:
                     files = [(d.name, d.path) for d in it if d.is_file(follow_symlinks=False)]
+            except FileNotFoundError:
+                continue  # not made yet (the filesystem was full at the last start)
             except OSError as e:
-                raise self._unavailable(folder, e) from e
+                raise self._unavailable(folder_path, e) from e
             for fname, path in files:
                 if fname.endswith(".tmp"):
-                    _remove_quietly(path)  # an uncommitted write from a killed process
-                elif len(fname) == 32 and fname.startswith(folder.name):
+                    self._remove_quietly(path)  # an uncommitted write from a killed process
+                elif len(fname) == 32 and fname.startswith(folder):
                     item = self._recover_file(fname, path)
                     if item is None:
                         self.dropped_on_recovery += 1
-                        _remove_quietly(path)
+                        self._remove_quietly(path)
                     else:
                         found.append(item)
         found.sort(key=lambda item: (item[0], item[1]))
@@ -608,10 +835,14 @@ class DiskTier(Tier):
 
     def _recover_file(self, name: str, path: str) -> tuple[int, str, _Entry] | None:
         """The (mtime, name, entry) of a sound block file, or None when it must be dropped."""
+        ops = self._ops
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                header = read_header(f)
+            fd = ops.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                st = ops.fstat(fd)
+                header = read_header(_FdReader(ops, fd))
+            finally:
+                ops.close(fd)
         except BadHeader as e:
             log.warning("disk tier: dropping %s at recovery: %s", path, e)
             return None
@@ -621,6 +852,33 @@ class DiskTier(Tier):
             log.warning("disk tier: dropping %s at recovery: size or name disagrees with its header", path)
             return None
         return st.st_mtime_ns, name, _Entry(header.key, header.meta, header.length, header.checksum)
+
+
+class _FdReader:
+    """``read(n)`` on an fd through the tier's FileOps: what :func:`read_header` reads from."""
+
+    __slots__ = ("_ops", "_fd")
+
+    def __init__(self, ops: FileOps, fd: int) -> None:
+        self._ops, self._fd = ops, fd
+
+    def read(self, n: int) -> bytes:
+        return self._ops.read(self._fd, n)
+
+
+def _make_dirs(ops: FileOps, path: Path) -> None:
+    """``mkdir -p`` through ``ops``."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for p in reversed(missing):
+        try:
+            ops.mkdir(os.fspath(p))
+        except FileExistsError:
+            pass
 
 
 def _uninitialized(size: int) -> bytearray:
@@ -648,51 +906,3 @@ def _bytearray_constructor():
 
 
 _new_bytearray = _bytearray_constructor()
-
-
-def _create_temp(folder: str, name: str) -> tuple[str, int]:
-    """Create a new, empty temp file for block ``name``; its path and an fd open for writing.
-
-    Names come from the pid and a counter, not from ``tempfile.mkstemp``'s
-    random names: cheaper, and just as unique, since the directory has one
-    owning process and each of its puts takes the next number. ``O_EXCL``
-    still refuses to reuse a name; a leftover under one moves to the next.
-    """
-    for _ in range(_TEMP_ATTEMPTS):
-        tmp = f"{folder}/{name}.{os.getpid()}-{next(_temp_numbers)}.tmp"
-        try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, f"no free temp file name after {_TEMP_ATTEMPTS} tries", folder)
-
-
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    """``os.writev`` until every byte is written: a write may stop short (a signal, a nearly full disk)."""
-    written = os.writev(fd, parts)
-    for part in parts:
-        if written >= len(part):
-            written -= len(part)
-            continue
-        with memoryview(part) as rest:
-            while written < len(rest):
-                with rest[written:] as tail:
-                    n = os.write(fd, tail)
-                if n == 0:
-                    raise OSError(errno.EIO, "write made no progress")
-                written += n
-        written = 0
-
-
-def _remove_quietly(path: str | Path) -> None:
-    """Remove a temp or dropped file while another error, or recovery, is under way.
-
-    A failure here must not hide the error being raised; the file is garbage
-    that the next recovery removes, so it is logged rather than raised.
-    """
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("disk tier: could not remove %s: %s", path, e.strerror)

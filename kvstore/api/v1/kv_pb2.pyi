@@ -322,16 +322,18 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "used_bytes", "capacity_bytes", "blocks")
+    __slots__ = ("tier", "used_bytes", "capacity_bytes", "blocks", "degraded")
     TIER_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     used_bytes: int
     capacity_bytes: int
     blocks: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+    degraded: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., degraded: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "blocks", "pinned_blocks", "active_leases", "open_slots", "demotion_queue_depth", "namespaces", "node_id", "epoch")

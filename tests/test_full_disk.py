@@ -1,0 +1,181 @@
+"""A full filesystem under the disk tier, on a real small tmpfs (issue: hardening, a full disk).
+
+The daemon starts on a full filesystem and serves from RAM with the disk
+tier marked degraded (log, metric, health, Stats) and recovers when space
+comes back; the epoch still only grows; ``--disk-bytes`` larger than the
+filesystem is bounded by what it holds; a disk that fills never costs an
+acknowledged block: it stays in RAM, and a put that finds RAM full too is
+refused with a retry delay. Each test mounts its own tmpfs (tests run as
+root in CI) and is skipped, saying why, where mounting is not permitted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.client.sync import Client
+from kvstore.errors import TierFull
+from kvstore.node import NodeIdentity
+from kvstore.store import StoreLimits, TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.ram import HostRamTier
+from conftest import wait_until
+from store_blocks import MiB, Clock, value
+
+BLOCK = 64 << 10
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command: these tests need a small real filesystem to fill")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(path: Path) -> Path:
+    """Fill the filesystem holding ``path`` to the last byte; returns the filler file."""
+    filler = path / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def put(store, i: int, ns: str = "m") -> None:
+    data = value(i, BLOCK)
+    store.put(BlockKey(ns, b"k%d" % i), data, BlockMeta(len(data), checksum(data)))
+
+
+def health(target: str, service: str):
+    with grpc.insecure_channel(target) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_the_daemon_starts_on_a_full_disk_serves_from_ram_and_recovers_when_space_comes_back(
+    make_daemon, tmp_path, caplog
+):
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
+        NodeIdentity.start("n", mnt)  # an earlier run left its epoch, then the disk filled up
+        before = NodeIdentity.start("n", mnt).epoch
+        filler = fill(mnt)
+        caplog.set_level(logging.WARNING)
+        daemon = make_daemon(disk_dir=str(mnt))
+        assert daemon.node.epoch > before, "the epoch grew although the disk is full"
+        assert not (mnt / "epoch.tmp").exists(), "no temp file left behind"
+        c = Client(daemon.target)
+        c.put("m", b"k", value(1, BLOCK))
+        assert c.get("m", b"k") == value(1, BLOCK), "served from RAM"
+        disk = c.stats().tiers["disk"]
+        assert str(mnt) in disk["degraded"] and "free space" in disk["degraded"]
+        assert health(daemon.target, "strata.tier.disk") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health(daemon.target, "") == health_pb2.HealthCheckResponse.SERVING
+        assert daemon.metrics.registry.get_sample_value("strata_tier_degraded", {"tier": "disk"}) == 1
+        assert any("disk tier degraded" in r.getMessage() and str(mnt) in r.getMessage() for r in caplog.records)
+
+        filler.unlink()  # space comes back: the periodic check finds it
+        wait_until(lambda: health(daemon.target, "strata.tier.disk") == health_pb2.HealthCheckResponse.SERVING,
+                   what="the disk tier to recover")
+        assert c.stats().tiers["disk"]["degraded"] == ""
+        assert daemon.metrics.registry.get_sample_value("strata_tier_degraded", {"tier": "disk"}) == 0
+        assert NodeIdentity.start("n", mnt).epoch > daemon.node.epoch
+        c.close()
+
+
+def test_an_epoch_that_cannot_be_written_at_all_is_the_clock_and_written_once_there_is_room(tmp_path):
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        filler = fill(mnt)  # a first start on a full disk: no epoch file to rewrite in place
+        node = NodeIdentity.start("n", mnt)
+        assert not node.persisted and node.epoch > 10**12, "the clock in milliseconds"
+        assert not list(mnt.glob("epoch*")), "nothing half-written left"
+        filler.unlink()
+        assert node.persist(mnt)
+        assert NodeIdentity.start("n", mnt).epoch > node.epoch
+
+
+def test_disk_bytes_larger_than_the_filesystem_is_bounded_by_it(tmp_path, caplog):
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
+        caplog.set_level(logging.WARNING)
+        tier = DiskTier(mnt / "blocks", 64 * MiB)
+        try:
+            stats = tier.stats()
+            assert stats.capacity_bytes <= 2 * MiB < tier.capacity_bytes
+            assert stats.degraded == ""
+            [warning] = [r.getMessage() for r in caplog.records if "--disk-bytes" in r.getMessage()]
+            assert str(64 * MiB) in warning and str(stats.capacity_bytes) in warning
+        finally:
+            tier.close()
+
+
+def _store(tmp_path: Path, mnt: Path, ram_blocks: int, **limits) -> TieredStore:
+    limits.setdefault("max_block_bytes", BLOCK)
+    limits.setdefault("demotion_threads", 0)
+    tiers = [HostRamTier(ram_blocks * BLOCK, shm_dir=str(tmp_path), arena_name="full"), DiskTier(mnt / "blocks", 64 * MiB)]
+    return TieredStore(tiers, limits=StoreLimits.from_settings(**limits), clock=Clock())
+
+
+def test_a_disk_that_fills_drops_no_block_while_ram_has_room(tmp_path):
+    """300 acknowledged blocks, RAM room for all of them, headroom demotion pushing them down,
+    and a 2 MiB disk that fills: every one of them is kept."""
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
+        store = _store(tmp_path, mnt, 320, high_watermark=0.5, low_watermark=0.4)
+        try:
+            for i in range(300):
+                put(store, i)
+                store.flush_demotions()
+            lost = [i for i in range(300) if not store.exists("m", [b"k%d" % i])]
+            assert lost == [], f"{len(lost)} of 300 acknowledged blocks were dropped"
+            disk = store.tier_stats()[1]
+            assert disk.blocks > 0 and disk.degraded, "the disk filled"
+            assert store.metrics.demotions.labels("failed")._value.get() == 0
+            for i in range(300):
+                assert store.get(BlockKey("m", b"k%d" % i))[0] == value(i, BLOCK)
+        finally:
+            store.close()
+
+
+def test_with_the_disk_full_and_ram_full_a_put_is_refused_not_accepted_and_dropped(tmp_path):
+    """The filesystem under the disk tier is full (another writer's file) and RAM fills: puts beyond
+    RAM get RESOURCE_EXHAUSTED with a retry delay; no acknowledged block is ever dropped."""
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
+        (mnt / "blocks").mkdir()
+        fill(mnt)
+        store = _store(tmp_path, mnt, 64)
+        try:
+            acked, refused = [], []
+            for i in range(100):
+                try:
+                    put(store, i)
+                except TierFull as err:
+                    assert err.retry_after_s > 0 and "full" in str(err)
+                    refused.append(i)
+                else:
+                    acked.append(i)
+            assert refused, "RAM and disk are both full: some puts must be refused"
+            lost = [i for i in acked if not store.exists("m", [b"k%d" % i])]
+            assert lost == [], f"{len(lost)} acknowledged blocks were dropped"
+            assert store.metrics.drops._value.get() == 0
+        finally:
+            store.close()
