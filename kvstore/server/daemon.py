@@ -38,6 +38,7 @@ from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.budget import ByteBudget
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
+from kvstore.server.watchdog import StreamWatchdog
 from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
 from kvstore.store.events import EventBus
 from kvstore.tiers import open_tier
@@ -65,6 +66,7 @@ class Daemon:
         self._lock_fd: int | None = None
         self._server: grpc.Server | None = None
         self._same_host: SameHostServer | None = None
+        self._watchdog: StreamWatchdog | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -85,6 +87,8 @@ class Daemon:
                 self._server.stop(0)
             if self._same_host is not None:
                 self._same_host.stop()
+            if self._watchdog is not None:
+                self._watchdog.stop()
             if self.index_agent is not None and self.store is not None:
                 self.index_agent.stop(1.0)
             if self.store is not None:
@@ -143,9 +147,11 @@ class Daemon:
             ("grpc.max_send_message_length", s.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        self._watchdog = StreamWatchdog(s.server.stream_idle_seconds, self.metrics).start()
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
-            interceptors=[AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)],
+            # Admission first: a refused call is never watched.
+            interceptors=[AdmissionInterceptor(s.server.admitted_rpcs, self.metrics), self._watchdog],
             options=options,
         )
         arena = self.store.head.arena
@@ -252,6 +258,8 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._same_host is not None:
             self._same_host.stop()
         if self.kv_events is not None:
