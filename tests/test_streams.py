@@ -198,3 +198,161 @@ def test_a_put_the_client_cancels_is_not_an_internal_error(make_daemon, caplog):
     codes = {s.labels["code"] for s in families["strata_rpc_errors"].samples if s.name.endswith("_total")}
     assert codes == {"CANCELLED"}
     assert "failed unexpectedly" not in caplog.text
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {name: int(fields[name].split()[0]) for name in ("RssAnon", "RssFile", "RssShmem")}
+
+
+def test_slow_streams_write_their_chunks_into_the_arena_not_into_buffers(daemon_process):
+    """Chunks land in their final place as they arrive: streams that each declared a big block
+    and sent most of it hold those bytes in the arena only; the daemon's private memory stays
+    flat instead of holding a buffer per stream."""
+    n, size, chunk = 6, 16 * MiB, 256 << 10
+    sent = size - MiB
+    proc = daemon_process("--ram-bytes", "256MiB", "--max-block-bytes", "16MiB", "--put-budget-bytes", "96MiB",
+                          "--stream-idle-seconds", "120")
+    with Client(proc.target, use_shm=False) as kv:
+        kv.put("m", b"warm", value(1, 64 << 10))
+    pid = proc.proc.pid
+    before = _memory_kib(pid)
+    release = threading.Event()
+
+    def most_then_stall(i: int):
+        data = value(i, size)
+        yield pb.PutRequest(namespace="m", header=pb.BlockHeader(key=b"slow-%d" % i, size=size, checksum=checksum(data)))
+        for off in range(0, sent, chunk):
+            yield pb.PutRequest(chunk=data[off : off + chunk])
+            time.sleep(0.005)  # slowly: what gRPC's own flow-control windows hold stays small
+        release.wait(120)
+
+    with grpc.insecure_channel(proc.target) as channel:
+        stub = kv_pb2_grpc.KVServiceStub(channel)
+        calls = [stub.Put.future(most_then_stall(i), timeout=120) for i in range(n)]
+        try:
+            def grown() -> dict[str, int]:
+                now = _memory_kib(pid)
+                return {k: (now[k] - before[k]) << 10 for k in now}
+
+            wait_until(lambda: sum(grown().values()) >= 0.9 * n * sent, timeout=60,
+                       what="the daemon to receive most of every stream's bytes")
+            growth = grown()
+            assert growth["RssAnon"] < n * sent // 4, growth  # before: a buffer per stream, all n * sent of it
+            assert growth["RssFile"] + growth["RssShmem"] >= 0.8 * n * sent, growth  # the arena's pages
+        finally:
+            release.set()
+            for call in calls:
+                call.cancel()
+
+
+# ---- the store's writer: chunks straight into the head ------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path):
+    from kvstore.store import StoreLimits, TieredStore
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.ram import HostRamTier
+    from store_blocks import Clock
+
+    tiers = [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="w"), DiskTier(tmp_path / "disk", 32 * MiB)]
+    s = TieredStore(tiers, limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=Clock())
+    yield s
+    s.close()
+
+
+def _meta(data: bytes, parent: bytes | None = None):
+    from kvstore.block import BlockMeta
+
+    return BlockMeta(len(data), checksum(data), parent, "")
+
+
+def _write_all(writer, data: bytes, step: int = 100_000) -> None:
+    for off in range(0, len(data), step):
+        writer.write(data[off : off + step])
+
+
+def test_a_streamed_block_is_written_in_place_and_committed(store):
+    from kvstore.block import BlockKey, TierName
+
+    data = value(1, MiB + 123)
+    used = store.head.stats().used_bytes
+    writer = store.open_write(BlockKey("m", b"k"), _meta(data))
+    assert writer.in_place and not writer.present
+    assert store.head.stats().used_bytes > used  # its extent is taken at the header
+    _write_all(writer, data)
+    assert writer.commit(None) == (True, TierName.HOST)
+    writer.abort()  # after a commit: nothing to give back
+    assert store.get(BlockKey("m", b"k"))[0] == data
+
+
+def test_an_aborted_or_mismatched_streamed_block_gives_its_extent_back_and_stores_nothing(store):
+    from kvstore.block import BlockKey, BlockMeta
+    from kvstore.errors import CorruptBlock, InvalidArgument
+
+    store.put(BlockKey("m", b"seed"), value(0, 4096), _meta(value(0, 4096)))
+    used = store.head.stats().used_bytes
+    data = value(2, MiB)
+    half = store.open_write(BlockKey("m", b"half"), _meta(data))
+    half.write(data[: len(data) // 2])
+    with pytest.raises(InvalidArgument, match="after 524288 of its 1048576 bytes"):
+        half.commit(None)
+    half.abort()
+    wrong = store.open_write(BlockKey("m", b"wrong"), BlockMeta(len(data), checksum(data) ^ 1))
+    _write_all(wrong, data)
+    with pytest.raises(CorruptBlock, match="nothing was stored"):
+        wrong.commit(None)
+    wrong.abort()
+    over = store.open_write(BlockKey("m", b"over"), _meta(data))
+    with pytest.raises(InvalidArgument, match="declared 1048576 bytes"):
+        over.write(data + b"x")
+    over.abort()
+    assert store.head.stats().used_bytes == used
+    assert store.exists("m", [b"half"]) == store.exists("m", [b"wrong"]) == store.exists("m", [b"over"]) == []
+
+
+def test_a_streamed_block_already_stored_is_dropped_as_it_arrives(store):
+    from kvstore.block import BlockKey, TierName
+
+    data = value(3, MiB)
+    store.put(BlockKey("m", b"k"), data, _meta(data))
+    used = store.head.stats().used_bytes
+    writer = store.open_write(BlockKey("m", b"k"), _meta(data))
+    assert writer.present and not writer.in_place
+    _write_all(writer, data)
+    assert store.head.stats().used_bytes == used
+    assert writer.commit(None) == (False, TierName.HOST)
+
+
+def test_a_streamed_block_finds_no_room_at_once_then_is_buffered_and_stored_at_commit(store):
+    """The head full of pinned blocks at the header: the writer buffers instead of waiting there,
+    and its commit is an ordinary put, which finds room once the pins end."""
+    from kvstore.block import BlockKey, TierName
+
+    keys = [b"p%d" % i for i in range(4)]
+    for i, k in enumerate(keys):
+        store.put(BlockKey("m", k), value(10 + i, MiB - 4096), _meta(value(10 + i, MiB - 4096)))
+    lease, _ = store.pin("m", keys)
+    data = value(4, MiB)
+    writer = store.open_write(BlockKey("m", b"late"), _meta(data))
+    assert not writer.in_place and not writer.present
+    _write_all(writer, data)
+    store.unpin(lease.id)
+    assert writer.commit(None)[0] is True
+    assert store.get(BlockKey("m", b"late"))[0] == data
+    assert all(store.get(BlockKey("m", k)) is not None for k in keys)  # demoted, not lost
+    assert TierName.DISK in {t for k in keys for t in store.exists("m", [k])}
+
+
+def test_a_streamed_blocks_parent_is_pinned_while_it_is_written(store):
+    from kvstore.block import BlockKey
+
+    parent = value(5, 4096)
+    store.put(BlockKey("m", b"parent"), parent, _meta(parent))
+    child = value(6, 8192)
+    writer = store.open_write(BlockKey("m", b"child"), _meta(child, parent=b"parent"))
+    assert store.stats().pinned_blocks == 1
+    writer.abort()
+    assert store.stats().pinned_blocks == 0

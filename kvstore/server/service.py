@@ -14,6 +14,7 @@ from kvstore.errors import BlockTooLarge, InvalidArgument
 from kvstore.node import NodeIdentity
 from kvstore.server.budget import ByteBudget
 from kvstore.store.tiered import TieredStore
+from kvstore.store.writer import BlockWriter
 from kvstore.shm.arena import ShmArena
 
 
@@ -50,33 +51,28 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     # ---- streamed bytes ---------------------------------------------------
 
     def Put(self, request_iterator: Iterator[pb.PutRequest], context) -> pb.PutResponse:
-        held = [0]  # bytes of the put budget this stream holds: its current block's buffer
+        """Each block's chunks go straight into its place in the arena as they arrive (kvstore.store.writer)."""
+        held = [0, None]  # what the stream holds: bytes of the put budget, and its current block's writer
         try:
             return self._put(request_iterator, context, held)
         finally:
+            if held[1] is not None:
+                held[1].abort()  # a broken, cancelled or idle stream: nothing of its block is stored
             self._put_budget.give(held[0])
 
-    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: list[int]) -> pb.PutResponse:
+    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: list) -> pb.PutResponse:
         results = []
         namespace = ""
-        header: pb.BlockHeader | None = None
-        buf: bytearray | None = None
-        filled = 0
+        writer: BlockWriter | None = None
         limit = self._store.limits.max_block_bytes
 
         def finish() -> None:
-            nonlocal header, buf
-            if header is None:
+            nonlocal writer
+            if writer is None:
                 return
-            if filled != header.size:
-                raise InvalidArgument(
-                    f"stream ended a block after {filled} of its {header.size} bytes; nothing of it was stored: send it again"
-                )
-            key = BlockKey.checked(namespace, header.key)
-            meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
-            stored, tier = self._store.put(key, buf, meta, _deadline(context))
-            results.append(pb.PutResult(key=header.key, stored=stored, tier=int(tier)))
-            header, buf = None, None
+            stored, tier = writer.commit(_deadline(context))
+            results.append(pb.PutResult(key=writer.key.key, stored=stored, tier=int(tier)))
+            writer = held[1] = None
             self._put_budget.give(held[0])
             held[0] = 0
 
@@ -88,27 +84,24 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                 finish()  # the previous block, if any; raises if it is incomplete
                 if not namespace:
                     raise InvalidArgument("the first Put message must carry the namespace")
-                if msg.header.size > limit:
+                header = msg.header
+                if header.size > limit:
                     raise BlockTooLarge(
-                        f"block is {msg.header.size} bytes; this daemon's limit is {limit} "
+                        f"block is {header.size} bytes; this daemon's limit is {limit} "
                         "(--max-block-bytes): split the value into smaller blocks"
                     )
-                header = msg.header
-                BlockKey.checked(namespace, header.key)
-                self._put_budget.take(header.size)  # before the buffer exists: bytes are promised only within budget
+                key = BlockKey.checked(namespace, header.key)
+                meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
+                self._put_budget.take(header.size)  # before any room is taken: bytes are promised only within budget
                 held[0] = header.size
-                buf = bytearray(header.size)
-                filled = 0
+                writer = held[1] = self._store.open_write(key, meta)
+                if writer.present:  # its bytes will be dropped: nothing is held for them
+                    self._put_budget.give(held[0])
+                    held[0] = 0
             elif part == "chunk":
-                if header is None:
+                if writer is None:
                     raise InvalidArgument("a Put chunk arrived before any block header")
-                end = filled + len(msg.chunk)
-                if end > header.size:
-                    raise InvalidArgument(
-                        f"block declared {header.size} bytes but at least {end} were sent; nothing of it was stored"
-                    )
-                buf[filled:end] = msg.chunk
-                filled = end
+                writer.write(msg.chunk)
             else:
                 raise InvalidArgument("a Put message carried neither a header nor a chunk")
         finish()
