@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -35,6 +36,21 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
     return pb.BlockHeader(key=key, size=meta.size, checksum=meta.checksum, parent_key=meta.parent or b"", layout=meta.layout)
 
 
+@dataclass(slots=True)
+class _Held:
+    """What a Put stream holds for its current block: bytes of the put budget, and the block's writer."""
+
+    budget: int = 0
+    writer: BlockWriter | None = None
+
+    def give_back(self, budget: ByteBudget) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+        budget.give(self.budget)
+        self.budget = 0
+
+
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: TieredStore, arena: ShmArena, node: NodeIdentity, chunk_bytes: int,
                  control_socket: str = "", removed: Callable[[], None] | None = None,
@@ -52,29 +68,25 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Put(self, request_iterator: Iterator[pb.PutRequest], context) -> pb.PutResponse:
         """Each block's chunks go straight into its place in the arena as they arrive (kvstore.store.writer)."""
-        held = [0, None]  # what the stream holds: bytes of the put budget, and its current block's writer
+        held = _Held()
         try:
             return self._put(request_iterator, context, held)
         finally:
-            if held[1] is not None:
-                held[1].abort()  # a broken, cancelled or idle stream: nothing of its block is stored
-            self._put_budget.give(held[0])
+            held.give_back(self._put_budget)  # a broken, cancelled or idle stream: nothing of its block is stored
 
-    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: list) -> pb.PutResponse:
+    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: _Held) -> pb.PutResponse:
         results = []
         namespace = ""
-        writer: BlockWriter | None = None
         limit = self._store.limits.max_block_bytes
 
         def finish() -> None:
-            nonlocal writer
+            writer = held.writer
             if writer is None:
                 return
             stored, tier = writer.commit(_deadline(context))
             results.append(pb.PutResult(key=writer.key.key, stored=stored, tier=int(tier)))
-            writer = held[1] = None
-            self._put_budget.give(held[0])
-            held[0] = 0
+            held.writer = None
+            held.give_back(self._put_budget)
 
         for msg in request_iterator:
             if msg.namespace:
@@ -93,15 +105,15 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                 key = BlockKey.checked(namespace, header.key)
                 meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
                 self._put_budget.take(header.size)  # before any room is taken: bytes are promised only within budget
-                held[0] = header.size
-                writer = held[1] = self._store.open_write(key, meta)
-                if writer.present:  # its bytes will be dropped: nothing is held for them
-                    self._put_budget.give(held[0])
-                    held[0] = 0
+                held.budget = header.size
+                held.writer = self._store.open_write(key, meta)
+                if held.writer.present:  # its bytes will be dropped: nothing is held for them
+                    self._put_budget.give(held.budget)
+                    held.budget = 0
             elif part == "chunk":
-                if writer is None:
+                if held.writer is None:
                     raise InvalidArgument("a Put chunk arrived before any block header")
-                writer.write(msg.chunk)
+                held.writer.write(msg.chunk)
             else:
                 raise InvalidArgument("a Put message carried neither a header nor a chunk")
         finish()
