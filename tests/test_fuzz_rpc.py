@@ -24,15 +24,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvstore import Client
-from kvstore.api.v1 import index_pb2, kv_pb2
+from kvstore import BlockPut, Client
+from kvstore.api.v1 import index_pb2, kv_pb2, kv_pb2_grpc
 from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
+from kvstore.block import checksum
 from store_blocks import MiB, value
 
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "25"))
 RAW_EXAMPLES = max(5, EXAMPLES // 3)
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+# Derandomized under the default (CI) profile; HYPOTHESIS_PROFILE=explore draws fresh examples.
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=settings.default.derandomize,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 RAW = settings(FUZZ, max_examples=RAW_EXAMPLES)
 
@@ -101,8 +103,21 @@ def _scalar(field) -> st.SearchStrategy:
     raise AssertionError(f"no strategy for field {field.full_name} of type {t}")
 
 
+# Fields whose random values would almost always be refused at the first check: drawn half the
+# time from values the daemon knows, so the fuzz also reaches what lies behind that check.
+_NAMES = st.sampled_from(["m", "m", "fuzz"])
+_KNOWN_KEYS = st.sampled_from(KEYS)
+_FAVOURED = {
+    "namespace": _NAMES, "key": _KNOWN_KEYS, "keys": _KNOWN_KEYS, "parent_key": _KNOWN_KEYS,
+    "prefix": st.sampled_from([b"", b"a"]), "hash_seed": st.just("0"), "block_size": st.sampled_from([1, 4, 16]),
+    "token_ids": st.integers(0, 1 << 17), "candidates": st.just("node-x"),
+}
+
+
 def _field(field, depth: int) -> st.SearchStrategy:
     one = messages(field.message_type, depth + 1) if field.type == F.TYPE_MESSAGE else _scalar(field)
+    if field.name in _FAVOURED and field.type != F.TYPE_MESSAGE:
+        one = st.one_of(_FAVOURED[field.name], one)
     if not field.is_repeated:
         return one
     return st.one_of(st.lists(one, max_size=6), st.just(_many(field)))  # short, or past a batch limit
@@ -152,10 +167,33 @@ def _nested_class(descriptor):
     return getattr(outer, descriptor.name)
 
 
+def _put_streams() -> st.SearchStrategy:
+    """Put streams shaped like a client's (a header, then chunks), with fuzzed fields; when
+    ``consistent`` the header's size (and checksum) match the chunks, so blocks are also stored."""
+
+    def build(namespace, header, chunks, consistent):
+        if consistent:  # the size the chunks make; and their checksum, or one a bit off
+            header.size = sum(len(c) for c in chunks)
+            header.checksum = checksum(b"".join(chunks)) ^ (consistent == "size")
+        return [kv_pb2.PutRequest(namespace=namespace, header=header), *(kv_pb2.PutRequest(chunk=c) for c in chunks)]
+
+    u64 = _integers(0, (1 << 64) - 1)
+    header = st.builds(
+        kv_pb2.BlockHeader, key=st.one_of(_KNOWN_KEYS, st.binary(min_size=1, max_size=40), _BYTES), size=u64,
+        checksum=u64, parent_key=st.one_of(st.just(b""), _KNOWN_KEYS, _BYTES), layout=st.one_of(st.just(""), _STRINGS),
+    )
+    block = st.builds(build, st.one_of(_NAMES, _NAMES, _STRINGS), header,
+                      st.lists(st.binary(min_size=1, max_size=3000), min_size=1, max_size=4),
+                      st.sampled_from(["", "size", "size+checksum", "size+checksum"]))
+    return st.lists(block, min_size=1, max_size=3).map(lambda blocks: [m for b in blocks for m in b])
+
+
 def requests(method) -> st.SearchStrategy:
     one = messages(method.input_type)
     if not method.client_streaming:
         return one
+    if method.input_type is kv_pb2.PutRequest.DESCRIPTOR:
+        return st.one_of(st.lists(one, max_size=8), _put_streams(), _put_streams())
     return st.lists(one, max_size=8)
 
 
@@ -233,3 +271,38 @@ def test_raw_bytes_in_place_of_a_request_get_a_meaningful_status(fuzzed, service
 
     run()
     _kept_unchanged(fuzzed)
+
+
+# ---- what the fuzz found, as explicit cases ------------------------------------------------------
+
+_BATCHED = [(svc, m, f) for svc, m in METHODS if not m.client_streaming
+            for f in m.input_type.fields if f.is_repeated]
+
+
+@pytest.mark.parametrize(("service", "method", "field"), _BATCHED, ids=[f"{m.name}.{f.name}" for _, m, f in _BATCHED])
+def test_every_repeated_field_past_the_batch_limit_is_refused(fuzzed, service, method, field):
+    """Abort and Release used to take any number of ids, under the store lock, where every other
+    batch is refused past --max-batch-blocks."""
+    request = CLASSES[method.input_type.full_name]()
+    getattr(request, field.name).extend(_many(field))
+    if method.input_type.fields_by_name.get("namespace"):
+        request.namespace = "m"
+    with pytest.raises(grpc.RpcError) as info:
+        _call(fuzzed[0], service, method, request, raw=False)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+def test_answers_bigger_than_a_chunk_are_sent(fuzzed):
+    """Answers that echo a batch of long keys with their layouts (Lookup, a List page) used to fail
+    with RESOURCE_EXHAUSTED 'Sent message larger than max': the daemon capped its replies at the
+    size of a request, though the requests were within every limit."""
+    channel, target = fuzzed
+    keys = [b"%04d" % i + b"k" * 1000 for i in range(1000)]  # a request of them fits a message ...
+    with Client(target, use_shm=False) as kv:  # ... their answer, with 1000-character layouts, does not
+        kv.put_many("long", [BlockPut(k, b"v", layout="L" * 1000) for k in keys])
+    stub = kv_pb2_grpc.KVServiceStub(channel)
+    found = stub.Lookup(kv_pb2.LookupRequest(namespace="long", keys=keys), timeout=30)
+    stub.Release(kv_pb2.ReleaseRequest(lease_ids=[b.lease_id for b in found.blocks]), timeout=30)
+    assert all(b.found for b in found.blocks)
+    page = stub.List(kv_pb2.ListRequest(namespace="long", page_size=2000), timeout=30)
+    assert [b.block.key for b in page.blocks] == keys

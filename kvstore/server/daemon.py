@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 # operator graphs.
 disable_created_metrics()
 
+# What Strata's clients accept (kvstore.transport.grpc_blocks.CHANNEL_OPTIONS): a batch of
+# max_batch_blocks keys with their parents and layouts, or a List page, fits with room to spare.
+MAX_REPLY_BYTES = 64 << 20
+
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
 INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_name
 
@@ -144,7 +148,9 @@ class Daemon:
             self.index_agent.run(self.kv_events.start(), timeout=10)
         options = [
             ("grpc.max_receive_message_length", s.server.max_message_bytes),
-            ("grpc.max_send_message_length", s.server.max_message_bytes),
+            # A reply is bounded by the request limits (a batch of keys echoed back, a List page),
+            # not by the chunk size: a 1 MiB cap failed valid Lookup, Pin and List answers.
+            ("grpc.max_send_message_length", MAX_REPLY_BYTES),
             ("grpc.so_reuseport", 0),
         ]
         self._watchdog = StreamWatchdog(s.server.stream_idle_seconds, self.metrics).start()

@@ -350,6 +350,8 @@ class TieredStore(StorePart):
 
     def release(self, lease_ids: Iterable[int], owner: str = "") -> list[bool]:
         """End read leases; per lease, whether it was still valid (the bytes read were stable)."""
+        lease_ids = list(lease_ids)
+        self.check_batch(lease_ids)
         out = []
         with self._s.locked():
             self._s.expire_locked()
