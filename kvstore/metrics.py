@@ -53,6 +53,10 @@ class StoreMetrics:
             "strata_rpc_rejected_total", "RPCs refused before any work (overload, deadline too short)", ["reason"], registry=r
         )
         self.rpc_errors = Counter("strata_rpc_errors_total", "RPCs that ended with an error status", ["op", "code"], registry=r)
+        self.idle_streams = Counter(
+            "strata_rpc_idle_streams_ended_total",
+            "Streams ended because their client sent or read nothing for --stream-idle-seconds", ["op"], registry=r,
+        )
         self.store_events = Counter(
             "strata_store_events_total",
             "Store events, by kind (stored, moved, evicted, removed, changed) and the tier each is about "

@@ -49,6 +49,10 @@ class ServerSettings(Section):
         "memory streamed puts in flight may hold at once (each holds its block's declared size from its "
         "header on); beyond it RESOURCE_EXHAUSTED with a retry delay. At least max_block_bytes",
     )
+    stream_idle_seconds: float = setting(
+        30.0, "end a streamed Put whose client sends nothing, or a Get whose client reads nothing, for this "
+        "long (DEADLINE_EXCEEDED); what the stream held is given back and nothing partial is stored", gt=0, le=3600
+    )
     grace_seconds: float = setting(10.0, "on SIGTERM, time given to in-flight RPCs", ge=0, le=3600)
 
     @field_validator("chunk_bytes")

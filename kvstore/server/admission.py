@@ -96,6 +96,9 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
             except Exception as err:
                 if _is_abort(err, context):
                     raise
+                if _client_gone(err, context):
+                    self._metrics.rpc_errors.labels(op, "CANCELLED").inc()
+                    raise
                 self._abort(context, op, err)
             finally:
                 self._done(op, start)
@@ -110,6 +113,9 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
                 yield from behavior(_checked(request, op), context)
             except Exception as err:
                 if _is_abort(err, context):
+                    raise
+                if _client_gone(err, context):
+                    self._metrics.rpc_errors.labels(op, "CANCELLED").inc()
                     raise
                 self._abort(context, op, err)
             finally:
@@ -155,6 +161,12 @@ def _checked_stream(requests, op: str):
         if isinstance(request, _Undecodable):
             raise _refuse(op, request)
         yield request
+
+
+def _client_gone(err: Exception, context: grpc.ServicerContext) -> bool:
+    """True for the error a request stream raises once its call was cancelled (by the client, or
+    ended by the stream watchdog): the client has gone, no status can reach it, nothing failed here."""
+    return isinstance(err, grpc.RpcError) and not context.is_active()
 
 
 def _is_abort(err: Exception, context: grpc.ServicerContext) -> bool:

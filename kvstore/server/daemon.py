@@ -45,6 +45,7 @@ from kvstore.server.budget import ByteBudget
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.server.stores import open_stores
+from kvstore.server.watchdog import StreamWatchdog
 from kvstore.store.events import EventBus
 from kvstore.store.group import StoreGroup
 
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 # The *_created series double every counter's output and carry nothing an
 # operator graphs.
 disable_created_metrics()
+
+# What Strata's clients accept (kvstore.transport.grpc_blocks.CHANNEL_OPTIONS): a batch of
+# max_batch_blocks keys with their parents and layouts, or a List page, fits with room to spare.
+MAX_REPLY_BYTES = 64 << 20
 
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
 INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_name
@@ -74,6 +79,7 @@ class Daemon:
         self._server: grpc.Server | None = None
         self._same_host: SameHostServer | None = None  # the default arena's
         self._same_hosts: dict[str, SameHostServer] = {}  # every arena's, by arena name
+        self._watchdog: StreamWatchdog | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
         self._stopped = threading.Event()
@@ -98,6 +104,8 @@ class Daemon:
                 self._metrics_server.shutdown()
             for same_host in self._same_hosts.values():
                 same_host.stop()
+            if self._watchdog is not None:
+                self._watchdog.stop()
             if self.index_agent is not None and self.store is not None:
                 self.index_agent.stop(1.0)
             if self.store is not None:
@@ -136,12 +144,16 @@ class Daemon:
             self.index_agent.run(self.kv_events.start(), timeout=10)
         options = [
             ("grpc.max_receive_message_length", s.server.max_message_bytes),
-            ("grpc.max_send_message_length", s.server.max_message_bytes),
+            # A reply is bounded by the request limits (a batch of keys echoed back, a List page),
+            # not by the chunk size: a 1 MiB cap failed valid Lookup, Pin and List answers.
+            ("grpc.max_send_message_length", MAX_REPLY_BYTES),
             ("grpc.so_reuseport", 0),
         ]
+        self._watchdog = StreamWatchdog(s.server.stream_idle_seconds, self.metrics).start()
         interceptors = [AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)]
         if self.authority.required:  # inside admission: its refusals become statuses there
             interceptors.append(AuthInterceptor(self.authority))
+        interceptors.append(self._watchdog)  # last: a call admission or auth refused is never watched
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
             interceptors=interceptors,
@@ -326,6 +338,8 @@ class Daemon:
         self._watch_stop.set()
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         for same_host in self._same_hosts.values():
             same_host.stop()
         if self.kv_events is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import grpc
 
@@ -16,6 +17,7 @@ from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, 
 from kvstore.node import NodeIdentity
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreArena, StoreGroup
+from kvstore.store.writer import BlockWriter
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -35,6 +37,21 @@ def _header(key: bytes, meta: BlockMeta) -> pb.BlockHeader:
     return pb.BlockHeader(key=key, size=meta.size, checksum=meta.checksum, parent_key=meta.parent or b"", layout=meta.layout)
 
 
+@dataclass(slots=True)
+class _Held:
+    """What a Put stream holds for its current block: bytes of the put budget, and the block's writer."""
+
+    budget: int = 0
+    writer: BlockWriter | None = None
+
+    def give_back(self, budget: ByteBudget) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+        budget.give(self.budget)
+        self.budget = 0
+
+
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: StoreGroup, node: NodeIdentity, chunk_bytes: int,
                  control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
@@ -51,35 +68,26 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     # ---- streamed bytes ---------------------------------------------------
 
     def Put(self, request_iterator: Iterator[pb.PutRequest], context) -> pb.PutResponse:
-        held = [0]  # bytes of the put budget this stream holds: its current block's buffer
+        """Each block's chunks go straight into its place in the arena as they arrive (kvstore.store.writer)."""
+        held = _Held()
         try:
             return self._put(request_iterator, context, held)
         finally:
-            self._put_budget.give(held[0])
+            held.give_back(self._put_budget)  # a broken, cancelled or idle stream: nothing of its block is stored
 
-    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: list[int]) -> pb.PutResponse:
+    def _put(self, request_iterator: Iterator[pb.PutRequest], context, held: _Held) -> pb.PutResponse:
         results = []
         namespace = ""
-        header: pb.BlockHeader | None = None
-        buf: bytearray | None = None
-        filled = 0
         limit = self._store.limits.max_block_bytes
 
         def finish() -> None:
-            nonlocal header, buf
-            if header is None:
+            writer = held.writer
+            if writer is None:
                 return
-            if filled != header.size:
-                raise InvalidArgument(
-                    f"stream ended a block after {filled} of its {header.size} bytes; nothing of it was stored: send it again"
-                )
-            key = BlockKey.checked(namespace, header.key)
-            meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
-            stored, tier = self._store.put(key, buf, meta, _deadline(context))
-            results.append(pb.PutResult(key=header.key, stored=stored, tier=int(tier)))
-            header, buf = None, None
-            self._put_budget.give(held[0])
-            held[0] = 0
+            stored, tier = writer.commit(_deadline(context))
+            results.append(pb.PutResult(key=writer.key.key, stored=stored, tier=int(tier)))
+            held.writer = None
+            held.give_back(self._put_budget)
 
         for msg in request_iterator:
             if msg.namespace:
@@ -89,27 +97,24 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                 finish()  # the previous block, if any; raises if it is incomplete
                 if not namespace:
                     raise InvalidArgument("the first Put message must carry the namespace")
-                if msg.header.size > limit:
+                header = msg.header
+                if header.size > limit:
                     raise BlockTooLarge(
-                        f"block is {msg.header.size} bytes; this daemon's limit is {limit} "
+                        f"block is {header.size} bytes; this daemon's limit is {limit} "
                         "(--max-block-bytes): split the value into smaller blocks"
                     )
-                header = msg.header
-                BlockKey.checked(namespace, header.key)
-                self._put_budget.take(header.size)  # before the buffer exists: bytes are promised only within budget
-                held[0] = header.size
-                buf = bytearray(header.size)
-                filled = 0
+                key = BlockKey.checked(namespace, header.key)
+                meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
+                self._put_budget.take(header.size)  # before any room is taken: bytes are promised only within budget
+                held.budget = header.size
+                held.writer = self._store.open_write(key, meta)
+                if held.writer.present:  # its bytes will be dropped: nothing is held for them
+                    self._put_budget.give(held.budget)
+                    held.budget = 0
             elif part == "chunk":
-                if header is None:
+                if held.writer is None:
                     raise InvalidArgument("a Put chunk arrived before any block header")
-                end = filled + len(msg.chunk)
-                if end > header.size:
-                    raise InvalidArgument(
-                        f"block declared {header.size} bytes but at least {end} were sent; nothing of it was stored"
-                    )
-                buf[filled:end] = msg.chunk
-                filled = end
+                held.writer.write(msg.chunk)
             else:
                 raise InvalidArgument("a Put message carried neither a header nor a chunk")
         finish()

@@ -171,6 +171,10 @@ class StoreGroup:
     def put(self, key: BlockKey, data, meta: BlockMeta, deadline: float | None = None) -> tuple[bool, TierName]:
         return self.store_for(key.namespace).put(key, data, meta, deadline)
 
+    def open_write(self, key: BlockKey, meta: BlockMeta):
+        """A streamed block's writer, into its namespace's arena (see :meth:`TieredStore.open_write`)."""
+        return self.store_for(key.namespace).open_write(key, meta)
+
     def get(self, key: BlockKey):
         return self.store_for(key.namespace).get(key)
 
@@ -192,6 +196,8 @@ class StoreGroup:
         return store.commit(items, owner)
 
     def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
+        slot_ids = list(slot_ids)
+        self.check_batch(slot_ids)  # the whole request, before it is split by arena
         for store, ids in self._split(slot_ids).items():
             if store is not None:  # unknown ids are already given back, as in one store
                 store.abort(ids, owner)
@@ -202,6 +208,7 @@ class StoreGroup:
 
     def release(self, lease_ids: Iterable[int], owner: str = "") -> list[bool]:
         lease_ids = list(lease_ids)
+        self.check_batch(lease_ids)  # the whole request, before it is split by arena
         valid = dict.fromkeys(lease_ids, False)
         for store, ids in self._split(lease_ids).items():
             if store is not None:

@@ -132,6 +132,8 @@ class SlotProtocol(StorePart):
         return done
 
     def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
+        slot_ids = list(slot_ids)
+        self._s.checks.check_batch(slot_ids)
         with self._s.locked():
             now = self._clock()
             for slot_id in slot_ids:

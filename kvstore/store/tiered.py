@@ -12,7 +12,8 @@ Policy lives here; the tiers only hold bytes. The store composes its parts:
 - :mod:`~kvstore.store.recovery`: what persistent tiers kept from the last run;
 - :mod:`~kvstore.store.leases`: pins, reads in place, arena slots, and any kind
   a component defines; :mod:`~kvstore.store.slots`: the slot protocol of
-  same-host writers; :mod:`~kvstore.store.checks`: every input limit;
+  same-host writers; :mod:`~kvstore.store.writer`: streamed blocks written in
+  place as they arrive; :mod:`~kvstore.store.checks`: every input limit;
 - :mod:`~kvstore.store.state`: the facts all parts decide on, under one lock,
   and the bookkeeping on them; :mod:`~kvstore.store.placement` (room in the
   head, adoption, promotion), :mod:`~kvstore.store.reads` (reads down the
@@ -86,6 +87,7 @@ from kvstore.store.recovery import recover
 from kvstore.store.events import Removed
 from kvstore.store.slots import SlotGrant, SlotProtocol
 from kvstore.store.state import EventSink, StorePart, StoreState
+from kvstore.store.writer import BlockWriter, StreamedWrites
 from kvstore.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,7 @@ class TieredStore(StorePart):
         self._place = HeadPlacement(state, self._demoter)
         self._reader = ChainReader(state, self._place)
         self._slots = SlotProtocol(state, self._place)
+        self._writes = StreamedWrites(state, self._place, self.put)
         self._copies.fit_capacity()
         self._was_degraded: dict = {lvl.name: bool(lvl.tier.stats().degraded) for lvl in chain}
         if watch_tiers:
@@ -233,6 +236,11 @@ class TieredStore(StorePart):
                 f"({got:#018x} != {meta.checksum:#018x}); nothing was stored: send it again"
             )
         return self._place.adopt(key, offset, meta, verify=False)
+
+    def open_write(self, key: BlockKey, meta: BlockMeta) -> BlockWriter:
+        """A writer that puts a streamed block's chunks straight into the head as they arrive
+        (see :mod:`kvstore.store.writer`); commit or abort it."""
+        return self._writes.open(key, meta)
 
     def get(self, key: BlockKey) -> tuple[bytes, BlockMeta, TierName] | None:
         """A verified copy of the block, or None on a miss. Hits below the head are promoted."""
@@ -349,6 +357,8 @@ class TieredStore(StorePart):
 
     def release(self, lease_ids: Iterable[int], owner: str = "") -> list[bool]:
         """End read leases; per lease, whether it was still valid (the bytes read were stable)."""
+        lease_ids = list(lease_ids)
+        self.check_batch(lease_ids)
         out = []
         with self._s.locked():
             self._s.expire_locked()
