@@ -10,6 +10,7 @@ from kvstore.config.arenas import MAX_ARENAS, ArenaSettings, parse_arenas, plan_
 from kvstore.config.auth import AuthSettings
 from kvstore.config.index import IndexSettings
 from kvstore.config.log import LoggingSettings
+from kvstore.config.peers import PeerSettings
 from kvstore.config.section import Section, setting
 from kvstore.config.server import NodeSettings, ServerSettings
 from kvstore.config.store import DEFAULT_MAX_BLOCK_BYTES, StoreSettings
@@ -31,6 +32,7 @@ class Settings(Section):
     tiers: TierSettings = setting(default_factory=TierSettings)
     store: StoreSettings = setting(default_factory=StoreSettings)
     index: IndexSettings = setting(default_factory=IndexSettings)
+    peers: PeerSettings = setting(default_factory=PeerSettings)
     auth: AuthSettings = setting(default_factory=AuthSettings)
     logging: LoggingSettings = setting(default_factory=LoggingSettings)
     arenas: Annotated[list[ArenaSettings], Field(max_length=MAX_ARENAS)] = setting(
