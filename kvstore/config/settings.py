@@ -72,6 +72,14 @@ class Settings(Section):
                 f"({block.human_readable()}): a block that large could never be streamed in; raise "
                 "--put-budget-bytes or lower --max-block-bytes"
             )
+        peers = self.peers
+        if peers.listen and not block <= peers.connection_in_flight_bytes <= peers.in_flight_bytes:
+            raise ValueError(
+                f"the peer limits must grow from max_block_bytes ({block.human_readable()}) to "
+                f"peer_connection_in_flight_bytes ({peers.connection_in_flight_bytes.human_readable()}) to "
+                f"peer_in_flight_bytes ({peers.in_flight_bytes.human_readable()}): a block larger than either "
+                "could never be sent; raise --peer-connection-in-flight-bytes and --peer-in-flight-bytes"
+            )
         if block > ram and len(plan) > 1:
             raise ValueError(
                 f"max_block_bytes ({block.human_readable()}) is larger than the RAM of arena {smallest['name']!r} "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import select
 import socket
 import threading
 import time
@@ -110,6 +111,14 @@ class _Connection:
     def close(self) -> None:
         self.broken = True
         self.sock.close()
+
+    def stale(self) -> bool:
+        """Whether the idle socket became readable: the peer closed it (or broke the protocol)."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
     def bound(self, deadline: Deadline) -> None:
         """Keep the next waits within what is left of ``deadline`` (raises when nothing is left)."""
@@ -213,8 +222,12 @@ class TcpPeerClient:
             if self._closed:
                 raise TierUnavailable("the peer transport is closed")
             idle = self._idle.get(address)
-            if idle:
+            while idle:
                 conn = idle.pop()
+                if conn.stale():  # the peer closed it while idle (its idle timeout, a restart)
+                    self._open -= 1
+                    conn.close()
+                    continue
                 self._in_use.add(conn)
                 return conn
             if self._open >= self._max_connections:
