@@ -6,11 +6,12 @@ client does) and streams it to the socket straight out of the mapping, a
 chunk at a time, hashing each chunk just before it goes; the lease is given
 back as soon as the block is sent. A block the store could not bring into
 RAM (the head is full of pinned blocks) goes out of the store's verified
-copy (:meth:`get`). When the bytes sent turn out not to match the block's
-checksum while the lease held, the RAM copy is corrupt: the peer's own
-check rejects what it got, and the store drops the copy (reading it through
-:meth:`get`, which verifies and drops), so the next read finds a sound copy
-or a miss. A write reserves arena slots for the blocks (Allocate), receives
+copy (:meth:`get`). The reader verifies every block it receives; the
+sender does not hash what it sends (that pass cost as much as the copy
+into the socket). A reader whose bytes failed their checksum sends CHECK
+for those keys: the store reads each through its verifying path, which
+drops a corrupt copy, so the next read finds a sound copy or a miss (bytes
+corrupted in transit leave the holder's sound copy where it is). A write reserves arena slots for the blocks (Allocate), receives
 their bytes straight into the slots and commits each with the writer's
 checksum, which the store verifies.
 
@@ -54,7 +55,7 @@ import time
 
 from kvstore.auth import READ, WRITE, Authority
 from kvstore.auth.identity import Caller, Identity
-from kvstore.block import BlockKey, BlockMeta, Checksummer, validate_namespace
+from kvstore.block import BlockKey, validate_namespace
 from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, StrataError, UnknownNamespace
 from kvstore.metrics import StoreMetrics
 from kvstore.peer import wire
@@ -253,7 +254,7 @@ class PeerServer:
         return Caller(identity, f"peer:{identity.principal}:{host}:{port}:{next(self._ids)}")
 
     def _loop(self, conn: socket.socket, link: wire.Wire, caller: Caller) -> None:
-        ops = {wire.READ: self._read, wire.PUT: self._put}
+        ops = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify}
         while True:
             try:
                 meta, payload = link.read_meta()
@@ -352,29 +353,15 @@ class PeerServer:
             self._budget.give(meta.size)
 
     def _send_leased(self, conn, caller: Caller, rid: int, head: list, loc) -> None:
+        """The block straight out of the arena under its read lease; the lease ends once it is sent."""
         meta = loc.meta
-        arena = self._store.arena_of(loc.key.namespace).shm
-        hasher = Checksummer()
-        view = arena.view(loc.offset, meta.size)
-        released = False
+        view = self._store.arena_of(loc.key.namespace).shm.view(loc.offset, meta.size)
         try:
-            wire.send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view, hasher)
+            wire.send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view)
             self.bytes_sent += meta.size
-            view.release()
-            [held] = self._store.release([loc.lease_id], caller.owner)
-            released = True
         finally:
-            if not released:
-                view.release()
-                self._store.release([loc.lease_id], caller.owner)
-        if held and hasher.value() != meta.checksum:
-            # The bytes were stable (the lease held) and wrong: the RAM copy is corrupt. Reading it
-            # through the store verifies it and drops it; the peer's own check rejected what it got.
-            log.warning("block %s failed its checksum in RAM while being sent to a peer; dropping it", loc.key)
-            try:
-                self._store.get(loc.key)
-            except StrataError:
-                pass  # CorruptBlock: no sound copy was left, and it is gone now
+            view.release()
+            self._store.release([loc.lease_id], caller.owner)
 
     def _send_copy(self, conn, rid: int, head: list, loc) -> None:
         found = self._store.get(loc.key)  # verified
@@ -387,6 +374,27 @@ class PeerServer:
         self.bytes_sent += meta.size
 
     # ---- PUT ----------------------------------------------------------------------
+
+    # ---- CHECK ----------------------------------------------------------------------
+
+    def _verify(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
+        """A reader got bytes that failed their checksum: read each block through the store, which
+        verifies it and drops a corrupt copy, so the next read finds a sound copy or a miss."""
+        namespace, keys = _fields(args, 2, "Check")
+        namespace = self._check(caller.identity, namespace, READ)
+        keys = _list(keys, "keys")
+        self._store.check_batch(keys)
+        sound = []
+        for key in keys:
+            try:
+                found = self._store.get(BlockKey.checked(namespace, key))
+            except StrataError:  # CorruptBlock: no sound copy was left, and it is gone now
+                found = None
+            if found is None:
+                log.warning("block %s/%s failed its checksum here after a peer read; dropped", namespace,
+                            bytes(key).hex()[:16])
+            sound.append(found is not None)
+        self._reply(conn, rid, wire.OK, sound)
 
     def _put(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
         namespace, timeout_ms, blocks = _fields(args, 3, "Put")

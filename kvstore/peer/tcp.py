@@ -32,7 +32,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.block import BlockMeta, Checksummer, TierName, validate_namespace
@@ -353,6 +353,9 @@ class TcpPeerClient:
         if any(g is None for g in out):
             conn.close()
             raise TierUnavailable(f"peer {conn.address} ended a read without answering every key")
+        corrupt = [keys[i] for i, g in enumerate(out) if isinstance(g.result.error, CorruptBlock)]
+        if corrupt and not conn.broken:
+            self._report_corrupt(conn, namespace, corrupt)
         with self._lock:
             c = self.counts
             c["reads"] += 1
@@ -364,6 +367,16 @@ class TcpPeerClient:
                 c["corrupt"] += isinstance(g.result.error, CorruptBlock)
                 c["errors"] += st is ReadStatus.FAILED
         return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _report_corrupt(conn: _Connection, namespace: str, keys: list[bytes]) -> None:
+        """Ask the holder to verify its copies of blocks that arrived corrupt (it drops bad ones).
+        Best effort: the blocks were failed already, and a copy the holder keeps is checked again
+        by the next reader."""
+        try:
+            conn.reply(conn.send(wire.CHECK, [namespace, keys]))
+        except (_Broken, StrataError):
+            conn.close()
 
     def _block(self, conn: _Connection, i: int, meta: BlockMeta, tier: TierName, place: Place | None,
                deadline: Deadline) -> Got:

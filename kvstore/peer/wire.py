@@ -24,6 +24,8 @@ Requests ``[op, request_id, args]`` and their replies ``[request_id, status, res
            -> OK [present per block]   (slots are reserved for the others)
            DATA  [] + the bytes of the blocks not present, in order
            -> OK [[stored, tier] or [None, error] per block sent]
+    CHECK  [namespace, keys]   (after a read whose bytes failed their checksum)
+           -> OK [sound per key]: the holder verified its copy, and dropped it if corrupt
 
 A reply of request id 0 is a refusal of the connection (too many of them,
 a bad Hello, a frame over the limits); the stream cannot go on after it.
@@ -39,7 +41,7 @@ from kvstore.block import Checksummer
 from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError, encode, error_result, raise_error, send
 
 __all__ = [
-    "BLOCK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "MAX_META_BYTES", "MISS", "OK", "OP_NAMES",
+    "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "MAX_META_BYTES", "MISS", "OK", "OP_NAMES",
     "PROTOCOL_VERSION", "PUT", "READ", "FrameError", "Wire", "encode", "error_result", "raise_error", "send",
 ]
 
@@ -48,12 +50,12 @@ PROTOCOL_VERSION = 1
 # Reply statuses.
 OK, ERROR, BLOCK, MISS, FAILED = 0, 1, 2, 3, 4
 # Request operations.
-HELLO, READ, PUT, DATA = 1, 2, 3, 4
-OP_NAMES = {HELLO: "PeerHello", READ: "PeerRead", PUT: "PeerPut", DATA: "PeerData"}
+HELLO, READ, PUT, DATA, CHECK = 1, 2, 3, 4, 5
+OP_NAMES = {HELLO: "PeerHello", READ: "PeerRead", PUT: "PeerPut", DATA: "PeerData", CHECK: "PeerCheck"}
 
 # Bytes moved per system call and hashed per step: large enough that Python's
 # per-call cost vanishes, small enough to still be in cache when hashed.
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 256 << 10
 _BUFFER_BYTES = 64 << 10
 
 
