@@ -32,9 +32,9 @@ class Settings(Section):
     tiers: TierSettings = setting(default_factory=TierSettings)
     store: StoreSettings = setting(default_factory=StoreSettings)
     index: IndexSettings = setting(default_factory=IndexSettings)
-    peers: PeerSettings = setting(default_factory=PeerSettings)
     auth: AuthSettings = setting(default_factory=AuthSettings)
     logging: LoggingSettings = setting(default_factory=LoggingSettings)
+    peers: PeerSettings = setting(default_factory=PeerSettings)
     arenas: Annotated[list[ArenaSettings], Field(max_length=MAX_ARENAS)] = setting(
         default_factory=list,
         description="an isolated arena NAME:NS1,NS2:RAM[:DISK] (repeat per arena; ';' between arenas in the "
