@@ -215,6 +215,7 @@ def test_a_forbidden_namespace_reads_the_same_whether_or_not_it_exists(authed_pe
 def test_one_connection_too_many_is_overloaded_with_a_retry_delay(make_daemon):
     d = make_daemon(peer_listen="127.0.0.1:0", peer_max_connections=1)
     put(d, "m", {b"x": b"v"})  # that client closed again
+    wait_until(lambda: d.peer_server.connections == 0, what="the writer's connection to end")
     address = d.peer_addresses()["tcp"]
     first, second = TcpPeerClient(), TcpPeerClient()
     try:
@@ -297,6 +298,7 @@ def test_bytes_in_flight_over_every_connection_are_bounded(make_daemon):
 def test_an_idle_connection_is_closed_and_the_pool_does_not_reuse_it(make_daemon):
     d = make_daemon(peer_listen="127.0.0.1:0", peer_idle_seconds=0.2)
     put(d, "m", {b"x": b"v"})
+    wait_until(lambda: d.peer_server.connections == 0, what="the writer's connection to end")
     sock = raw_hello(d.peer_server.port)
     sock.settimeout(30)
     assert sock.recv(1) == b""  # the daemon closed it
