@@ -1,7 +1,8 @@
 """The transport contract (kvstore/transport/base.py), one suite over every transport.
 
 Each transport talks to the same real daemon: in-process through its store,
-the others through its gRPC port, its arena and its same-host socket.
+the others through its gRPC port, its arena, its same-host socket and its
+peer data plane (peer-tcp, over its --peer-listen TCP port).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvstore.transport.base import BlockInfo, Transport
 from conftest import wait_until
 
 MiB = 1 << 20
-NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio"]
+NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio", "peer-tcp"]
 
 
 def blob(seed: int, size: int) -> bytes:
@@ -38,7 +39,7 @@ def name(request):
 
 @pytest.fixture
 def daemon(make_daemon):
-    return make_daemon(auto_create_namespaces=True, namespaces="m")
+    return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0")
 
 
 class OnItsLoop(Transport):
@@ -110,6 +111,8 @@ class OnItsLoop(Transport):
 def transport(daemon, name):
     if name == "same-host-asyncio":
         t = OnItsLoop(daemon)
+    elif name == "peer-tcp":
+        t = open_transport(name, target=daemon.peer_addresses()["tcp"])
     else:
         t = open_transport(name, **({"store": daemon.store} if name == "in-process" else {"target": daemon.target}))
     assert t.name == name

@@ -39,11 +39,12 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
-def refusal(listen: str, authenticated: bool, insecure: bool) -> str | None:
-    """Why the daemon must not listen on ``listen`` as configured; None when it may."""
+def refusal(listen: str, authenticated: bool, insecure: bool, flag: str = "--listen") -> str | None:
+    """Why the daemon must not listen on ``listen`` (given by ``flag``) as configured; None when it may."""
     if authenticated or insecure or listen.startswith("unix:"):
         return None
     host, _ = split_host(listen)
     if is_loopback(host):
         return None
-    return f"protected mode: --listen {listen} is not a loopback address and no authentication is configured: {FIX}"
+    fix = FIX if flag == "--listen" else FIX.replace("--listen 127.0.0.1:PORT", f"{flag} 127.0.0.1:PORT")
+    return f"protected mode: {flag} {listen} is not a loopback address and no authentication is configured: {fix}"

@@ -10,6 +10,7 @@ from kvstore.config.arenas import MAX_ARENAS, ArenaSettings, parse_arenas, plan_
 from kvstore.config.auth import AuthSettings
 from kvstore.config.index import IndexSettings
 from kvstore.config.log import LoggingSettings
+from kvstore.config.peers import PeerSettings
 from kvstore.config.section import Section, setting
 from kvstore.config.server import NodeSettings, ServerSettings
 from kvstore.config.store import DEFAULT_MAX_BLOCK_BYTES, StoreSettings
@@ -33,6 +34,7 @@ class Settings(Section):
     index: IndexSettings = setting(default_factory=IndexSettings)
     auth: AuthSettings = setting(default_factory=AuthSettings)
     logging: LoggingSettings = setting(default_factory=LoggingSettings)
+    peers: PeerSettings = setting(default_factory=PeerSettings)
     arenas: Annotated[list[ArenaSettings], Field(max_length=MAX_ARENAS)] = setting(
         default_factory=list,
         description="an isolated arena NAME:NS1,NS2:RAM[:DISK] (repeat per arena; ';' between arenas in the "
@@ -69,6 +71,14 @@ class Settings(Section):
                 f"put_budget_bytes ({self.server.put_budget_bytes.human_readable()}) is smaller than max_block_bytes "
                 f"({block.human_readable()}): a block that large could never be streamed in; raise "
                 "--put-budget-bytes or lower --max-block-bytes"
+            )
+        peers = self.peers
+        if peers.listen and not block <= peers.connection_in_flight_bytes <= peers.in_flight_bytes:
+            raise ValueError(
+                f"the peer limits must grow from max_block_bytes ({block.human_readable()}) to "
+                f"peer_connection_in_flight_bytes ({peers.connection_in_flight_bytes.human_readable()}) to "
+                f"peer_in_flight_bytes ({peers.in_flight_bytes.human_readable()}): a block larger than either "
+                "could never be sent; raise --peer-connection-in-flight-bytes and --peer-in-flight-bytes"
             )
         if block > ram and len(plan) > 1:
             raise ValueError(

@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
@@ -40,6 +41,8 @@ from kvstore.server.index_service import IndexServicer
 from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
+from kvstore.peer.base import PeerAddress
+from kvstore.peer.server import PeerServer
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.budget import ByteBudget
 from kvstore.server.samehost import SameHostServer
@@ -79,6 +82,7 @@ class Daemon:
         self._server: grpc.Server | None = None
         self._same_host: SameHostServer | None = None  # the default arena's
         self._same_hosts: dict[str, SameHostServer] = {}  # every arena's, by arena name
+        self.peer_server: PeerServer | None = None  # the peer data plane (--peer-listen)
         self._watchdog: StreamWatchdog | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
@@ -104,6 +108,8 @@ class Daemon:
                 self._metrics_server.shutdown()
             for same_host in self._same_hosts.values():
                 same_host.stop()
+            if self.peer_server is not None:
+                self.peer_server.stop()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if self.index_agent is not None and self.store is not None:
@@ -179,6 +185,20 @@ class Daemon:
                         "set --same-host-socket to a writable path, or 'off'"
                     ) from None
             self._same_host = self._same_hosts[self.store.default.name]
+        if s.peers.listen:
+            self.peer_server = PeerServer(
+                self.store, s.peers.listen, authority=self.authority, metrics=self.metrics,
+                max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
+                in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+            )
+            try:
+                self.peer_server.start()
+            except (OSError, ValueError) as err:
+                self.peer_server = None
+                raise DaemonError(
+                    f"cannot serve the peer data plane on {s.peers.listen} ({err}): pick a free address with "
+                    "--peer-listen, or leave it empty to turn it off"
+                ) from None
         self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
@@ -249,17 +269,38 @@ class Daemon:
                 "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
                 "ram_bytes": int(s.tiers.ram.bytes), "disk_bytes": int(s.tiers.disk.bytes), "disk_dir": str(state_dir),
                 "arena": self.store.head.arena.path, "recovered_blocks": stats.blocks,
-                "arenas": [a.name for a in self.store.arenas],
+                "arenas": [a.name for a in self.store.arenas], "peer_addresses": self.peer_addresses(),
             },
         )
         return self
+
+    def peer_addresses(self) -> dict[str, str]:
+        """The peer data plane's addresses by transport scheme (``{"tcp": "tcp://host:port"}``), as
+        other daemons reach them: what this node's index record advertises. Empty when no peer
+        listener is configured (--peer-listen)."""
+        if self.peer_server is None or self.peer_server.port is None:
+            return {}
+        p = self.settings.peers
+        host, port = split_host(p.advertise or p.listen)
+        if p.advertise:
+            port = int(port)
+        else:
+            port = self.peer_server.port  # the one bound (a listen port of 0 picks one)
+            if host in ("", "0.0.0.0", "::"):
+                host = socket.gethostname()
+        return {"tcp": str(PeerAddress("tcp", host, port))}
 
     def _authority(self) -> Authority:
         """Who may call, and protected mode: refuse to expose an unauthenticated daemon beyond loopback."""
         a = self.settings.auth
         why = refusal(self.settings.server.listen, a.authenticated, a.insecure)
+        if why is None and self.settings.peers.listen:
+            why = refusal(self.settings.peers.listen, a.authenticated, a.insecure, flag="--peer-listen")
         if why is not None:
             raise DaemonError(why)
+        if a.authenticated and a.tls_client_ca and not a.file and self.settings.peers.listen:
+            log.warning("the peer listener authenticates bearer tokens only; with mTLS and no --auth-file "
+                        "no peer can authenticate there: add an --auth-file with a token for the peers")
         if not a.authenticated and refusal(self.settings.server.listen, False, False) is not None:
             log.warning(
                 "--insecure: serving %s without authentication; any client that reaches it may read and "
@@ -342,6 +383,8 @@ class Daemon:
             self._watchdog.stop()
         for same_host in self._same_hosts.values():
             same_host.stop()
+        if self.peer_server is not None:
+            self.peer_server.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

@@ -7,7 +7,9 @@ suite over all of them (``tests/test_transport_contract.py``):
 - ``in-process``: calls a :class:`~kvstore.store.tiered.TieredStore` in this process;
 - ``grpc``: Put/Get streams over gRPC, any host;
 - ``grpc-arena``: the daemon's shared arena, control as gRPC calls;
-- ``same-host``: the daemon's shared arena, control over its Unix socket.
+- ``same-host``: the daemon's shared arena, control over its Unix socket;
+- ``peer-tcp``: the daemon's peer data plane (``--peer-listen``), the TCP
+  transport daemons read each other's blocks with (:mod:`kvstore.peer`).
 
 A new transport is one module and one entry in :data:`TRANSPORTS`.
 """
@@ -44,6 +46,12 @@ def _same_host(*, target: str, **options) -> Transport:
     return connect_attached(target, "same-host", **options)
 
 
+def _peer_tcp(*, target: str, **options) -> Transport:
+    from kvstore.transport.peer_tcp import connect
+
+    return connect(target, **options)
+
+
 # Name → constructor (keyword arguments: ``store`` for in-process, ``target``
 # for the others); a new transport registers here.
 TRANSPORTS: dict[str, Callable[..., Transport]] = {
@@ -51,6 +59,7 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
     "grpc": _grpc,
     "grpc-arena": _grpc_arena,
     "same-host": _same_host,
+    "peer-tcp": _peer_tcp,
 }
 
 

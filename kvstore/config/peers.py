@@ -1,0 +1,40 @@
+"""Settings of the peer data plane: ``[peers]``, the TCP listener other daemons read blocks from."""
+
+from __future__ import annotations
+
+from pydantic import ByteSize, field_validator
+
+from kvstore.config.section import Section, setting
+
+
+class PeerSettings(Section):
+    flag_prefix = "peer_"
+    title = "the peer data plane: the TCP listener other daemons read blocks from and write blocks to"
+
+    listen: str = setting(
+        "", "peer data-plane address, host:port (e.g. 0.0.0.0:50061); beyond loopback it needs authentication "
+        "or --insecure, as --listen does (protected mode); empty: off"
+    )
+    advertise: str = setting(
+        "", "the address other daemons reach the peer listener at, host:port (default: the listen address, "
+        "with this node's hostname in place of a wildcard host)"
+    )
+    max_connections: int = setting(64, "peer connections at once; one more is refused with a retry delay", ge=1, le=4096)
+    idle_seconds: float = setting(
+        120.0, "close a peer connection that sends nothing, or stops reading its reply, for this long", gt=0, le=86400
+    )
+    in_flight_bytes: ByteSize = setting(
+        ByteSize(1 << 30), "block bytes every peer connection together may have in flight (being sent or received) "
+        "at once; beyond it the request is refused with RESOURCE_EXHAUSTED and a retry delay",
+    )
+    connection_in_flight_bytes: ByteSize = setting(
+        ByteSize(512 << 20), "block bytes one peer request may carry (a read's blocks, a write's); a larger "
+        "request is refused: split the batch",
+    )
+
+    @field_validator("listen", "advertise")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value and (":" not in value or not value.rpartition(":")[2].isdigit()):
+            raise ValueError(f"{value!r} is not host:port (e.g. 0.0.0.0:50061)")
+        return value

@@ -1,0 +1,458 @@
+"""The daemon's peer data plane: a TCP listener other daemons read blocks from and write blocks to.
+
+The protocol is :mod:`kvstore.peer.wire`. A read leases each block in place
+in its arena (:meth:`~kvstore.store.group.StoreGroup.lookup`, as a same-host
+client does) and streams it to the socket straight out of the mapping, a
+chunk at a time, hashing each chunk just before it goes; the lease is given
+back as soon as the block is sent. A block the store could not bring into
+RAM (the head is full of pinned blocks) goes out of the store's verified
+copy (:meth:`get`). The reader verifies every block it receives; the
+sender does not hash what it sends (that pass cost as much as the copy
+into the socket). A reader whose bytes failed their checksum sends CHECK
+for those keys: the store reads each through its verifying path, which
+drops a corrupt copy, so the next read finds a sound copy or a miss (bytes
+corrupted in transit leave the holder's sound copy where it is). A write reserves arena slots for the blocks (Allocate), receives
+their bytes straight into the slots and commits each with the writer's
+checksum, which the store verifies.
+
+Why threads with blocking sockets, as the same-host server: a connection's
+requests are served in order by its own thread, which spends its time in
+``sendmsg`` and ``recv_into`` with the GIL released; the bytes go from the
+arena to the kernel with no copy in between. An asyncio server would need
+its own buffers for partial writes (or a buffered protocol per slot) and a
+hop to a worker thread for every store call, which can block on disk. The
+cost is one thread per connection, so connections are limited.
+
+Limits (each refusal is an error frame the client raises as the daemon's
+class; beyond a limit ``Overloaded`` with a retry delay, never a queue):
+``max_connections`` at once; one request in flight per connection; a
+frame's control part within :data:`~kvstore.peer.wire.MAX_META_BYTES`;
+batches within the store's ``max_batch_blocks``; one request's block bytes
+within ``request_bytes``; the block bytes every connection together is
+sending or receiving within ``in_flight_bytes`` (a byte budget, taken per
+block on reads and per request on writes); a connection that sends nothing,
+or stops reading its reply, for ``idle_s`` is closed (kernel socket
+timeouts), and one that does not say Hello within :data:`HELLO_TIMEOUT_S`.
+
+Authentication: the Hello carries a bearer token, checked against the same
+policy as gRPC (:class:`~kvstore.auth.Authority`); without a token the
+caller is anonymous, which only a daemon without authentication accepts.
+Each request's namespace is authorized like the gRPC interceptor does (read
+for READ, write for PUT), before the store is touched, so a namespace the
+caller may not use reads the same whether or not it exists. Protected mode
+(the daemon refuses a non-loopback ``--peer-listen`` without
+authentication) is the daemon's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import socket
+import threading
+import time
+
+from kvstore.auth import READ, WRITE, Authority
+from kvstore.auth.identity import Caller, Identity
+from kvstore.block import BlockKey, validate_namespace
+from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, StrataError, UnknownNamespace
+from kvstore.metrics import StoreMetrics
+from kvstore.peer import wire
+from kvstore.rpc.status import code_for
+from kvstore.server.budget import ByteBudget
+from kvstore.store.group import StoreGroup
+from kvstore.transport.unix import set_kernel_timeouts
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 10.0
+REFUSE_RETRY_S = 0.5
+
+
+def _fields(value, n: int, what: str) -> list:
+    if not isinstance(value, list) or len(value) != n:
+        raise InvalidArgument(f"malformed peer {what}: expected {n} fields, got {value!r:.80}")
+    return value
+
+
+def _int(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"malformed peer request: {what} is not a non-negative integer")
+    return value
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise InvalidArgument(f"malformed peer request: {what} is not a list")
+    return value
+
+
+class _Refused(Exception):
+    """A whole request refused part-way through its reply: the error frame is sent, the connection goes on."""
+
+    def __init__(self, err: StrataError) -> None:
+        self.err = err
+
+
+class PeerServer:
+    """Serves a store group's blocks to other daemons over TCP. :meth:`start`, then :meth:`stop`."""
+
+    def __init__(self, store: StoreGroup, listen: str, *, authority: Authority | None = None,
+                 metrics: StoreMetrics | None = None, max_connections: int = 64, idle_s: float = 120.0,
+                 in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20) -> None:
+        self._store = store
+        self._listen = listen
+        self._authority = authority if authority is not None else Authority()
+        self._metrics = metrics if metrics is not None else store.metrics
+        self._max_connections = max_connections
+        self._idle_s = idle_s
+        self._request_bytes = request_bytes
+        self._budget = ByteBudget(in_flight_bytes, "peer transfers", "--peer-in-flight-bytes")
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self.port: int | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self._budget.used_bytes
+
+    # ---- listening -------------------------------------------------------------
+
+    def start(self) -> PeerServer:
+        host, _, port = self._listen.rpartition(":")
+        host = host.strip("[]") or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, int(port)))
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept_loop, name="strata-peer-accept", daemon=True)
+        self._acceptor.start()
+        log.info("peer data plane on %s (port %d)", self._listen, self.port)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._stopping = True
+            conns = list(self._connections.items())
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected: nothing to wake
+            self._listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout)
+        for conn, _ in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone
+        for _, thread in conns:
+            thread.join(timeout)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # the listener was closed: stopping
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(conn, peer), name="strata-peer", daemon=True)
+                    self._connections[conn] = thread
+            if full:
+                self._refuse(conn)
+            else:
+                thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        err = Overloaded(
+            f"the peer listener serves at most {self._max_connections} connections (--peer-max-connections): "
+            "retry after the delay, or read from another holder", retry_after_s=REFUSE_RETRY_S,
+        )
+        self._metrics.rpc_errors.labels("PeerHello", code_for(err).name).inc()
+        try:
+            conn.settimeout(1.0)
+            wire.send(conn, wire.encode([0, wire.ERROR, wire.error_result(err)]))
+        except OSError:
+            pass  # the client went away first
+        conn.close()
+
+    # ---- one connection ----------------------------------------------------------
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        link = wire.Wire(conn)
+        try:
+            caller = self._hello(conn, link, peer)
+            if caller is not None:
+                set_kernel_timeouts(conn, self._idle_s)
+                conn.settimeout(None)
+                self._loop(conn, link, caller)
+        except (EOFError, ConnectionError, TimeoutError, BlockingIOError):
+            pass  # the peer closed, died, idled out or stopped reading: its leases and slots end or expire
+        except OSError as err:
+            log.debug("peer connection ended: %s", err)
+        except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
+            log.exception("peer connection closed after an unexpected error")
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)
+            conn.close()
+
+    def _hello(self, conn: socket.socket, link: wire.Wire, peer) -> Caller | None:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            try:
+                meta, payload = link.read_meta()
+                op, rid, args = _fields(meta, 3, "request")
+                if op != wire.HELLO or payload:
+                    raise InvalidArgument("the first frame on a peer connection must be a Hello")
+                version, token = _fields(args, 2, "Hello")
+                if version != wire.PROTOCOL_VERSION:
+                    raise InvalidArgument(
+                        f"peer protocol {version!r} is not this daemon's {wire.PROTOCOL_VERSION}: "
+                        "run the same Strata release on both nodes"
+                    )
+                if not isinstance(token, str):
+                    raise InvalidArgument("malformed peer Hello: the token is not a string")
+                identity = self._authority.from_token(token) if token else self._authority.anonymous()
+            except (TypeError, ValueError) as err:
+                raise InvalidArgument(f"malformed peer Hello ({err})") from None
+        except StrataError as err:
+            self._metrics.rpc_errors.labels("PeerHello", code_for(err).name).inc()
+            self._reply(conn, 0, wire.ERROR, wire.error_result(err))
+            return None
+        limits = [wire.MAX_META_BYTES, self._store.limits.max_block_bytes, self._store.limits.max_batch_blocks,
+                  self._request_bytes]
+        self._reply(conn, rid, wire.OK, limits)
+        host, port = peer[0], peer[1]
+        return Caller(identity, f"peer:{identity.principal}:{host}:{port}:{next(self._ids)}")
+
+    def _loop(self, conn: socket.socket, link: wire.Wire, caller: Caller) -> None:
+        ops = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify}
+        while True:
+            try:
+                meta, payload = link.read_meta()
+            except wire.FrameError as err:
+                self._reply(conn, 0, wire.ERROR, wire.error_result(err))
+                return  # the stream cannot be resynchronised
+            rid, name = 0, "PeerUnknown"
+            t0 = time.perf_counter()
+            try:
+                op, rid, args = _fields(meta, 3, "request")
+                if not isinstance(rid, int) or rid <= 0:
+                    raise InvalidArgument("malformed peer request: its id is not a positive integer")
+                handler = ops.get(op)
+                name = wire.OP_NAMES.get(op, name)
+                if handler is None:
+                    raise InvalidArgument(f"unknown peer operation {op!r}: run the same Strata release on both nodes")
+                if payload:
+                    raise InvalidArgument(f"a {name} request carries no payload; {payload} bytes came")
+                handler(conn, link, caller, rid, args)
+                self._metrics.op_latency.labels(name).observe(time.perf_counter() - t0)
+            except _Refused as refused:
+                self._failed(conn, rid, name, refused.err)
+            except StrataError as err:
+                if link.pending:  # bytes of a refused frame: the stream cannot go on
+                    self._failed(conn, 0, name, err)
+                    return
+                self._failed(conn, rid, name, err)
+
+    def _failed(self, conn: socket.socket, rid: int, op: str, err: StrataError) -> None:
+        self._metrics.rpc_errors.labels(op, code_for(err).name).inc()
+        self._reply(conn, rid, wire.ERROR, wire.error_result(err))
+
+    @staticmethod
+    def _reply(conn: socket.socket, rid: int, status: int, result) -> None:
+        wire.send(conn, wire.encode([rid, status, result]))
+
+    def _check(self, identity: Identity, namespace, action: str) -> str:
+        if not isinstance(namespace, str):
+            raise InvalidArgument("malformed peer request: the namespace is not a string")
+        validate_namespace(namespace)  # its syntax only: says nothing about other namespaces
+        self._authority.check(identity, namespace, action)
+        return namespace
+
+    @staticmethod
+    def _deadline(timeout_ms: int) -> float | None:
+        return time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+
+    # ---- READ --------------------------------------------------------------------
+
+    def _read(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
+        namespace, keys, timeout_ms, with_bytes = _fields(args, 4, "Read")
+        namespace = self._check(caller.identity, namespace, READ)
+        keys = _list(keys, "keys")
+        self._store.check_batch(keys)
+        deadline = self._deadline(_int(timeout_ms, "timeout_ms"))
+        for i, key in enumerate(keys):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _Refused(DeadlineExceeded(
+                    f"the read's deadline passed after {i} of {len(keys)} blocks: retry the rest with a longer timeout"
+                ))
+            try:
+                self._read_one(conn, caller, rid, i, namespace, key, deadline, bool(with_bytes))
+            except UnknownNamespace as err:
+                raise _Refused(err) from None  # the whole batch's namespace, not this key
+            except StrataError as err:  # this key only (a bad key, a corrupt copy, a failing tier)
+                self._metrics.rpc_errors.labels("PeerRead", code_for(err).name).inc()
+                self._reply(conn, rid, wire.FAILED, [i, wire.error_result(err)])
+        self._reply(conn, rid, wire.OK, len(keys))
+
+    def _read_one(self, conn, caller: Caller, rid: int, i: int, namespace: str, key, deadline, with_bytes: bool) -> None:
+        [loc] = self._store.lookup(namespace, [key], None, deadline, caller.owner)
+        if loc is not None and not with_bytes:  # the metadata only
+            if loc.lease_id:
+                self._store.release([loc.lease_id], caller.owner)
+            loc = dataclasses.replace(loc, lease_id=0)
+        if loc is None:
+            self._reply(conn, rid, wire.MISS, i)
+            return
+        meta = loc.meta
+        head = [i, meta.size, meta.checksum, meta.parent, meta.layout, int(loc.tier)]
+        if not with_bytes:
+            self._reply(conn, rid, wire.BLOCK, head)
+            return
+        try:
+            self._budget.take(meta.size)
+        except Overloaded as err:
+            if loc.lease_id:
+                self._store.release([loc.lease_id], caller.owner)
+            raise _Refused(err) from None
+        try:
+            if loc.lease_id:
+                self._send_leased(conn, caller, rid, head, loc)
+            else:
+                self._send_copy(conn, rid, head, loc)
+        finally:
+            self._budget.give(meta.size)
+
+    def _send_leased(self, conn, caller: Caller, rid: int, head: list, loc) -> None:
+        """The block straight out of the arena under its read lease; the lease ends once it is sent."""
+        meta = loc.meta
+        view = self._store.arena_of(loc.key.namespace).shm.view(loc.offset, meta.size)
+        try:
+            wire.send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view)
+            self.bytes_sent += meta.size
+        finally:
+            view.release()
+            self._store.release([loc.lease_id], caller.owner)
+
+    def _send_copy(self, conn, rid: int, head: list, loc) -> None:
+        found = self._store.get(loc.key)  # verified
+        if found is None:  # gone since the lookup
+            self._reply(conn, rid, wire.MISS, head[0])
+            return
+        data, meta, tier = found
+        head[1:6] = [meta.size, meta.checksum, meta.parent, meta.layout, int(tier)]
+        wire.send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), memoryview(data))
+        self.bytes_sent += meta.size
+
+    # ---- PUT ----------------------------------------------------------------------
+
+    # ---- CHECK ----------------------------------------------------------------------
+
+    def _verify(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
+        """A reader got bytes that failed their checksum: read each block through the store, which
+        verifies it and drops a corrupt copy, so the next read finds a sound copy or a miss."""
+        namespace, keys = _fields(args, 2, "Check")
+        namespace = self._check(caller.identity, namespace, READ)
+        keys = _list(keys, "keys")
+        self._store.check_batch(keys)
+        sound = []
+        for key in keys:
+            try:
+                found = self._store.get(BlockKey.checked(namespace, key))
+            except StrataError:  # CorruptBlock: no sound copy was left, and it is gone now
+                found = None
+            if found is None:
+                log.warning("block %s/%s failed its checksum here after a peer read; dropped", namespace,
+                            bytes(key).hex()[:16])
+            sound.append(found is not None)
+        self._reply(conn, rid, wire.OK, sound)
+
+    def _put(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
+        namespace, timeout_ms, blocks = _fields(args, 3, "Put")
+        namespace = self._check(caller.identity, namespace, WRITE)
+        blocks = _list(blocks, "blocks")
+        self._store.check_batch(blocks)
+        blocks = [_fields(b, 5, "Put block") for b in blocks]
+        for b in blocks:
+            _int(b[1], "size"), _int(b[2], "checksum")
+        total = sum(b[1] for b in blocks)
+        if total > self._request_bytes:
+            raise InvalidArgument(
+                f"a peer write of {total} bytes is over the limit of {self._request_bytes} per request "
+                "(--peer-connection-in-flight-bytes): split the batch"
+            )
+        deadline = self._deadline(_int(timeout_ms, "timeout_ms"))
+        lease_s = None if deadline is None else min(max(1.0, deadline - time.monotonic()), self._store.limits.lease_s)
+        self._budget.take(total)
+        try:
+            grants = self._store.allocate(
+                namespace, [(key, size, parent or None, layout or "") for key, size, _, parent, layout in blocks],
+                lease_s, deadline, caller.owner,
+            )
+            try:
+                self._reply(conn, rid, wire.OK, [g.present for g in grants])
+                self._receive(conn, link, caller, rid, namespace, blocks, grants)
+            finally:
+                open_slots = [g.slot_id for g in grants if not g.present]
+                if open_slots:  # what was not committed (a broken connection, a refused frame); committed ids are skipped
+                    self._store.abort(open_slots, caller.owner)
+        finally:
+            self._budget.give(total)
+
+    def _receive(self, conn, link: wire.Wire, caller: Caller, rid: int, namespace: str, blocks, grants) -> None:
+        meta, payload = link.read_meta()
+        if not isinstance(meta, list) or len(meta) != 3 or meta[0] != wire.DATA or meta[1] != rid:
+            raise InvalidArgument("a peer Put must be followed by its Data frame")
+        expect = sum(b[1] for b, g in zip(blocks, grants) if not g.present)
+        if payload != expect:
+            raise InvalidArgument(f"the Data frame carries {payload} bytes; the blocks not present hold {expect}")
+        arena = self._store.arena_of(namespace).shm
+        for block, grant in zip(blocks, grants):
+            if grant.present:
+                continue
+            view = arena.view(grant.offset, block[1])
+            try:
+                link.read_into(view)
+            finally:
+                view.release()
+            self.bytes_received += block[1]
+        out = []
+        for block, grant in zip(blocks, grants):
+            if grant.present:
+                continue
+            try:
+                [(_, stored, tier)] = self._store.commit([(grant.slot_id, block[2])], caller.owner)
+                out.append([stored, int(tier)])
+            except StrataError as err:
+                out.append([None, wire.error_result(err)])
+        self._reply(conn, rid, wire.OK, out)
+

@@ -1,0 +1,171 @@
+"""The TCP peer protocol: frames of msgpack control, block bytes read and written in place.
+
+The frame is the same-host socket's (:mod:`kvstore.transport.frames`:
+``u32 meta_len, u32 payload_len``, msgpack meta, raw payload) and errors
+travel the same way (``[class name, message, retry_after_s]``, raised on the
+other side as the daemon's own class). What differs is where a payload
+goes: a :class:`Wire` reads a frame's meta and leaves its payload in the
+socket, so the caller receives it straight into the buffer it chose (an
+arena slot, a caller's tensor) with ``recv_into``, hashing each chunk while
+it is still in cache, and a sender streams a block out of the arena a chunk
+at a time. No block is ever copied into a frame buffer.
+
+Requests ``[op, request_id, args]`` and their replies ``[request_id, status, result]``::
+
+    HELLO  [version, bearer token or ""]
+           -> OK [max_meta_bytes, max_block_bytes, max_batch_blocks, request_bytes]
+    READ   [namespace, keys, timeout_ms, with_bytes]
+           -> per key, in order, one of
+                BLOCK  [i, size, checksum, parent, layout, tier]  + size bytes (none without with_bytes)
+                MISS   i
+                FAILED [i, error]                                  (that key only)
+              then OK n, or at any point ERROR error: the keys not yet answered fail with it
+    PUT    [namespace, timeout_ms, [[key, size, checksum, parent, layout], ...]]
+           -> OK [present per block]   (slots are reserved for the others)
+           DATA  [] + the bytes of the blocks not present, in order
+           -> OK [[stored, tier] or [None, error] per block sent]
+    CHECK  [namespace, keys]   (after a read whose bytes failed their checksum)
+           -> OK [sound per key]: the holder verified its copy, and dropped it if corrupt
+
+A reply of request id 0 is a refusal of the connection (too many of them,
+a bad Hello, a frame over the limits); the stream cannot go on after it.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import msgpack
+
+from kvstore.block import Checksummer
+from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError, encode, error_result, raise_error, send
+
+__all__ = [
+    "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "MAX_META_BYTES", "MISS", "OK", "OP_NAMES",
+    "PROTOCOL_VERSION", "PUT", "READ", "FrameError", "Wire", "encode", "error_result", "raise_error", "send",
+]
+
+PROTOCOL_VERSION = 1
+
+# Reply statuses.
+OK, ERROR, BLOCK, MISS, FAILED = 0, 1, 2, 3, 4
+# Request operations.
+HELLO, READ, PUT, DATA, CHECK = 1, 2, 3, 4, 5
+OP_NAMES = {HELLO: "PeerHello", READ: "PeerRead", PUT: "PeerPut", DATA: "PeerData", CHECK: "PeerCheck"}
+
+# Bytes moved per system call and hashed per step: large enough that Python's
+# per-call cost vanishes, small enough to still be in cache when hashed.
+CHUNK_BYTES = 256 << 10
+_BUFFER_BYTES = 64 << 10
+
+
+class Wire:
+    """One blocking socket's frames: meta parts through a small buffer, payloads in place.
+
+    A recv for a frame's head may take payload bytes with it; those wait in
+    the buffer and are handed out first by :meth:`read_into`.
+    """
+
+    def __init__(self, sock: socket.socket, *, max_meta: int = MAX_META_BYTES) -> None:
+        self.sock = sock
+        self._max_meta = max_meta
+        self._buf = bytearray(_BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self.pending = 0  # payload bytes of the last frame not yet taken
+
+    def _fill(self, need: int) -> None:
+        if self._end - self._start >= need:
+            return
+        if self._start + need > len(self._buf):
+            held = self._end - self._start
+            if need > len(self._buf):
+                grown = bytearray(max(need, 2 * len(self._buf)))
+                grown[:held] = self._view[self._start : self._end]
+                self._buf, self._view = grown, memoryview(grown)
+            else:
+                self._view[:held] = self._view[self._start : self._end]
+            self._start, self._end = 0, held
+        while self._end - self._start < need:
+            n = self.sock.recv_into(self._view[self._end :])
+            if n == 0:
+                raise EOFError("the peer closed the connection")
+            self._end += n
+
+    def read_meta(self) -> tuple[object, int]:
+        """The next frame's decoded meta and its payload length (the payload is still to be taken)."""
+        if self.pending:
+            raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buf) > _BUFFER_BYTES:
+                self._buf = bytearray(_BUFFER_BYTES)
+                self._view = memoryview(self._buf)
+        self._fill(HEADER.size)
+        meta_len, payload_len = HEADER.unpack_from(self._buf, self._start)
+        if meta_len > self._max_meta:
+            raise FrameError(
+                f"a frame's control part of {meta_len} bytes is over the limit of {self._max_meta}: send smaller batches"
+            )
+        self._fill(HEADER.size + meta_len)
+        at = self._start + HEADER.size
+        try:
+            meta = msgpack.unpackb(self._view[at : at + meta_len], use_list=True, raw=False)
+        except (ValueError, msgpack.UnpackException) as err:
+            raise FrameError(f"a frame's control part is not valid msgpack ({err})") from None
+        finally:
+            self._start = at + meta_len
+        self.pending = payload_len
+        return meta, payload_len
+
+    def read_into(self, dst: memoryview, hasher: Checksummer | None = None, before=None) -> None:
+        """Take ``len(dst)`` payload bytes into ``dst``, hashing each chunk as it lands;
+        ``before()`` runs before each wait on the socket (a deadline's check)."""
+        n = len(dst)
+        if n > self.pending:
+            raise FrameError(f"{n} payload bytes asked of a frame that has {self.pending} left")
+        at = 0
+        held = min(self._end - self._start, n)
+        if held:
+            dst[:held] = self._view[self._start : self._start + held]
+            if hasher is not None:
+                hasher.update(dst[:held])
+            self._start += held
+            at = held
+        while at < n:
+            if before is not None:
+                before()
+            end = min(n, at + CHUNK_BYTES)
+            got = self.sock.recv_into(dst[at:end], end - at, socket.MSG_WAITALL)
+            if got == 0:
+                raise EOFError("the peer closed the connection in the middle of a block")
+            if hasher is not None:
+                hasher.update(dst[at : at + got])
+            at += got
+        self.pending -= n
+
+    def skip(self, n: int | None = None) -> None:
+        """Throw away ``n`` payload bytes (all that is left of the frame when None)."""
+        n = self.pending if n is None else n
+        scratch = memoryview(bytearray(min(n, CHUNK_BYTES) or 1))
+        while n:
+            step = min(n, len(scratch))
+            self.read_into(scratch[:step])
+            n -= step
+
+
+def send_block(sock: socket.socket, head: bytes, data: memoryview, hasher: Checksummer | None = None) -> None:
+    """Send a frame head then ``data`` a chunk at a time, hashing each chunk just before it goes."""
+    if not len(data):
+        sock.sendall(head)
+        return
+    first = data[:CHUNK_BYTES]
+    if hasher is not None:
+        hasher.update(first)
+    send(sock, head, [first])
+    for at in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+        chunk = data[at : at + CHUNK_BYTES]
+        if hasher is not None:
+            hasher.update(chunk)
+        sock.sendall(chunk)
