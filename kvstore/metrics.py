@@ -79,6 +79,12 @@ class StoreMetrics:
         """Export each store-event subscriber's queue and loss counters, read at scrape time."""
         self.registry.register(_EventBusCollector(read_subscriptions))
 
+    def watch_arena(self, tier) -> None:
+        """Export what a crash-safe host tier (:class:`~kvstore.tiers.ram.HostRamTier`) re-adopted at
+        start and what it could not make crash-safe, read at scrape time. Other tiers: nothing."""
+        if getattr(tier, "recovery", None) is not None:
+            self.registry.register(_ArenaCollector(tier))
+
     def watch_tiers(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
         self.registry.register(_TierCollector(read_stats, read_queue_depth))
 
@@ -99,6 +105,40 @@ class _TierCollector(Collector):
         depth = GaugeMetricFamily("strata_kv_demotion_queue_blocks", "Blocks waiting to be written down to disk")
         depth.add_metric([], self._read_queue_depth())
         return [used, cap, blocks, depth]
+
+
+class _ArenaCollector(Collector):
+    def __init__(self, tier) -> None:
+        self._tier = tier
+
+    def collect(self):
+        r = self._tier.recovery
+        kept = GaugeMetricFamily(
+            "strata_ram_arena_readopted", "1 when the RAM tier started on the arena its previous run left, 0 when empty"
+        )
+        kept.add_metric([], int(r.kept))
+        blocks = CounterMetricFamily(
+            "strata_ram_recovered_blocks",
+            "Blocks found at start in the arena a previous run left: adopted, or discarded as corrupt (bytes failed "
+            "their checksum), torn (record torn by the crash) or conflicting (overlapping, repeated or out of range)",
+            labels=["outcome"],
+        )
+        for outcome, n in (("adopted", r.adopted_blocks), ("corrupt", r.corrupt), ("torn", r.torn),
+                           ("conflicting", r.conflicting)):
+            blocks.add_metric([outcome], n)
+        adopted = CounterMetricFamily("strata_ram_recovered_bytes", "Payload bytes of the blocks adopted at start")
+        adopted.add_metric([], r.adopted_bytes)
+        slots = CounterMetricFamily(
+            "strata_ram_recovered_slots", "In-flight slots of the previous run found at start (discarded; extents held until their leases end)"
+        )
+        slots.add_metric([], r.slots)
+        held = GaugeMetricFamily("strata_ram_held_bytes", "Arena bytes kept from reuse while a previous run's writers may still write them")
+        held.add_metric([], self._tier.held_bytes)
+        unrecorded = CounterMetricFamily(
+            "strata_ram_unrecorded_blocks", "Blocks stored without a record in the block table (full or failed): they would not survive a crash"
+        )
+        unrecorded.add_metric([], self._tier.unrecorded_blocks)
+        return [kept, blocks, adopted, slots, held, unrecorded]
 
 
 class _EventBusCollector(Collector):

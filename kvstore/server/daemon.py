@@ -3,8 +3,10 @@
 Serves ``strata.kv.v1.KVService``, ``grpc.health.v1.Health`` and server
 reflection on one gRPC server (TCP, and a Unix socket when configured), and
 Prometheus metrics over HTTP. SIGTERM or SIGINT drains it: health turns
-NOT_SERVING, in-flight RPCs get ``grace_seconds``, then the store closes and
-the arena is unlinked.
+NOT_SERVING, in-flight RPCs get ``grace_seconds``, RAM-only blocks are
+copied to disk, then the store closes. The arena and its table of committed
+blocks stay in the shared-memory directory (``[tiers.ram] keep_on_exit``),
+so the next start, after an upgrade or a crash, re-adopts the RAM blocks.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class Daemon:
         self.events.subscribe("index", self.index_agent.on_events)
         self.events.subscribe("metrics", self.metrics.count_events)
         self.metrics.watch_event_bus(self.events.subscriptions)
+        self.metrics.watch_arena(tiers[0])
         self.store = TieredStore(
             TierChain(tiers, edges), limits=limits,
             namespaces=s.store.namespaces, auto_create_namespaces=s.store.auto_create_namespaces,
@@ -264,8 +267,13 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.store is not None:
-            written = self.store.persist_ram(time.monotonic() + max(grace, 5.0))
-            log.info("wrote %d RAM blocks to disk before exit", written)
+            # A kept arena serves the next start, so RAM keeps its copies; the copies on disk are
+            # for a reboot, which the arena does not survive.
+            ram = self.settings.tiers.ram
+            keep = ram.crash_safe and ram.keep_on_exit
+            written = self.store.persist_ram(time.monotonic() + max(grace, 5.0), evict=not keep)
+            log.info("wrote %d RAM blocks to disk before exit%s", written,
+                     "; the arena stays for the next start" if keep else "")
             self.store.close()
         self.events.close()
         if self._lock_fd is not None:

@@ -542,11 +542,13 @@ class TieredStore(StorePart):
                     return written
                 written += 1
 
-    def persist_ram(self, deadline: float) -> int:
+    def persist_ram(self, deadline: float, evict: bool = True) -> int:
         """Write blocks held only in the head down the chain, most recent first, until ``deadline``.
 
         Called on a graceful stop so a restarted daemon finds its cache warm.
-        Returns the number of blocks written.
+        ``evict`` False keeps the head's copies too (its arena outlives the
+        process and the next start re-adopts it). Returns the number of
+        blocks written.
         """
         below = self._chain.below(self._head.name)
         if below is None:
@@ -562,7 +564,7 @@ class TieredStore(StorePart):
                 entry = self._catalog.live(key)
                 if entry is None or entry.tiers != {head} or not self._s.mark_copy_locked(key, below.name):
                     continue
-            self._copies.copy_down(Copy(key, head, below.name, evict=True))
+            self._copies.copy_down(Copy(key, head, below.name, evict=evict))
             written += below.name in entry.tiers
         self.flush_recency()
         return written
