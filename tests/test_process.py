@@ -83,7 +83,8 @@ WRITERS = [("slots", 320 << 10, 1, True), ("inline", 64 << 10, 1, True), ("batch
 def test_sigkill_then_restart_loses_no_acknowledged_block_repeated(daemon_process):
     """Writers on every path while the daemon is SIGKILLed, round after round: every put that was
     acknowledged is there after the restart, byte for byte, whether it had reached disk or was only in RAM."""
-    daemon = daemon_process("--disk-bytes", "1GiB")  # room for every block: capacity must lose none
+    # Room on disk for every block: capacity must lose none. A declared namespace: a miss is an answer.
+    daemon = daemon_process("--disk-bytes", "1GiB", "--namespaces", "m")
     acked: dict[bytes, bytes] = {}
     attempted: dict[bytes, bytes] = {}
     lock = threading.Lock()
@@ -141,7 +142,7 @@ def arena_file(daemon) -> Path:
 
 def test_a_block_damaged_in_the_arena_between_runs_is_discarded_not_served(daemon_process):
     metrics_port = free_port()
-    daemon = daemon_process("--metrics-listen", f"127.0.0.1:{metrics_port}")
+    daemon = daemon_process("--metrics-listen", f"127.0.0.1:{metrics_port}", "--namespaces", "m")
     keys = [b"k%d" % i for i in range(5)]
     with Client(daemon.target) as c:
         for k in keys:
