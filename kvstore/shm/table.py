@@ -127,6 +127,9 @@ class BlockTable:
         self._fd: int | None = fd
         self._secret = secret
         self._units = ExtentAllocator(units * UNIT_BYTES, page=UNIT_BYTES)
+        # Cleared one-unit positions kept for the next one-unit record: most records are one
+        # unit, and a list pop is a fraction of a best-fit allocation on the put path.
+        self._spare: list[int] = []
         self._at: dict[int, int] = {}  # arena offset -> record position in the units
         self._seq = 0
         self.unrecorded = 0  # blocks stored without a record (no room, or the table failed)
@@ -228,7 +231,7 @@ class BlockTable:
         except OSError as err:
             self._fail(err)
             return
-        self._units.free(pos)
+        self._give(pos)
 
     def stamp(self, offset: int) -> None:
         """Mark the block at ``offset`` most recently used (a hint for the order after a restart)."""
@@ -252,14 +255,14 @@ class BlockTable:
             return False
         self._seq += 1
         body = _BODY.pack(kind, *lengths, self._seq, offset, size, sum_, until_ms) + tail
-        pos = self._units.allocate(_HEAD.size + len(body))
+        pos = self._take(_HEAD.size + len(body))
         if pos is None:
             return False
         record = _HEAD.pack(self._seq, self._sum(_LENGTH.pack(len(body)) + body), len(body)) + body
         try:
             os.pwrite(self._fd, record, HEADER_BYTES + pos)
         except OSError as err:
-            self._units.free(pos)
+            self._give(pos)
             log.warning("could not write to the RAM tier's block table %s: %s", self._path, err)
             return False
         old = self._at.get(offset)
@@ -270,8 +273,25 @@ class BlockTable:
             except OSError as err:
                 self._fail(err)
                 return False
-            self._units.free(old)
+            self._give(old)
         return True
+
+    def _take(self, nbytes: int) -> int | None:
+        if nbytes <= UNIT_BYTES and self._spare:
+            return self._spare.pop()
+        pos = self._units.allocate(nbytes)
+        if pos is None and self._spare:  # the spares may be what a longer record needs: coalesce them
+            for spare in self._spare:
+                self._units.free(spare)
+            self._spare.clear()
+            pos = self._units.allocate(nbytes)
+        return pos
+
+    def _give(self, pos: int) -> None:
+        if self._units.size_of(pos) == UNIT_BYTES:
+            self._spare.append(pos)
+        else:
+            self._units.free(pos)
 
     def _sum(self, data: bytes) -> int:
         return xxhash.xxh3_64_intdigest(data, seed=self._secret) or 1  # 0 means "no record"
