@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
-from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, StrataError, TierFull
+from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
 from kvstore.tiers.allocator import ExtentAllocator
 from kvstore.shm import table as block_table
 from kvstore.shm.arena import ArenaMismatch, ShmArena
@@ -380,7 +380,10 @@ class HostRamTier(MappableTier):
             self._table = BlockTable.create(table_path, arena.arena_id, capacity, page)
         except OSError as err:
             arena.close(unlink=True)
-            raise StrataError(f"cannot create the RAM tier's block table {table_path}: {err}; check --shm-dir") from err
+            raise TierUnavailable(
+                f"cannot create the RAM tier's block table {table_path}: {err.strerror or err}; set --shm-dir "
+                "to a writable tmpfs directory, or turn the table off with --no-ram-crash-safe"
+            ) from err
         return arena
 
     def _adopt_previous(self, arena: ShmArena, loaded: Loaded) -> None:
