@@ -299,6 +299,7 @@ def test_a_changed_size_or_format_starts_empty_and_says_why(tmp_path, caplog):
 
 def test_a_restart_gives_clients_a_new_token(tmp_path):
     t = ram(tmp_path)
+    t.put(key(1), b"v", meta(b"v"))
     old = t.arena.token
     t.close()
     t = ram(tmp_path)
@@ -329,13 +330,15 @@ def test_a_lent_slot_is_held_from_reuse_until_its_lease_ends(tmp_path):
         with pytest.raises(TierFull):
             t2.reserve(PAGE)
         now[0] += 31.0
-        assert offset <= t2.reserve(PAGE) < offset + 4 * PAGE
+        again = t2.reserve(PAGE)
+        assert offset <= again < offset + 4 * PAGE
         assert t2.held_bytes == 0
+        t2.commit(key(1), again, meta(bytes(10)))
     finally:
         t2.close()
     t3 = ram(tmp_path, 16 * PAGE, clock=clock)  # the released slot's record went with it
     try:
-        assert t3.recovery.slots == 0 and t3.stats().used_bytes == 0
+        assert t3.recovery.kept and t3.recovery.slots == 0 and t3.stats().used_bytes == PAGE
     finally:
         t3.close()
 
@@ -370,6 +373,16 @@ def test_without_crash_safe_nothing_is_kept(tmp_path):
 
 def test_keep_on_exit_off_removes_arena_and_table(tmp_path):
     t = ram(tmp_path, keep_on_exit=False)
+    t.put(key(1), b"v", meta(b"v"))
+    t.close()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_empty_arena_is_not_kept(tmp_path):
+    t = ram(tmp_path)
+    v = value(1, 100)
+    t.put(key(1), v, meta(v))
+    t.delete(key(1))
     t.close()
     assert sorted(os.listdir(tmp_path)) == []
 

@@ -212,8 +212,9 @@ class BlockTable:
         self.unrecorded += 1
         if self.unrecorded == 1:
             log.warning(
-                "the RAM tier's block table has no room: block %s is stored but would not survive a daemon crash "
-                "(further ones are counted in strata_ram_unrecorded_blocks_total)", key,
+                "the RAM tier's block table could not record block %s (no room left, or the table failed): it is "
+                "stored but would not survive a daemon crash (further ones are counted in "
+                "strata_ram_unrecorded_blocks_total)", key,
             )
         return False
 

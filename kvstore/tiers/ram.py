@@ -193,13 +193,19 @@ class HostRamTier(MappableTier):
             return TierStats(self.name, self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._blocks))
 
     def close(self) -> None:
-        """Unmap the arena; remove it and its table unless they are kept for the next start (``keep_on_exit``)."""
+        """Unmap the arena; remove it and its table unless they are kept for the next start.
+
+        Kept with ``keep_on_exit`` when they hold blocks: an empty arena (a
+        daemon that stored nothing, or failed to start on a fresh one) is
+        not worth a file in the shared-memory directory.
+        """
         with self._lock:
+            keep = self._keep and bool(self._blocks)
             self._blocks.clear()
             self._reserved.clear()
             if self._table is not None:
-                self._table.close(unlink=not self._keep)
-        self._arena.close(unlink=not self._keep)
+                self._table.close(unlink=not keep)
+        self._arena.close(unlink=not keep)
 
     # ---- shared-memory fast path -------------------------------------------
 
@@ -252,11 +258,10 @@ class HostRamTier(MappableTier):
 
         Recorded in the table, so that a restart within that time keeps the
         extent from other blocks while the writer may still be copying in.
+        An extent no longer reserved (its slot's lease already lapsed) is not lent.
         """
         with self._lock:
-            if offset not in self._reserved:
-                raise ValueError(f"offset {offset} is not a reserved extent")
-            if self._table is not None:
+            if offset in self._reserved and self._table is not None:
                 self._table.record_slot(offset, self._alloc.size_of(offset), self._clock() + seconds)
 
     def view(self, offset: int, size: int) -> memoryview:
