@@ -584,12 +584,13 @@ class TieredStore(StorePart):
             except BufferError:
                 # A view still held somewhere (an RPC past its grace period, an
                 # exception's traceback): collect cycles and try once more. The
-                # file is already unlinked; the mapping goes with the process.
+                # file is already unlinked (or kept for the next start); the
+                # mapping goes with the process.
                 gc.collect()
                 try:
                     level.tier.close()
                 except BufferError:
-                    log.warning("%s tier still mapped at close; it is unlinked and freed at exit", level.name.label)
+                    log.warning("%s tier still mapped at close; the mapping is freed at exit", level.name.label)
 
     def _reap_loop(self) -> None:
         ticks = 0

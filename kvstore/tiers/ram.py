@@ -100,6 +100,7 @@ class HostRamTier(MappableTier):
         self._clock = clock
         self.persistent = crash_safe  # the store recovers its blocks and writes its recency back
         self._keep = crash_safe and keep_on_exit
+        self._closing: bool | None = None  # at close: whether the arena is kept
         self.recovery = ArenaRecovery()
         self._table: BlockTable | None = None
         table_path = os.path.join(shm_dir, arena_name) + ".table"
@@ -200,7 +201,9 @@ class HostRamTier(MappableTier):
         not worth a file in the shared-memory directory.
         """
         with self._lock:
-            keep = self._keep and bool(self._blocks)
+            if self._closing is None:  # decided once: a close retried after a BufferError keeps to it
+                self._closing = self._keep and bool(self._blocks)
+            keep = self._closing
             self._blocks.clear()
             self._reserved.clear()
             if self._table is not None:
