@@ -318,9 +318,10 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
     ``settings`` are :func:`kvstore.config.load_settings` overrides: flag
     names of ``strata serve`` (``ram_bytes="1GiB"``; sizes as strings) or a
     config section as a dict (``store={"demotion_threads": 2}``). The daemon stops when its stdin closes, so
-    it cannot outlive a benchmark killed with SIGKILL.
+    it cannot outlive a benchmark killed with SIGKILL. Its arena goes with it (``ram_keep_on_exit`` off):
+    a benchmark's cache is not worth keeping in the shared-memory directory.
     """
-    settings = {"listen": "127.0.0.1:0", "metrics_listen": "", **settings}
+    settings = {"listen": "127.0.0.1:0", "metrics_listen": "", "ram_keep_on_exit": False, **settings}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(

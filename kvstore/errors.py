@@ -36,6 +36,8 @@ says what was wrong and what to do about it.
     │   └── StaleEpoch              a write names an epoch older than the node's (FAILED_PRECONDITION)
     ├── ArenaMismatch               an arena file is not the one expected (magic, version,
     │                               token or size differ)                                 [shm.arena]
+    ├── TableMismatch               an arena's block table is not this arena's, or of
+    │                               another format: the RAM tier starts empty             [shm.table]
     ├── DaemonError                 the daemon cannot start as configured                 [server.daemon]
     ├── DaemonUnavailable           client side: the daemon cannot be reached
     └── ArenaUnusable               client side: the daemon's arena cannot be mapped
@@ -62,6 +64,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "MalformedEvent": "kvstore.index.events",
     "FrameError": "kvstore.transport.frames",
     "ArenaMismatch": "kvstore.shm.arena",
+    "TableMismatch": "kvstore.shm.table",
     "DaemonError": "kvstore.server.daemon",
     "WrongArena": "kvstore.store.group",
     "PolicyError": "kvstore.auth.policy",

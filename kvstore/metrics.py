@@ -83,6 +83,14 @@ class StoreMetrics:
         """Export each store-event subscriber's queue and loss counters, read at scrape time."""
         self.registry.register(_EventBusCollector(read_subscriptions))
 
+    def watch_ram_recovery(self, tiers: dict) -> None:
+        """Export what each arena's crash-safe host tier (:class:`~kvstore.tiers.ram.HostRamTier`,
+        by arena name) re-adopted at start and what it could not make crash-safe, read at scrape
+        time. Tiers without a recovery record are left out."""
+        tiers = {name: t for name, t in tiers.items() if getattr(t, "recovery", None) is not None}
+        if tiers:
+            self.registry.register(_RamRecoveryCollector(tiers))
+
     def watch_tiers(self, read_stats: Callable[[], Iterable[TierStats]], read_queue_depth: Callable[[], int]) -> None:
         self.registry.register(_TierCollector(read_stats, read_queue_depth))
 
@@ -134,6 +142,51 @@ class _ArenaCollector(Collector):
             cap.add_metric([arena, s.tier.label], s.capacity_bytes)
             blocks.add_metric([arena, s.tier.label], s.blocks)
         return [used, cap, blocks]
+
+
+class _RamRecoveryCollector(Collector):
+    """What every arena's crash-safe RAM tier re-adopted at start (``arena``: a configured name, bounded)."""
+
+    def __init__(self, tiers: dict[str, object]) -> None:
+        self._tiers = tiers  # arena name → its HostRamTier
+
+    def collect(self):
+        kept = GaugeMetricFamily(
+            "strata_ram_arena_readopted", "1 when the RAM tier started on the arena its previous run left, 0 when empty",
+            labels=["arena"],
+        )
+        blocks = CounterMetricFamily(
+            "strata_ram_recovered_blocks",
+            "Blocks found at start in the arena a previous run left: adopted, or discarded as corrupt (bytes failed "
+            "their checksum), torn (record torn by the crash) or conflicting (overlapping, repeated or out of range)",
+            labels=["arena", "outcome"],
+        )
+        adopted = CounterMetricFamily("strata_ram_recovered_bytes", "Payload bytes of the blocks adopted at start",
+                                      labels=["arena"])
+        slots = CounterMetricFamily(
+            "strata_ram_recovered_slots",
+            "In-flight slots of the previous run found at start (discarded; extents held until their leases end)",
+            labels=["arena"],
+        )
+        held = GaugeMetricFamily("strata_ram_held_bytes",
+                                 "Arena bytes kept from reuse while a previous run's writers may still write them",
+                                 labels=["arena"])
+        unrecorded = CounterMetricFamily(
+            "strata_ram_unrecorded_blocks",
+            "Blocks stored without a record in the block table (full or failed): they would not survive a crash",
+            labels=["arena"],
+        )
+        for arena, tier in self._tiers.items():
+            r = tier.recovery
+            kept.add_metric([arena], int(r.kept))
+            for outcome, n in (("adopted", r.adopted_blocks), ("corrupt", r.corrupt), ("torn", r.torn),
+                               ("conflicting", r.conflicting)):
+                blocks.add_metric([arena, outcome], n)
+            adopted.add_metric([arena], r.adopted_bytes)
+            slots.add_metric([arena], r.slots)
+            held.add_metric([arena], tier.held_bytes)
+            unrecorded.add_metric([arena], tier.unrecorded_blocks)
+        return [kept, blocks, adopted, slots, held, unrecorded]
 
 
 class _EventBusCollector(Collector):

@@ -399,6 +399,7 @@ def test_a_daemon_that_cannot_start_says_why_and_leaves_nothing(make_daemon, tmp
     with pytest.raises(DaemonError, match="pick a free address with --listen"):
         make_daemon(listen=first.target)
     arenas = sorted(p.name for p in tmp_path.glob("strata-*"))
-    assert arenas == [Path(first.store.head.arena.path).name]  # the failed one's arena is gone
+    name = Path(first.store.head.arena.path).name
+    assert arenas == [name, name + ".table"]  # the failed one's arena and block table are gone
     second = make_daemon(disk_dir=str(tmp_path / "d1"))  # and its directory lock was released
     assert second.port

@@ -37,6 +37,16 @@ class RamSettings(Section):
     shm_dir: Path = setting(
         Path("/dev/shm"), "directory (a tmpfs) holding the shared-memory arena file", flag="shm_dir"
     )
+    crash_safe: bool = setting(
+        True,
+        "keep a table of committed blocks beside the arena, so a daemon restarted after a crash (SIGKILL, OOM "
+        "kill) re-adopts its RAM blocks while the host stays up; off saves a small write per put",
+    )
+    keep_on_exit: bool = setting(
+        True,
+        "leave the arena and its table in the shared-memory directory at a graceful stop, so the next start "
+        "(an upgrade) finds the RAM cache warm; off removes them (needs crash_safe to matter)",
+    )
 
     @field_validator("bytes")
     @classmethod
@@ -52,10 +62,20 @@ class RamSettings(Section):
 
     def tier_options(self, state_dir: Path) -> dict[str, Any]:
         """Keyword arguments of the tier's constructor (``kvstore.tiers.open_tier``)."""
-        # One arena per state directory: a restart after a crash replaces the
-        # stale file instead of leaking its RAM.
-        arena_name = "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
-        return {"capacity_bytes": int(self.bytes), "shm_dir": str(self.shm_dir), "arena_name": arena_name}
+        return {
+            "capacity_bytes": int(self.bytes), "shm_dir": str(self.shm_dir), "arena_name": arena_name(state_dir),
+            "crash_safe": self.crash_safe, "keep_on_exit": self.keep_on_exit,
+        }
+
+    def arena_path(self, state_dir: Path) -> Path:
+        """The arena file of the daemon whose state directory is ``state_dir`` (its table: + ``.table``)."""
+        return self.shm_dir / arena_name(state_dir)
+
+
+def arena_name(state_dir: Path) -> str:
+    # One arena per state directory: a restart finds the arena its previous
+    # run left (to re-adopt it, or to replace it) instead of leaking its RAM.
+    return "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
 
     def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
         """``options`` for one arena's own tier (``arena`` as in ``Settings.arena_plan``): its RAM

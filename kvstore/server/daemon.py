@@ -4,8 +4,10 @@ Serves ``strata.kv.v1.KVService``, ``grpc.health.v1.Health`` and server
 reflection on one gRPC server (TCP, and a Unix socket when configured), and
 Prometheus metrics over HTTP. Authentication and protected mode are
 :mod:`kvstore.auth`'s; SIGHUP reloads the auth policy file. SIGTERM or SIGINT drains it: health turns
-NOT_SERVING, in-flight RPCs get ``grace_seconds``, then the store closes and
-the arena is unlinked.
+NOT_SERVING, in-flight RPCs get ``grace_seconds``, RAM-only blocks are
+copied to disk, then the store closes. Each arena and its table of committed
+blocks stay in the shared-memory directory (``[tiers.ram] keep_on_exit``),
+so the next start, after an upgrade or a crash, re-adopts the RAM blocks.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class Daemon:
         self.events.subscribe("metrics", self.metrics.count_events)
         self.metrics.watch_event_bus(self.events.subscriptions)
         self.store = open_stores(s, state_dir, self.metrics, self.events)
+        self.metrics.watch_ram_recovery({a.name: a.store.head for a in self.store.arenas})
         self.index_agent.start()
         if s.index.kv_events:
             from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
@@ -395,8 +398,13 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.store is not None:
-            written = self.store.persist_ram(time.monotonic() + max(grace, 5.0))
-            log.info("wrote %d RAM blocks to disk before exit", written)
+            # A kept arena serves the next start, so RAM keeps its copies; the copies on disk are
+            # for a reboot, which the arena does not survive.
+            ram = self.settings.tiers.ram
+            keep = ram.crash_safe and ram.keep_on_exit
+            written = self.store.persist_ram(time.monotonic() + max(grace, 5.0), evict=not keep)
+            log.info("wrote %d RAM blocks to disk before exit%s", written,
+                     "; the arena stays for the next start" if keep else "")
             self.store.close()
         self.events.close()
         if self._lock_fd is not None:

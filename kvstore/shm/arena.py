@@ -15,13 +15,19 @@ we open and map ourselves has no tracker: only :meth:`ShmArena.close` with
 Layout::
 
     [0, 4096)           header: magic b"STRATAAR", format version (u32),
-                        16-byte random token, data size (u64), creator pid (u32)
+                        16-byte random token, data size (u64), creator pid (u32),
+                        16-byte arena id
     [4096, 4096 + size) data region; offsets handed to clients are relative
                         to its start
 
-The token is random per ``create``: a client checks it against the one the
-daemon sent over gRPC, so a path that names a different daemon's (or host's)
-file is refused instead of read as garbage.
+The token is random per daemon start (:meth:`ShmArena.create`, and
+:meth:`ShmArena.reopen` when a restarted daemon keeps the arena its
+previous run left): a client checks it against the one the daemon sent over
+gRPC, so a path that names a different daemon's (or host's) file, or a
+client of the previous run, is refused and attaches again. The arena id is
+random per ``create`` and kept by ``reopen``: it ties the arena to its
+table of committed blocks (:mod:`kvstore.shm.table`). Clients of format 1
+that predate it read the header up to the pid and are not affected.
 
 Errors, beyond :mod:`kvstore.errors`::
 
@@ -46,7 +52,8 @@ HEADER_BYTES = 4096
 MAGIC = b"STRATAAR"
 FORMAT_VERSION = 1
 TOKEN_BYTES = 16
-_HEADER = struct.Struct("<8sI16sQI")  # magic, version, token, data size, creator pid
+ID_BYTES = 16
+_HEADER = struct.Struct("<8sI16sQI16s")  # magic, version, token, data size, creator pid, arena id
 
 
 class ArenaMismatch(StrataError):
@@ -63,11 +70,12 @@ class ShmArena:
     it, so closing releases exactly one export of its own.
     """
 
-    def __init__(self, path: str, mapping: mmap.mmap, token: bytes, size: int) -> None:
+    def __init__(self, path: str, mapping: mmap.mmap, token: bytes, size: int, arena_id: bytes = bytes(ID_BYTES)) -> None:
         self._path = path
         self._mmap: mmap.mmap | None = mapping
         self._token = token
         self._size = size
+        self._arena_id = arena_id
         self._data: memoryview | None = memoryview(mapping)[HEADER_BYTES : HEADER_BYTES + size]
 
     @classmethod
@@ -111,17 +119,49 @@ class ShmArena:
                 "to a directory this process can write (a tmpfs such as /dev/shm)"
             ) from e
         token = secrets.token_bytes(TOKEN_BYTES)
+        arena_id = secrets.token_bytes(ID_BYTES)
         try:
             os.ftruncate(fd, total)
             mapping = mmap.mmap(fd, total)
-            _HEADER.pack_into(mapping, 0, MAGIC, FORMAT_VERSION, token, size, os.getpid())
+            _HEADER.pack_into(mapping, 0, MAGIC, FORMAT_VERSION, token, size, os.getpid(), arena_id)
         except OSError as e:
             os.unlink(path)
             raise TierUnavailable(f"cannot map arena {path!r}: {e.strerror or e}; check --shm-dir") from e
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
         log.info("created arena %s (%d data bytes)", path, size)
-        return cls(path, mapping, token, size)
+        return cls(path, mapping, token, size, arena_id)
+
+    @classmethod
+    def reopen(cls, path: str, size: int) -> ShmArena:
+        """Map, as its new owner, the arena a previous run of this daemon left at ``path``.
+
+        The bytes stay; the token is new, so clients of the previous run are
+        refused at their next Hello and attach again. Raises
+        FileNotFoundError when there is no file, ArenaMismatch (saying why)
+        when the file cannot be kept: another format, another size, written
+        by a version that kept no arena id, or owned by another user.
+        """
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise ArenaMismatch(f"{path!r} belongs to uid {st.st_uid}, not this daemon's {os.geteuid()}")
+            if st.st_size < HEADER_BYTES:
+                raise ArenaMismatch(f"{path!r} is {st.st_size} bytes, too short to be an arena")
+            magic, version, _, file_size, _, arena_id = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+            if magic != MAGIC or version != FORMAT_VERSION:
+                raise ArenaMismatch(f"{path!r} has arena format {version} (magic {magic!r}); this daemon writes {FORMAT_VERSION}")
+            if file_size != size or st.st_size != HEADER_BYTES + size:
+                raise ArenaMismatch(f"{path!r} holds {file_size} data bytes; the RAM tier is now configured for {size}")
+            if arena_id == bytes(ID_BYTES):
+                raise ArenaMismatch(f"{path!r} was written by a version that kept no table of its blocks")
+            mapping = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        _HEADER.pack_into(mapping, 0, MAGIC, FORMAT_VERSION, token, size, os.getpid(), arena_id)
+        return cls(path, mapping, token, size, arena_id)
 
     @classmethod
     def attach(cls, path: str, token: bytes) -> ShmArena:
@@ -136,7 +176,7 @@ class ShmArena:
             file_bytes = os.fstat(fd).st_size
             if file_bytes < HEADER_BYTES:
                 raise ArenaMismatch(f"{path!r} is {file_bytes} bytes, too short to be an arena")
-            magic, version, file_token, size, pid = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+            magic, version, file_token, size, pid, _ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
             if magic != MAGIC:
                 raise ArenaMismatch(f"{path!r} is not a Strata arena (magic {magic!r})")
             if version != FORMAT_VERSION:
@@ -163,6 +203,11 @@ class ShmArena:
     @property
     def token(self) -> bytes:
         return self._token
+
+    @property
+    def arena_id(self) -> bytes:
+        """Random per :meth:`create`, kept by :meth:`reopen`: names this arena's table."""
+        return self._arena_id
 
     @property
     def size(self) -> int:

@@ -1,8 +1,12 @@
 """Recovery: index what the persistent tiers of a chain kept from a previous run.
 
-Each persistent tier lists its blocks least recently used first (the order
-the store wrote back to it as touches), so the store's recency after a
-restart is the one it had before, within the last write-back pass.
+The persistent tiers are the disk and, when crash-safe, the host-RAM arena
+(which re-adopted its blocks from its block table before the store asks).
+Each lists its blocks least recently used first (the order the store wrote
+back to it as touches), so the store's recency after a restart is the one
+it had before, within the last write-back pass. Tiers are read top down: a
+block found in RAM and on disk is one entry with two copies; if their
+metadata differ the higher tier's is kept.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ copies its values in and computes their checksums as it goes; ``commit``
 verifies each slot against its writer's checksum and adopts it as a block,
 all or nothing; ``abort`` gives slots back. A slot whose lease lapses is
 reclaimed by the store's lease expiry, so a client that dies mid-write
-leaks nothing.
+leaks nothing. Each slot is *lent* to its writer (``MappableTier.lend``):
+a head that survives a daemon crash keeps a lent extent from reuse after a
+restart for as long as the writer of the previous run may still write it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class SlotGrant:
     slot_id: int = 0
     offset: int = 0
     size: int = 0
+
+
+# How much longer than its lease a slot's extent stays lent (a crash-safe head keeps
+# it from reuse after a restart): the client is told a deadline computed a moment
+# after allocate returns, and may be mid-copy at it.
+LEND_MARGIN_S = 2.0
 
 
 class SlotProtocol(StorePart):
@@ -72,6 +80,11 @@ class SlotProtocol(StorePart):
                         raise
                     lease.keys = self._s.pin_parent_locked(key, meta)
                 grants.append(SlotGrant(key, False, lease.id, offset, size))
+            with self._cond:
+                # Last, so each extent is lent at least as long as the lease the client is told of.
+                for g in grants:
+                    if not g.present:
+                        self._head.lend(g.offset, lease_s + LEND_MARGIN_S)
         except BaseException:
             self.abort([g.slot_id for g in grants if not g.present], owner=owner)
             raise

@@ -580,11 +580,13 @@ class TieredStore(StorePart):
                     return written
                 written += 1
 
-    def persist_ram(self, deadline: float) -> int:
+    def persist_ram(self, deadline: float, evict: bool = True) -> int:
         """Write blocks held only in the head down the chain, most recent first, until ``deadline``.
 
         Called on a graceful stop so a restarted daemon finds its cache warm.
-        Returns the number of blocks written.
+        ``evict`` False keeps the head's copies too (its arena outlives the
+        process and the next start re-adopts it). Returns the number of
+        blocks written.
         """
         below = self._chain.below(self._head.name)
         if below is None:
@@ -600,7 +602,7 @@ class TieredStore(StorePart):
                 entry = self._catalog.live(key)
                 if entry is None or entry.tiers != {head} or not self._s.mark_copy_locked(key, below.name):
                     continue
-            self._copies.copy_down(Copy(key, head, below.name, evict=True))
+            self._copies.copy_down(Copy(key, head, below.name, evict=evict))
             written += below.name in entry.tiers
         self.flush_recency()
         return written
@@ -620,12 +622,13 @@ class TieredStore(StorePart):
             except BufferError:
                 # A view still held somewhere (an RPC past its grace period, an
                 # exception's traceback): collect cycles and try once more. The
-                # file is already unlinked; the mapping goes with the process.
+                # file is already unlinked (or kept for the next start); the
+                # mapping goes with the process.
                 gc.collect()
                 try:
                     level.tier.close()
                 except BufferError:
-                    log.warning("%s tier still mapped at close; it is unlinked and freed at exit", level.name.label)
+                    log.warning("%s tier still mapped at close; the mapping is freed at exit", level.name.label)
 
     def _reap_loop(self) -> None:
         ticks = 0

@@ -68,6 +68,42 @@ class ExtentAllocator:
         self._used += need
         return offset
 
+    def claim_all(self, extents: list[tuple[int, int]]) -> list[bool]:
+        """Take each ``(offset, size)`` exactly, on an allocator with nothing allocated yet.
+
+        For a restart that adopts the extents a previous run left (the host
+        tier's committed-block table). Per extent, whether it was taken:
+        False when it is not page aligned, leaves the capacity, or overlaps
+        an extent taken before it in the list's order (so the caller lists
+        what it trusts most first). O(n log n); the free space is rebuilt
+        from the gaps in one pass.
+        """
+        if self._allocated:
+            raise ValueError("claim_all needs an allocator with nothing allocated")
+        taken: SortedList = SortedList()  # (start, end)
+        out = []
+        for offset, size in extents:
+            end = offset + self.rounded(size)
+            ok = size > 0 and offset >= 0 and offset % self._page == 0 and end <= self._capacity
+            if ok:
+                i = taken.bisect_left((offset, offset))
+                ok = (i == len(taken) or taken[i][0] >= end) and (i == 0 or taken[i - 1][1] <= offset)
+            if ok:
+                taken.add((offset, end))
+                self._allocated[offset] = end - offset
+                self._used += end - offset
+            out.append(ok)
+        for start, size in list(self._free_by_start.items()):
+            self._remove_free(start, size)
+        at = 0
+        for start, end in taken:
+            if start > at:
+                self._add_free(at, start - at)
+            at = end
+        if at < self._capacity:
+            self._add_free(at, self._capacity - at)
+        return out
+
     def free(self, offset: int) -> int:
         """Return an extent to the free space; the bytes freed (its rounded size)."""
         size = self._allocated.pop(offset, None)

@@ -138,6 +138,13 @@ class MappableTier(Tier):
     def unreserve(self, offset: int) -> None:
         """Give back a reserved extent that will not be committed."""
 
+    def lend(self, offset: int, seconds: float) -> None:
+        """A writer outside the daemon (a same-host client) may write the reserved extent for ``seconds``.
+
+        A tier whose blocks survive a daemon crash keeps such an extent from
+        other blocks after a restart until then; others need do nothing.
+        """
+
     @abc.abstractmethod
     def view(self, offset: int, size: int) -> memoryview:
         """A writable view of ``size`` bytes at ``offset``; the caller releases it."""
