@@ -263,10 +263,18 @@ def test_a_restart_keeps_both_arenas_disk_blocks(make_daemon, tmp_path):
     with Client(daemon.target) as c:
         c.put("a-1", b"k", value(1, MiB))
         c.put("b", b"k", value(2, MiB))
-    daemon.stop(0)  # a graceful stop writes RAM blocks down to each arena's disk
+    daemon.stop(0)  # a graceful stop writes RAM blocks down to each arena's disk, and keeps each arena
     assert any((disk / "arenas" / "team-a").rglob("*")) and any((disk / "blocks").rglob("*"))
     again = two_arenas(make_daemon, disk_dir=str(disk))
     with Client(again.target) as c:
+        for ns, tag in (("a-1", 1), ("b", 2)):  # RAM re-adopted from its own arena, and a copy on its own disk
+            assert c.exists(ns, [b"k"]) == [TierName.HOST] and c.get(ns, b"k") == value(tag, MiB)
+            assert c.stats(ns).tiers["disk"]["blocks"] == 1
+    again.stop(0)
+    for path in tmp_path.glob("strata-*"):  # what a reboot leaves: no arena, only the disk
+        path.unlink()
+    third = two_arenas(make_daemon, disk_dir=str(disk))
+    with Client(third.target) as c:
         assert c.exists("a-1", [b"k"]) == [TierName.DISK] and c.get("a-1", b"k") == value(1, MiB)
         assert c.exists("b", [b"k"]) == [TierName.DISK] and c.get("b", b"k") == value(2, MiB)
 

@@ -168,10 +168,10 @@ def test_a_block_damaged_in_the_arena_between_runs_is_discarded_not_served(daemo
         for k in keys[:2] + keys[3:]:
             assert c.get("m", k) == blob(k, 100_000)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
-    assert 'strata_ram_recovered_blocks_total{outcome="corrupt"} 1.0' in metrics
-    assert 'strata_ram_recovered_blocks_total{outcome="adopted"} 4.0' in metrics
-    assert "strata_ram_recovered_bytes_total 400000.0" in metrics
-    assert "strata_ram_arena_readopted 1.0" in metrics
+    assert 'strata_ram_recovered_blocks_total{arena="default",outcome="corrupt"} 1.0' in metrics
+    assert 'strata_ram_recovered_blocks_total{arena="default",outcome="adopted"} 4.0' in metrics
+    assert 'strata_ram_recovered_bytes_total{arena="default"} 400000.0' in metrics
+    assert 'strata_ram_arena_readopted{arena="default"} 1.0' in metrics
     assert "re-adopted 4 blocks" in daemon.log.read_text()
 
 

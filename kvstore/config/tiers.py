@@ -55,7 +55,6 @@ class RamSettings(Section):
             raise ValueError(f"ram_bytes is {value.human_readable()}; give the RAM tier at least 16MiB")
         return value
 
-
     @property
     def enabled(self) -> bool:
         return True
@@ -71,12 +70,6 @@ class RamSettings(Section):
         """The arena file of the daemon whose state directory is ``state_dir`` (its table: + ``.table``)."""
         return self.shm_dir / arena_name(state_dir)
 
-
-def arena_name(state_dir: Path) -> str:
-    # One arena per state directory: a restart finds the arena its previous
-    # run left (to re-adopt it, or to replace it) instead of leaking its RAM.
-    return "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
-
     def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
         """``options`` for one arena's own tier (``arena`` as in ``Settings.arena_plan``): its RAM
         share; a named arena's file is the default arena's name plus ``-NAME``."""
@@ -84,6 +77,12 @@ def arena_name(state_dir: Path) -> str:
         if not arena["default"]:
             options["arena_name"] = f"{options['arena_name']}-{arena['name']}"
         return options
+
+
+def arena_name(state_dir: Path) -> str:
+    # One arena per state directory: a restart finds the arena its previous
+    # run left (to re-adopt it, or to replace it) instead of leaking its RAM.
+    return "strata-" + xxhash.xxh64_hexdigest(str(state_dir).encode())
 
 
 class LowerTierSettings(Section):

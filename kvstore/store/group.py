@@ -290,9 +290,10 @@ class StoreGroup:
     def flush_recency(self) -> int:
         return sum(store.flush_recency() for store in self._stores())
 
-    def persist_ram(self, deadline: float) -> int:
-        """Each arena's RAM-only blocks down its chain, the default arena first, until ``deadline``."""
-        return sum(store.persist_ram(deadline) for store in self._stores())
+    def persist_ram(self, deadline: float, evict: bool = True) -> int:
+        """Each arena's RAM-only blocks down its chain, the default arena first, until ``deadline``
+        (``evict``: as :meth:`TieredStore.persist_ram`)."""
+        return sum(store.persist_ram(deadline, evict=evict) for store in self._stores())
 
     def close(self) -> None:
         for store in self._stores():
