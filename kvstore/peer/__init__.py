@@ -1,0 +1,12 @@
+"""The peer data plane: blocks between daemons.
+
+- :mod:`kvstore.peer.base`: the :class:`PeerTransport` contract, addresses,
+  the scheme → transport registry;
+- :mod:`kvstore.peer.wire`: the TCP peer protocol's frames;
+- :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``);
+- :mod:`kvstore.peer.tcp`: the TCP client, a :class:`PeerTransport`.
+"""
+
+from kvstore.peer.base import PEER_TRANSPORTS, PeerAddress, PeerStats, PeerTransport, open_peer_transport
+
+__all__ = ["PEER_TRANSPORTS", "PeerAddress", "PeerStats", "PeerTransport", "open_peer_transport"]
