@@ -124,6 +124,17 @@ class IndexAgent:
         """Run an index coroutine on the agent's loop from a worker thread."""
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop).result(timeout + 1)
 
+    def advertise(self, address: str, transports: Sequence[str]) -> None:
+        """Change what this node's record advertises; a running agent joins again to publish it
+        (with a full re-publish, as after any trouble: a join alone could start a new incarnation
+        whose rows were never sent)."""
+        with self._lock:
+            if (address, tuple(transports)) == (self.address, self.transports):
+                return
+            self.address, self.transports = address, tuple(transports)
+            self._pending.clear()
+            self._resync = True
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The loop the index lives on: a coroutine of ``index`` runs there and nowhere else."""
