@@ -117,7 +117,7 @@ class DiskSettings(LowerTierSettings):
         return options
 
 
-class PeerSettings(LowerTierSettings):
+class PeerTierSettings(LowerTierSettings):
     flag_prefix = "peer_"
     title = ("peer tier: on a local miss, blocks other daemons hold (found through the prefix index) are "
              "fetched, verified, and copied up; read-through only")
@@ -165,7 +165,7 @@ class PeerSettings(LowerTierSettings):
         return value
 
     @model_validator(mode="after")
-    def _deadlines(self) -> PeerSettings:
+    def _deadlines(self) -> PeerTierSettings:
         if self.fetch_seconds > self.deadline_seconds:
             raise ValueError(
                 f"peer_fetch_seconds ({self.fetch_seconds:g}) is longer than peer_deadline_seconds "
@@ -196,7 +196,7 @@ class TierSettings(Section):
     )
     ram: RamSettings = setting(default_factory=RamSettings)
     disk: DiskSettings = setting(default_factory=DiskSettings)
-    peer: PeerSettings = setting(default_factory=PeerSettings)
+    peer: PeerTierSettings = setting(default_factory=PeerTierSettings)
 
     _split = field_validator("chain", mode="before")(split_commas)
 
