@@ -132,21 +132,22 @@ def test_a_holder_killed_mid_batch_falls_back_to_the_next_holder(nodes):
             ca.put(NS, k, v)
             cc.put(NS, k, v)
         wait_until(lambda: held_by(cb, keys, "a", "c"), what="a and c to publish")
-        stub = kv_pb2_grpc.KVServiceStub(grpc.insecure_channel(b.target, options=CHANNEL_OPTIONS))
         got: dict[int, bytes] = {}
         header, buf, index = None, bytearray(), -1
-        for msg in stub.Get(pb.GetRequest(namespace=NS, keys=keys), timeout=120):
-            if msg.WhichOneof("part") == "header":
-                index += 1
-                header, buf = msg.header, bytearray()
-                assert header.found, f"block {index} was a miss although c holds it"
-                continue
-            buf += msg.chunk
-            if len(buf) == header.block.size:
-                assert checksum(buf) == header.block.checksum
-                got[index] = bytes(buf)
-                if index == 0:
-                    a.kill()  # the first block arrived: the rest are still to come, from a or after it
+        with grpc.insecure_channel(b.target, options=CHANNEL_OPTIONS) as channel:
+            stream = kv_pb2_grpc.KVServiceStub(channel).Get(pb.GetRequest(namespace=NS, keys=keys), timeout=120)
+            for msg in stream:  # read as it comes: gRPC's flow control keeps b from running far ahead
+                if msg.WhichOneof("part") == "header":
+                    index += 1
+                    header, buf = msg.header, bytearray()
+                    assert header.found, f"block {index} was a miss although c holds it"
+                    continue
+                buf += msg.chunk
+                if len(buf) == header.block.size:
+                    assert checksum(buf) == header.block.checksum
+                    got[index] = bytes(buf)
+                    if index == 0:
+                        a.kill()  # the first block arrived; the rest are still to come
         assert sorted(got) == list(range(n))
         assert all(got[i] == data[i] for i in range(n)), "a block served differs from the one put"
         passed_over = b.fallbacks()

@@ -153,7 +153,7 @@ class PeerSource(RemoteSource):
         host: str = "",
         schemes: Sequence[str] = ("grpc",),
         transports: Mapping[str, PeerTransport] | None = None,
-        transport_options: Mapping[str, object] | None = None,
+        transport_options: Mapping[str, Mapping[str, object]] | None = None,
         limits: PeerLimits = PeerLimits(),
         metrics: PeerMetrics | None = None,
         index_loop: asyncio.AbstractEventLoop | None = None,
@@ -162,8 +162,8 @@ class PeerSource(RemoteSource):
         """``index``: the prefix index, living on ``index_loop`` (None: this source's own loop).
         ``node_id``: this node (never its own peer). ``host``: this node's advertised host, for
         "same host first". ``schemes``: the transports this node fetches with, preferred first;
-        each is built by :func:`kvstore.peer.base.open_peer_transport` with ``transport_options``
-        (the token) unless ``transports`` gives it ready."""
+        each is built by :func:`kvstore.peer.base.open_peer_transport` with its entry of
+        ``transport_options`` (scheme -> keyword options: the token) unless ``transports`` gives it."""
         if not schemes:
             raise InvalidArgument("the peer tier needs at least one transport scheme (e.g. grpc)")
         self.name = "peer"
@@ -173,7 +173,7 @@ class PeerSource(RemoteSource):
         self.host = host
         self._schemes = tuple(schemes)
         self._transports: dict[str, PeerTransport] = dict(transports or {})
-        self._transport_options = dict(transport_options or {})
+        self._transport_options = {scheme: dict(o) for scheme, o in (transport_options or {}).items()}
         self.limits = limits
         self.metrics = metrics or PeerMetrics()
         self._clock = clock
@@ -203,11 +203,10 @@ class PeerSource(RemoteSource):
             )
         from kvstore.auth.credentials import read_token_file
 
-        transport_options: dict[str, object] = {}
-        if token_file:
-            transport_options["token"] = read_token_file(token_file)
-        if tls_ca:
-            transport_options["tls_ca"] = tls_ca
+        common: dict[str, object] = {"token": read_token_file(token_file)} if token_file else {}
+        transport_options = {scheme: dict(common) for scheme in options.get("schemes", ("grpc",))}
+        if tls_ca:  # the gRPC transport's channel verifies the peers' certificates with it
+            transport_options.setdefault("grpc", {})["tls_ca"] = tls_ca
         limits = PeerLimits(fetch_s=fetch_s, max_holders=max_holders, backoff_s=backoff_s,
                             max_block_bytes=max_block_bytes)
         return cls(index, node_id, limits=limits, transport_options=transport_options, **options)
@@ -444,7 +443,7 @@ class PeerSource(RemoteSource):
     def _transport(self, scheme: str) -> PeerTransport:
         transport = self._transports.get(scheme)
         if transport is None:
-            transport = self._transports[scheme] = open_peer_transport(scheme, **self._transport_options)
+            transport = self._transports[scheme] = open_peer_transport(scheme, **self._transport_options.get(scheme, {}))
         return transport
 
     async def _on_index(self, call: Callable[[], Awaitable], timeout_s: float):
