@@ -22,7 +22,6 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
