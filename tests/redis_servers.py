@@ -54,7 +54,9 @@ class TLSFiles:
 class RedisServer:
     """``password``: the default user's (``requirepass``); ``tls``: serve TLS only, on ``port``."""
 
-    def __init__(self, home: Path, *extra: str, password: str | None = None, tls: TLSFiles | None = None) -> None:
+    def __init__(self, home: Path, *extra: str, password: str | None = None, tls: TLSFiles | None = None,
+                 bind: str = "127.0.0.1") -> None:
+        """``bind``: the addresses it listens on, space-separated (loopback is always among them)."""
         self.home = home
         self.port = _free_port()
         self.password = password
@@ -69,7 +71,7 @@ class RedisServer:
             ]
         auth = ["--requirepass", password] if password is not None else []
         args = [
-            REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--dir", str(home),
+            REDIS_SERVER, *ports, "--bind", *dict.fromkeys(["127.0.0.1", *bind.split()]), "--dir", str(home),
             "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log), *auth, *extra,
         ]
         self.proc = subprocess.Popen(

@@ -3,6 +3,8 @@ and errors that name the flag, variable or config key to change."""
 
 from __future__ import annotations
 
+import socket
+
 import dataclasses
 import subprocess
 import sys
@@ -142,6 +144,27 @@ def test_example_config_file_loads():
         "replay_endpoint": "tcp://vllm-0:5558", "topic": "",
     }]
     assert s.server.unix_socket == "/run/strata/strata.sock"
+    assert s.tiers.chain == ["ram", "disk", "peer"] and s.server.advertise_address == "10.0.0.2:50051"
+    assert s.tiers.peer.edge() == {"demote": False, "write_through": False, "promote": True}
+    assert s.tiers.peer.transports == ["grpc"] and s.tiers.peer.token_file == "/etc/strata/peer.token"
+
+
+def test_peer_settings_are_checked_and_the_advertised_address_derived():
+    s = load_settings(environ={}, tiers="ram,peer", peer_transports="tcp,grpc", listen="10.1.2.3:7000")
+    assert s.tiers.peer.transports == ["tcp", "grpc"] and s.tiers.peer.write_policy == "off"
+    assert s.server.advertised(7000) == "10.1.2.3:7000" and s.server.advertised_host() == "10.1.2.3"
+    wild = load_settings(environ={}, listen="0.0.0.0:7000", insecure=True)
+    assert wild.server.advertised(7001) == f"{socket.gethostname()}:7001"
+    told = load_settings(environ={}, advertise_address="[fd00::5]:9000")
+    assert told.server.advertised(1) == "[fd00::5]:9000" and told.server.advertised_host() == "fd00::5"
+    for bad, says in [
+        (dict(peer_fetch_seconds=10, peer_deadline_seconds=5), "peer_deadline_seconds"),
+        (dict(peer_transports="grpc,GRPC"), "scheme name"),
+        (dict(peer_transports="grpc,grpc"), "each scheme once"),
+        (dict(advertise_address="10.0.0.1"), "host:port"),
+    ]:
+        with pytest.raises(SettingsError, match=says):
+            load_settings(environ={}, **bad)
 
 
 def test_readme_config_example_loads(tmp_path):

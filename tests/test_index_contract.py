@@ -355,6 +355,35 @@ def test_nodes_and_idempotent_join(backend):
     run(backend, body)
 
 
+def test_node_records_carry_addresses(backend):
+    """What a peer needs to reach a node: its advertised address and transports, replaced at every join."""
+    grpc_a, tcp_a = "grpc://10.0.0.2:50051", "tcp://10.0.0.2:50061"
+
+    async def body(ix):
+        await ix.join("a", 3, LONG_TTL, address="10.0.0.2:50051", transports=[grpc_a, tcp_a])
+        await ix.join("b", 1, LONG_TTL)  # advertises nothing
+        await ix.join("v6", 1, LONG_TTL, address="[fd00::7]:50051", transports=["grpc://[fd00::7]:50051"])
+        nodes = {n.node_id: n for n in await ix.nodes()}
+        assert nodes["a"] == NodeInfo("a", 3, True, "10.0.0.2:50051", (grpc_a, tcp_a))
+        assert nodes["a"].host == "10.0.0.2" and nodes["a"].endpoint("tcp") == "10.0.0.2:50061"
+        assert nodes["a"].endpoint("ucx") is None
+        assert nodes["b"] == NodeInfo("b", 1, True)
+        assert nodes["v6"].host == "fd00::7"
+        await ix.join("a", 3, LONG_TTL, address="10.0.0.9:50051", transports=["grpc://10.0.0.9:50051"])  # refresh
+        await ix.join("b", 2, LONG_TTL, address="10.0.0.3:7000")  # restart at a new epoch
+        nodes = {n.node_id: n for n in await ix.nodes()}
+        assert nodes["a"] == NodeInfo("a", 3, True, "10.0.0.9:50051", ("grpc://10.0.0.9:50051",))
+        assert nodes["b"] == NodeInfo("b", 2, True, "10.0.0.3:7000", ())
+        with pytest.raises(StaleEpoch):  # an older process may not overwrite the new one's record
+            await ix.join("b", 1, LONG_TTL, address="10.0.0.66:1")
+        await ix.leave("a")
+        await ix.join("a", 4, LONG_TTL)  # back, advertising nothing: the old record is gone
+        nodes = {n.node_id: n for n in await ix.nodes()}
+        assert nodes["a"] == NodeInfo("a", 4, True) and nodes["b"].address == "10.0.0.3:7000"
+
+    run(backend, body)
+
+
 def test_heartbeat_expiry(backend):
     k = chain(4)
 
@@ -619,6 +648,12 @@ BAD_CALLS: dict[str, Callable[[PrefixIndex], Awaitable]] = {
     "nan ttl": lambda ix: ix.heartbeat("a", 1, float("nan")),
     "sweep zero": lambda ix: ix.sweep(0),
     "clear bad namespace": lambda ix: ix.clear("a", "bad namespace"),
+    "address with a space": lambda ix: ix.join("a", 1, 10, address="10.0.0.1 :5"),
+    "address without a port": lambda ix: ix.join("a", 1, 10, address="10.0.0.1"),
+    "address too long": lambda ix: ix.join("a", 1, 10, address="h" * 300 + ":1"),
+    "transport without scheme": lambda ix: ix.join("a", 1, 10, transports=["10.0.0.1:5"]),
+    "transports as one string": lambda ix: ix.join("a", 1, 10, transports="grpc://h:1"),
+    "too many transports": lambda ix: ix.join("a", 1, 10, transports=[f"tcp://h:{i}" for i in range(17)]),
 }
 
 

@@ -147,7 +147,7 @@ def test_tier_registry_builds_by_name_and_lists_known(tmp_path):
     remote = open_tier("remote", url=f"memory://registry-{tmp_path.name}")
     assert remote.name is TierName.OBJECT and remote.remote
     remote.close()
-    with pytest.raises(InvalidArgument, match="known tiers are disk, ram, remote"):
+    with pytest.raises(InvalidArgument, match="known tiers are disk, peer, ram, remote"):
         open_tier("tape")
 
 

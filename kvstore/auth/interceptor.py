@@ -22,6 +22,8 @@ import grpc
 
 from kvstore.auth.authority import Authority
 from kvstore.auth.identity import READ, WRITE, Caller, Identity, reset_caller, set_caller
+
+NODE_WIDE = "node"  # the answer covers the whole fleet (every namespace): admins only
 from kvstore.block import validate_namespace
 from kvstore.errors import PermissionDenied, Unauthenticated
 
@@ -33,6 +35,7 @@ ACTIONS: dict[str, str | None] = {
     "Put": WRITE, "Get": READ, "Exists": READ, "Delete": WRITE, "Pin": READ, "List": READ, "Stats": READ,
     "Allocate": WRITE, "Lookup": READ, "Score": READ, "Holders": READ,
     "Commit": None, "Abort": None, "Release": None, "Unpin": None, "Attach": None,
+    "Nodes": NODE_WIDE,
 }
 
 
@@ -75,7 +78,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         identity = self.identify(context)
         if action == "unknown":
             raise PermissionDenied(f"{op}: this daemon's auth policy has no rule for this method; upgrade the daemon")
-        if action is not None and request is not None:
+        if action == NODE_WIDE:
+            self._authority.check_node(identity, f"{op} (the fleet's nodes and addresses)")
+        elif action is not None and request is not None:
             self.check_request(identity, op, action, request.namespace)
         return Caller(identity, identity.principal if identity.authenticated else "conn:" + context.peer())
 

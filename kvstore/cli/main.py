@@ -9,6 +9,7 @@
     strata stats                     tier usage, blocks, leases
     strata index lookup NS KEY...    nodes ranked by the cached prefix they hold (or --tokens)
     strata index holders NS KEY...   who holds each block of a chain
+    strata peers                     the fleet's nodes: epochs, liveness, advertised transports
 """
 
 from __future__ import annotations
@@ -243,6 +244,20 @@ def cmd_index_holders(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peers(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        nodes = client.nodes()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(n) for n in nodes]))
+        return 0
+    if not nodes:
+        print("the prefix index knows no node (is --index-url a shared Redis?)")
+    for n in nodes:
+        state = "alive" if n.alive else "dead"
+        print(f"{n.node_id}\tepoch {n.epoch}\t{state}\t{n.address or '-'}\t{' '.join(n.transports) or '-'}")
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         s = client.stats(args.namespace or "")
@@ -366,6 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="For each block of the chain, the nodes holding it now (live, at their current epoch).",
     )
     holders.set_defaults(func=cmd_index_holders)
+
+    peers = sub.add_parser(
+        "peers", parents=[client_opts], help="list the fleet's nodes: epochs, liveness, advertised transports",
+        description="Every node the daemon's prefix index knows: node id, epoch, whether it heartbeats within "
+        "its TTL, its advertised gRPC address and its data-plane transports (what peers fetch blocks over).",
+    )
+    peers.add_argument("--json", action="store_true", help="print JSON")
+    peers.set_defaults(func=cmd_peers)
 
     stats = sub.add_parser("stats", parents=[client_opts], help="show tier usage, blocks and leases")
     stats.add_argument("--namespace", help="only this namespace")

@@ -308,22 +308,30 @@ class AsyncClient:
         block = (await self.get_many(namespace, [key]))[0]
         return None if block is None else block.data
 
-    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[Block | None]:
-        """Blocks in one batch, in order; None for each miss. Every block is checksum-verified."""
-        return await self._get(namespace, keys, None)
+    async def get_many(self, namespace: str, keys: Sequence[bytes], *, local_only: bool = False) -> list[Block | None]:
+        """Blocks in one batch, in order; None for each miss. Every block is checksum-verified.
 
-    async def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence | codec.Placement) -> list[Block | None]:
+        ``local_only``: the daemon answers from its own tiers only, never reading through to
+        its peers (what a peer fetch asks); the bytes are then always streamed."""
+        return await self._get(namespace, keys, None, local_only)
+
+    async def get_into(
+        self, namespace: str, keys: Sequence[bytes], buffers: Sequence | codec.Placement, *, local_only: bool = False
+    ) -> list[Block | None]:
         """Read blocks straight into caller-owned memory; see :meth:`kvstore.Client.get_into`.
 
         A placement function runs on the event loop, never in a worker thread.
+        ``local_only`` as for :meth:`get_many`.
         """
         keys = codec.check_gets(namespace, keys)
-        return await self._get(namespace, keys, codec.placement(keys, buffers))
+        return await self._get(namespace, keys, codec.placement(keys, buffers), local_only)
 
-    async def _get(self, namespace: str, keys: Sequence[bytes], place) -> list[Block | None]:
+    async def _get(self, namespace: str, keys: Sequence[bytes], place, local_only: bool = False) -> list[Block | None]:
         keys = codec.check_gets(namespace, keys)
         if not keys:
             return []
+        if local_only:
+            return await self._get_streamed(namespace, keys, place, local_only=True)
         attached = await self._attached_for(namespace)
         if attached is None:
             return await self._get_streamed(namespace, keys, place)
@@ -362,11 +370,15 @@ class AsyncClient:
         task.add_done_callback(_forget_release)
         task.add_done_callback(self._releases.discard)
 
-    async def _get_streamed(self, namespace: str, keys: list[bytes], place=None, indices=None) -> list[Block | None]:
+    async def _get_streamed(
+        self, namespace: str, keys: list[bytes], place=None, indices=None, *, local_only: bool = False
+    ) -> list[Block | None]:
+        request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
+
         async def once() -> list[Block | None]:
             assembler = codec.GetAssembler(place, indices)
             large = False
-            async for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+            async for msg in self._stub.Get(request, timeout=self.timeout):
                 if msg.WhichOneof("part") == "header":  # on the loop: it may call the placement
                     large = msg.header.block.size > OFF_LOOP_BYTES
                     assembler.feed(msg)

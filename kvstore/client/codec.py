@@ -32,7 +32,7 @@ DEFAULT_TIMEOUT_S = 10.0
 # succeeded fails or takes a second lease.
 RETRY_ON_UNAVAILABLE = frozenset(
     {"Put", "Get", "Exists", "Delete", "Stats", "Attach", "Allocate", "Lookup", "Release", "Abort", "Unpin",
-     "Score", "Holders", "List"}
+     "Score", "Holders", "List", "Nodes"}
 )
 
 
@@ -119,6 +119,21 @@ def parse_scores(r) -> list[EndpointScore]:
 
 def parse_holders(r) -> list[list[Holder]]:
     return [[Holder(h.node_id, TierName(h.tier), h.epoch) for h in b.holders] for b in r.blocks]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerNode:
+    """A node of the fleet as the daemon's index knows it (the Nodes RPC)."""
+
+    node_id: str
+    epoch: int
+    alive: bool
+    address: str  # its gRPC service, host:port
+    transports: list[str]  # data-plane endpoints, scheme://host:port, preferred first
+
+
+def parse_nodes(r) -> list[PeerNode]:
+    return [PeerNode(n.node_id, n.epoch, n.alive, n.address, list(n.transports)) for n in r.nodes]
 
 
 def tier_name(value: int) -> TierName | None:

@@ -262,6 +262,12 @@ class Client:
         request = codec.chain_request(index_pb2.HoldersRequest, namespace, keys, tokens, block_size, hash_seed, lora_name, cache_salt)
         return codec.parse_holders(self._retrying("Holders", lambda: self._index.Holders(request, timeout=self.timeout)))
 
+    def nodes(self) -> list[codec.PeerNode]:
+        """Every node the daemon's prefix index knows, with its epoch, liveness and advertised
+        transports (needs an identity allowed on every namespace when the daemon authenticates)."""
+        request = index_pb2.NodesRequest()
+        return codec.parse_nodes(self._retrying("Nodes", lambda: self._index.Nodes(request, timeout=self.timeout)))
+
     def list_blocks(self, namespace: str, prefix: bytes = b"", *, page_size: int = 0, page_token: bytes = b"") -> ListPage:
         """One page of the namespace's keys starting with ``prefix``, in byte order.
 

@@ -5,10 +5,11 @@ One section per component, each a model that holds its settings' defaults
 
     Settings
     ├── node      NodeSettings      [node]         id
-    ├── server    ServerSettings    [server]       listen, unix_socket, metrics_listen, workers, limits
+    ├── server    ServerSettings    [server]       listen, advertise_address, unix_socket, metrics_listen, limits
     ├── tiers     TierSettings
     │   ├── ram   RamSettings       [tiers.ram]    bytes, shm_dir
-    │   └── disk  DiskSettings      [tiers.disk]   dir, bytes, fsync
+    │   ├── disk  DiskSettings      [tiers.disk]   dir, bytes, fsync
+    │   └── peer  PeerTierSettings  [tiers.peer]   fetch limits and deadlines, transports, token_file
     ├── store     StoreSettings     [store]        block and batch limits, leases, demotion, namespaces
     ├── index     IndexSettings     [index]        url, ttl_seconds, score_weights, kv_events
     ├── auth      AuthSettings      [auth]         policy file, TLS, protected mode, socket mode

@@ -13,6 +13,11 @@ MESSAGE_HEADROOM_BYTES = 64 << 10
 HEALTH_WORKERS = 2  # gRPC worker threads no admitted RPC may take: health and reflection answer on them
 
 
+def _host_of(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 class NodeSettings(Section):
     flag_prefix = "node_"
     title = "this node's identity in the fleet"
@@ -24,6 +29,11 @@ class ServerSettings(Section):
     title = "listeners, worker threads and per-request limits of the gRPC server"
 
     listen: str = setting("127.0.0.1:50051", "gRPC address, host:port ('0.0.0.0:50051' for all interfaces)")
+    advertise_address: str = setting(
+        "", "host:port at which other nodes reach this daemon's gRPC service, published in its node record "
+        "(peers fetch blocks there); empty: the --listen address, or this host's name with the --listen port "
+        "when listening on every interface (0.0.0.0, [::])",
+    )
     unix_socket: str = setting(
         "", "also serve gRPC on this Unix socket path (lower latency for same-host clients); empty: off"
     )
@@ -61,6 +71,28 @@ class ServerSettings(Section):
         if not 4 << 10 <= value <= 4 << 20:
             raise ValueError(f"chunk_bytes is {value.human_readable()}; it must be between 4KiB and 4MiB")
         return value
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if value and (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ValueError(f"advertise_address {value!r} must be host:port, e.g. 10.0.0.2:50051")
+        return value
+
+    def advertised_host(self) -> str:
+        """The host part of what this node advertises (known before the port is bound)."""
+        if self.advertise_address:
+            return _host_of(self.advertise_address)
+        host = _host_of(self.listen)
+        return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+
+    def advertised(self, port: int) -> str:
+        """host:port peers reach this daemon at, ``port`` being the one --listen bound."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.advertised_host()
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @property
     def admitted_rpcs(self) -> int:

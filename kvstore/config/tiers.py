@@ -1,9 +1,9 @@
-"""Settings of the tiers: ``[tiers] chain``, ``[tiers.ram]`` and ``[tiers.disk]``.
+"""Settings of the tiers: ``[tiers] chain``, ``[tiers.ram]``, ``[tiers.disk]`` and ``[tiers.peer]``.
 
 ``chain`` orders the tiers, fastest first; each name is a section here and a
 tier in :mod:`kvstore.tiers`' registry. Every tier below the head says how
 blocks reach it (``write_policy``) and whether reads from it are copied up
-(``promote``): the policy of the edge above it. The GPU, peer and object
+(``promote``): the policy of the edge above it. The GPU and object
 tiers get their sections here when they exist: a
 :class:`~kvstore.config.section.Section` subclass (a
 :class:`LowerTierSettings` for a tier below the head) and a field of
@@ -12,6 +12,7 @@ tiers get their sections here when they exist: a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -135,6 +136,75 @@ class DiskSettings(LowerTierSettings):
         return options
 
 
+class PeerTierSettings(LowerTierSettings):
+    flag_prefix = "peer_"
+    title = ("peer tier: on a local miss, blocks other daemons hold (found through the prefix index) are "
+             "fetched, verified, and copied up; read-through only")
+
+    write_policy: Literal["back", "through", "off"] = setting(
+        "off",
+        "blocks never go down to peers (off); the peer tier is read-through only and refuses writes, so "
+        "back or through only cost a refused call per block",
+    )
+    max_fetches: int = setting(16, "reads from peers running at once", ge=1, le=1024)
+    max_queued: int = setting(
+        64, "reads waiting for a turn beyond max_fetches; more are refused at once (RESOURCE_EXHAUSTED, a "
+        "local miss), never queued", ge=0, le=1 << 16,
+    )
+    fetch_seconds: float = setting(2.0, "deadline of one fetch from one holder; past it the next holder is tried",
+                                   gt=0, le=300)
+    deadline_seconds: float = setting(
+        5.0, "deadline of a whole peer read (every holder tried); a local miss never waits longer", gt=0, le=600
+    )
+    max_holders: int = setting(3, "holders tried per block before it is a miss", ge=1, le=64)
+    backoff_seconds: float = setting(
+        1.0, "a holder that could not be reached or stalled is skipped this long", ge=0, le=3600
+    )
+    transports: Annotated[list[str], Field(min_length=1, max_length=8)] = setting(
+        default_factory=lambda: ["tcp", "grpc"],
+        description="transport schemes this node fetches with, preferred first, comma-separated; a holder is "
+        "reached by the first one it also advertises (tcp: holders with --peer-listen; grpc: every daemon)",
+    )
+    token_file: str = setting(
+        "", "file holding the bearer token this daemon presents to its peers; their auth policy must let it "
+        "read the namespaces it fetches; empty: no token (peers without authentication)",
+    )
+    tls_ca: str = setting("", "CA certificate (PEM) that signed the peers' TLS certificates, when they serve TLS")
+
+    _split = field_validator("transports", mode="before")(split_commas)
+
+    @field_validator("transports")
+    @classmethod
+    def _schemes(cls, value: list[str]) -> list[str]:
+        for scheme in value:
+            if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+                raise ValueError(f"peer transport {scheme!r} is not a scheme name such as grpc or tcp")
+        if len(set(value)) != len(value):
+            raise ValueError(f"peer transports {value}: list each scheme once")
+        return value
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> PeerTierSettings:
+        if self.fetch_seconds > self.deadline_seconds:
+            raise ValueError(
+                f"peer_fetch_seconds ({self.fetch_seconds:g}) is longer than peer_deadline_seconds "
+                f"({self.deadline_seconds:g}): one holder's fetch must fit in the whole read's deadline"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def tier_options(self, state_dir: Path) -> dict[str, Any]:
+        """Plain values; the daemon adds its index, node id, host and metrics (``kvstore.tiers`` ``peer``)."""
+        return {
+            "deadline_s": self.deadline_seconds, "max_fetches": self.max_fetches, "max_queued": self.max_queued,
+            "fetch_s": self.fetch_seconds, "max_holders": self.max_holders, "backoff_s": self.backoff_seconds,
+            "schemes": tuple(self.transports), "token_file": self.token_file, "tls_ca": self.tls_ca,
+        }
+
+
 class TierSettings(Section):
     title = "the tiers, fastest first"
 
@@ -145,6 +215,7 @@ class TierSettings(Section):
     )
     ram: RamSettings = setting(default_factory=RamSettings)
     disk: DiskSettings = setting(default_factory=DiskSettings)
+    peer: PeerTierSettings = setting(default_factory=PeerTierSettings)
 
     _split = field_validator("chain", mode="before")(split_commas)
 

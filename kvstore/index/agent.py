@@ -58,8 +58,13 @@ class IndexAgent:
         buffer_blocks: int = 1 << 18,
         registry: CollectorRegistry | None = None,
         on_degraded: Callable[[bool], None] | None = None,
+        address: str = "",
+        transports: Sequence[str] = (),
     ) -> None:
+        """``address`` and ``transports``: what this node advertises to its peers in its node record."""
         self.index = index
+        self.address = address
+        self.transports = tuple(transports)
         self.node_id = node_id
         self.epoch = epoch
         self._holdings = holdings
@@ -118,6 +123,22 @@ class IndexAgent:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run an index coroutine on the agent's loop from a worker thread."""
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop).result(timeout + 1)
+
+    def advertise(self, address: str, transports: Sequence[str]) -> None:
+        """Change what this node's record advertises; a running agent joins again to publish it
+        (with a full re-publish, as after any trouble: a join alone could start a new incarnation
+        whose rows were never sent)."""
+        with self._lock:
+            if (address, tuple(transports)) == (self.address, self.transports):
+                return
+            self.address, self.transports = address, tuple(transports)
+            self._pending.clear()
+            self._resync = True
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the index lives on: a coroutine of ``index`` runs there and nowhere else."""
+        return self._loop
 
     def start(self) -> IndexAgent:
         self._thread.start()
@@ -179,7 +200,9 @@ class IndexAgent:
             self._pending.clear()
             self._resync = False
         try:
-            await self.index.join(self.node_id, self.epoch, self._ttl_s)
+            await self.index.join(
+                self.node_id, self.epoch, self._ttl_s, address=self.address, transports=self.transports
+            )
             await self.index.clear(self.node_id)
             by_ns = await asyncio.get_running_loop().run_in_executor(self._snapshots, self._snapshot)
             for namespace, blocks in by_ns.items():

@@ -40,6 +40,8 @@ MAX_CHAIN_BLOCKS = 4096  # keys, blocks or candidates in one call
 MAX_NODE_ID_CHARS = 256
 MAX_EPOCH = (1 << 63) - 1
 MAX_TTL_S = 86400.0
+MAX_ADDRESS_CHARS = 256  # an advertised address or one transport endpoint
+MAX_TRANSPORTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,18 +62,46 @@ class NodeMatch:
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
+    """A node as the index knows it, with what a peer needs to reach it.
+
+    ``address`` is the host:port of its gRPC service as other nodes reach it
+    (the daemon's advertised address); ``transports`` are its data-plane
+    endpoints, ``scheme://host:port``, in the node's order of preference
+    (``grpc://10.0.0.2:50051``, ``tcp://10.0.0.2:50061``). Both are what the
+    node gave at its latest ``join``; empty when it advertised none.
+    """
+
     node_id: str
     epoch: int
     alive: bool
+    address: str = ""
+    transports: tuple[str, ...] = ()
+
+    @property
+    def host(self) -> str:
+        """The host part of ``address`` ("" when none): how a peer tells a node on its own host."""
+        return address_host(self.address)
+
+    def endpoint(self, scheme: str) -> str | None:
+        """The ``host:port`` of its first transport of ``scheme``, or None when it has none."""
+        for t in self.transports:
+            s, _, rest = t.partition("://")
+            if s == scheme:
+                return rest
+        return None
 
 
 class PrefixIndex(abc.ABC):
     """All methods are coroutines; implementations bound every batch they accept."""
 
     @abc.abstractmethod
-    async def join(self, node_id: str, epoch: int, ttl_s: float) -> None:
+    async def join(
+        self, node_id: str, epoch: int, ttl_s: float, *, address: str = "", transports: Sequence[str] = ()
+    ) -> None:
         """Register (or re-register) a node. A greater epoch than the known one means the
-        node restarted: its older entries stop counting at once. A smaller one raises StaleEpoch."""
+        node restarted: its older entries stop counting at once. A smaller one raises StaleEpoch.
+        ``address`` and ``transports`` (see :class:`NodeInfo`) replace what the node advertised
+        before, at every join; ``nodes`` reports them until the node leaves."""
 
     @abc.abstractmethod
     async def heartbeat(self, node_id: str, epoch: int, ttl_s: float) -> None:
@@ -141,6 +171,39 @@ def check_node(node_id: str, epoch: int) -> None:
 def check_ttl(ttl_s: float) -> None:
     if not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
         raise InvalidArgument(f"ttl_s must be a number of seconds above 0 and at most {MAX_TTL_S:g}, not {ttl_s!r}")
+
+
+def address_host(address: str) -> str:
+    """``10.0.0.2:50051`` -> ``10.0.0.2``; ``[fd00::2]:50051`` -> ``fd00::2``; "" for ""."""
+    host = address.rpartition(":")[0] if ":" in address else address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def check_contact(address: str, transports: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """A node's advertised address and transports, as every backend stores them."""
+
+    def plain(text: object, what: str) -> str:
+        if not isinstance(text, str):
+            raise InvalidArgument(f"{what} must be a string, not {type(text).__name__}")
+        if len(text) > MAX_ADDRESS_CHARS:
+            raise InvalidArgument(f"{what} is {len(text)} characters; the limit is {MAX_ADDRESS_CHARS}")
+        if not text.isprintable() or any(c.isspace() for c in text):
+            raise InvalidArgument(f"{what} {text!r} holds spaces or control characters: give host:port")
+        return text
+
+    address = plain(address, "the advertised address")
+    if address and not address.rpartition(":")[2].isdigit():
+        raise InvalidArgument(f"the advertised address {address!r} is not host:port")
+    if isinstance(transports, (str, bytes)):
+        raise InvalidArgument("transports must be a sequence of scheme://host:port strings, not one string")
+    transports = tuple(transports)
+    if len(transports) > MAX_TRANSPORTS:
+        raise InvalidArgument(f"{len(transports)} transports; a node advertises at most {MAX_TRANSPORTS}")
+    for t in transports:
+        scheme, sep, rest = plain(t, "a transport").partition("://")
+        if not sep or not scheme or not rest.rpartition(":")[2].isdigit():
+            raise InvalidArgument(f"transport {t!r} is not scheme://host:port (e.g. grpc://10.0.0.2:50051)")
+    return address, transports
 
 
 def check_budget(max_entries: int) -> None:

@@ -38,6 +38,7 @@ from kvstore.index.base import (
     check_blocks,
     check_budget,
     check_candidates,
+    check_contact,
     check_keys,
     check_node,
     check_node_id,
@@ -51,6 +52,8 @@ class _Member:
     epoch: int
     incarnation: int
     deadline: float
+    address: str = ""
+    transports: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -70,9 +73,12 @@ class MemoryIndex(PrefixIndex):
 
     # ---- membership ------------------------------------------------------------
 
-    async def join(self, node_id: str, epoch: int, ttl_s: float) -> None:
+    async def join(
+        self, node_id: str, epoch: int, ttl_s: float, *, address: str = "", transports: Sequence[str] = ()
+    ) -> None:
         check_node(node_id, epoch)
         check_ttl(ttl_s)
+        address, transports = check_contact(address, transports)
         now = self._clock()
         m = self._members.get(node_id)
         if m is not None:
@@ -80,11 +86,12 @@ class MemoryIndex(PrefixIndex):
                 raise StaleEpoch(_older(node_id, epoch, m.epoch))
             if epoch == m.epoch and m.deadline > now:
                 m.deadline = now + ttl_s
+                m.address, m.transports = address, transports
                 return
         inc = self._next_incarnation
         self._next_incarnation += 1
         self._incarnations[inc] = _Incarnation(node_id, epoch)
-        self._members[node_id] = _Member(epoch, inc, now + ttl_s)
+        self._members[node_id] = _Member(epoch, inc, now + ttl_s, address, transports)
         if m is not None:
             self._forget_if_empty(m.incarnation)
 
@@ -104,7 +111,8 @@ class MemoryIndex(PrefixIndex):
     async def nodes(self) -> list[NodeInfo]:
         now = self._clock()
         return sorted(
-            (NodeInfo(n, m.epoch, m.deadline > now) for n, m in self._members.items()), key=lambda i: i.node_id
+            (NodeInfo(n, m.epoch, m.deadline > now, m.address, m.transports) for n, m in self._members.items()),
+            key=lambda i: i.node_id,
         )
 
     # ---- writes ----------------------------------------------------------------

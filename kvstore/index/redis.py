@@ -22,6 +22,7 @@ Lua script sees them all in one Cluster slot; node membership lives under
     {p:ns}:r:<h>:<c>   hash   holder h's reverse index: bucket (c*128 + field) -> its rows there
     {p:ns}:rc:<h>      set    chunks c of holder h's reverse index
     {p}:nodes          hash   node id -> "<epoch> <incarnation> <deadline ms>"
+    {p}:addr           hash   node id -> what it advertised at its latest join (JSON: address, transports)
     {p}:dl             zset   node id by deadline (finds expired nodes without a scan)
     {p}:seq            string last incarnation
     {p}:gone           hash   incarnation -> node id, ended but not yet retired everywhere
@@ -94,6 +95,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import sys
 import zlib
@@ -119,6 +121,7 @@ from kvstore.index.base import (
     check_blocks,
     check_budget,
     check_candidates,
+    check_contact,
     check_keys,
     check_node,
     check_node_id,
@@ -606,7 +609,7 @@ return {deleted, more}
 _GLOBAL = _COMMON + r"""
 local NODES = KEYS[1]
 local GB = string.sub(NODES, 1, -6)
-local DL, GONE, ALLNS = GB .. 'dl', GB .. 'gone', GB .. 'ns'
+local DL, GONE, ALLNS, ADDR = GB .. 'dl', GB .. 'gone', GB .. 'ns', GB .. 'addr'
 local function record(node)
   local r = redis.call('HGET', NODES, node)
   if not r then return nil end
@@ -630,22 +633,27 @@ local function current(node, epoch, now)
 end
 """
 
-# ARGV: node, epoch, ttl ms
+# ARGV: node, epoch, ttl ms, what it advertises ('' for nothing)
 _JOIN = _GLOBAL + r"""
 local now = now_ms()
 local node, epoch, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local e, g, d = record(node)
+local function advertise()
+  if ARGV[4] == '' then redis.call('HDEL', ADDR, node) else redis.call('HSET', ADDR, node, ARGV[4]) end
+end
 if e then
   local c = ecmp(epoch, e)
   if c < 0 then return {'STALE', e} end
   if c == 0 and d > now then
     put(node, e, g, now + ttl)
+    advertise()
     return {'SAME', g, nslist(g)}
   end
   redis.call('HSET', GONE, g, node)
 end
 local ng = redis.call('INCR', GB .. 'seq')
 put(node, epoch, ng, now + ttl)
+advertise()
 if e then return {'NEW', ng, g, nslist(g)} end
 return {'NEW', ng}
 """
@@ -677,6 +685,7 @@ local node = ARGV[1]
 local e, g = record(node)
 if not e then return {} end
 redis.call('HDEL', NODES, node)
+redis.call('HDEL', ADDR, node)
 redis.call('ZREM', DL, node)
 redis.call('HSET', GONE, g, node)
 return {g, nslist(g)}
@@ -726,7 +735,7 @@ local out = {}
 local all = redis.call('HGETALL', NODES)
 for j = 1, #all, 2 do
   local e, g, d = string.match(all[j + 1], '^(%d+) (%d+) (%d+)$')
-  out[#out + 1] = {all[j], e, tonumber(d) > now and 1 or 0}
+  out[#out + 1] = {all[j], e, tonumber(d) > now and 1 or 0, redis.call('HGET', ADDR, all[j]) or ''}
 end
 return out
 """
@@ -903,10 +912,14 @@ class RedisIndex(PrefixIndex):
 
     # ---- membership ------------------------------------------------------------
 
-    async def join(self, node_id: str, epoch: int, ttl_s: float) -> None:
+    async def join(
+        self, node_id: str, epoch: int, ttl_s: float, *, address: str = "", transports: Sequence[str] = ()
+    ) -> None:
         check_node(node_id, epoch)
         check_ttl(ttl_s)
-        r = await self._global(JOIN, node_id, str(epoch), _ms(ttl_s))
+        address, transports = check_contact(address, transports)
+        contact = json.dumps({"address": address, "transports": list(transports)}) if address or transports else ""
+        r = await self._global(JOIN, node_id, str(epoch), _ms(ttl_s), contact)
         if r[0] == b"STALE":
             raise StaleEpoch(_older(node_id, epoch, r[1]))
         if r[0] == b"SAME":
@@ -929,7 +942,7 @@ class RedisIndex(PrefixIndex):
 
     async def nodes(self) -> list[NodeInfo]:
         rows = await self._global(NODES)
-        return sorted((NodeInfo(n.decode(), int(e), bool(a)) for n, e, a in rows), key=lambda i: i.node_id)
+        return sorted((_node_info(*row) for row in rows), key=lambda i: i.node_id)
 
     # ---- writes ----------------------------------------------------------------
 
@@ -1151,6 +1164,17 @@ def _chain(keys: list[bytes]) -> list[bytes]:
     if sys.byteorder == "big":
         lengths.byteswap()
     return [lengths.tobytes(), fields]
+
+
+def _node_info(node: bytes, epoch: bytes, alive: int, contact: bytes) -> NodeInfo:
+    address, transports = "", ()
+    if contact:
+        try:
+            record = json.loads(contact)
+            address, transports = check_contact(record.get("address", ""), record.get("transports", ()))
+        except (ValueError, AttributeError, InvalidArgument):  # written by something else: reported as none
+            log.warning("the prefix index holds an unreadable address record for node %r: ignored", node)
+    return NodeInfo(node.decode(), int(epoch), bool(alive), address, transports)
 
 
 def _ms(seconds: float) -> int:

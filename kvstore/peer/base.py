@@ -150,9 +150,15 @@ def _tcp(**options) -> PeerTransport:
     return TcpPeerTransport(**options)
 
 
+def _grpc(**options) -> PeerTransport:
+    from kvstore.peer.grpc import GrpcPeerTransport
+
+    return GrpcPeerTransport(**options)
+
+
 # Address scheme → constructor (keyword options: token, pool limits); a new
 # peer transport (UCX) is one module and one entry here.
-PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {"tcp": _tcp}
+PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {"tcp": _tcp, "grpc": _grpc}
 
 
 def open_peer_transport(scheme: str, **options) -> PeerTransport:

@@ -19,17 +19,25 @@ def _memory(rest: str, **options) -> RemoteSource:
     return MemoryRemote(rest or None, **options)
 
 
+def _peer(rest: str, **options) -> RemoteSource:
+    from kvstore.remote.peer import PeerSource
+
+    return PeerSource.from_options(rest, **options)
+
+
 # URL scheme -> constructor(the part after "scheme://", **options); a new kind registers here.
 SOURCES: dict[str, Callable[..., RemoteSource]] = {
     "memory": _memory,
+    "peer": _peer,
 }
 
 
 def open_remote(url: str, **options) -> RemoteSource:
-    """A source for ``url``: ``memory://NAME`` (shared in-process), ``memory://`` or ``memory`` (private).
+    """A source for ``url``: ``memory://NAME`` (shared in-process), ``memory://`` or ``memory`` (private),
+    ``peer://`` (the peer tier: other daemons' blocks, found through the prefix index).
 
     ``options`` go to the kind's constructor (for memory: capacity_bytes,
-    evict, tier, latency_s, bytes_per_s).
+    evict, tier, latency_s, bytes_per_s; for peer: see ``PeerSource.from_options``).
     """
     scheme, sep, rest = url.partition("://")
     if not sep:

@@ -97,6 +97,8 @@ class Daemon:
         self.events = EventBus()  # the store's events: the index agent and metrics subscribe
         self.kv_events = None  # KVEventSubscriber, when engines are configured
         self.authority: Authority | None = None
+        self.advertised = ""  # host:port peers reach this daemon at (its node record)
+        self.peer_metrics = None  # PeerMetrics, with a peer tier in the chain
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -139,7 +141,7 @@ class Daemon:
         self.events.subscribe("index", self.index_agent.on_events)
         self.events.subscribe("metrics", self.metrics.count_events)
         self.metrics.watch_event_bus(self.events.subscriptions)
-        self.store = open_stores(s, state_dir, self.metrics, self.events)
+        self.store = open_stores(s, state_dir, self.metrics, self.events, self._tier_runtime(index))
         self.metrics.watch_ram_recovery({a.name: a.store.head for a in self.store.arenas})
         self.index_agent.start()
         if s.index.kv_events:
@@ -233,6 +235,8 @@ class Daemon:
                 self.port = server.add_secure_port(s.server.listen, tls)
         except RuntimeError as err:
             raise DaemonError(f"cannot listen on {s.server.listen} ({err}): pick a free address with --listen") from None
+        self.advertised = s.server.advertised(self.port)
+        self.index_agent.advertise(self.advertised, self.peer_transports())
         if s.server.unix_socket:
             Path(s.server.unix_socket).unlink(missing_ok=True)
             server.add_insecure_port(f"unix:{s.server.unix_socket}")
@@ -292,6 +296,26 @@ class Daemon:
             if host in ("", "0.0.0.0", "::"):
                 host = socket.gethostname()
         return {"tcp": str(PeerAddress("tcp", host, port))}
+
+    def _tier_runtime(self, index) -> dict[str, dict]:
+        """What tiers get from the running daemon: the peer tier asks this node's index (on the
+        index agent's loop) for holders, and must know which node it is not to fetch from."""
+        s = self.settings
+        if "peer" not in s.tiers.chain:
+            return {}
+        from kvstore.remote.peer import PeerMetrics
+
+        self.peer_metrics = PeerMetrics(self.metrics.registry)
+        return {"peer": {
+            "index": index, "index_loop": self.index_agent.loop, "node_id": self.node.node_id,
+            "host": s.server.advertised_host(), "metrics": self.peer_metrics,
+            "max_block_bytes": int(s.store.max_block_bytes),
+        }}
+
+    def peer_transports(self) -> list[str]:
+        """The data-plane endpoints this node advertises in its node record, preferred first: the
+        TCP peer listener when there is one (--peer-listen), then gRPC."""
+        return [*self.peer_addresses().values(), f"grpc://{self.advertised}"]
 
     def _authority(self) -> Authority:
         """Who may call, and protected mode: refuse to expose an unauthenticated daemon beyond loopback."""

@@ -125,6 +125,16 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
         )
         return pb.ScoreResponse(endpoints=[endpoint(s) for s in policy.rank(matches, candidates)], chain_blocks=len(keys))
 
+    def Nodes(self, request: pb.NodesRequest, context) -> pb.NodesResponse:
+        nodes = self._bounded("Nodes", lambda: self._agent.run(self._agent.index.nodes(), self._deadline(context)))
+        return pb.NodesResponse(
+            nodes=[
+                pb.Node(node_id=n.node_id, epoch=n.epoch, alive=n.alive, address=n.address, transports=n.transports)
+                for n in nodes
+            ],
+            node_id=self._agent.node_id,
+        )
+
     def Holders(self, request: pb.HoldersRequest, context) -> pb.HoldersResponse:
         keys = chain_keys(request.namespace, request)
         found = self._bounded(

@@ -12,7 +12,9 @@ there is more than one arena.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from kvstore.config import Settings
 from kvstore.metrics import StoreMetrics
@@ -25,8 +27,14 @@ from kvstore.tiers import open_tier
 log = logging.getLogger(__name__)
 
 
-def open_stores(settings: Settings, state_dir: Path, metrics: StoreMetrics, events: EventSink) -> StoreGroup:
-    """Build every arena's tiers and store; on a failure, close what was opened and raise."""
+def open_stores(
+    settings: Settings, state_dir: Path, metrics: StoreMetrics, events: EventSink,
+    runtime: Mapping[str, Mapping[str, Any]] | None = None,
+) -> StoreGroup:
+    """Build every arena's tiers and store; on a failure, close what was opened and raise.
+
+    ``runtime``: per tier name, options only the running daemon has (the peer tier's index,
+    node identity and metrics), added to what the tier's settings give."""
     plan = settings.arena_plan()
     rules = NamespaceRules([(a["name"], a["namespaces"]) for a in plan[1:]], plan[0]["name"])
     limits = StoreLimits.from_settings(settings.store)
@@ -34,7 +42,7 @@ def open_stores(settings: Settings, state_dir: Path, metrics: StoreMetrics, even
     try:
         for index, arena in enumerate(plan):
             created = [ns for ns in settings.store.namespaces if rules.arena_of(ns) == arena["name"]]
-            chain = _chain(settings, arena, state_dir)
+            chain = _chain(settings, arena, state_dir, runtime or {})
             try:
                 store = TieredStore(
                     chain, limits=limits,
@@ -67,7 +75,7 @@ def _warn_of_orphans(state_dir: Path, names: set[str]) -> None:
                     "or counted; configure the arena again, or delete the folder", path, path.name)
 
 
-def _chain(settings: Settings, arena: dict, state_dir: Path) -> TierChain:
+def _chain(settings: Settings, arena: dict, state_dir: Path, runtime: Mapping[str, Mapping[str, Any]]) -> TierChain:
     tiers: list = []
     edges: list[EdgePolicy] = []
     try:
@@ -77,7 +85,7 @@ def _chain(settings: Settings, arena: dict, state_dir: Path) -> TierChain:
                 continue
             if tiers:  # the policy of the edge above this tier
                 edges.append(EdgePolicy(**settings.tiers.section(name).edge()))
-            tiers.append(open_tier(name, **options))
+            tiers.append(open_tier(name, **options, **runtime.get(name, {})))
     except BaseException:
         for tier in tiers:
             tier.close()

@@ -175,8 +175,8 @@ class StoreGroup:
         """A streamed block's writer, into its namespace's arena (see :meth:`TieredStore.open_write`)."""
         return self.store_for(key.namespace).open_write(key, meta)
 
-    def get(self, key: BlockKey):
-        return self.store_for(key.namespace).get(key)
+    def get(self, key: BlockKey, *, local_only: bool = False):
+        return self.store_for(key.namespace).get(key, local_only=local_only)
 
     def allocate(self, namespace: str, blocks, lease_s: float | None = None, deadline: float | None = None,
                  owner: str = "") -> list[SlotGrant]:

@@ -65,15 +65,17 @@ class ChainReader(StorePart):
             return bytes(data), meta, level.name
         return None
 
-    def read_best(self, key: BlockKey, entry: Entry) -> tuple[bytes, TierName] | None:
+    def read_best(self, key: BlockKey, entry: Entry, *, local_only: bool = False) -> tuple[bytes, TierName] | None:
         """Read a pinned block from the highest tier that holds it, verified.
 
         A tier whose copy went meanwhile (a race with a move down) or turned
         out corrupt is passed over for the next one down; a tier that fails
-        raises TierUnavailable.
+        raises TierUnavailable. ``local_only`` passes over remote tiers.
         """
         with self._cond:
             order = self._chain.ordered(entry.tiers)
+        if local_only:
+            order = [tier for tier in order if not self._chain.tier(tier).remote]
         corrupt: CorruptBlock | None = None
         for tier in order:
             try:

@@ -242,8 +242,11 @@ class TieredStore(StorePart):
         (see :mod:`kvstore.store.writer`); commit or abort it."""
         return self._writes.open(key, meta)
 
-    def get(self, key: BlockKey) -> tuple[bytes, BlockMeta, TierName] | None:
-        """A verified copy of the block, or None on a miss. Hits below the head are promoted."""
+    def get(self, key: BlockKey, *, local_only: bool = False) -> tuple[bytes, BlockMeta, TierName] | None:
+        """A verified copy of the block, or None on a miss. Hits below the head are promoted.
+
+        ``local_only``: only this node's own tiers answer, never a remote one (what a peer
+        asks: a fetch it sends here must not be sent on to a third node, or back to it)."""
         with self._cond:
             self._s.expire_locked()
             self._s.readable_namespace(key.namespace)
@@ -252,12 +255,12 @@ class TieredStore(StorePart):
                 entry.pins += 1
                 self._s.touch_locked(key, entry)
         if entry is None:
-            got = self._reader.read_through(key, self._clock() + self.limits.put_wait_s)
+            got = None if local_only else self._reader.read_through(key, self._clock() + self.limits.put_wait_s)
             if got is None:
                 self.metrics.misses.inc()
             return got
         try:
-            found = self._reader.read_best(key, entry)
+            found = self._reader.read_best(key, entry, local_only=local_only)
         finally:
             with self._s.locked():
                 self._s.unpin_locked(key, entry)

@@ -1,7 +1,7 @@
 """Local tiers and their registry: a tier name in config -> a constructor.
 
 The daemon builds its chain from names (``ram``, ``disk``, ``remote`` for a
-remote source by URL such as ``memory://fleet``; later ``gpu``) with
+remote source by URL such as ``memory://fleet``, ``peer`` for other daemons' blocks; later ``gpu``) with
 :func:`open_tier`; a new tier is one module plus one entry in
 ``_REGISTRY`` (and a row in the tier contract suite), never an ``if`` on a
 name somewhere else.
@@ -35,7 +35,17 @@ def _remote(url: str, **options) -> Tier:
     return RemoteTier.open(url, **options)
 
 
-_REGISTRY: dict[str, Callable[..., Tier]] = {"ram": _ram, "disk": _disk, "remote": _remote}
+def _peer(*, deadline_s: float, max_fetches: int, max_queued: int, **options) -> Tier:
+    """The peer tier: a RemoteTier over ``peer://``; at most ``max_fetches`` reads run at once
+    and ``max_queued`` wait (more are Overloaded), each answered within ``deadline_s``."""
+    from kvstore.remote.bridge import BridgeLimits
+    from kvstore.tiers.remote import RemoteTier
+
+    limits = BridgeLimits(max_in_flight=max_fetches, max_queued=max_queued)
+    return RemoteTier.open("peer://", call_s=deadline_s, limits=limits, **options)
+
+
+_REGISTRY: dict[str, Callable[..., Tier]] = {"ram": _ram, "disk": _disk, "remote": _remote, "peer": _peer}
 
 
 def register_tier(name: str, factory: Callable[..., Tier]) -> None:

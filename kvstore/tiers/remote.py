@@ -9,7 +9,9 @@ own on every call, and turns per-key answers into what the store's chain
 expects of a tier — a verified copy or a miss, a write that happened or an
 error. Every failure it raises is one the store already handles for a
 tier: ``TierUnavailable`` (the source is down, slow past its deadline, or
-overloaded), ``TierFull``, ``CorruptBlock``.
+overloaded), ``TierFull``, ``CorruptBlock``, and ``InvalidArgument`` for a
+block the source refuses (too large, or a source that takes no writes):
+the store's "refused" outcome, the block's problem and never the tier's.
 
 What it does not pretend: a remote source has no recency the store could
 persist (``lru`` is empty, ``touch`` does nothing) and is not recovered at
@@ -23,7 +25,9 @@ import time
 from collections.abc import Iterator
 
 from kvstore.block import BlockKey, BlockMeta, TierName
-from kvstore.errors import CorruptBlock, DeadlineExceeded, Overloaded, StrataError, TierFull, TierUnavailable
+from kvstore.errors import (
+    CorruptBlock, DeadlineExceeded, InvalidArgument, Overloaded, StrataError, TierFull, TierUnavailable,
+)
 from kvstore.tiers.base import Tier, TierStats
 
 DEFAULT_CALL_S = 2.0
@@ -96,7 +100,9 @@ class RemoteTier(Tier):
             raise self._unavailable("write", err) from None
         if result.ok:
             return result.status.value == "stored"
-        if isinstance(result.error, (TierFull, CorruptBlock)):
+        if isinstance(result.error, (TierFull, CorruptBlock, InvalidArgument)):
+            # InvalidArgument (BlockTooLarge, a read-only source such as the peer tier): this
+            # block is refused, and the store keeps it above; the tier itself is healthy.
             raise result.error
         raise self._unavailable("write", result.error)
 

@@ -102,3 +102,29 @@ class HoldersResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockHolders]
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...
+
+class NodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("node_id", "epoch", "alive", "address", "transports")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    alive: bool
+    address: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: bool = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodesResponse(_message.Message):
+    __slots__ = ("nodes", "node_id")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    node_id: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., node_id: _Optional[str] = ...) -> None: ...

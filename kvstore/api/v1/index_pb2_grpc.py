@@ -44,6 +44,11 @@ class IndexServiceStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.HoldersRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.HoldersResponse.FromString,
                 _registered_method=True)
+        self.Nodes = channel.unary_unary(
+                '/strata.index.v1.IndexService/Nodes',
+                request_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesResponse.FromString,
+                _registered_method=True)
 
 
 class IndexServiceServicer(object):
@@ -61,6 +66,13 @@ class IndexServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Nodes(self, request, context):
+        """Every node the index knows (alive or not), with its epoch and advertised transports.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_IndexServiceServicer_to_server(servicer, server):
                     servicer.Holders,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.HoldersRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.HoldersResponse.SerializeToString,
+            ),
+            'Nodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nodes,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class IndexService(object):
             '/strata.index.v1.IndexService/Holders',
             kvstore_dot_api_dot_v1_dot_index__pb2.HoldersRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_index__pb2.HoldersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.index.v1.IndexService/Nodes',
+            kvstore_dot_api_dot_v1_dot_index__pb2.NodesRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_index__pb2.NodesResponse.FromString,
             options,
             channel_credentials,
             insecure,
