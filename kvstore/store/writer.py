@@ -116,6 +116,20 @@ class BlockWriter:
             self._buffer[self.filled : end] = chunk
         self.filled = end
 
+    def landing(self) -> memoryview:
+        """Where a transport that lands bytes itself (``recv_into``) puts the whole block: the
+        extent in the head, or the buffer. Call :meth:`landed` once it is filled, then commit."""
+        if self._present is not None:
+            raise InvalidArgument(f"block {self.key} is already stored: there is nothing to land")
+        view = self._view if self._view is not None else memoryview(self._buffer)
+        return view[: self.meta.size]
+
+    def landed(self) -> None:
+        """The whole block was written into :meth:`landing`: checksum it as it now is there."""
+        if self._view is not None:
+            self._sum.update(self._view[: self.meta.size])
+        self.filled = self.meta.size
+
     def commit(self, deadline: float | None) -> tuple[bool, TierName]:
         """Store the block; (stored, tier) as :meth:`TieredStore.put` returns."""
         if self.filled != self.meta.size:
