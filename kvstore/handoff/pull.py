@@ -16,9 +16,9 @@
 4. while it reads, heartbeats the prefill daemon every third of the lease,
    so a long pull keeps its blocks held; a heartbeat refused as ended
    (expired) cancels the read at once;
-5. commits each writer (the store checksums the extent again: a corrupt
-   byte is never stored) or, on any failure, aborts them all: nothing of a
-   failed pull is stored;
+5. commits each writer (its bytes were verified as they landed in the
+   extent: a corrupt byte is never stored) or, on any failure, aborts them
+   all: nothing of a failed pull is stored;
 6. publishes this node as a holder of the blocks in the index before it
    answers (``publish``), so the decode node is a holder when PullHandoff
    returns, then completes the handoff at the prefill daemon.
@@ -195,7 +195,9 @@ class HandoffPuller:
             r = g.result
             key = params.blocks[batch[j]].key.hex()[:16]
             if r.status is ReadStatus.HIT:
-                writers[batch[j]].landed()
+                # The TCP client hashed the bytes as they landed in the slot and they matched the
+                # checksum the params announced (place checked): no second pass over them.
+                writers[batch[j]].landed(verified=True)
                 continue
             if r.status is ReadStatus.MISS:
                 raise HandoffEnded(
