@@ -16,9 +16,18 @@ few bytes; this process receives them with ``recv_into`` (``MSG_WAITALL``)
 into the same kind of preallocated buffers. No framing, no checksums, no
 store: the floor of moving these bytes over loopback TCP from Python.
 
+The handoff case (``--handoff`` adds it, ``--handoff-only`` runs it alone):
+a prefill daemon P (peer listener on loopback) holds a 32k-token request's
+KV, 16 blocks × 16 MiB; each round opens a handoff on P and asks a decode
+daemon D to pull it (PullHandoff: D reads the blocks over P's peer listener
+into its arena slots, verifies, stores, publishes, and completes the
+handoff at P), timed from OpenHandoff to PullHandoff's answer. Between
+rounds D deletes the blocks, untimed. The baseline is the plain socket
+moving the same 256 MiB in one request, in the same rounds.
+
 The target is ≥ 0.8× the plain socket. Not measured yet (issue 10): UCX,
-Mooncake, the handoff and the index churn rates; and a daemon fetching from
-a daemon through its peer tier (this process stands for the fetching daemon).
+Mooncake and the index churn rates; and a daemon fetching from a daemon
+through its peer tier (this process stands for the fetching daemon).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from collections.abc import Iterator
 
 from benchmarks.harness import MiB, Benchmark, compare, free_port, interleave, size_label, strata_daemon
 from kvstore.block import BlockMeta, checksum
+from kvstore.errors import UnknownNamespace
 from kvstore.peer.tcp import TcpPeerClient
 from kvstore.transport.base import Deadline
 
@@ -111,9 +121,67 @@ def peer_round(client: TcpPeerClient, address: str, keys: list[bytes], buffers: 
     return run
 
 
+HANDOFF_BLOCKS = 16
+HANDOFF_BLOCK = 16 * MiB
+
+
+def handoff_round(prefill, decode, keys: list[bytes]):
+    def run() -> tuple[int, float]:
+        with contextlib.suppress(UnknownNamespace):  # untimed: every round pulls the whole request again
+            decode.delete("bench", keys)
+        t0 = time.perf_counter()
+        params, _ = prefill.open_handoff("bench", keys, lease_s=30)
+        result = decode.pull_handoff(params, timeout=120)
+        elapsed = time.perf_counter() - t0
+        if result.stored != len(keys) or not result.completed:
+            raise SystemExit(f"a benchmark handoff did not complete: {result}")
+        return result.pulled_bytes, elapsed
+
+    return run
+
+
+def run_handoff(bench: Benchmark, plan: dict) -> None:
+    from kvstore.client.sync import Client
+
+    import tempfile
+
+    peer_port = free_port()
+    total = HANDOFF_BLOCKS * HANDOFF_BLOCK
+    home = tempfile.TemporaryDirectory(prefix="strata-handoff-bench-")
+    common = dict(ram_bytes="768MiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True)
+    with home, strata_daemon(node_id="prefill", disk_dir=f"{home.name}/p", shm_dir=home.name,
+                             peer_listen=f"127.0.0.1:{peer_port}", **common) as p_target, \
+            strata_daemon(node_id="decode", disk_dir=f"{home.name}/d", shm_dir=f"{home.name}/d", **common) as d_target, \
+            plain_socket(total) as plain, \
+            Client(p_target, use_shm=False, timeout=120) as prefill, Client(d_target, use_shm=False, timeout=120) as decode:
+        keys = [b"handoff-%d" % i for i in range(HANDOFF_BLOCKS)]
+        for i, key in enumerate(keys):
+            prefill.put("bench", key, os.urandom(HANDOFF_BLOCK), parent=keys[i - 1] if i else None)
+        buffers = [memoryview(bytearray(HANDOFF_BLOCK)) for _ in range(HANDOFF_BLOCKS)]
+        fns = {
+            "handoff 16x16MiB": handoff_round(prefill, decode, keys),
+            "plain socket 16x16MiB": plain_round(plain, buffers, HANDOFF_BLOCK, 1),
+        }
+        s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
+        bench.add(compare(s, "handoff 16x16MiB", "plain socket 16x16MiB", target_ratio=TARGET, note=(
+            "OpenHandoff on P to PullHandoff's answer from D: D pulls over P's TCP peer listener into its "
+            "arena, verifies, stores, publishes itself as holder, completes at P; two daemon processes; the "
+            "baseline moves the same 256 MiB unframed and unverified in one request")))
+
+
 def main(argv: list[str] | None = None) -> int:
-    bench = Benchmark(NAME, __doc__.splitlines()[0], argv)
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    handoff = "--handoff" in argv or "--handoff-only" in argv
+    only = "--handoff-only" in argv
+    argv = [a for a in argv if a not in ("--handoff", "--handoff-only")]
+    bench = Benchmark(NAME + "_handoff" if only else NAME, __doc__.splitlines()[0], argv)
     plan = QUICK if bench.quick else FULL
+    if only:
+        run_handoff(bench, plan)
+        bench.finish()
+        return 0
     peer_port = free_port()
     with strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
                        peer_listen=f"127.0.0.1:{peer_port}"), \
@@ -150,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                                   target_ratio=TARGET, note=f"{BATCH} blocks per read, one request"))
         finally:
             client.close()
+    if handoff:
+        run_handoff(bench, plan)
     bench.finish()
     return 0
 

@@ -22,7 +22,9 @@ says what was wrong and what to do about it.
     │   ├── LeaseExpired            lease or slot deadline passed
     │   ├── UnknownLease            lease or slot id never issued, or released
     │   ├── SlotAlreadyCommitted    a second commit of the same slot
-    │   └── LeaseOwnedElsewhere     a lease or slot ended by a client other than its owner
+    │   ├── LeaseOwnedElsewhere     a lease or slot ended by a client other than its owner
+    │   ├── UnknownHandoff          a handoff id this daemon never issued (or another namespace's)
+    │   └── HandoffEnded            a handoff already completed or expired
     ├── ResourceExhausted           RESOURCE_EXHAUSTED, carries retry_after_s
     │   ├── TierFull                no space even after eviction
     │   │   └── DiskFull            the disk tier's filesystem is full (a full tier, not a failing one)
@@ -127,6 +129,14 @@ class LeaseOwnedElsewhere(LeaseError):
     """Servers answer the stranger with ``stranger_view`` (the answer for an id never issued) instead."""
 
     stranger_view: StrataError | None = None
+
+
+class UnknownHandoff(LeaseError):
+    pass
+
+
+class HandoffEnded(LeaseError):
+    pass
 
 
 class ResourceExhausted(StrataError):

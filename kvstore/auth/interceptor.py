@@ -36,6 +36,8 @@ ACTIONS: dict[str, str | None] = {
     "Allocate": WRITE, "Lookup": READ, "Score": READ, "Holders": READ,
     "Commit": None, "Abort": None, "Release": None, "Unpin": None, "Attach": None,
     "Nodes": NODE_WIDE,
+    # The prefill/decode handoff (handoff.proto): the id is the capability, the namespace is checked too.
+    "OpenHandoff": WRITE, "HeartbeatHandoff": READ, "CompleteHandoff": WRITE, "PullHandoff": WRITE,
 }
 
 

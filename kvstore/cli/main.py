@@ -265,7 +265,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(s)))
         return 0
     print(f"node {s.node_id} (epoch {s.epoch}): {s.blocks} blocks, {s.pinned_blocks} pinned, "
-          f"{s.active_leases} leases, {s.open_slots} open slots, {s.demotion_queue_depth} queued for disk")
+          f"{s.active_leases} leases, {s.open_slots} open slots, {s.demotion_queue_depth} queued for disk, "
+          f"{s.open_handoffs} open handoffs")
     for tier, t in s.tiers.items():
         pct = 100 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0
         print(f"  {tier:5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.1f} MiB ({pct:.0f}%)  {t['blocks']} blocks")

@@ -72,6 +72,7 @@ class Stats:
     namespaces: list[str]
     node_id: str
     epoch: int
+    open_handoffs: int = 0
 
 
 def parse_exists(r: pb.ExistsResponse) -> list[TierName]:
@@ -169,6 +170,7 @@ def parse_stats(r: pb.StatsResponse) -> Stats:
         namespaces=list(r.namespaces),
         node_id=r.node_id,
         epoch=r.epoch,
+        open_handoffs=r.open_handoffs,
     )
 
 

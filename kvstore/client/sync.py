@@ -24,12 +24,15 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
-from kvstore.api.v1 import index_pb2, index_pb2_grpc, kv_pb2_grpc
+from kvstore.api.v1 import handoff_pb2 as hpb
+from kvstore.api.v1 import handoff_pb2_grpc, index_pb2, index_pb2_grpc, kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import StrataError
+from kvstore.handoff.params import HandoffParams
+from kvstore.handoff.pull import PullResult
 from kvstore.shm.arena import ShmArena
 from kvstore.transport.attached import choose
 from kvstore.transport.base import Deadline, Transport
@@ -85,6 +88,7 @@ class Client:
         self._channel = security.channel(target, codec.CHANNEL_OPTIONS)
         self._stub = kv_pb2_grpc.KVServiceStub(self._channel)
         self._index = index_pb2_grpc.IndexServiceStub(self._channel)
+        self._handoff = handoff_pb2_grpc.HandoffServiceStub(self._channel)
         self._stream = GrpcStreamTransport(self._channel, chunk_bytes=chunk_bytes)
         self._transports: dict[str, Transport] = {}  # arena name → the transport to it
         self._arena_of: dict[str, str] = {}  # namespace → arena name
@@ -288,3 +292,38 @@ class Client:
 
     def stats(self, namespace: str = "") -> Stats:
         return codec.parse_stats(self._call("Stats", pb.StatsRequest(namespace=namespace)))
+
+    # ---- prefill/decode handoff (kvstore.handoff) ----------------------------------
+
+    def _handoff_call(self, method: str, request, timeout: float | None = None):
+        fn = getattr(self._handoff, method)
+        return self._retrying(method, lambda: fn(request, timeout=timeout or self.timeout))
+
+    def open_handoff(self, namespace: str, keys: Sequence[bytes], *, lease_s: float = 0,
+                     keep_as_cache: bool = True) -> tuple[HandoffParams, list[bytes]]:
+        """On the prefill daemon: hold ``keys`` for a decode node to pull; (the params to pass on, the
+        keys it does not hold). ``params.to_dict()`` travels through a router as JSON."""
+        r = self._handoff_call("OpenHandoff", hpb.OpenHandoffRequest(
+            namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000), keep_as_cache=keep_as_cache))
+        return HandoffParams.from_proto(r.params), list(r.missing)
+
+    def heartbeat_handoff(self, namespace: str, handoff_id: str) -> int:
+        """On the prefill daemon: extend the handoff's lease; the new deadline in unix ms."""
+        r = self._handoff_call("HeartbeatHandoff", hpb.HeartbeatHandoffRequest(namespace=namespace, handoff_id=handoff_id))
+        return r.lease_deadline_unix_ms
+
+    def complete_handoff(self, namespace: str, handoff_id: str) -> tuple[int, int]:
+        """On the prefill daemon: end the handoff; (blocks deleted, blocks kept as cache)."""
+        r = self._handoff_call("CompleteHandoff", hpb.CompleteHandoffRequest(namespace=namespace, handoff_id=handoff_id))
+        return r.deleted, r.kept
+
+    def pull_handoff(self, params: HandoffParams | dict, *, timeout: float | None = None) -> PullResult:
+        """On the decode daemon: pull the handoff's blocks into it, store them, publish it as their
+        holder and complete the handoff at the prefill daemon. ``params``: as open_handoff returned
+        them, or their dict."""
+        if isinstance(params, dict):
+            params = HandoffParams.from_dict(params)
+        timeout = timeout or max(self.timeout, 120.0)
+        r = self._handoff_call("PullHandoff", hpb.PullHandoffRequest(
+            namespace=params.namespace, params=params.to_proto(), timeout_ms=int(timeout * 1000)), timeout + 5)
+        return PullResult(r.stored, r.present, r.pulled_bytes, r.completed, r.complete_error, r.published)

@@ -135,6 +135,22 @@ class IndexAgent:
             self._pending.clear()
             self._resync = True
 
+    def publish(self, namespace: str, blocks: Sequence[tuple[bytes, TierName]], timeout: float) -> bool:
+        """Add ``blocks`` as this node's holdings in the index now, from a worker thread, without
+        waiting for the next flush (a handoff's decode side is a holder when its pull returns).
+        False when the index did not take them in time; the next flush or re-publish sends them."""
+        async def add() -> None:
+            for i in range(0, len(blocks), self._batch):
+                await self.index.add(namespace, self.node_id, self.epoch, list(blocks[i : i + self._batch]))
+
+        try:
+            self.run(add(), timeout)
+        except (StrataError, TimeoutError) as err:
+            log.warning("could not publish %d blocks of %s to the index now: %s", len(blocks), namespace, err)
+            return False
+        self._m_published.labels("add").inc(len(blocks))
+        return True
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The loop the index lives on: a coroutine of ``index`` runs there and nowhere else."""

@@ -30,6 +30,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 
 from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
 from kvstore.api.v1 import index_pb2, index_pb2_grpc
+from kvstore.api.v1 import handoff_pb2, handoff_pb2_grpc
 from kvstore.auth import Authority
 from kvstore.auth.exposure import refusal, split_host
 from kvstore.auth.interceptor import AuthInterceptor
@@ -40,6 +41,7 @@ from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent
 from kvstore.index.scoring import ScoringPolicy
 from kvstore.server.index_service import IndexServicer
+from kvstore.server.handoff_service import HandoffServicer
 from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
@@ -66,6 +68,7 @@ MAX_REPLY_BYTES = 64 << 20
 
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
 INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_name
+HANDOFF_SERVICE_NAME = handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name
 TIER_HEALTH_PREFIX = "strata.tier."  # + a tier's label: one health service per tier
 TIER_CHECK_SECONDS = 1.0
 
@@ -99,6 +102,8 @@ class Daemon:
         self.authority: Authority | None = None
         self.advertised = ""  # host:port peers reach this daemon at (its node record)
         self.peer_metrics = None  # PeerMetrics, with a peer tier in the chain
+        self.handoffs = None  # HandoffTable: the prefill side's open handoffs
+        self._handoff_peer = None  # TcpPeerClient the decode side pulls with
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -114,6 +119,7 @@ class Daemon:
                 same_host.stop()
             if self.peer_server is not None:
                 self.peer_server.stop()
+            self._stop_handoffs()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if self.index_agent is not None and self.store is not None:
@@ -209,8 +215,9 @@ class Daemon:
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},
                        lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
-                       self.put_budget), server
+                       self.put_budget, open_handoffs=lambda: len(self.handoffs)), server
         )
+        handoff_pb2_grpc.add_HandoffServiceServicer_to_server(self._handoff_servicer(), server)
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
             # Index RPCs may wait on a slow index: at most half the admitted RPCs, the rest stay for the cache.
@@ -222,6 +229,7 @@ class Daemon:
             (
                 SERVICE_NAME,
                 INDEX_SERVICE_NAME,
+                HANDOFF_SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -296,6 +304,41 @@ class Daemon:
             if host in ("", "0.0.0.0", "::"):
                 host = socket.gethostname()
         return {"tcp": str(PeerAddress("tcp", host, port))}
+
+    def _handoff_servicer(self) -> HandoffServicer:
+        """Both sides of the prefill/decode handoff (kvstore.handoff): the table of handoffs this
+        node holds open, and the puller it runs as a decode side, with the peer token."""
+        from kvstore.auth.credentials import ChannelSecurity, read_token_file
+        from kvstore.client.sync import Client
+        from kvstore.handoff.metrics import HandoffMetrics
+        from kvstore.handoff.pull import HandoffPuller, PullLimits
+        from kvstore.handoff.table import HandoffLimits, HandoffTable
+        from kvstore.peer.tcp import TcpPeerClient
+
+        s = self.settings
+        h = s.handoff
+        metrics = HandoffMetrics(self.metrics.registry)
+        self.handoffs = HandoffTable(
+            self.store, lambda: (self.node.node_id, self.node.epoch, self.peer_transports(), self.advertised),
+            HandoffLimits(h.lease_seconds, h.max_lease_seconds, h.max_total_seconds, h.max_open, h.max_blocks),
+            metrics,
+        ).start()
+        token_file = h.token_file or s.tiers.peer.token_file
+        token = read_token_file(token_file) if token_file else ""
+        security = ChannelSecurity.build(token=token or None, tls_ca=s.tiers.peer.tls_ca or None)
+        self._handoff_peer = TcpPeerClient(token=token)
+        puller = HandoffPuller(
+            self.store, self._handoff_peer, lambda address: Client(address, security=security, retries=1, timeout=10),
+            self.index_agent.publish,
+            PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds), metrics,
+        )
+        return HandoffServicer(self.handoffs, puller)
+
+    def _stop_handoffs(self) -> None:
+        if self.handoffs is not None:
+            self.handoffs.stop()
+        if self._handoff_peer is not None:
+            self._handoff_peer.close()
 
     def _tier_runtime(self, index) -> dict[str, dict]:
         """What tiers get from the running daemon: the peer tier asks this node's index (on the
@@ -412,6 +455,7 @@ class Daemon:
             same_host.stop()
         if self.peer_server is not None:
             self.peer_server.stop()
+        self._stop_handoffs()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

@@ -55,7 +55,7 @@ class _Held:
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: StoreGroup, node: NodeIdentity, chunk_bytes: int,
                  control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
-                 put_budget: ByteBudget | None = None) -> None:
+                 put_budget: ByteBudget | None = None, open_handoffs: Callable[[], int] | None = None) -> None:
         self._store = store  # every arena's store; each call goes to its namespace's arena
         self._control_sockets = dict(control_sockets or {})  # arena name → its same-host socket
         # Told (with the arena's name) after blocks were deleted, before the Delete answers
@@ -64,6 +64,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         self._node = node
         self._chunk = chunk_bytes
         self._put_budget = put_budget or ByteBudget(1 << 62, "streamed puts", "--put-budget-bytes")
+        self._open_handoffs = open_handoffs or (lambda: 0)  # the prefill side's (kvstore.handoff)
 
     # ---- streamed bytes ---------------------------------------------------
 
@@ -274,5 +275,6 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             namespaces=s.namespaces,
             node_id=self._node.node_id,
             epoch=self._node.epoch,
+            open_handoffs=self._open_handoffs(),
         )
 

@@ -241,6 +241,15 @@ class StoreGroup:
         store = self._by_id(lease_id)
         return False if store is None else store.end_lease(lease_id, kind, owner)
 
+    def meta(self, namespace: str, key: bytes) -> BlockMeta | None:
+        return self.store_for(namespace).meta(BlockKey(namespace, key))
+
+    def extend_lease(self, lease_id: int, kind: LeaseKind, lease_s: float) -> float:
+        store = self._by_id(lease_id)
+        if store is None:
+            raise UnknownLease(f"no {kind.value} lease {lease_id}: it was never issued by this daemon")
+        return store.extend_lease(lease_id, kind, lease_s)
+
     def pin(self, namespace: str, keys: list[bytes], lease_s: float | None = None, owner: str = "") -> tuple[Lease, list[bytes]]:
         return self.lease(namespace, keys, LeaseKind.PIN, lease_s, owner)
 

@@ -158,6 +158,19 @@ class LeaseTable:
         self._remember(lease_id, "taken")
         return lease
 
+    def extend(self, lease_id: int, kind: LeaseKind, deadline: float, now: float) -> Lease:
+        """Move a live lease's deadline to ``deadline`` (never earlier than it was); raise as
+        :meth:`take` does when it ended. The old heap entry stays: :meth:`pop_expired` skips an
+        entry whose lease has a later deadline."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind != kind or lease.deadline <= now:
+            self.take(lease_id, kind, now)  # raises the reason (expired, released, never issued)
+            raise AssertionError("unreachable")  # pragma: no cover
+        if deadline > lease.deadline:
+            lease.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, lease_id))
+        return lease
+
     def restore(self, lease: Lease) -> None:
         """Put back a lease taken by a request that then failed as a whole."""
         self._leases[lease.id] = lease
@@ -167,8 +180,9 @@ class LeaseTable:
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, lease_id = heapq.heappop(self._deadlines)
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.deadline <= now:  # a later deadline: extended, a later entry
+                del self._leases[lease_id]
                 expired.append(lease)
                 self._remember(lease_id, "expired")
         return expired

@@ -483,6 +483,19 @@ class TieredStore(StorePart):
             self._s.end_pins_locked(lease)
             return True
 
+    def meta(self, key: BlockKey) -> BlockMeta | None:
+        """A stored block's metadata (size, checksum, parent, layout); None when it is not stored."""
+        with self._s.locked():
+            entry = self._catalog.live(key)
+            return None if entry is None else entry.meta
+
+    def extend_lease(self, lease_id: int, kind: LeaseKind, lease_s: float) -> float:
+        """Move a live lease's deadline to ``lease_s`` from now (never earlier); returns the deadline.
+        Raises LeaseExpired or UnknownLease when it already ended."""
+        with self._s.locked():
+            self._s.expire_locked()
+            return self._leases.extend(lease_id, kind, self._clock() + lease_s, self._clock()).deadline
+
     def pin(self, namespace: str, keys: list[bytes], lease_s: float | None = None, owner: str = "") -> tuple[Lease, list[bytes]]:
         """Protect present blocks from eviction until the lease ends; returns (lease, missing keys)."""
         return self.lease(namespace, keys, LeaseKind.PIN, lease_s, owner)

@@ -92,6 +92,7 @@ class BlockWriter:
         self._present = present
         self._view = None if offset is None else writes._head.view(offset, meta.size)
         self._sum = Checksummer()
+        self._landed_verified = False
 
     @property
     def present(self) -> bool:
@@ -116,6 +117,24 @@ class BlockWriter:
             self._buffer[self.filled : end] = chunk
         self.filled = end
 
+    def landing(self) -> memoryview:
+        """Where a transport that lands bytes itself (``recv_into``) puts the whole block: the
+        extent in the head, or the buffer. Call :meth:`landed` once it is filled, then commit."""
+        if self._present is not None:
+            raise InvalidArgument(f"block {self.key} is already stored: there is nothing to land")
+        view = self._view if self._view is not None else memoryview(self._buffer)
+        return view[: self.meta.size]
+
+    def landed(self, verified: bool = False) -> None:
+        """The whole block was written into :meth:`landing`. ``verified``: the transport hashed the
+        bytes as they landed there and they matched ``meta.checksum`` (the TCP peer client does), so
+        commit does not hash them a second time; otherwise they are checksummed here, as they are."""
+        if verified:
+            self._landed_verified = True
+        elif self._view is not None:
+            self._sum.update(self._view[: self.meta.size])
+        self.filled = self.meta.size
+
     def commit(self, deadline: float | None) -> tuple[bool, TierName]:
         """Store the block; (stored, tier) as :meth:`TieredStore.put` returns."""
         if self.filled != self.meta.size:
@@ -129,7 +148,7 @@ class BlockWriter:
             buffer, self._buffer = self._buffer, None
             return self._writes._put(self.key, buffer, self.meta, deadline)
         self._release_view()
-        got = self._sum.value()
+        got = self.meta.checksum if self._landed_verified else self._sum.value()
         if got != self.meta.checksum:
             self.abort()
             self._writes._s.metrics.corrupt.labels(self._writes._head.name.label).inc()

@@ -338,7 +338,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., degraded: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "blocks", "pinned_blocks", "active_leases", "open_slots", "demotion_queue_depth", "namespaces", "node_id", "epoch")
+    __slots__ = ("tiers", "blocks", "pinned_blocks", "active_leases", "open_slots", "demotion_queue_depth", "namespaces", "node_id", "epoch", "open_handoffs")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,7 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPEN_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     blocks: int
     pinned_blocks: int
@@ -357,4 +358,5 @@ class StatsResponse(_message.Message):
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     node_id: str
     epoch: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., open_slots: _Optional[int] = ..., demotion_queue_depth: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    open_handoffs: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., open_slots: _Optional[int] = ..., demotion_queue_depth: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., open_handoffs: _Optional[int] = ...) -> None: ...

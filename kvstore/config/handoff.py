@@ -1,0 +1,48 @@
+"""Settings of the prefill/decode handoff: ``[handoff]`` (kvstore.handoff)."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from kvstore.config.section import Section, setting
+
+
+class HandoffSettings(Section):
+    flag_prefix = "handoff_"
+    title = ("prefill/decode handoff: a request's blocks held under a lease for a decode node to pull "
+             "(OpenHandoff on the prefill daemon, PullHandoff on the decode daemon)")
+
+    lease_seconds: float = setting(
+        30.0, "default handoff lease: blocks stay pinned this long for the decode side to come; each heartbeat "
+        "of a pulling decode side extends it by this much again", gt=0, le=3600,
+    )
+    max_lease_seconds: float = setting(
+        120.0, "longest lease_ms an OpenHandoff may ask for; more is refused (INVALID_ARGUMENT)", gt=0, le=3600,
+    )
+    max_total_seconds: float = setting(
+        600.0, "heartbeats never hold a handoff's blocks longer than this after it opened", gt=0, le=86400,
+    )
+    max_open: int = setting(
+        256, "handoffs open at once on this daemon; one more is refused with RESOURCE_EXHAUSTED and a retry "
+        "delay", ge=1, le=65536,
+    )
+    max_blocks: int = setting(4096, "blocks one handoff may hold", ge=1, le=65536)
+    max_pulls: int = setting(
+        8, "pulls this daemon runs at once as a decode side; one more is refused with RESOURCE_EXHAUSTED",
+        ge=1, le=1024,
+    )
+    pull_seconds: float = setting(120.0, "deadline of one pull when the caller gives none", gt=0, le=3600)
+    token_file: str = setting(
+        "", "file holding the bearer token this daemon presents to prefill daemons when it pulls (their "
+        "policy must let it read and write the namespace); empty: [tiers.peer] token_file",
+    )
+
+    @model_validator(mode="after")
+    def _leases(self) -> HandoffSettings:
+        if not self.lease_seconds <= self.max_lease_seconds <= self.max_total_seconds:
+            raise ValueError(
+                f"handoff_lease_seconds ({self.lease_seconds:g}) <= handoff_max_lease_seconds "
+                f"({self.max_lease_seconds:g}) <= handoff_max_total_seconds ({self.max_total_seconds:g}) "
+                "must hold: raise the larger ones"
+            )
+        return self

@@ -1,0 +1,275 @@
+"""The prefill/decode handoff across real daemons: separate ``strata serve`` processes, one real Redis index.
+
+A prefill daemon P holds a request's blocks under a handoff lease; a decode
+daemon D pulls them over P's TCP peer listener into its own arena, stores
+them, is published as their holder and completes the handoff. A decode side
+that completes, one that is SIGKILLed mid-pull, one that never comes; the
+lease kept alive by heartbeats; ended, unknown and strangers' ids; bytes
+damaged in transit. What must hold every time: D stores exactly the bytes P
+held or nothing, and after the lease nothing stays pinned on P. No test
+asserts a timing; waits are bounded polls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+import redis_servers
+from conftest import free_port, wait_until
+from kvstore.block import TierName
+from kvstore.client.sync import Client
+from kvstore.errors import CorruptBlock, HandoffEnded, Overloaded, StrataError, UnknownHandoff
+from kvstore.handoff.params import HandoffParams
+from peer_cluster import FlipProxy, PeerNode
+
+NS = "req-kv"
+MARKER = b"STRATA-FLIP-HERE"
+
+
+def value(tag: str, size: int, prefix: bytes = b"") -> bytes:
+    return prefix + random.Random(hashlib.blake2b(tag.encode()).digest()).randbytes(size - len(prefix))
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def index_url(tmp_path_factory):
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = redis_servers.start_standalone(tmp_path_factory.mktemp("handoff-redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path, index_url):
+    started: list[PeerNode] = []
+
+    def start(name: str, *extra: str, peer_listen: bool = False) -> PeerNode:
+        args = list(extra)
+        if peer_listen:
+            node = PeerNode(tmp_path, name, index_url, *args)
+            node.peer_port = free_port()
+            node.args += ["--peer-listen", f"127.0.0.1:{node.peer_port}"]
+        else:
+            node = PeerNode(tmp_path, name, index_url, *args)
+        started.append(node)
+        return node.start()
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+def put_chain(client: Client, tag: str, n: int, size: int, prefix: bytes = b"") -> tuple[list[bytes], list[bytes]]:
+    keys = keys_of(tag, n)
+    values = [value(f"{tag}/{i}", size, prefix) for i in range(n)]
+    for i, (k, v) in enumerate(zip(keys, values)):
+        client.put(NS, k, v, parent=keys[i - 1] if i else None)
+    return keys, values
+
+
+def holder_names(client: Client, keys: list[bytes]) -> list[set[str]]:
+    return [{h.node_id for h in held} for held in client.holders(NS, keys=keys)]
+
+
+@pytest.mark.parametrize("keep_as_cache", [True, False])
+def test_decode_side_pulls_stores_and_completes(nodes, keep_as_cache):
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False) as dc:
+        keys, values = put_chain(pc, "done", 8, 1 << 20)
+        params, missing = pc.open_handoff(NS, keys, keep_as_cache=keep_as_cache)
+        assert missing == []
+        assert params.node_id == "p" and params.addresses[0].startswith("tcp://")
+        assert params.addresses[-1].startswith("grpc://") and [b.key for b in params.blocks] == keys
+        assert pc.stats().open_handoffs == 1 and pc.stats().pinned_blocks == 8
+        # What a router passes on: plain JSON.
+        routed = json.loads(json.dumps(params.to_dict()))
+        assert HandoffParams.from_dict(routed) == params
+
+        result = dc.pull_handoff(routed)
+        returned = time.monotonic()
+        assert (result.stored, result.present, result.pulled_bytes) == (8, 0, 8 << 20)
+        assert result.completed and result.published, result.complete_error
+        # D is a holder as soon as the pull returns (it publishes before completing).
+        seen = holder_names(dc, keys)
+        lag_ms = (time.monotonic() - returned) * 1000
+        assert all("d" in h for h in seen), seen
+        print(f"decode node a holder in the index {lag_ms:.1f} ms after PullHandoff returned (published before completion)")
+
+        assert dc.exists(NS, keys) == [TierName.HOST] * 8  # in D's RAM, its arena
+        for k, v in zip(keys, values):
+            assert dc.get(NS, k) == v
+        s = pc.stats()
+        assert (s.open_handoffs, s.pinned_blocks) == (0, 0)
+        if keep_as_cache:
+            assert pc.exists(NS, keys) == [TierName.HOST] * 8
+        else:
+            assert pc.exists(NS, keys) == []
+        assert p.metric("strata_handoffs_ended_total", outcome="completed") == 1
+        assert p.metric("strata_handoffs_opened_total") == 1
+        assert d.metric("strata_handoff_pulled_bytes_total") == 8 << 20
+        assert d.metric("strata_handoff_pulls_total", outcome="ok") == 1
+
+        # A completed handoff's id is refused, naming it.
+        with pytest.raises(HandoffEnded, match=f"handoff {params.handoff_id[:8]}.*completed"):
+            pc.complete_handoff(NS, params.handoff_id)
+        again = dc.pull_handoff(params)  # the blocks are here already: nothing moves, the completion is refused
+        assert (again.stored, again.present, again.completed) == (0, 8, False)
+        assert "completed" in again.complete_error
+        with pytest.raises(HandoffEnded, match="completed"):
+            pc.heartbeat_handoff(NS, params.handoff_id)
+
+
+def test_decode_side_that_never_comes_leaves_nothing_pinned(nodes):
+    p = nodes("p", peer_listen=True)
+    with Client(p.target, use_shm=False) as pc:
+        keys, _ = put_chain(pc, "never", 4, 64 << 10)
+        params, _ = pc.open_handoff(NS, keys, lease_s=0.5)
+        assert pc.stats().pinned_blocks == 4
+        wait_until(lambda: pc.stats().open_handoffs == 0, timeout=30, what="the handoff lease to expire")
+        assert pc.stats().pinned_blocks == 0
+        assert p.metric("strata_handoffs_ended_total", outcome="expired") == 1
+        assert p.metric("strata_handoffs_ended_total", outcome="completed") == 0
+        for call in (pc.heartbeat_handoff, pc.complete_handoff):
+            with pytest.raises(HandoffEnded, match=f"handoff {params.handoff_id[:8]}.*expired"):
+                call(NS, params.handoff_id)
+        assert pc.exists(NS, keys) == [TierName.HOST] * 4  # unpinned, still cache: evictable again
+
+
+def test_heartbeats_extend_the_lease_and_ids_are_checked(nodes):
+    p = nodes("p", "--handoff-max-open", "2", peer_listen=True)
+    with Client(p.target, use_shm=False, retries=0) as pc:
+        keys, _ = put_chain(pc, "beat", 3, 4096)
+        params, _ = pc.open_handoff(NS, keys, lease_s=1.0)
+        deadlines = [params.lease_deadline_unix_ms]
+        end = time.monotonic() + 3.0  # three leases long
+        while time.monotonic() < end:
+            deadlines.append(pc.heartbeat_handoff(NS, params.handoff_id))
+            time.sleep(0.2)
+        assert deadlines == sorted(deadlines) and deadlines[-1] > deadlines[0]
+        assert pc.stats().open_handoffs == 1 and pc.stats().pinned_blocks == 3
+
+        # Strangers: an id never issued, and a real id presented with another namespace, read the same.
+        with pytest.raises(UnknownHandoff, match="never issued"):
+            pc.heartbeat_handoff(NS, "x" * 22)
+        pc.put("other-ns", b"k" * 16, b"v")
+        with pytest.raises(UnknownHandoff, match="never issued"):
+            pc.complete_handoff("other-ns", params.handoff_id)
+
+        # Limits: beyond --handoff-max-open, RESOURCE_EXHAUSTED with a retry delay.
+        pc.open_handoff(NS, keys[:1], lease_s=30)
+        with pytest.raises(Overloaded, match="handoff-max-open") as refused:
+            pc.open_handoff(NS, keys[:1], lease_s=30)
+        assert refused.value.retry_after_s > 0
+        with pytest.raises(StrataError, match="handoff-max-lease-seconds"):
+            pc.complete_handoff(NS, params.handoff_id)
+            pc.open_handoff(NS, keys, lease_s=3600)
+
+        with pytest.raises(HandoffEnded, match="completed"):
+            pc.complete_handoff(NS, params.handoff_id)
+
+
+class ThrottleProxy:
+    """Forwards TCP to ``upstream``, the replies at about ``rate`` bytes a second: a pull that lasts."""
+
+    def __init__(self, upstream: tuple[str, int], rate: int) -> None:
+        self.upstream, self.rate = upstream, rate
+        self.forwarded = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._server.accept()
+                up = socket.create_connection(self.upstream, timeout=10)
+                up.settimeout(None)
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+
+    def _pump(self, src, dst, slow: bool) -> None:
+        try:
+            while data := src.recv(64 << 10):
+                dst.sendall(data)
+                if slow:
+                    self.forwarded += len(data)
+                    time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_decode_side_killed_mid_pull_leaves_nothing_pinned(nodes):
+    """D is SIGKILLed while a pull that outlasts the lease runs: its heartbeats kept the handoff open
+    while it lived; after one lease without them P holds nothing pinned."""
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    with Client(p.target, use_shm=False) as pc:
+        keys, _ = put_chain(pc, "killed", 16, 4 << 20)  # 64 MiB
+        params, _ = pc.open_handoff(NS, keys, lease_s=1.0)
+        proxy = ThrottleProxy(("127.0.0.1", p.peer_port), rate=16 << 20)  # ~4 s for the whole pull
+        routed = params.to_dict()
+        routed["addresses"] = [f"tcp://{proxy.address}"]
+        failed: list[BaseException] = []
+
+        def pull() -> None:
+            try:
+                with Client(d.target, use_shm=False, retries=0) as dc:
+                    dc.pull_handoff(routed, timeout=60)
+            except BaseException as err:  # noqa: BLE001 - the daemon is killed under it
+                failed.append(err)
+
+        puller = threading.Thread(target=pull)
+        puller.start()
+        wait_until(lambda: proxy.forwarded > 24 << 20, timeout=60, what="the pull to be well under way")
+        # Past the first lease: only D's heartbeats kept the handoff open.
+        assert pc.stats().open_handoffs == 1
+        d.kill()
+        puller.join(30)
+        assert failed, "the pull cannot have finished: its daemon was killed"
+        wait_until(lambda: pc.stats().open_handoffs == 0, timeout=30, what="the handoff to expire after D died")
+        wait_until(lambda: pc.stats().pinned_blocks == 0, timeout=30, what="P's pins to be released")
+        assert p.metric("strata_handoffs_ended_total", outcome="expired") == 1
+        proxy.close()
+
+
+def test_bytes_damaged_in_transit_are_never_stored(nodes):
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
+        keys, values = put_chain(pc, "flip", 4, 256 << 10, prefix=MARKER)
+        params, _ = pc.open_handoff(NS, keys, lease_s=30)
+        proxy = FlipProxy(("127.0.0.1", p.peer_port), MARKER)
+        try:
+            routed = params.to_dict()
+            routed["addresses"] = [f"tcp://{proxy.address}"]
+            with pytest.raises(CorruptBlock):
+                dc.pull_handoff(routed)
+            assert proxy.flipped >= 1
+        finally:
+            proxy.close()
+        assert dc.exists(NS, keys) == []  # nothing of the failed pull was stored
+        assert pc.stats().open_handoffs == 1  # not completed: the decode side may try again
+        result = dc.pull_handoff(params)  # straight to P this time
+        assert result.stored == 4 and result.completed
+        for k, v in zip(keys, values):
+            assert dc.get(NS, k) == v
