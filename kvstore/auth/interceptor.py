@@ -36,6 +36,7 @@ ACTIONS: dict[str, str | None] = {
     "Allocate": WRITE, "Lookup": READ, "Score": READ, "Holders": READ,
     "Commit": None, "Abort": None, "Release": None, "Unpin": None, "Attach": None,
     "Nodes": NODE_WIDE,
+    "Replication": NODE_WIDE,
 }
 
 
