@@ -146,7 +146,7 @@ def test_example_config_file_loads():
     assert s.server.unix_socket == "/run/strata/strata.sock"
     assert s.tiers.chain == ["ram", "disk", "peer"] and s.server.advertise_address == "10.0.0.2:50051"
     assert s.tiers.peer.edge() == {"demote": False, "write_through": False, "promote": True}
-    assert s.tiers.peer.transports == ["grpc"] and s.tiers.peer.token_file == "/etc/strata/peer.token"
+    assert s.tiers.peer.transports == ["tcp", "grpc"] and s.tiers.peer.token_file == "/etc/strata/peer.token"
 
 
 def test_peer_settings_are_checked_and_the_advertised_address_derived():

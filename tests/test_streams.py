@@ -241,7 +241,9 @@ def test_slow_streams_write_their_chunks_into_the_arena_not_into_buffers(daemon_
             wait_until(lambda: sum(grown().values()) >= 0.9 * n * sent, timeout=60,
                        what="the daemon to receive most of every stream's bytes")
             growth = grown()
-            assert growth["RssAnon"] < n * sent // 4, growth  # before: a buffer per stream, all n * sent of it
+            # Before: a buffer per stream, all n * sent of it. Now what stays private is gRPC's own
+            # receive windows, which grow on a loaded machine: half of n * sent still tells the two apart.
+            assert growth["RssAnon"] < n * sent // 2, growth
             assert growth["RssFile"] + growth["RssShmem"] >= n * sent // 2, growth  # the arena's pages
         finally:
             release.set()
