@@ -6,7 +6,7 @@ with a small RAM and disk tier (so puts evict), while a driver loop
 
 - puts blocks of 256 KiB to a random node, from a key space several times
   what the cluster holds (evictions on every node, all the time), and now
-  and then deletes some;
+  and then deletes some, in a thread of its own that never pauses;
 - restarts a node every few seconds, alternating SIGKILL (its crash-safe
   RAM and its disk are re-adopted at a new epoch) and SIGTERM (a drain);
 - samples: a batch of keys, the index's holders of each (one ``Holders``
@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.harness import RESULTS_DIR, free_port, private_redis
 from kvstore.client.sync import Client
+from kvstore.errors import StrataError
 
 NAME = "index_churn"
 NS = "churn"
@@ -199,39 +201,52 @@ def sample(nodes: list[Node], rng: random.Random, counts: Counts) -> None:
                     counts.false_misses_settled += name not in before[i]
 
 
-def drive(nodes: list[Node], plan: dict, rng: random.Random) -> Counts:
-    counts = Counts()
+def write_load(nodes: list[Node], rng: random.Random, counts: Counts, stop: threading.Event) -> None:
+    """Puts (and a few deletes) to random live nodes until ``stop``: the eviction churn."""
     payload = os.urandom(BLOCK)
-    end = time.monotonic() + plan["seconds"]
-    next_restart = time.monotonic() + plan["restart_every_s"]
-    next_sample = time.monotonic() + plan["sample_every_s"]
-    kill = True
-    while time.monotonic() < end:
-        now = time.monotonic()
-        if now >= next_restart:
-            victim = rng.choice(nodes)
-            victim.stop(signal.SIGKILL if kill else signal.SIGTERM)
-            counts.restarts["sigkill" if kill else "sigterm"] += 1
-            for _ in range(3):  # sample while it is down
-                sample(nodes, rng, counts)
-            victim.start()
-            kill = not kill
-            next_restart = time.monotonic() + plan["restart_every_s"]
-        if now >= next_sample:
-            sample(nodes, rng, counts)
-            next_sample = time.monotonic() + plan["sample_every_s"]
-        node = rng.choice([n for n in nodes if n.up])
+    while not stop.is_set():
+        live = [n.client for n in nodes if n.up]
+        if not live:
+            time.sleep(0.01)
+            continue
+        client = rng.choice(live)
         i = rng.randrange(KEYS)
         try:
             if rng.random() < 0.05:
-                node.client.delete(NS, [key_of(j) for j in range(i, min(KEYS, i + 4))])
+                client.delete(NS, [key_of(j) for j in range(i, min(KEYS, i + 4))])
                 counts.deletes += 1
-            else:
-                # the block's bytes: its index in front of one shared random payload
-                node.client.put(NS, key_of(i), i.to_bytes(4, "big") + payload[4:])
+            else:  # the block's bytes: its index in front of one shared random payload
+                client.put(NS, key_of(i), i.to_bytes(4, "big") + payload[4:])
                 counts.puts += 1
-        except grpc.RpcError:
-            pass  # a full RAM under load (RESOURCE_EXHAUSTED) is part of the churn
+        except (grpc.RpcError, StrataError, ValueError):
+            pass  # a node going down under the call, or a full RAM (RESOURCE_EXHAUSTED): part of the churn
+
+
+def drive(nodes: list[Node], plan: dict, rng: random.Random) -> Counts:
+    """Samples and restarts here; puts and deletes in a thread of their own, all the time."""
+    counts = Counts()
+    stop = threading.Event()
+    writer = threading.Thread(target=write_load, args=(nodes, random.Random(rng.random()), counts, stop), daemon=True)
+    writer.start()
+    try:
+        end = time.monotonic() + plan["seconds"]
+        next_restart = time.monotonic() + plan["restart_every_s"]
+        kill = True
+        while time.monotonic() < end:
+            if time.monotonic() >= next_restart:
+                victim = rng.choice(nodes)
+                victim.stop(signal.SIGKILL if kill else signal.SIGTERM)
+                counts.restarts["sigkill" if kill else "sigterm"] += 1
+                for _ in range(3):  # sample while it is down
+                    sample(nodes, rng, counts)
+                victim.start()
+                kill = not kill
+                next_restart = time.monotonic() + plan["restart_every_s"]
+            sample(nodes, rng, counts)
+            time.sleep(plan["sample_every_s"])
+    finally:
+        stop.set()
+        writer.join(30)
     return counts
 
 

@@ -206,3 +206,27 @@ def test_more_copies_asked_than_live_nodes_are_reported_without_pushing_again(no
         capture_output=True, text=True, timeout=60,
     )
     assert text.returncode == 4 and "4 under-replicated" in text.stdout
+
+
+def test_a_lone_node_reports_its_blocks_short_and_stops_cleanly(make_daemon):
+    """With the embedded index there are no peers: every block is short of k, and no push is tried."""
+    d = make_daemon(replicate=f"{R}:2", replication_interval_seconds="0.05")
+    keys = keys_of("lone", 3)
+    with Client(d.target, use_shm=False) as c:
+        assert c.replication().namespaces == []  # nothing held yet
+        for k in keys:
+            c.put(R, k, b"x" * 1024)
+        c.put(PLAIN, b"other", b"y")
+        wait_until(lambda: [(n.namespace, n.blocks, n.under_replicated) for n in c.replication().namespaces]
+                   == [(R, 3, 3)], what="the replicator to check the blocks")
+        r = c.replication()
+        assert r.enabled and r.node_id == d.node.node_id and r.last_error == ""
+        assert r.namespaces[0].copies_made == r.namespaces[0].copies_failed == 0
+    d.stop(0)
+    assert not d.replicator._thread.is_alive()
+
+
+def test_a_daemon_without_replication_says_so(daemon):
+    with Client(daemon.target, use_shm=False) as c:
+        r = c.replication()
+    assert not r.enabled and r.namespaces == [] and daemon.replicator is None
