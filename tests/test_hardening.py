@@ -137,7 +137,7 @@ def test_bytes_that_are_not_a_request_are_invalid_argument_on_every_method(daemo
                                        index_pb2.DESCRIPTOR.services_by_name["IndexService"])
         for m in svc.methods
     ]
-    assert len(methods) == 17
+    assert len(methods) == 18  # 14 KV, 4 index (Score, Holders, Nodes, Replication)
     with grpc.insecure_channel(daemon.target) as channel:
         for service, m in methods:
             path = f"/{service}/{m.name}"
