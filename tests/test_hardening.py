@@ -129,15 +129,16 @@ def test_a_block_over_the_limit_is_refused_naming_the_setting(make):
 def test_bytes_that_are_not_a_request_are_invalid_argument_on_every_method(daemon):
     import grpc
 
-    from kvstore.api.v1 import index_pb2, kv_pb2
+    from kvstore.api.v1 import handoff_pb2, index_pb2, kv_pb2
 
     garbage = b"\xff\xff\xff\xff\x0f"  # a varint that never ends: no message parses from it
     methods = [
         (svc.full_name, m) for svc in (kv_pb2.DESCRIPTOR.services_by_name["KVService"],
-                                       index_pb2.DESCRIPTOR.services_by_name["IndexService"])
+                                       index_pb2.DESCRIPTOR.services_by_name["IndexService"],
+                                       handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"])
         for m in svc.methods
     ]
-    assert len(methods) == 17
+    assert len(methods) == 22  # 14 KV, 4 index (Score, Holders, Nodes, Replication), 4 handoff
     with grpc.insecure_channel(daemon.target) as channel:
         for service, m in methods:
             path = f"/{service}/{m.name}"

@@ -38,6 +38,7 @@ ACTIONS: dict[str, str | None] = {
     "Nodes": NODE_WIDE,
     # The prefill/decode handoff (handoff.proto): the id is the capability, the namespace is checked too.
     "OpenHandoff": WRITE, "HeartbeatHandoff": READ, "CompleteHandoff": WRITE, "PullHandoff": WRITE,
+    "Replication": NODE_WIDE,
 }
 
 

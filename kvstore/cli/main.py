@@ -10,6 +10,7 @@
     strata index lookup NS KEY...    nodes ranked by the cached prefix they hold (or --tokens)
     strata index holders NS KEY...   who holds each block of a chain
     strata peers                     the fleet's nodes: epochs, liveness, advertised transports
+    strata replication               replicated namespaces: blocks held here, under-replicated, copies made
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def _show(value) -> str:
         return f"{value >> 20}MiB" if value < 1 << 30 else f"{value >> 30}GiB"
     if isinstance(value, list):
         return ",".join(value) or "none"
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v}" for k, v in value.items()) or "none"
     return str(value) if value != "" else "off"
 
 
@@ -258,6 +261,28 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replication(args: argparse.Namespace) -> int:
+    import time
+
+    with _client(args) as client:
+        r = client.replication()
+    under = sum(n.under_replicated for n in r.namespaces)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(r)))
+    elif not r.enabled:
+        print(f"node {r.node_id} replicates no namespace (set [replication] namespaces, or --replicate NS:K)")
+    else:
+        age = f"{time.time() - r.last_round_unix_seconds:.1f}s ago" if r.last_round_unix_seconds else "not yet"
+        print(f"node {r.node_id}: {r.rounds} rounds, {r.passes} complete passes, last round {age}"
+              + (f" (stopped short: {r.last_error})" if r.last_error else ""))
+        if not r.namespaces:
+            print("  no block of a replicated namespace is held here")
+        for n in r.namespaces:
+            print(f"  {n.namespace}\tk={n.replicas} (rule {n.rule})\t{n.blocks} blocks\t"
+                  f"{n.under_replicated} under-replicated\t{n.copies_made} copies made\t{n.copies_failed} failed")
+    return 4 if args.check and under else 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         s = client.stats(args.namespace or "")
@@ -390,6 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peers.add_argument("--json", action="store_true", help="print JSON")
     peers.set_defaults(func=cmd_peers)
+
+    replication = sub.add_parser(
+        "replication", parents=[client_opts], help="replicated namespaces: blocks held here, under-replicated",
+        description="Per namespace that [replication] namespaces (--replicate) asks k copies of: the blocks this "
+        "daemon holds, those found with fewer than k live holders at their latest check, and the copies it "
+        "pushed to other nodes. Each holder reports the blocks it holds.",
+    )
+    replication.add_argument("--json", action="store_true", help="print JSON")
+    replication.add_argument("--check", action="store_true", help="exit 4 when any block is under-replicated")
+    replication.set_defaults(func=cmd_replication)
 
     stats = sub.add_parser("stats", parents=[client_opts], help="show tier usage, blocks and leases")
     stats.add_argument("--namespace", help="only this namespace")

@@ -137,6 +137,38 @@ def parse_nodes(r) -> list[PeerNode]:
     return [PeerNode(n.node_id, n.epoch, n.alive, n.address, list(n.transports)) for n in r.nodes]
 
 
+@dataclass(frozen=True, slots=True)
+class NamespaceReplication:
+    """One replicated namespace as the answering node sees it (the Replication RPC)."""
+
+    namespace: str
+    rule: str
+    replicas: int  # k
+    blocks: int  # held by the answering node
+    under_replicated: int  # of them, with fewer than k live holders at their latest check
+    copies_made: int
+    copies_failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Replication:
+    node_id: str
+    enabled: bool
+    rounds: int
+    passes: int
+    last_round_unix_seconds: float
+    last_error: str
+    namespaces: list[NamespaceReplication]
+
+
+def parse_replication(r) -> Replication:
+    return Replication(
+        r.node_id, r.enabled, r.rounds, r.passes, r.last_round_unix_seconds, r.last_error,
+        [NamespaceReplication(n.namespace, n.rule, n.replicas, n.blocks, n.under_replicated, n.copies_made,
+                              n.copies_failed) for n in r.namespaces],
+    )
+
+
 def tier_name(value: int) -> TierName | None:
     return TierName(value) if value else None
 

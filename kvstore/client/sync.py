@@ -272,6 +272,14 @@ class Client:
         request = index_pb2.NodesRequest()
         return codec.parse_nodes(self._retrying("Nodes", lambda: self._index.Nodes(request, timeout=self.timeout)))
 
+    def replication(self) -> codec.Replication:
+        """The daemon's replication state: per replicated namespace, the blocks it holds, how many
+        have fewer than k live holders, the copies it made (an identity allowed on every namespace)."""
+        request = index_pb2.ReplicationRequest()
+        return codec.parse_replication(
+            self._retrying("Replication", lambda: self._index.Replication(request, timeout=self.timeout))
+        )
+
     def list_blocks(self, namespace: str, prefix: bytes = b"", *, page_size: int = 0, page_token: bytes = b"") -> ListPage:
         """One page of the namespace's keys starting with ``prefix``, in byte order.
 

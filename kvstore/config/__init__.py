@@ -13,6 +13,8 @@ One section per component, each a model that holds its settings' defaults
     ├── store     StoreSettings     [store]        block and batch limits, leases, demotion, namespaces
     ├── index     IndexSettings     [index]        url, ttl_seconds, score_weights, kv_events
     ├── auth      AuthSettings      [auth]         policy file, TLS, protected mode, socket mode
+    ├── peers     PeerSettings      [peers]        the peer data plane's listener and limits
+    ├── replication ReplicationSettings [replication] namespaces to keep k copies of, round limits
     └── logging   LoggingSettings   [logging]      level, format
 
 Precedence, highest first: command-line flags, ``STRATA_*`` environment

@@ -12,6 +12,7 @@ from kvstore.config.index import IndexSettings
 from kvstore.config.log import LoggingSettings
 from kvstore.config.handoff import HandoffSettings
 from kvstore.config.peers import PeerSettings
+from kvstore.config.replication import ReplicationSettings
 from kvstore.config.section import Section, setting
 from kvstore.config.server import NodeSettings, ServerSettings
 from kvstore.config.store import DEFAULT_MAX_BLOCK_BYTES, StoreSettings
@@ -37,6 +38,7 @@ class Settings(Section):
     logging: LoggingSettings = setting(default_factory=LoggingSettings)
     peers: PeerSettings = setting(default_factory=PeerSettings)
     handoff: HandoffSettings = setting(default_factory=HandoffSettings)
+    replication: ReplicationSettings = setting(default_factory=ReplicationSettings)
     arenas: Annotated[list[ArenaSettings], Field(max_length=MAX_ARENAS)] = setting(
         default_factory=list,
         description="an isolated arena NAME:NS1,NS2:RAM[:DISK] (repeat per arena; ';' between arenas in the "

@@ -36,6 +36,7 @@ from kvstore.auth.exposure import refusal, split_host
 from kvstore.auth.interceptor import AuthInterceptor
 from kvstore.auth.peers import PeerGate
 from kvstore.block import TierName
+from kvstore.cluster.replicator import Replicator, open_replicator
 from kvstore.config import Settings
 from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent
@@ -104,6 +105,7 @@ class Daemon:
         self.peer_metrics = None  # PeerMetrics, with a peer tier in the chain
         self.handoffs = None  # HandoffTable: the prefill side's open handoffs
         self._handoff_peer = None  # TcpPeerClient the decode side pulls with
+        self.replicator: Replicator | None = None  # with [replication] namespaces
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -122,6 +124,8 @@ class Daemon:
             self._stop_handoffs()
             if self._watchdog is not None:
                 self._watchdog.stop()
+            if self.replicator is not None:
+                self.replicator.stop(1.0)
             if self.index_agent is not None and self.store is not None:
                 self.index_agent.stop(1.0)
             if self.store is not None:
@@ -150,6 +154,8 @@ class Daemon:
         self.store = open_stores(s, state_dir, self.metrics, self.events, self._tier_runtime(index))
         self.metrics.watch_ram_recovery({a.name: a.store.head for a in self.store.arenas})
         self.index_agent.start()
+        self.replicator = open_replicator(s, self.store, index, self.node.node_id, self.index_agent.loop,
+                                          self.metrics.registry)
         if s.index.kv_events:
             from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
 
@@ -221,7 +227,8 @@ class Daemon:
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
         index_pb2_grpc.add_IndexServiceServicer_to_server(
             # Index RPCs may wait on a slow index: at most half the admitted RPCs, the rest stay for the cache.
-            IndexServicer(self.index_agent, ScoringPolicy(weights), max_in_flight=max(1, s.server.admitted_rpcs // 2)),
+            IndexServicer(self.index_agent, ScoringPolicy(weights), max_in_flight=max(1, s.server.admitted_rpcs // 2),
+                          replication=self.replicator.report if self.replicator is not None else None),
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -275,6 +282,8 @@ class Daemon:
         self._check_tiers()
         self._tier_watch = threading.Thread(target=self._watch_tiers, name="strata-tier-health", daemon=True)
         self._tier_watch.start()
+        if self.replicator is not None:
+            self.replicator.start()
         stats = self.store.stats()
         log.info(
             "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
@@ -456,6 +465,8 @@ class Daemon:
         if self.peer_server is not None:
             self.peer_server.stop()
         self._stop_handoffs()
+        if self.replicator is not None:
+            self.replicator.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

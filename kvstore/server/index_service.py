@@ -20,6 +20,7 @@ from kvstore.api.v1 import index_pb2 as pb
 from kvstore.api.v1 import index_pb2_grpc
 from kvstore.block import TierName, validate_key, validate_namespace
 from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded
+from kvstore.cluster.replicator import ReplicationReport
 from kvstore.index.agent import IndexAgent
 from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.index.keys import BlockHasher, event_key_bytes
@@ -86,7 +87,9 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
         *,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         retry_after_s: float = 0.05,
+        replication: Callable[[], ReplicationReport] | None = None,
     ) -> None:
+        """``replication``: this node's replication report (None: it replicates nothing)."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight is {max_in_flight}; allow at least one index RPC at a time")
         self._agent = agent
@@ -95,6 +98,7 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._max = max_in_flight
         self._retry_after_s = retry_after_s
+        self._replication = replication
 
     def _deadline(self, context) -> float:
         remaining = context.time_remaining()
@@ -149,4 +153,20 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
                 )
                 for key, holders in zip(keys, found)
             ]
+        )
+
+    def Replication(self, request: pb.ReplicationRequest, context) -> pb.ReplicationResponse:
+        if self._replication is None:
+            return pb.ReplicationResponse(node_id=self._agent.node_id, enabled=False)
+        r = self._replication()  # in memory: no index call, no slot taken
+        return pb.ReplicationResponse(
+            node_id=r.node_id, enabled=True, rounds=r.rounds, passes=r.passes,
+            last_round_unix_seconds=r.last_round_at, last_error=r.last_error,
+            namespaces=[
+                pb.NamespaceReplication(
+                    namespace=n.namespace, rule=n.rule, replicas=n.replicas, blocks=n.blocks,
+                    under_replicated=n.under_replicated, copies_made=n.copies_made, copies_failed=n.copies_failed,
+                )
+                for n in r.namespaces
+            ],
         )

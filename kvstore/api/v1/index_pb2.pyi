@@ -128,3 +128,43 @@ class NodesResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
     node_id: str
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class ReplicationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceReplication(_message.Message):
+    __slots__ = ("namespace", "rule", "replicas", "blocks", "under_replicated", "copies_made", "copies_failed")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNDER_REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_MADE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    rule: str
+    replicas: int
+    blocks: int
+    under_replicated: int
+    copies_made: int
+    copies_failed: int
+    def __init__(self, namespace: _Optional[str] = ..., rule: _Optional[str] = ..., replicas: _Optional[int] = ..., blocks: _Optional[int] = ..., under_replicated: _Optional[int] = ..., copies_made: _Optional[int] = ..., copies_failed: _Optional[int] = ...) -> None: ...
+
+class ReplicationResponse(_message.Message):
+    __slots__ = ("node_id", "enabled", "rounds", "passes", "last_round_unix_seconds", "last_error", "namespaces")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    enabled: bool
+    rounds: int
+    passes: int
+    last_round_unix_seconds: float
+    last_error: str
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceReplication]
+    def __init__(self, node_id: _Optional[str] = ..., enabled: bool = ..., rounds: _Optional[int] = ..., passes: _Optional[int] = ..., last_round_unix_seconds: _Optional[float] = ..., last_error: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceReplication, _Mapping]]] = ...) -> None: ...

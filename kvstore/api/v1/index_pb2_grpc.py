@@ -49,6 +49,11 @@ class IndexServiceStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesResponse.FromString,
                 _registered_method=True)
+        self.Replication = channel.unary_unary(
+                '/strata.index.v1.IndexService/Replication',
+                request_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.ReplicationRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.ReplicationResponse.FromString,
+                _registered_method=True)
 
 
 class IndexServiceServicer(object):
@@ -73,6 +78,13 @@ class IndexServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replication(self, request, context):
+        """This node's replication state: per replicated namespace, blocks held and under-replicated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +102,11 @@ def add_IndexServiceServicer_to_server(servicer, server):
                     servicer.Nodes,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.NodesResponse.SerializeToString,
+            ),
+            'Replication': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replication,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_index__pb2.ReplicationRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_index__pb2.ReplicationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +190,33 @@ class IndexService(object):
             '/strata.index.v1.IndexService/Nodes',
             kvstore_dot_api_dot_v1_dot_index__pb2.NodesRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_index__pb2.NodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replication(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.index.v1.IndexService/Replication',
+            kvstore_dot_api_dot_v1_dot_index__pb2.ReplicationRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_index__pb2.ReplicationResponse.FromString,
             options,
             channel_credentials,
             insecure,

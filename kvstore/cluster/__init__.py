@@ -1,0 +1,5 @@
+"""The fleet as one pool: what a daemon does with its peers beyond reading from them.
+
+- :mod:`kvstore.cluster.policy`: which namespaces ask for how many copies;
+- :mod:`kvstore.cluster.replicator`: keeps those copies on distinct live nodes.
+"""
