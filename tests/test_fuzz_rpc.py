@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvstore import BlockPut, Client
-from kvstore.api.v1 import index_pb2, kv_pb2, kv_pb2_grpc
+from kvstore.api.v1 import handoff_pb2, index_pb2, kv_pb2, kv_pb2_grpc
 from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
 from kvstore.block import checksum
@@ -49,9 +49,11 @@ EXPECTED = {
 
 KV = kv_pb2.DESCRIPTOR.services_by_name["KVService"]
 INDEX = index_pb2.DESCRIPTOR.services_by_name["IndexService"]
-METHODS = [(svc, m) for svc in (KV, INDEX) for m in svc.methods]
+HANDOFF = handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"]
+METHODS = [(svc, m) for svc in (KV, INDEX, HANDOFF) for m in svc.methods]
 CLASSES = {**{d.full_name: getattr(kv_pb2, d.name) for d in kv_pb2.DESCRIPTOR.message_types_by_name.values()},
-           **{d.full_name: getattr(index_pb2, d.name) for d in index_pb2.DESCRIPTOR.message_types_by_name.values()}}
+           **{d.full_name: getattr(index_pb2, d.name) for d in index_pb2.DESCRIPTOR.message_types_by_name.values()},
+           **{d.full_name: getattr(handoff_pb2, d.name) for d in handoff_pb2.DESCRIPTOR.message_types_by_name.values()}}
 
 # What the fuzz may find: blocks it can name (namespace "m"), and blocks it must never change ("kept").
 KEYS = [b"a", b"b", b"c"]
