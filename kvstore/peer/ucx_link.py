@@ -123,7 +123,7 @@ class UcxRuntime:
         return self.submit(coro).result(timeout)
 
     def is_ucx_error(self, err: BaseException) -> bool:
-        return isinstance(err, self.ucxx.exceptions.UCXBaseException)
+        return isinstance(err, self.ucxx.exceptions.UCXError)
 
 
 class UcxLink:

@@ -209,6 +209,8 @@ class Daemon:
                 ) from None
         if s.peers.ucx_listen:
             self.ucx_server = self._ucx_server()
+        elif "peer" in s.tiers.chain and "ucx" in s.tiers.peer.transports:
+            self._start_ucx("--peer-transports ucx")
         self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
@@ -286,9 +288,19 @@ class Daemon:
         )
         return self
 
+    @staticmethod
+    def _start_ucx(why: str) -> None:
+        """Start ucxx's worker now, not on the first peer read (its start can take seconds on a busy
+        host, longer than a read's deadline), and say at once when it cannot be imported."""
+        from kvstore.peer.ucx_link import UcxRuntime, UcxUnavailable
+
+        try:
+            UcxRuntime.get()
+        except UcxUnavailable as err:
+            raise DaemonError(f"{err} ({why})") from None
+
     def _ucx_server(self) -> PeerServer:
         """The UCX peer listener: the same requests as the TCP one, over ucxx (the ucx extra)."""
-        from kvstore.peer.ucx_link import UcxUnavailable
         from kvstore.peer.ucx_server import UcxPeerServer
 
         s = self.settings
@@ -297,10 +309,9 @@ class Daemon:
             max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
             in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
         )
+        self._start_ucx(f"--peer-ucx-listen {s.peers.ucx_listen}")
         try:
             return server.start()
-        except UcxUnavailable as err:
-            raise DaemonError(f"{err} (--peer-ucx-listen {s.peers.ucx_listen})") from None
         except Exception as err:  # noqa: BLE001 - ucxx's own errors (a port taken, no usable transport)
             raise DaemonError(
                 f"cannot serve the UCX peer data plane on {s.peers.ucx_listen} ({type(err).__name__}: {err}): "
