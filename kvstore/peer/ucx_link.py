@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import msgpack
 
 from kvstore.block import Checksummer
-from kvstore.errors import StrataError
+from kvstore.errors import TierUnavailable
 from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError
 
 __all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
@@ -53,7 +53,7 @@ PROGRESS_MODE = "blocking"
 _ABORT_WAIT_S = 5.0
 
 
-class UcxUnavailable(StrataError):
+class UcxUnavailable(TierUnavailable):
     """ucxx cannot be imported here: install the ``ucx`` extra (``pip install "strata[ucx]"``)."""
 
 
@@ -205,9 +205,6 @@ class UcxLink:
 
     def close(self) -> None:
         self._abort()
-
-    def fileno(self) -> int:
-        return -1
 
     # ---- the Wire face -------------------------------------------------------------
 
