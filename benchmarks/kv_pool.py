@@ -25,9 +25,16 @@ handoff at P), timed from OpenHandoff to PullHandoff's answer. Between
 rounds D deletes the blocks, untimed. The baseline is the plain socket
 moving the same 256 MiB in one request, in the same rounds.
 
-The target is ≥ 0.8× the plain socket. Not measured yet (issue 10): UCX,
-Mooncake and the index churn rates; and a daemon fetching from a daemon
-through its peer tier (this process stands for the fetching daemon).
+The UCX peer transport (:class:`kvstore.peer.ucx.UcxPeerClient`) over the
+same daemon's ``--peer-ucx-listen``, in the same rounds, where ucxx can be
+imported: UCX over its tcp transport on loopback (the listener API wires up
+over TCP), ``UCX_MAX_RNDV_RAILS=2``, blocking progress. UCX shared memory is
+not measured: the listener API never selects it.
+
+The target is ≥ 0.8× the plain socket. Not measured yet (issue 10):
+Mooncake; and a daemon fetching from a daemon through its peer tier (this
+process stands for the fetching daemon). The index churn rates are
+``benchmarks.index_churn``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from benchmarks.harness import MiB, Benchmark, compare, free_port, interleave, s
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import UnknownNamespace
 from kvstore.peer.tcp import TcpPeerClient
+from kvstore.peer.ucx_link import ucx_available
 from kvstore.transport.base import Deadline
 
 NAME = "kv_pool"
@@ -182,12 +190,21 @@ def main(argv: list[str] | None = None) -> int:
         run_handoff(bench, plan)
         bench.finish()
         return 0
-    peer_port = free_port()
+    peer_port, ucx_port = free_port(), free_port()
+    ucx, no_ucx = ucx_available()
+    if not ucx:
+        print(f"UCX cases left out: {no_ucx}")
+    extra = dict(peer_ucx_listen=f"127.0.0.1:{ucx_port}", insecure=True) if ucx else {}
     with strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
-                       peer_listen=f"127.0.0.1:{peer_port}"), \
+                       peer_listen=f"127.0.0.1:{peer_port}", **extra), \
             plain_socket(BATCH * max(SIZES)) as plain:
         address = f"tcp://127.0.0.1:{peer_port}"
         client = TcpPeerClient()
+        ucx_client = None
+        if ucx:
+            from kvstore.peer.ucx import UcxPeerClient
+
+            ucx_client = UcxPeerClient()
         try:
             for seed, size in enumerate(SIZES):
                 L = size_label(size)
@@ -209,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"get {L} peer-tcp x{BATCH} batch": peer_round(client, address, keys, buffers, batch_calls),
                     f"plain socket {L} x{BATCH}": plain_round(plain, buffers, size, batch_calls),
                 }
+                if ucx_client is not None:
+                    at = f"ucx://127.0.0.1:{ucx_port}"
+                    fns[f"get {L} peer-ucx"] = peer_round(ucx_client, at, keys[:1], buffers[:1], single_calls)
+                    fns[f"get {L} peer-ucx x{BATCH} batch"] = peer_round(ucx_client, at, keys, buffers, batch_calls)
                 s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
                 bench.add(compare(s, f"get {L} peer-tcp", f"plain socket {L}", target_ratio=TARGET, note=(
                     "one block per read: request, header, bytes received into a preallocated buffer and "
@@ -216,8 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                     "unverified")))
                 bench.add(compare(s, f"get {L} peer-tcp x{BATCH} batch", f"plain socket {L} x{BATCH}",
                                   target_ratio=TARGET, note=f"{BATCH} blocks per read, one request"))
+                if ucx_client is not None:
+                    bench.add(compare(s, f"get {L} peer-ucx", f"plain socket {L}", target_ratio=TARGET, note=(
+                        "the same over UCX (tcp transport, loopback): frames as tag messages, each block one tag "
+                        "receive into the preallocated buffer, verified")))
+                    bench.add(compare(s, f"get {L} peer-ucx x{BATCH} batch", f"plain socket {L} x{BATCH}",
+                                      target_ratio=TARGET, note=f"{BATCH} blocks per read over UCX"))
         finally:
             client.close()
+            if ucx_client is not None:
+                ucx_client.close()
     if handoff:
         run_handoff(bench, plan)
     bench.finish()

@@ -31,6 +31,7 @@ says what was wrong and what to do about it.
     │   └── Overloaded              too many requests in flight
     ├── CorruptBlock                checksum mismatch (DATA_LOSS)
     ├── TierUnavailable             a tier's device failed (UNAVAILABLE)
+    │   └── UcxUnavailable          ucxx cannot be imported here (the ucx extra)          [peer.ucx_link]
     ├── DeadlineExceeded            the caller's deadline passed (DEADLINE_EXCEEDED)
     ├── Cancelled                   client side: the caller cancelled the call
     ├── PrefixIndexError            the prefix index
@@ -70,6 +71,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "DaemonError": "kvstore.server.daemon",
     "WrongArena": "kvstore.store.group",
     "PolicyError": "kvstore.auth.policy",
+    "UcxUnavailable": "kvstore.peer.ucx_link",
 }
 
 

@@ -2,7 +2,8 @@
 
 Each transport talks to the same real daemon: in-process through its store,
 the others through its gRPC port, its arena, its same-host socket and its
-peer data plane (peer-tcp, over its --peer-listen TCP port).
+peer data plane (peer-tcp, over its --peer-listen TCP port; peer-ucx, over
+its --peer-ucx-listen UCX port, skipped where ucxx cannot be imported).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import pytest
 
 from kvstore.block import TierName
 from kvstore.errors import Cancelled, CorruptBlock, DeadlineExceeded, InvalidArgument, InvalidKey, UnknownNamespace
+from kvstore.peer.ucx_link import ucx_available
 from kvstore.transport import TRANSPORTS, BlockPut, Deadline, open_transport, placement
 from kvstore.transport.base import BlockInfo, Transport
 from conftest import wait_until
 
 MiB = 1 << 20
-NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio", "peer-tcp"]
+NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio", "peer-tcp", "peer-ucx"]
+UCX, NO_UCX = ucx_available()
 
 
 def blob(seed: int, size: int) -> bytes:
@@ -38,8 +41,14 @@ def name(request):
 
 
 @pytest.fixture
-def daemon(make_daemon):
-    return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0")
+def daemon(make_daemon, name):
+    if name != "peer-ucx":
+        return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0")
+    if not UCX:
+        pytest.skip(NO_UCX)
+    # ucxx's listener binds every interface: protected mode wants authentication or --insecure
+    return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0",
+                       peer_ucx_listen="127.0.0.1:0", insecure=True)
 
 
 class OnItsLoop(Transport):
@@ -111,8 +120,8 @@ class OnItsLoop(Transport):
 def transport(daemon, name):
     if name == "same-host-asyncio":
         t = OnItsLoop(daemon)
-    elif name == "peer-tcp":
-        t = open_transport(name, target=daemon.peer_addresses()["tcp"])
+    elif name in ("peer-tcp", "peer-ucx"):
+        t = open_transport(name, target=daemon.peer_addresses()[name.removeprefix("peer-")])
     else:
         t = open_transport(name, **({"store": daemon.store} if name == "in-process" else {"target": daemon.target}))
     assert t.name == name

@@ -1,4 +1,4 @@
-"""Settings of the peer data plane: ``[peers]``, the TCP listener other daemons read blocks from."""
+"""Settings of the peer data plane: ``[peers]``, the TCP and UCX listeners other daemons read blocks from."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kvstore.config.section import Section, setting
 
 class PeerSettings(Section):
     flag_prefix = "peer_"
-    title = "the peer data plane: the TCP listener other daemons read blocks from and write blocks to"
+    title = "the peer data plane: the TCP (and UCX) listeners other daemons read blocks from and write blocks to"
 
     listen: str = setting(
         "", "peer data-plane address, host:port (e.g. 0.0.0.0:50061); beyond loopback it needs authentication "
@@ -17,6 +17,15 @@ class PeerSettings(Section):
     )
     advertise: str = setting(
         "", "the address other daemons reach the peer listener at, host:port (default: the listen address, "
+        "with this node's hostname in place of a wildcard host)"
+    )
+    ucx_listen: str = setting(
+        "", "UCX peer data-plane address, host:port (e.g. 0.0.0.0:50062), served through ucxx (install the "
+        "ucx extra); ucxx binds the port on every interface, so it needs authentication or --insecure "
+        "whatever the host; empty: off"
+    )
+    ucx_advertise: str = setting(
+        "", "the address other daemons reach the UCX listener at, host:port (default: the UCX listen address, "
         "with this node's hostname in place of a wildcard host)"
     )
     max_connections: int = setting(64, "peer connections at once; one more is refused with a retry delay", ge=1, le=4096)
@@ -32,7 +41,7 @@ class PeerSettings(Section):
         "request is refused: split the batch",
     )
 
-    @field_validator("listen", "advertise")
+    @field_validator("listen", "advertise", "ucx_listen", "ucx_advertise")
     @classmethod
     def _host_port(cls, value: str) -> str:
         if value and (":" not in value or not value.rpartition(":")[2].isdigit()):

@@ -163,7 +163,8 @@ class PeerTierSettings(LowerTierSettings):
     transports: Annotated[list[str], Field(min_length=1, max_length=8)] = setting(
         default_factory=lambda: ["tcp", "grpc"],
         description="transport schemes this node fetches with, preferred first, comma-separated; a holder is "
-        "reached by the first one it also advertises (tcp: holders with --peer-listen; grpc: every daemon)",
+        "reached by the first one it also advertises (tcp: holders with --peer-listen; ucx: holders with "
+        "--peer-ucx-listen, and ucxx here; grpc: every daemon)",
     )
     token_file: str = setting(
         "", "file holding the bearer token this daemon presents to its peers; their auth policy must let it "

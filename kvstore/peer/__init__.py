@@ -4,7 +4,9 @@
   the scheme → transport registry;
 - :mod:`kvstore.peer.wire`: the TCP peer protocol's frames;
 - :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``);
-- :mod:`kvstore.peer.tcp`: the TCP client, a :class:`PeerTransport`.
+- :mod:`kvstore.peer.tcp`: the TCP client, a :class:`PeerTransport`;
+- :mod:`kvstore.peer.ucx_link`, :mod:`kvstore.peer.ucx`, :mod:`kvstore.peer.ucx_server`:
+  the same protocol over ucxx (the ``ucx`` extra): the link, the client, the listener.
 """
 
 from kvstore.peer.base import PEER_TRANSPORTS, PeerAddress, PeerStats, PeerTransport, open_peer_transport

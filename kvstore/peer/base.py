@@ -49,7 +49,7 @@ and results through unchanged:
   closes pooled connections. Idempotent.
 
 Addresses are URLs whose scheme names the transport: ``tcp://host:port``
-(:mod:`kvstore.peer.tcp`), later ``ucx://host:port``. A daemon advertises
+(:mod:`kvstore.peer.tcp`), ``ucx://host:port`` (:mod:`kvstore.peer.ucx`). A daemon advertises
 one address per transport it serves; :data:`PEER_TRANSPORTS` maps a scheme
 to the implementation, so a caller picks the first scheme both sides have.
 """
@@ -156,9 +156,15 @@ def _grpc(**options) -> PeerTransport:
     return GrpcPeerTransport(**options)
 
 
+def _ucx(**options) -> PeerTransport:
+    from kvstore.peer.ucx import UcxPeerTransport
+
+    return UcxPeerTransport(**options)
+
+
 # Address scheme → constructor (keyword options: token, pool limits); a new
-# peer transport (UCX) is one module and one entry here.
-PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {"tcp": _tcp, "grpc": _grpc}
+# peer transport is one module and one entry here.
+PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {"tcp": _tcp, "grpc": _grpc, "ucx": _ucx}
 
 
 def open_peer_transport(scheme: str, **options) -> PeerTransport:

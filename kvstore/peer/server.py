@@ -291,6 +291,11 @@ class PeerServer:
     def _reply(conn: socket.socket, rid: int, status: int, result) -> None:
         wire.send(conn, wire.encode([rid, status, result]))
 
+    @staticmethod
+    def _send_block(conn: socket.socket, head: bytes, data: memoryview) -> None:
+        """A BLOCK reply's head and bytes (over TCP a chunk at a time; a subclass sends it its own way)."""
+        wire.send_block(conn, head, data)
+
     def _check(self, identity: Identity, namespace, action: str) -> str:
         if not isinstance(namespace, str):
             raise InvalidArgument("malformed peer request: the namespace is not a string")
@@ -357,7 +362,7 @@ class PeerServer:
         meta = loc.meta
         view = self._store.arena_of(loc.key.namespace).shm.view(loc.offset, meta.size)
         try:
-            wire.send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view)
+            self._send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view)
             self.bytes_sent += meta.size
         finally:
             view.release()
@@ -370,7 +375,7 @@ class PeerServer:
             return
         data, meta, tier = found
         head[1:6] = [meta.size, meta.checksum, meta.parent, meta.layout, int(tier)]
-        wire.send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), memoryview(data))
+        self._send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), memoryview(data))
         self.bytes_sent += meta.size
 
     # ---- PUT ----------------------------------------------------------------------

@@ -84,13 +84,7 @@ class _Connection:
     def __init__(self, address: PeerAddress, token: str, deadline: Deadline) -> None:
         self.address = address
         timeout = min(CONNECT_TIMEOUT_S, deadline.remaining() or CONNECT_TIMEOUT_S)
-        try:
-            self.sock = socket.create_connection((address.host, address.port), timeout=max(timeout, 0.001))
-        except OSError as err:
-            raise TierUnavailable(f"cannot reach peer {address} ({err}): it may be down; try another holder") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)  # blocking; waits are bounded in the kernel (bound)
-        self.wire = wire.Wire(self.sock)
+        self.sock, self.wire = self._open(address, max(timeout, 0.001))
         self.broken = False
         self._deadline = deadline
         self._ids = itertools.count(1)
@@ -108,6 +102,17 @@ class _Connection:
             self.close()
             raise
 
+    @staticmethod
+    def _open(address: PeerAddress, timeout: float):
+        """The connected stream and its frame reader (a subclass carries the protocol over another link)."""
+        try:
+            sock = socket.create_connection((address.host, address.port), timeout=timeout)
+        except OSError as err:
+            raise TierUnavailable(f"cannot reach peer {address} ({err}): it may be down; try another holder") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking; waits are bounded in the kernel (bound)
+        return sock, wire.Wire(sock)
+
     def close(self) -> None:
         self.broken = True
         self.sock.close()
@@ -124,7 +129,10 @@ class _Connection:
         """Keep the next waits within what is left of ``deadline`` (raises when nothing is left)."""
         self._deadline = deadline
         deadline.check()
-        set_kernel_timeouts(self.sock, deadline.remaining())
+        self._set_timeout(deadline.remaining())
+
+    def _set_timeout(self, seconds: float | None) -> None:
+        set_kernel_timeouts(self.sock, seconds)
 
     def _io_error(self, err: BaseException) -> _Broken:
         """What a failed socket operation means for the call: cancelled, past its deadline, or a lost peer."""
@@ -198,6 +206,10 @@ def _meta(head) -> tuple[int, BlockMeta, TierName]:
 class TcpPeerClient:
     """Blocking reads and writes of peer blocks over TCP, with a connection pool. Thread-safe."""
 
+    #: The address scheme served, and the connection it opens (the UCX client swaps both).
+    scheme = "tcp"
+    connection = _Connection
+
     def __init__(self, *, token: str = "", max_connections: int = MAX_CONNECTIONS,
                  max_idle_per_peer: int = MAX_IDLE_PER_PEER) -> None:
         self._token = token
@@ -237,7 +249,7 @@ class TcpPeerClient:
                 )
             self._open += 1
         try:
-            conn = _Connection(address, self._token, deadline)
+            conn = self.connection(address, self._token, deadline)
         except BaseException:
             with self._lock:
                 self._open -= 1
@@ -276,8 +288,8 @@ class TcpPeerClient:
     def _call(self, address: str, deadline: Deadline, fn):
         deadline.check()
         peer = PeerAddress.parse(address)
-        if peer.scheme != "tcp":
-            raise InvalidArgument(f"peer address {address!r} is not tcp://host:port")
+        if peer.scheme != self.scheme:
+            raise InvalidArgument(f"peer address {address!r} is not {self.scheme}://host:port")
         conn = self._take(peer, deadline)
 
         def shut() -> None:
@@ -455,16 +467,17 @@ class TcpPeerTransport(PeerTransport):
 
     scheme = "tcp"
     writes = True
+    client_class = TcpPeerClient
 
     def __init__(self, *, token: str = "", max_connections: int = MAX_CONNECTIONS,
                  max_idle_per_peer: int = MAX_IDLE_PER_PEER) -> None:
-        self.client = TcpPeerClient(token=token, max_connections=max_connections, max_idle_per_peer=max_idle_per_peer)
+        self.client = self.client_class(token=token, max_connections=max_connections, max_idle_per_peer=max_idle_per_peer)
         self._workers = concurrent.futures.ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="strata-peer-io")
         self._closed = False
 
     async def _run(self, deadline: float, fn, *args):
         if self._closed:
-            raise TierUnavailable("the tcp peer transport is closed")
+            raise TierUnavailable(f"the {self.scheme} peer transport is closed")
         if deadline - time.monotonic() <= 0:
             raise DeadlineExceeded("the peer call's deadline had passed before it started; nothing was tried")
         call = Deadline(deadline)

@@ -89,6 +89,7 @@ class Daemon:
         self._same_host: SameHostServer | None = None  # the default arena's
         self._same_hosts: dict[str, SameHostServer] = {}  # every arena's, by arena name
         self.peer_server: PeerServer | None = None  # the peer data plane (--peer-listen)
+        self.ucx_server: PeerServer | None = None  # the same over UCX (--peer-ucx-listen)
         self._watchdog: StreamWatchdog | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
@@ -122,6 +123,8 @@ class Daemon:
             if self.peer_server is not None:
                 self.peer_server.stop()
             self._stop_handoffs()
+            if self.ucx_server is not None:
+                self.ucx_server.stop()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if self.replicator is not None:
@@ -216,6 +219,10 @@ class Daemon:
                     f"cannot serve the peer data plane on {s.peers.listen} ({err}): pick a free address with "
                     "--peer-listen, or leave it empty to turn it off"
                 ) from None
+        if s.peers.ucx_listen:
+            self.ucx_server = self._ucx_server()
+        elif "peer" in s.tiers.chain and "ucx" in s.tiers.peer.transports:
+            self._start_ucx("--peer-transports ucx")
         self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
@@ -298,21 +305,55 @@ class Daemon:
         )
         return self
 
+    @staticmethod
+    def _start_ucx(why: str) -> None:
+        """Start ucxx's worker now, not on the first peer read (its start can take seconds on a busy
+        host, longer than a read's deadline), and say at once when it cannot be imported."""
+        from kvstore.peer.ucx_link import UcxRuntime, UcxUnavailable
+
+        try:
+            UcxRuntime.get()
+        except UcxUnavailable as err:
+            raise DaemonError(f"{err} ({why})") from None
+
+    def _ucx_server(self) -> PeerServer:
+        """The UCX peer listener: the same requests as the TCP one, over ucxx (the ucx extra)."""
+        from kvstore.peer.ucx_server import UcxPeerServer
+
+        s = self.settings
+        server = UcxPeerServer(
+            self.store, s.peers.ucx_listen, authority=self.authority, metrics=self.metrics,
+            max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
+            in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+        )
+        self._start_ucx(f"--peer-ucx-listen {s.peers.ucx_listen}")
+        try:
+            return server.start()
+        except Exception as err:  # noqa: BLE001 - ucxx's own errors (a port taken, no usable transport)
+            raise DaemonError(
+                f"cannot serve the UCX peer data plane on {s.peers.ucx_listen} ({type(err).__name__}: {err}): "
+                "pick a free port with --peer-ucx-listen, or leave it empty to turn it off"
+            ) from None
+
     def peer_addresses(self) -> dict[str, str]:
-        """The peer data plane's addresses by transport scheme (``{"tcp": "tcp://host:port"}``), as
-        other daemons reach them: what this node's index record advertises. Empty when no peer
-        listener is configured (--peer-listen)."""
-        if self.peer_server is None or self.peer_server.port is None:
-            return {}
+        """The peer data plane's addresses by transport scheme (``{"tcp": "tcp://host:port",
+        "ucx": "ucx://host:port"}``), as other daemons reach them: what this node's index record
+        advertises. Empty when no peer listener is configured (--peer-listen, --peer-ucx-listen)."""
         p = self.settings.peers
-        host, port = split_host(p.advertise or p.listen)
-        if p.advertise:
-            port = int(port)
-        else:
-            port = self.peer_server.port  # the one bound (a listen port of 0 picks one)
-            if host in ("", "0.0.0.0", "::"):
-                host = socket.gethostname()
-        return {"tcp": str(PeerAddress("tcp", host, port))}
+        out = {}
+        for scheme, server, listen, advertise in (("tcp", self.peer_server, p.listen, p.advertise),
+                                                  ("ucx", self.ucx_server, p.ucx_listen, p.ucx_advertise)):
+            if server is None or server.port is None:
+                continue
+            host, port = split_host(advertise or listen)
+            if advertise:
+                port = int(port)
+            else:
+                port = server.port  # the one bound (a listen port of 0 picks one)
+                if host in ("", "0.0.0.0", "::"):
+                    host = socket.gethostname()
+            out[scheme] = str(PeerAddress(scheme, host, port))
+        return out
 
     def _handoff_servicer(self) -> HandoffServicer:
         """Both sides of the prefill/decode handoff (kvstore.handoff): the table of handoffs this
@@ -366,7 +407,8 @@ class Daemon:
 
     def peer_transports(self) -> list[str]:
         """The data-plane endpoints this node advertises in its node record, preferred first: the
-        TCP peer listener when there is one (--peer-listen), then gRPC."""
+        TCP peer listener when there is one (--peer-listen), the UCX one (--peer-ucx-listen), then
+        gRPC. A reader picks the first of its own ``[tiers.peer] transports`` listed here."""
         return [*self.peer_addresses().values(), f"grpc://{self.advertised}"]
 
     def _authority(self) -> Authority:
@@ -375,6 +417,11 @@ class Daemon:
         why = refusal(self.settings.server.listen, a.authenticated, a.insecure)
         if why is None and self.settings.peers.listen:
             why = refusal(self.settings.peers.listen, a.authenticated, a.insecure, flag="--peer-listen")
+        if why is None and self.settings.peers.ucx_listen and not (a.authenticated or a.insecure):
+            why = (f"protected mode: --peer-ucx-listen {self.settings.peers.ucx_listen} is reachable on every "
+                   "interface (ucxx's listener binds a port, not an address) and no authentication is configured: "
+                   "configure authentication (--auth-file with bearer tokens), or pass --insecure to serve every "
+                   "peer that can reach it")
         if why is not None:
             raise DaemonError(why)
         if a.authenticated and a.tls_client_ca and not a.file and self.settings.peers.listen:
@@ -467,6 +514,8 @@ class Daemon:
         self._stop_handoffs()
         if self.replicator is not None:
             self.replicator.stop()
+        if self.ucx_server is not None:
+            self.ucx_server.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

@@ -9,7 +9,9 @@ suite over all of them (``tests/test_transport_contract.py``):
 - ``grpc-arena``: the daemon's shared arena, control as gRPC calls;
 - ``same-host``: the daemon's shared arena, control over its Unix socket;
 - ``peer-tcp``: the daemon's peer data plane (``--peer-listen``), the TCP
-  transport daemons read each other's blocks with (:mod:`kvstore.peer`).
+  transport daemons read each other's blocks with (:mod:`kvstore.peer`);
+- ``peer-ucx``: the same over the daemon's UCX listener (``--peer-ucx-listen``;
+  needs the ``ucx`` extra).
 
 A new transport is one module and one entry in :data:`TRANSPORTS`.
 """
@@ -46,6 +48,12 @@ def _same_host(*, target: str, **options) -> Transport:
     return connect_attached(target, "same-host", **options)
 
 
+def _peer_ucx(*, target: str, **options) -> Transport:
+    from kvstore.transport.peer_ucx import connect
+
+    return connect(target, **options)
+
+
 def _peer_tcp(*, target: str, **options) -> Transport:
     from kvstore.transport.peer_tcp import connect
 
@@ -60,6 +68,7 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
     "grpc-arena": _grpc_arena,
     "same-host": _same_host,
     "peer-tcp": _peer_tcp,
+    "peer-ucx": _peer_ucx,
 }
 
 

@@ -25,10 +25,12 @@ from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, 
 class PeerTcpTransport(Transport):
     name = "peer-tcp"
     shared_memory = False
+    scheme = "tcp"
+    client_class = TcpPeerClient
 
     def __init__(self, target: str, *, token: str = "", max_connections: int = 16) -> None:
-        self.address = target if "://" in target else f"tcp://{target}"
-        self._client = TcpPeerClient(token=token, max_connections=max_connections)
+        self.address = target if "://" in target else f"{self.scheme}://{target}"
+        self._client = self.client_class(token=token, max_connections=max_connections)
 
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
         deadline.check()

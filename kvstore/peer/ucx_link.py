@@ -1,0 +1,244 @@
+"""UCX under the peer protocol: one process-wide ucxx worker, and a link that carries the protocol's frames.
+
+The peer protocol (:mod:`kvstore.peer.wire`) is written for a byte stream;
+UCX tag messages are not one, so a :class:`UcxLink` keeps the protocol and
+changes only how a frame travels: a frame's head (the ``u32 meta_len, u32
+payload_len`` header and its msgpack meta) is one tag message, received
+into a buffer of the largest allowed head; each payload part (one block)
+is one tag message of exactly that block's size, sent straight from the
+arena view and received straight into the view the reader placed (UCX's
+rendezvous moves large blocks with no copy in between). Messages on one
+endpoint and tag arrive in the order they were sent (UCX's tag matching
+never lets a message overtake another with the same tag). A zero-byte part
+is never sent, so both sides skip it alike.
+
+A link is used from one worker thread at a time, as the TCP code uses a
+blocking socket: each operation is a coroutine run on the UCX thread (the
+one event loop the ucxx worker progresses on), awaited from the calling
+thread with a timeout. It answers to the socket calls the TCP client and
+server make (``sendall``, ``sendmsg``, ``settimeout``, ``shutdown``,
+``close``) and to the :class:`~kvstore.peer.wire.Wire` calls
+(``read_meta``, ``read_into``, ``skip``, ``pending``), so their request
+handling runs over it unchanged. A wait past the timeout raises
+``BlockingIOError`` as a socket with kernel timeouts does; a broken
+endpoint (the peer died, closed) raises ``ConnectionError``. Either aborts
+the endpoint and waits for the request to end, so no receive writes into a
+caller's buffer after the call returned.
+
+Why the environment is set here: ucxx reads UCX's settings from the
+environment when it is imported and sets ``UCX_MAX_RNDV_RAILS=1`` unless
+told otherwise, which cuts TCP bandwidth about three times; two rails is
+set first (an operator's own value wins). The progress mode is
+``blocking`` (the worker's event fd on the loop): ucxx's default progress
+thread is 3–5× slower on a small machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Sequence
+
+import msgpack
+
+from kvstore.block import Checksummer
+from kvstore.errors import TierUnavailable
+from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError
+
+__all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
+
+PROGRESS_MODE = "blocking"
+_ABORT_WAIT_S = 5.0
+
+
+class UcxUnavailable(TierUnavailable):
+    """ucxx cannot be imported here: install the ``ucx`` extra (``pip install "strata[ucx]"``)."""
+
+
+_import_error: str | None = None
+
+
+def _import_ucxx():
+    os.environ.setdefault("UCX_MAX_RNDV_RAILS", "2")
+    try:
+        import ucxx
+    except Exception as err:  # noqa: BLE001 - an ImportError, or a native library that failed to load
+        raise UcxUnavailable(
+            f"the UCX peer transport needs ucxx, which cannot be imported ({type(err).__name__}: {err}): "
+            'install it with pip install -e ".[ucx]", or use the tcp peer transport'
+        ) from None
+    return ucxx
+
+
+def ucx_available() -> tuple[bool, str]:
+    """Whether ucxx imports here, and why not."""
+    try:
+        _import_ucxx()
+    except UcxUnavailable as err:
+        return False, str(err)
+    return True, ""
+
+
+class UcxRuntime:
+    """The process's ucxx worker and the event loop thread it progresses on. One per process
+    (ucxx keeps one application context); :meth:`get` starts it."""
+
+    _instance: UcxRuntime | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.ucxx = _import_ucxx()
+        self.loop = asyncio.new_event_loop()
+        ready = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="strata-ucx", daemon=True)
+        self._thread.start()
+        ready.result(30)
+
+    def _run(self, ready: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.ucxx.init(progress_mode=PROGRESS_MODE)
+            self.ucxx.continuous_ucx_progress(self.loop)
+        except BaseException as err:  # noqa: BLE001 - handed to the starting thread
+            ready.set_exception(UcxUnavailable(f"ucxx failed to start a worker ({err})"))
+            return
+        ready.set_result(None)
+        self.loop.run_forever()
+
+    @classmethod
+    def get(cls) -> UcxRuntime:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = UcxRuntime()
+            return cls._instance
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro, timeout: float | None):
+        """Run ``coro`` on the UCX thread and wait for it (TimeoutError past ``timeout``; the
+        coroutine goes on: the caller decides what to abort)."""
+        return self.submit(coro).result(timeout)
+
+    def is_ucx_error(self, err: BaseException) -> bool:
+        return isinstance(err, self.ucxx.exceptions.UCXError)
+
+
+class UcxLink:
+    """One ucxx endpoint carrying peer-protocol frames, used by one thread at a time (see the module)."""
+
+    def __init__(self, runtime: UcxRuntime, endpoint, *, max_meta: int = MAX_META_BYTES) -> None:
+        self._rt = runtime
+        self.ep = endpoint
+        self._max_meta = max_meta
+        self._head = bytearray(HEADER.size + max_meta)
+        self._timeout: float | None = None
+        self.pending = 0
+        self.closed = False
+
+    # ---- the socket face ---------------------------------------------------------
+
+    def settimeout(self, seconds: float | None) -> None:
+        self._timeout = None if seconds is None else max(seconds, 0.001)
+
+    def _wait(self, coro):
+        if self.closed:
+            raise ConnectionError("the UCX endpoint is closed")
+        future = self._rt.submit(coro)
+        try:
+            return future.result(self._timeout)
+        except concurrent.futures.TimeoutError:
+            self._abort(future)
+            raise BlockingIOError("the UCX peer did not answer in time") from None
+        except Exception as err:
+            if self._rt.is_ucx_error(err):
+                self._abort(future)
+                raise ConnectionError(f"the UCX endpoint failed ({type(err).__name__}: {err})") from None
+            raise
+
+    def _abort(self, future: concurrent.futures.Future | None = None) -> None:
+        """Abort the endpoint (its requests are cancelled) and wait until ``future`` ended."""
+        if not self.closed:
+            self.closed = True
+            done = concurrent.futures.Future()
+
+            def abort() -> None:
+                try:
+                    self.ep.abort()
+                finally:
+                    done.set_result(None)
+
+            self._rt.loop.call_soon_threadsafe(abort)
+            try:
+                done.result(_ABORT_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                pass  # the loop is stuck; the endpoint goes with the process
+        if future is not None:
+            try:
+                future.result(_ABORT_WAIT_S)
+            except BaseException:  # noqa: BLE001 - cancelled or failed: either way it has ended
+                pass
+
+    def sendall(self, data) -> None:
+        if len(data):
+            self._wait(self.ep.send(data))
+
+    def sendmsg(self, parts: Sequence) -> int:
+        """Each part as its own message (a frame's head, then one message per block); returns the
+        bytes sent, as a socket's sendmsg does."""
+        parts = [p for p in parts if len(p)]
+        if len(parts) == 1:
+            self._wait(self.ep.send(parts[0]))
+        elif parts:
+            async def send_all():
+                for p in parts:
+                    await self.ep.send(p)
+
+            self._wait(send_all())
+        return sum(len(p) for p in parts)
+
+    def shutdown(self, how=None) -> None:
+        """Abort the endpoint from any thread: a wait on it fails at once."""
+        self._abort()
+
+    def close(self) -> None:
+        self._abort()
+
+    # ---- the Wire face -------------------------------------------------------------
+
+    def read_meta(self) -> tuple[object, int]:
+        if self.pending:
+            raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
+        self._wait(self.ep.recv(self._head))
+        meta_len, payload_len = HEADER.unpack_from(self._head)
+        if meta_len > self._max_meta:
+            raise FrameError(
+                f"a frame's control part of {meta_len} bytes is over the limit of {self._max_meta}: send smaller batches"
+            )
+        try:
+            meta = msgpack.unpackb(memoryview(self._head)[HEADER.size : HEADER.size + meta_len], use_list=True, raw=False)
+        except (ValueError, msgpack.UnpackException) as err:
+            raise FrameError(f"a frame's control part is not valid msgpack ({err})") from None
+        self.pending = payload_len
+        return meta, payload_len
+
+    def read_into(self, dst: memoryview, hasher: Checksummer | None = None, before=None) -> None:
+        """One payload message of exactly ``len(dst)`` bytes, straight into ``dst``."""
+        n = len(dst)
+        if n > self.pending:
+            raise FrameError(f"{n} payload bytes asked of a frame that has {self.pending} left")
+        if n:
+            if before is not None:
+                before()
+            self._wait(self.ep.recv(dst))
+            if hasher is not None:
+                hasher.update(dst)
+        self.pending -= n
+
+    def skip(self, n: int | None = None) -> None:
+        """Throw away the next payload message (one block of ``n`` bytes, or what the frame has left)."""
+        n = self.pending if n is None else n
+        if n:
+            self.read_into(memoryview(bytearray(n)))

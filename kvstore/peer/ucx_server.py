@@ -1,0 +1,107 @@
+"""The daemon's UCX peer listener (``--peer-ucx-listen``): the TCP peer server's requests over ucxx.
+
+Every request is served by :class:`~kvstore.peer.server.PeerServer`'s own
+code (the Hello with its token and policy, READ leasing blocks in the
+arena, PUT receiving into reserved slots, CHECK, the limits and their
+refusals); only the link under it differs (:mod:`kvstore.peer.ucx_link`):
+a BLOCK reply's bytes leave as one tag message straight from the arena
+mapping, and a PUT's blocks are received by tag receives posted into the
+slots the store reserved. As over TCP, one thread serves one endpoint's
+requests in order, waiting on the UCX thread with the GIL released.
+
+ucxx's listener binds its port on every interface (it takes a port, not an
+address): the host of ``--peer-ucx-listen`` only names what is advertised,
+so the daemon's protected mode treats the listener as reachable from
+anywhere. UCX's listener connects over TCP sockets; the data then moves
+over the UCX transports both ends share (``UCX_TLS``; TCP, or RDMA verbs
+with a UCX built with them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+from kvstore.peer.server import PeerServer
+from kvstore.peer.ucx_link import UcxLink, UcxRuntime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["UcxPeerServer"]
+
+
+class UcxPeerServer(PeerServer):
+    """Serves a store group's blocks to other daemons over UCX. :meth:`start`, then :meth:`stop`."""
+
+    def start(self) -> UcxPeerServer:
+        _, _, port = self._listen.rpartition(":")
+        self._runtime = UcxRuntime.get()
+        self._serial = itertools.count(1)
+
+        async def listen():
+            return self._runtime.ucxx.create_listener(self._accepted, port=int(port), endpoint_error_handling=True)
+
+        self._listener = self._runtime.call(listen(), 30)
+        self.port = self._listener.port
+        log.info("UCX peer data plane on %s (port %d)", self._listen, self.port)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._stopping = True
+            conns = list(self._connections.items())
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+
+            async def close():
+                listener.close()
+
+            try:
+                self._runtime.call(close(), timeout)
+            except Exception as err:  # noqa: BLE001 - stopping: report, go on
+                log.warning("the UCX listener did not close cleanly: %s", err)
+        for link, _ in conns:
+            link.shutdown()
+        for _, thread in conns:
+            thread.join(timeout)
+
+    async def _accepted(self, endpoint) -> None:
+        """On the UCX thread: hand the endpoint to a serving thread (or a refusing one), never block here."""
+        link = UcxLink(self._runtime, endpoint)
+        peer = ("ucx", next(self._serial))
+        with self._lock:
+            if self._stopping:
+                full = None
+            else:
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(link, peer), name="strata-peer-ucx", daemon=True)
+                    self._connections[link] = thread
+        if full is None:
+            endpoint.abort()
+        elif full:
+            threading.Thread(target=self._refuse, args=(link,), name="strata-peer-ucx-refuse", daemon=True).start()
+        else:
+            thread.start()
+
+    def _serve(self, conn: UcxLink, peer) -> None:
+        """As over TCP, with the idle limit as the link's wait limit."""
+        try:
+            caller = self._hello(conn, conn, peer)
+            if caller is not None:
+                conn.settimeout(self._idle_s)
+                self._loop(conn, conn, caller)
+        except (EOFError, ConnectionError, TimeoutError, BlockingIOError):
+            pass  # the peer closed, died or idled out: its leases and slots end or expire
+        except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
+            log.exception("UCX peer connection closed after an unexpected error")
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)
+            conn.close()
+
+    @staticmethod
+    def _send_block(conn: UcxLink, head: bytes, data: memoryview) -> None:
+        conn.sendmsg([head, data])
+
