@@ -62,6 +62,7 @@ from kvstore.peer import wire
 from kvstore.rpc.status import code_for
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreGroup
+from kvstore.server.listeners import stop_listening
 from kvstore.transport.unix import set_kernel_timeouts
 
 log = logging.getLogger(__name__)
@@ -153,21 +154,7 @@ class PeerServer:
         with self._lock:
             self._stopping = True
             conns = list(self._connections.items())
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # never connected: nothing to wake
-            self._listener.close()
-        if self._acceptor is not None:
-            self._acceptor.join(timeout)
-        for conn, _ in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already gone
-        for _, thread in conns:
-            thread.join(timeout)
+        stop_listening(self._listener, self._acceptor, conns, timeout)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None

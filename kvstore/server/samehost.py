@@ -45,6 +45,7 @@ from kvstore.errors import InvalidArgument, LeaseOwnedElsewhere, Overloaded, Str
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
+from kvstore.server.listeners import stop_listening
 from kvstore.transport import frames
 from kvstore.transport.locations import RemovalPage
 from kvstore.transport.unix import bind_unix, set_kernel_timeouts
@@ -140,21 +141,7 @@ class SameHostServer:
         with self._lock:
             self._stopping = True
             conns = list(self._connections.items())
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # never connected: nothing to wake
-            self._listener.close()
-        if self._acceptor is not None:
-            self._acceptor.join(timeout)
-        for conn, _ in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already gone
-        for _, thread in conns:
-            thread.join(timeout)
+        stop_listening(self._listener, self._acceptor, conns, timeout)
         if self._listener is not None:  # bound by us: ours to remove
             try:
                 os.unlink(self.path)
