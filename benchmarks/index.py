@@ -34,7 +34,7 @@ Cases, each measured alternately in the same rounds after a warm-up:
 - the same lookup on the embedded MemoryIndex vs a bare dict walk doing the
   same leading-count computation (the index's own overhead);
 - KV-event ingestion: vLLM ``BlockStored`` batches as vLLM publishes them
-  (msgpack), parsed by :func:`kvstore.index.events.decode_batch` and applied
+  (msgpack), parsed by :func:`kvstore.index.event_format.decode_batch` and applied
   to a MemoryIndex and to the RedisIndex, vs the bare msgpack decode of the
   same payloads;
 - Redis bytes per (block, holder) entry of both layouts (``INFO memory``
@@ -375,9 +375,9 @@ def event_payloads(rng: random.Random, n_events: int) -> tuple[list[bytes], int]
     return payloads, blocks
 
 
-def ingest_fn(ev, ix, engine: str) -> Callable[[list[bytes]], Awaitable[None]]:
-    """What the subscriber does with a batch, through the events module's public parts:
-    decode, fold each hash to its 8-byte key, one add per event (chunks of INDEX_BATCH_BLOCKS)."""
+def ingest_fn(ev, ix, engine: str, batch_blocks: int) -> Callable[[list[bytes]], Awaitable[None]]:
+    """What the subscriber does with a batch, through the event format's public parts:
+    decode, fold each hash to its 8-byte key, one add per event (chunks of ``batch_blocks``)."""
 
     async def ingest(payloads: list[bytes]) -> None:
         for payload in payloads:
@@ -385,8 +385,8 @@ def ingest_fn(ev, ix, engine: str) -> Callable[[list[bytes]], Awaitable[None]]:
                 if isinstance(event, ev.BlockStored):
                     tier = ev.medium_tier(event.medium) or TierName.GPU
                     blocks = [(ev.block_key(b), tier) for b in event.block_hashes]
-                    for j in range(0, len(blocks), ev.INDEX_BATCH_BLOCKS):
-                        await ix.add(INGEST_NS, engine, 1, blocks[j : j + ev.INDEX_BATCH_BLOCKS])
+                    for j in range(0, len(blocks), batch_blocks):
+                        await ix.add(INGEST_NS, engine, 1, blocks[j : j + batch_blocks])
 
     return ingest
 
@@ -395,9 +395,10 @@ async def bench_ingestion(bench: IndexBenchmark, plan: Plan, redis_ix, r: Redis 
     """events/s: bare msgpack decode vs decode + apply to a MemoryIndex and to the RedisIndex."""
     base = "msgpack decode of the same batches"
     try:
-        from kvstore.index import events as ev
+        from kvstore.index import event_format as ev
+        from kvstore.index.events import INDEX_BATCH_BLOCKS
 
-        for name in ("decode_batch", "block_key", "medium_tier", "BlockStored", "INDEX_BATCH_BLOCKS"):
+        for name in ("decode_batch", "block_key", "medium_tier", "BlockStored"):
             getattr(ev, name)
     except Exception as err:  # the module is someone else's work in progress: report, never drop
         why = f"kvstore.index.events is not usable here ({type(err).__name__}: {err})"
@@ -419,7 +420,7 @@ async def bench_ingestion(bench: IndexBenchmark, plan: Plan, redis_ix, r: Redis 
         fns: dict[str, Callable[[list[bytes]], Awaitable[None]]] = {}
         for n in names[1:]:
             await targets[n].join(engine, 1, TTL_S)
-            fns[n] = ingest_fn(ev, targets[n], engine)
+            fns[n] = ingest_fn(ev, targets[n], engine, INDEX_BATCH_BLOCKS)
 
         async def decode(ps: list[bytes]) -> None:
             for p in ps:

@@ -10,7 +10,7 @@ says what was wrong and what to do about it.
     │   ├── BlockTooLarge           value over the configured block limit
     │   ├── InvalidHashInput        token ids or extra keys vLLM's hashing cannot take   [index.keys]
     │   │   └── ChainTooLong        more tokens than one chain may have                   [index.keys]
-    │   ├── MalformedEvent          a vLLM KV-event message that does not parse           [index.events]
+    │   ├── MalformedEvent          a vLLM KV-event message that does not parse           [index.event_format]
     │   ├── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
     │   └── WrongArena              a namespace of another arena, on one arena's socket   [store.group]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
@@ -64,7 +64,7 @@ from collections.abc import Mapping
 DEFINED_ELSEWHERE: Mapping[str, str] = {
     "InvalidHashInput": "kvstore.index.keys",
     "ChainTooLong": "kvstore.index.keys",
-    "MalformedEvent": "kvstore.index.events",
+    "MalformedEvent": "kvstore.index.event_format",
     "FrameError": "kvstore.transport.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "TableMismatch": "kvstore.shm.table",

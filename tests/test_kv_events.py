@@ -30,21 +30,19 @@ from prometheus_client import CollectorRegistry
 from kvstore.block import TierName
 from kvstore.errors import IndexUnavailable
 from kvstore.index.base import Holder, NodeMatch
-from kvstore.index.events import (
+from kvstore.index.event_format import (
     REPLAY_END,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EngineSource,
     EventBatch,
-    KVEventSubscriber,
     MalformedEvent,
-    SubscriberConfig,
     block_key,
     decode_batch,
     medium_tier,
     split_message,
 )
+from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
 from kvstore.index.keys import BlockHasher, event_key_bytes
 from kvstore.index.memory import MemoryIndex
 
