@@ -28,7 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.block import BlockKey, BlockMeta, checksum
 from kvstore.errors import CorruptBlock, DiskFull, TierFull, TierUnavailable
-from kvstore.tiers.disk import DiskTier, block_name
+from kvstore.tiers.block_file import block_name
+from kvstore.tiers.disk import DiskTier
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = 1 << 40

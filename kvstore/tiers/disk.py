@@ -3,10 +3,8 @@
 Layout. A block lives at ``<dir>/<xx>/<name>`` where ``name`` is the hex of an
 xxh3-128 of ``(namespace, key)`` and ``xx`` its first byte: 256 fan-out
 folders keep any one directory small enough for fast lookups even with
-millions of blocks. The file is a header (see :func:`encode_header`) followed
-by the payload. The header carries the full namespace and key, so a 128-bit
-hash collision is detected on read and answered as a miss, never with another
-key's bytes.
+millions of blocks. The file's format (a self-checking header naming the
+block, then the payload) is :mod:`kvstore.tiers.block_file`.
 
 Crash safety. A block is written to a unique ``*.tmp`` file in its folder and
 renamed into place; the rename is the commit point, and is atomic. A SIGKILL
@@ -65,7 +63,6 @@ import fcntl
 import itertools
 import logging
 import os
-import struct
 import sys
 import threading
 import time
@@ -86,18 +83,19 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from kvstore.tiers.base import Tier, TierStats
+from kvstore.tiers.block_file import (
+    BadHeader,
+    block_name,
+    decode_header,
+    encode_header,
+    header_checksum,
+    header_matches,
+    read_header,
+)
 from kvstore.tiers.fsops import REAL, FileOps
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STRATABK"
-FORMAT_VERSION = 1
-_FIXED = struct.Struct("<8sHHIQQ")  # magic, version, flags, header length, payload size, payload xxh3
-_LEN = struct.Struct("<H")
-_HEADER_SUM = struct.Struct("<Q")
-_HAS_PARENT = 1
-_MAX_FIELD = 0xFFFF
-_MAX_HEADER = _FIXED.size + 4 * (_LEN.size + _MAX_FIELD) + _HEADER_SUM.size
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _LOW_SPACE_BYTES = 1 << 20  # a filesystem with less free than this (and a tier below its size) is full
 _LOCK_FILE = "LOCK"
@@ -107,90 +105,8 @@ _TEMP_ATTEMPTS = 100
 _temp_numbers = itertools.count()  # next() on a count is atomic under the GIL
 
 
-class BadHeader(ValueError):
-    """A block file whose header cannot be trusted."""
-
-
 class _BadPayload(ValueError):
     """A block file whose header is sound but whose payload is short, long or fails its checksum."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockHeader:
-    key: BlockKey
-    meta: BlockMeta
-    length: int  # bytes before the payload
-    checksum: int  # the header's own xxh3-64, its last 8 bytes
-
-
-def block_name(key: BlockKey) -> str:
-    """The file name of a block: hex xxh3-128 of namespace and key.
-
-    Namespaces cannot contain NUL, so ``namespace NUL key`` is unambiguous.
-    """
-    return xxhash.xxh3_128_hexdigest(key.namespace.encode() + b"\0" + key.key)
-
-
-def encode_header(key: BlockKey, meta: BlockMeta) -> bytes:
-    """Fixed fields, then namespace, key, parent and layout (u16 length each), then xxh3-64 of all that."""
-    fields = [key.namespace.encode(), key.key, meta.parent or b"", meta.layout.encode()]
-    for field in fields:
-        if len(field) > _MAX_FIELD:
-            raise InvalidArgument(
-                f"{key}: a header field is {len(field)} bytes; the disk format allows {_MAX_FIELD}"
-            )
-    body = b"".join(_LEN.pack(len(f)) + f for f in fields)
-    length = _FIXED.size + len(body) + _HEADER_SUM.size
-    flags = _HAS_PARENT if meta.parent is not None else 0
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, flags, length, meta.size, meta.checksum) + body
-    return head + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(head))
-
-
-def decode_header(data: bytes | bytearray) -> BlockHeader:
-    """Parse and verify the header at the start of ``data``; raise BadHeader.
-
-    ``data`` may run past the header (into the payload): the header's own
-    length field says where it ends.
-    """
-    if len(data) < _FIXED.size:
-        raise BadHeader("file shorter than a header")
-    magic, version, flags, length, size, payload_sum = _FIXED.unpack_from(data)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise BadHeader(f"not a version-{FORMAT_VERSION} block file")
-    if not _FIXED.size + 4 * _LEN.size + _HEADER_SUM.size <= length <= _MAX_HEADER:
-        raise BadHeader(f"header length {length} out of range")
-    if len(data) < length:
-        raise BadHeader("file ends inside the header")
-    head = bytes(data[: length - _HEADER_SUM.size])
-    (stored_sum,) = _HEADER_SUM.unpack_from(data, length - _HEADER_SUM.size)
-    if xxhash.xxh3_64_intdigest(head) != stored_sum:
-        raise BadHeader("header checksum mismatch")
-    fields, pos = [], _FIXED.size
-    for _ in range(4):
-        if pos + _LEN.size > len(head):
-            raise BadHeader("header fields run past its length")
-        (n,) = _LEN.unpack_from(head, pos)
-        fields.append(head[pos + _LEN.size : pos + _LEN.size + n])
-        pos += _LEN.size + n
-    if pos != len(head):
-        raise BadHeader("header fields do not add up to its length")
-    namespace, key, parent, layout = fields
-    try:
-        meta = BlockMeta(size, payload_sum, parent if flags & _HAS_PARENT else None, layout.decode())
-        return BlockHeader(BlockKey(namespace.decode(), key), meta, length, stored_sum)
-    except UnicodeDecodeError as e:
-        raise BadHeader(f"header text is not UTF-8: {e}") from None
-
-
-def read_header(f) -> BlockHeader:
-    """Read and verify the header at the start of the binary file ``f``; raise BadHeader."""
-    fixed = f.read(_FIXED.size)
-    if len(fixed) < _FIXED.size:
-        raise BadHeader("file shorter than a header")
-    length = _FIXED.unpack(fixed)[3]
-    if length > _MAX_HEADER:
-        raise BadHeader(f"header length {length} out of range")
-    return decode_header(fixed + f.read(max(0, length - _FIXED.size)))
 
 
 @dataclass(slots=True)
@@ -347,8 +263,7 @@ class DiskTier(Tier):
         by hand) is not this block; a header for this key that is not the
         recorded one is a race with a delete and re-put, or damage.
         """
-        (stored,) = _HEADER_SUM.unpack_from(head, len(head) - _HEADER_SUM.size)
-        if stored == entry.header_sum and xxhash.xxh3_64_intdigest(head[: -_HEADER_SUM.size]) == stored:
+        if header_matches(head, entry.header_sum):
             return True
         try:
             header = decode_header(head)
@@ -384,8 +299,7 @@ class DiskTier(Tier):
         if view.nbytes != meta.size:
             raise CorruptBlock(f"{key}: got {view.nbytes} bytes but the metadata says {meta.size}")
         header = encode_header(key, meta)
-        (header_sum,) = _HEADER_SUM.unpack_from(header, len(header) - _HEADER_SUM.size)
-        entry = _Entry(key, meta, len(header), header_sum)
+        entry = _Entry(key, meta, len(header), header_checksum(header))
         if entry.disk_bytes > self._configured:
             raise BlockTooLarge(
                 f"{key} takes {entry.disk_bytes} bytes on disk; the disk tier holds only {self._configured}"
