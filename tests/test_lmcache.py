@@ -492,3 +492,10 @@ if __name__ == "__main__":
     # The engine is destroyed and the connector closed by now; skip the seconds
     # the interpreter would spend joining LMCache's idle periodic threads.
     os._exit(0)
+
+
+def test_the_names_an_entry_is_recognised_by_are_the_real_module_and_classes():
+    from kvstore.integrations.lmcache import settings
+
+    assert settings.PLUGIN_MODULE == StrataConnector.__module__.rpartition(".")[0]
+    assert settings.CLASS_NAMES == (StrataConnector.__name__, StrataAdapter.__name__)

@@ -1,327 +1,48 @@
-"""Strata as LMCache's remote storage: a ``RemoteConnector`` on Strata's client.
-
-LMCache (0.5.x) loads it as a remote-storage plugin; no fork of LMCache or
-vLLM is needed::
-
-    remote_storage_plugins: ["strata"]
-    extra_config:
-      remote_storage_plugin.strata.module_path: kvstore.integrations.lmcache
-      remote_storage_plugin.strata.class_name: StrataAdapter
-      remote_storage_plugin.strata.target: "127.0.0.1:50051"
-
-Options (``remote_storage_plugin.<name>.<option>``; see :class:`PluginSettings`):
-``target``, ``namespace``, ``timeout_s``, ``retries``, ``shared_memory``,
-``down_backoff_s``; for a daemon with authentication ``token_file`` (a file
-holding the bearer token: LMCache's config is logged, so the token itself
-is not an option), ``tls_ca``, ``tls_cert``, ``tls_key`` and
-``tls_server_name``.
-
-Several entries. LMCache names plugin entries ``<type>`` or
-``<type>.<instance>``; entries ``strata.local`` and ``strata.remote`` (say,
-the node's sidecar and a shared daemon) each get their own connector with
-their own options. Only an adapter learns which entry it builds for (LMCache
-hands :class:`StrataAdapter` a context with the entry's name; a plain
-``RemoteConnector`` class is built with no name), so ``class_name:
-StrataAdapter`` is the form that works for any number of entries.
-``class_name: StrataConnector`` still works for a single Strata entry of any
-name; with two or more Strata entries it is refused with a message saying to
-use ``StrataAdapter``, never silently given the first entry's settings.
-
-Mapping. Each LMCache chunk is one Strata block. The block key is the
-``CacheEngineKey``'s own string form (``model@world@worker@hash@dtype[@tags]``),
-so the mapping is lossless and :func:`cache_key` inverts it; the namespace is
-the model name, so models never see each other's blocks. The block's
-``layout`` carries the MemoryObj's shapes, dtypes and memory format, from
-which ``get`` rebuilds it exactly, partial last chunks included.
-
-Bytes. On the daemon's host the client copies between LMCache's MemoryObj
-buffers and the daemon's shared-memory arena, one copy each way; elsewhere
-it streams over gRPC (the client's choice, not this module's). ``get``
-learns each block's size and layout from the daemon before any byte moves,
-allocates a MemoryObj of exactly that layout from ``local_cpu_backend``
-(a short last chunk included) and has the bytes read straight into it.
-
-``list`` names every LMCache chunk the daemon holds, as the key strings
-``CacheEngineKey.from_string`` reads back.
-
-A down daemon is a miss, never a hang: every call has a short deadline, and
-after the daemon is found unreachable the connector answers misses (and
-drops puts) without calling it for ``down_backoff_s``, so a dead sidecar
-costs one failed RPC per backoff period instead of one per chunk.
-
-Contracts of LMCache's ``RemoteConnector`` kept here: ``put`` does not drop
-the MemoryObj's reference (LMCache's wrapper does); ``get`` results come
-from ``local_cpu_backend.allocate`` and belong to the caller.
-"""
+"""The connector LMCache calls, and the adapter that builds one per Strata entry (see the package docstring)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
-import re
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import torch
-from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE, TORCH_DTYPE_TO_STR_DTYPE, CacheEngineKey, parse_cache_key
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvstore.block import MAX_KEY_BYTES, MAX_NAMESPACE_CHARS, validate_namespace
 from kvstore.client import AsyncClient, BlockInfo, BlockPut, Client
 from kvstore.errors import (
     CorruptBlock,
     DaemonUnavailable,
     DeadlineExceeded,
-    InvalidNamespace,
     ResourceExhausted,
     StrataError,
     UnknownNamespace,
 )
 
+from kvstore.integrations.lmcache.health import DaemonHealth
+from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, namespace_of
+from kvstore.integrations.lmcache.settings import (
+    PLUGIN_TYPE,
+    SECURITY_OPTIONS,
+    PluginSettings,
+    ambiguous_entries,
+    plugin_name_of,
+    strata_entries,
+)
+
 log = logging.getLogger(__name__)
+
 
 T = TypeVar("T")
 
-DEFAULT_PLUGIN_NAME = "strata"
-PLUGIN_TYPE = "strata"  # entries "strata" and "strata.<instance>" are this plugin's (LMCache's naming)
-LAYOUT_VERSION = "lmcache/1"
 # Errors that say the daemon itself is gone or stuck (not a refusal of one call).
 DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)
 # Errors after which a read is a miss: the daemon refused for now, or the bytes were bad.
 READ_MISS = (ResourceExhausted, CorruptBlock)
-
-
-# ---- settings ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PluginSettings:
-    """The plugin's options, read once from LMCache's ``extra_config``.
-
-    ``namespace`` empty means one namespace per model (the key's model name).
-    ``shared_memory``: ``auto`` maps the daemon's arena when it is on this
-    host; ``false`` always streams; ``true`` requires the arena.
-    """
-
-    target: str = "127.0.0.1:50051"
-    namespace: str = ""
-    timeout_s: float = 2.0
-    retries: int = 1
-    shared_memory: bool | None = None
-    down_backoff_s: float = 5.0
-    token_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
-
-    @classmethod
-    def from_extra_config(cls, extra: dict | None, plugin_name: str) -> PluginSettings:
-        prefix = f"remote_storage_plugin.{plugin_name}."
-        options = {k[len(prefix):]: v for k, v in (extra or {}).items() if k.startswith(prefix)}
-        options.pop("module_path", None)
-        options.pop("class_name", None)
-        unknown = set(options) - {"target", "namespace", "timeout_s", "retries", "shared_memory", "down_backoff_s",
-                                  *_SECURITY_OPTIONS}
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) {', '.join(prefix + u for u in sorted(unknown))}: the Strata plugin takes "
-                "target, namespace, timeout_s, retries, shared_memory, down_backoff_s, " + ", ".join(_SECURITY_OPTIONS)
-            )
-        try:
-            settings = cls(
-                target=str(options.get("target", cls.target)),
-                namespace=str(options.get("namespace", cls.namespace)),
-                timeout_s=float(options.get("timeout_s", cls.timeout_s)),
-                retries=int(options.get("retries", cls.retries)),
-                shared_memory=_tristate(options.get("shared_memory", "auto")),
-                down_backoff_s=float(options.get("down_backoff_s", cls.down_backoff_s)),
-                **{k: str(options[k]) for k in _SECURITY_OPTIONS if options.get(k)},
-            )
-        except ValueError as err:
-            raise ValueError(f"bad option under {prefix}*: {err}") from None
-        if settings.timeout_s <= 0 or settings.down_backoff_s < 0 or not 0 <= settings.retries <= 5:
-            raise ValueError(f"{prefix}timeout_s must be > 0, down_backoff_s >= 0 and retries 0..5")
-        if settings.namespace:
-            validate_namespace(settings.namespace)
-        return settings
-
-
-_SECURITY_OPTIONS = ("token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
-
-
-def _tristate(value: Any) -> bool | None:
-    text = str(value).strip().lower()
-    if text in ("auto", "", "none"):
-        return None
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"shared_memory is {value!r}; use auto, true or false")
-
-
-def strata_entries(config) -> list[str]:
-    """The ``remote_storage_plugins`` entries that load this module."""
-    extra = getattr(config, "extra_config", None) or {}
-    return [
-        name
-        for name in getattr(config, "remote_storage_plugins", None) or []
-        if extra.get(f"remote_storage_plugin.{name}.module_path") == __name__
-        or extra.get(f"remote_storage_plugin.{name}.class_name") in (StrataConnector.__name__, StrataAdapter.__name__)
-    ]
-
-
-def plugin_name_of(config, cls: type) -> str:
-    """The entry a connector built without a name serves: the config's only Strata entry.
-
-    LMCache builds a plain ``RemoteConnector`` class with ``cls(loop,
-    local_cpu_backend, config)`` and does not say which entry it serves. With one
-    Strata entry that is the one; with several it cannot be known, and guessing
-    would give every entry the first one's target and namespace.
-    """
-    entries = strata_entries(config)
-    if len(entries) > 1:
-        raise ValueError(_ambiguous(entries))
-    return entries[0] if entries else DEFAULT_PLUGIN_NAME
-
-
-def _ambiguous(entries: list[str]) -> str:
-    return (
-        f"remote_storage_plugins has {len(entries)} Strata entries ({', '.join(entries)}) but LMCache builds "
-        f"class_name {StrataConnector.__name__} without saying which entry it is for: set "
-        f"remote_storage_plugin.<name>.class_name: {StrataAdapter.__name__} on every Strata entry, and name them "
-        f"{PLUGIN_TYPE} or {PLUGIN_TYPE}.<instance> (e.g. {PLUGIN_TYPE}.local, {PLUGIN_TYPE}.remote)"
-    )
-
-
-# ---- keys and layouts --------------------------------------------------------
-
-_NAMESPACE_BAD = re.compile(r"[^A-Za-z0-9._:/@+=-]")
-
-
-def namespace_of(model_name: str) -> str:
-    """The Strata namespace of a model: its name where Strata accepts it, else a
-    readable and collision-free stand-in (bad characters replaced, a digest appended)."""
-    try:
-        return validate_namespace(model_name)
-    except InvalidNamespace:
-        pass
-    digest = hashlib.blake2b(model_name.encode(), digest_size=6).hexdigest()
-    readable = _NAMESPACE_BAD.sub("-", model_name).lstrip("._:/@+=-")[: MAX_NAMESPACE_CHARS - 14]
-    return f"{readable or 'model'}-{digest}"
-
-
-def block_key(key: CacheEngineKey) -> bytes:
-    """The Strata key of a LMCache chunk: its string form, lossless.
-
-    A key longer than Strata's limit (only with very long request tags)
-    becomes ``#`` plus a 32-byte digest of it: still collision-free, but
-    :func:`cache_key` cannot invert it.
-    """
-    text = key.to_string().encode()
-    if len(text) <= MAX_KEY_BYTES:
-        return text
-    return b"#" + hashlib.blake2b(text, digest_size=32).digest()
-
-
-def cache_key(key: bytes) -> CacheEngineKey:
-    """Invert :func:`block_key`."""
-    if key.startswith(b"#"):
-        raise ValueError("this block key is a digest of a long LMCache key and cannot be inverted")
-    return parse_cache_key(key.decode())
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkLayout:
-    """What ``local_cpu_backend.allocate`` needs to rebuild a MemoryObj."""
-
-    shapes: tuple[torch.Size, ...]
-    dtypes: tuple[torch.dtype, ...]
-    fmt: MemoryFormat
-
-    @classmethod
-    def of(cls, obj: MemoryObj) -> ChunkLayout:
-        meta = obj.meta
-        shapes = meta.shapes if meta.shapes else [meta.shape]
-        dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
-        if any(d not in TORCH_DTYPE_TO_STR_DTYPE for d in dtypes):
-            raise ValueError(f"MemoryObj dtypes {dtypes} cannot be described; the Strata plugin stores tensor chunks only")
-        return cls(tuple(torch.Size(s) for s in shapes), tuple(dtypes), obj.get_memory_format())
-
-    def encode(self) -> str:
-        return json.dumps(
-            {
-                "v": LAYOUT_VERSION,
-                "fmt": self.fmt.name,
-                "shapes": [list(s) for s in self.shapes],
-                "dtypes": [TORCH_DTYPE_TO_STR_DTYPE[d] for d in self.dtypes],
-            },
-            separators=(",", ":"),
-        )
-
-    @classmethod
-    def decode(cls, text: str) -> ChunkLayout:
-        """Raise ValueError for a block this plugin did not write."""
-        try:
-            d = json.loads(text)
-            if d.get("v") != LAYOUT_VERSION:
-                raise ValueError(f"layout version {d.get('v')!r}, expected {LAYOUT_VERSION!r}")
-            return cls(
-                tuple(torch.Size(s) for s in d["shapes"]),
-                tuple(STR_DTYPE_TO_TORCH_DTYPE[x] for x in d["dtypes"]),
-                MemoryFormat[d["fmt"]],
-            )
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"not a LMCache chunk layout: {err!r}") from None
-
-
-# ---- the daemon's reachability ------------------------------------------------
-
-
-class DaemonHealth:
-    """Whether to call the daemon at all.
-
-    After a call finds the daemon unreachable or stuck, every call in the
-    next ``backoff_s`` answers a miss at once: a dead sidecar must not cost
-    LMCache a deadline per chunk, nor the daemon a retry storm when it
-    comes back.
-    """
-
-    def __init__(self, backoff_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._backoff = backoff_s
-        self._clock = clock
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self.down = False
-
-    def usable(self) -> bool:
-        return self._clock() >= self._down_until
-
-    def failed(self, err: StrataError, target: str) -> None:
-        with self._lock:
-            self._down_until = self._clock() + self._backoff
-            if not self.down:
-                log.warning("Strata daemon %s unreachable (%s); LMCache sees misses for the next %.1fs",
-                            target, type(err).__name__, self._backoff)
-            self.down = True
-
-    def ok(self, target: str) -> None:
-        if self.down:
-            with self._lock:
-                if self.down:
-                    log.info("Strata daemon %s reachable again", target)
-                self.down = False
-
-
-# ---- the connector -----------------------------------------------------------
 
 
 class StrataConnector(RemoteConnector):
@@ -364,7 +85,7 @@ class StrataConnector(RemoteConnector):
     def _client_options(self) -> dict:
         s = self.settings
         return dict(timeout=s.timeout_s, retries=s.retries, use_shm=s.shared_memory,
-                    **{k: getattr(s, k) for k in _SECURITY_OPTIONS})
+                    **{k: getattr(s, k) for k in SECURITY_OPTIONS})
 
     def _async_client(self) -> AsyncClient:
         if self._aio is None:  # made inside LMCache's loop: grpc.aio binds to it
@@ -645,7 +366,7 @@ class StrataAdapter(ConnectorAdapter):
         extra = getattr(context.config, "extra_config", None) or {}
         plain = [n for n in entries if extra.get(f"remote_storage_plugin.{n}.class_name") == StrataConnector.__name__]
         if len(entries) > 1 and plain:
-            raise ValueError(_ambiguous(entries))  # the plain entries would get no name; refuse them all alike
+            raise ValueError(ambiguous_entries(entries))  # the plain entries would get no name; refuse them all alike
         return StrataConnector(
             loop=context.loop,
             local_cpu_backend=context.local_cpu_backend,
@@ -653,9 +374,6 @@ class StrataAdapter(ConnectorAdapter):
             metadata=context.metadata,
             plugin_name=context.plugin_name or plugin_name_of(context.config, StrataConnector),
         )
-
-
-# ---- helpers -------------------------------------------------------------------
 
 
 def _namespace_runs(items: Sequence, namespace_of_item: Callable) -> list[tuple[str, list]]:

@@ -1,0 +1,74 @@
+"""Strata as LMCache's remote storage: a ``RemoteConnector`` on Strata's client.
+
+The package: :mod:`.settings` (options per entry), :mod:`.mapping` (keys and
+layouts), :mod:`.health` (when to call the daemon) and :mod:`.connector`.
+
+LMCache (0.5.x) loads it as a remote-storage plugin; no fork of LMCache or
+vLLM is needed::
+
+    remote_storage_plugins: ["strata"]
+    extra_config:
+      remote_storage_plugin.strata.module_path: kvstore.integrations.lmcache
+      remote_storage_plugin.strata.class_name: StrataAdapter
+      remote_storage_plugin.strata.target: "127.0.0.1:50051"
+
+Options (``remote_storage_plugin.<name>.<option>``; see :class:`PluginSettings`):
+``target``, ``namespace``, ``timeout_s``, ``retries``, ``shared_memory``,
+``down_backoff_s``; for a daemon with authentication ``token_file`` (a file
+holding the bearer token: LMCache's config is logged, so the token itself
+is not an option), ``tls_ca``, ``tls_cert``, ``tls_key`` and
+``tls_server_name``.
+
+Several entries. LMCache names plugin entries ``<type>`` or
+``<type>.<instance>``; entries ``strata.local`` and ``strata.remote`` (say,
+the node's sidecar and a shared daemon) each get their own connector with
+their own options. Only an adapter learns which entry it builds for (LMCache
+hands :class:`StrataAdapter` a context with the entry's name; a plain
+``RemoteConnector`` class is built with no name), so ``class_name:
+StrataAdapter`` is the form that works for any number of entries.
+``class_name: StrataConnector`` still works for a single Strata entry of any
+name; with two or more Strata entries it is refused with a message saying to
+use ``StrataAdapter``, never silently given the first entry's settings.
+
+Mapping. Each LMCache chunk is one Strata block. The block key is the
+``CacheEngineKey``'s own string form (``model@world@worker@hash@dtype[@tags]``),
+so the mapping is lossless and :func:`cache_key` inverts it; the namespace is
+the model name, so models never see each other's blocks. The block's
+``layout`` carries the MemoryObj's shapes, dtypes and memory format, from
+which ``get`` rebuilds it exactly, partial last chunks included.
+
+Bytes. On the daemon's host the client copies between LMCache's MemoryObj
+buffers and the daemon's shared-memory arena, one copy each way; elsewhere
+it streams over gRPC (the client's choice, not this module's). ``get``
+learns each block's size and layout from the daemon before any byte moves,
+allocates a MemoryObj of exactly that layout from ``local_cpu_backend``
+(a short last chunk included) and has the bytes read straight into it.
+
+``list`` names every LMCache chunk the daemon holds, as the key strings
+``CacheEngineKey.from_string`` reads back.
+
+A down daemon is a miss, never a hang: every call has a short deadline, and
+after the daemon is found unreachable the connector answers misses (and
+drops puts) without calling it for ``down_backoff_s``, so a dead sidecar
+costs one failed RPC per backoff period instead of one per chunk.
+
+Contracts of LMCache's ``RemoteConnector`` kept here: ``put`` does not drop
+the MemoryObj's reference (LMCache's wrapper does); ``get`` results come
+from ``local_cpu_backend.allocate`` and belong to the caller.
+"""
+
+from kvstore.integrations.lmcache.connector import StrataAdapter, StrataConnector
+from kvstore.integrations.lmcache.health import DaemonHealth
+from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, cache_key, namespace_of
+from kvstore.integrations.lmcache.settings import PluginSettings
+
+__all__ = [
+    "ChunkLayout",
+    "DaemonHealth",
+    "PluginSettings",
+    "StrataAdapter",
+    "StrataConnector",
+    "block_key",
+    "cache_key",
+    "namespace_of",
+]

@@ -1,0 +1,47 @@
+"""Whether the daemon is worth calling: a dead sidecar costs one failed call per back-off period."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvstore.errors import StrataError
+
+log = logging.getLogger(__name__)
+
+
+class DaemonHealth:
+    """Whether to call the daemon at all.
+
+    After a call finds the daemon unreachable or stuck, every call in the
+    next ``backoff_s`` answers a miss at once: a dead sidecar must not cost
+    LMCache a deadline per chunk, nor the daemon a retry storm when it
+    comes back.
+    """
+
+    def __init__(self, backoff_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._backoff = backoff_s
+        self._clock = clock
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.down = False
+
+    def usable(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def failed(self, err: StrataError, target: str) -> None:
+        with self._lock:
+            self._down_until = self._clock() + self._backoff
+            if not self.down:
+                log.warning("Strata daemon %s unreachable (%s); LMCache sees misses for the next %.1fs",
+                            target, type(err).__name__, self._backoff)
+            self.down = True
+
+    def ok(self, target: str) -> None:
+        if self.down:
+            with self._lock:
+                if self.down:
+                    log.info("Strata daemon %s reachable again", target)
+                self.down = False

@@ -1,0 +1,115 @@
+"""The plugin's options: one set per ``strata`` / ``strata.<name>`` entry of LMCache's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.block import validate_namespace
+
+
+DEFAULT_PLUGIN_NAME = "strata"
+PLUGIN_MODULE = "kvstore.integrations.lmcache"  # remote_storage_plugin.<name>.module_path
+CLASS_NAMES = ("StrataConnector", "StrataAdapter")  # remote_storage_plugin.<name>.class_name
+PLUGIN_TYPE = "strata"  # entries "strata" and "strata.<instance>" are this plugin's (LMCache's naming)
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's options, read once from LMCache's ``extra_config``.
+
+    ``namespace`` empty means one namespace per model (the key's model name).
+    ``shared_memory``: ``auto`` maps the daemon's arena when it is on this
+    host; ``false`` always streams; ``true`` requires the arena.
+    """
+
+    target: str = "127.0.0.1:50051"
+    namespace: str = ""
+    timeout_s: float = 2.0
+    retries: int = 1
+    shared_memory: bool | None = None
+    down_backoff_s: float = 5.0
+    token_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None, plugin_name: str) -> PluginSettings:
+        prefix = f"remote_storage_plugin.{plugin_name}."
+        options = {k[len(prefix):]: v for k, v in (extra or {}).items() if k.startswith(prefix)}
+        options.pop("module_path", None)
+        options.pop("class_name", None)
+        unknown = set(options) - {"target", "namespace", "timeout_s", "retries", "shared_memory", "down_backoff_s",
+                                  *SECURITY_OPTIONS}
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {', '.join(prefix + u for u in sorted(unknown))}: the Strata plugin takes "
+                "target, namespace, timeout_s, retries, shared_memory, down_backoff_s, " + ", ".join(SECURITY_OPTIONS)
+            )
+        try:
+            settings = cls(
+                target=str(options.get("target", cls.target)),
+                namespace=str(options.get("namespace", cls.namespace)),
+                timeout_s=float(options.get("timeout_s", cls.timeout_s)),
+                retries=int(options.get("retries", cls.retries)),
+                shared_memory=_tristate(options.get("shared_memory", "auto")),
+                down_backoff_s=float(options.get("down_backoff_s", cls.down_backoff_s)),
+                **{k: str(options[k]) for k in SECURITY_OPTIONS if options.get(k)},
+            )
+        except ValueError as err:
+            raise ValueError(f"bad option under {prefix}*: {err}") from None
+        if settings.timeout_s <= 0 or settings.down_backoff_s < 0 or not 0 <= settings.retries <= 5:
+            raise ValueError(f"{prefix}timeout_s must be > 0, down_backoff_s >= 0 and retries 0..5")
+        if settings.namespace:
+            validate_namespace(settings.namespace)
+        return settings
+
+
+SECURITY_OPTIONS = ("token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+
+
+def _tristate(value: Any) -> bool | None:
+    text = str(value).strip().lower()
+    if text in ("auto", "", "none"):
+        return None
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"shared_memory is {value!r}; use auto, true or false")
+
+
+def strata_entries(config) -> list[str]:
+    """The ``remote_storage_plugins`` entries that load this module."""
+    extra = getattr(config, "extra_config", None) or {}
+    return [
+        name
+        for name in getattr(config, "remote_storage_plugins", None) or []
+        if extra.get(f"remote_storage_plugin.{name}.module_path") == PLUGIN_MODULE
+        or extra.get(f"remote_storage_plugin.{name}.class_name") in CLASS_NAMES
+    ]
+
+
+def plugin_name_of(config, cls: type) -> str:
+    """The entry a connector built without a name serves: the config's only Strata entry.
+
+    LMCache builds a plain ``RemoteConnector`` class with ``cls(loop,
+    local_cpu_backend, config)`` and does not say which entry it serves. With one
+    Strata entry that is the one; with several it cannot be known, and guessing
+    would give every entry the first one's target and namespace.
+    """
+    entries = strata_entries(config)
+    if len(entries) > 1:
+        raise ValueError(ambiguous_entries(entries))
+    return entries[0] if entries else DEFAULT_PLUGIN_NAME
+
+
+def ambiguous_entries(entries: list[str]) -> str:
+    return (
+        f"remote_storage_plugins has {len(entries)} Strata entries ({', '.join(entries)}) but LMCache builds "
+        f"class_name {CLASS_NAMES[0]} without saying which entry it is for: set "
+        f"remote_storage_plugin.<name>.class_name: {CLASS_NAMES[1]} on every Strata entry, and name them "
+        f"{PLUGIN_TYPE} or {PLUGIN_TYPE}.<instance> (e.g. {PLUGIN_TYPE}.local, {PLUGIN_TYPE}.remote)"
+    )
