@@ -226,7 +226,12 @@ def test_a_lone_node_reports_its_blocks_short_and_stops_cleanly(make_daemon):
     assert not d.replicator._thread.is_alive()
 
 
-def test_a_daemon_without_replication_says_so(daemon):
-    with Client(daemon.target, use_shm=False) as c:
+def test_a_daemon_without_replication_says_so(make_daemon):
+    pins_only = make_daemon()  # no namespace rule; pins may still ask for replicas
+    off = make_daemon(replication_max_pin_replicas="1")
+    with Client(pins_only.target, use_shm=False) as c:
         r = c.replication()
-    assert not r.enabled and r.namespaces == [] and daemon.replicator is None
+    assert not r.enabled and r.namespaces == [] and r.pins == [] and r.max_pin_replicas == 4
+    with Client(off.target, use_shm=False) as c:
+        r = c.replication()
+    assert not r.enabled and r.namespaces == [] and r.max_pin_replicas == 0 and off.replicator is None

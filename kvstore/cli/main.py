@@ -266,10 +266,10 @@ def cmd_replication(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         r = client.replication()
-    under = sum(n.under_replicated for n in r.namespaces)
     if args.json:
         print(json.dumps(dataclasses.asdict(r)))
-    elif not r.enabled:
+        return 4 if args.check and r.under_replicated else 0
+    if not r.enabled:
         print(f"node {r.node_id} replicates no namespace (set [replication] namespaces, or --replicate NS:K)")
     else:
         age = f"{time.time() - r.last_round_unix_seconds:.1f}s ago" if r.last_round_unix_seconds else "not yet"
@@ -280,7 +280,17 @@ def cmd_replication(args: argparse.Namespace) -> int:
         for n in r.namespaces:
             print(f"  {n.namespace}\tk={n.replicas} (rule {n.rule})\t{n.blocks} blocks\t"
                   f"{n.under_replicated} under-replicated\t{n.copies_made} copies made\t{n.copies_failed} failed")
-    return 4 if args.check and under else 0
+    if r.max_pin_replicas < 2:
+        print("pins may not ask for replicas here ([replication] max_pin_replicas)")
+    else:
+        print(f"pins with replicas (at most {r.max_pin_replicas}):" + ("" if r.pins else " none"))
+        for p in r.pins:
+            print(f"  {p.namespace}\t{p.pins} pins\tk<={p.replicas}\t{p.blocks} blocks\t"
+                  f"{p.under_replicated} under-replicated\t{p.copies_held} copies held elsewhere\t"
+                  f"{p.copies_made} copies made\t{p.copies_failed} failed")
+    if args.check and r.under_replicated:
+        print(f"{r.under_replicated} under-replicated blocks")
+    return 4 if args.check and r.under_replicated else 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -417,10 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     peers.set_defaults(func=cmd_peers)
 
     replication = sub.add_parser(
-        "replication", parents=[client_opts], help="replicated namespaces: blocks held here, under-replicated",
+        "replication", parents=[client_opts],
+        help="replicated namespaces and pins with replicas: blocks held here, under-replicated",
         description="Per namespace that [replication] namespaces (--replicate) asks k copies of: the blocks this "
         "daemon holds, those found with fewer than k live holders at their latest check, and the copies it "
-        "pushed to other nodes. Each holder reports the blocks it holds.",
+        "pushed to other nodes. Each holder reports the blocks it holds. Then, per namespace, this daemon's pins "
+        "that ask for replicas: their blocks, those with fewer than k copies, the copies held on other nodes.",
     )
     replication.add_argument("--json", action="store_true", help="print JSON")
     replication.add_argument("--check", action="store_true", help="exit 4 when any block is under-replicated")

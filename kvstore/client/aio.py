@@ -399,8 +399,11 @@ class AsyncClient:
     async def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
         return (await self._call("Delete", pb.DeleteRequest(namespace=namespace, keys=list(keys)))).deleted
 
-    async def pin(self, namespace: str, keys: Sequence[bytes], lease_s: float = 0) -> PinLease:
-        r = await self._call("Pin", pb.PinRequest(namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000)))
+    async def pin(self, namespace: str, keys: Sequence[bytes], lease_s: float = 0, replicas: int = 0) -> PinLease:
+        """Protect present blocks from eviction for ``lease_s`` (0: the daemon's default); with
+        ``replicas`` = k > 1 the daemon also keeps k - 1 copies of them pinned on other live nodes."""
+        r = await self._call("Pin", pb.PinRequest(namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000),
+                                                  replicas=replicas))
         return codec.parse_pin(r)
 
     async def unpin(self, lease_id: int) -> bool:

@@ -8,7 +8,7 @@ re-exported here, so the two clients and older imports see one set of names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -151,14 +151,35 @@ class NamespaceReplication:
 
 
 @dataclass(frozen=True, slots=True)
+class PinReplication:
+    """The answering node's pins that ask for replicas, in one namespace (the Replication RPC)."""
+
+    namespace: str
+    pins: int
+    replicas: int  # the largest k they ask for
+    blocks: int  # blocks they pin there
+    under_replicated: int  # of them, with fewer than k copies on distinct live nodes at their latest check
+    copies_held: int  # copies held (pinned) on other nodes for them
+    copies_made: int
+    copies_failed: int
+
+
+@dataclass(frozen=True, slots=True)
 class Replication:
     node_id: str
-    enabled: bool
+    enabled: bool  # whether it replicates namespaces ([replication] namespaces)
     rounds: int
     passes: int
     last_round_unix_seconds: float
     last_error: str
     namespaces: list[NamespaceReplication]
+    pins: list[PinReplication] = field(default_factory=list)
+    max_pin_replicas: int = 0  # the most replicas a Pin may ask for there; 0 or 1: none
+
+    @property
+    def under_replicated(self) -> int:
+        """Blocks found short of their k, namespaces and pins together."""
+        return sum(n.under_replicated for n in self.namespaces) + sum(p.under_replicated for p in self.pins)
 
 
 def parse_replication(r) -> Replication:
@@ -166,6 +187,9 @@ def parse_replication(r) -> Replication:
         r.node_id, r.enabled, r.rounds, r.passes, r.last_round_unix_seconds, r.last_error,
         [NamespaceReplication(n.namespace, n.rule, n.replicas, n.blocks, n.under_replicated, n.copies_made,
                               n.copies_failed) for n in r.namespaces],
+        [PinReplication(p.namespace, p.pins, p.replicas, p.blocks, p.under_replicated, p.copies_held, p.copies_made,
+                        p.copies_failed) for p in r.pins],
+        r.max_pin_replicas,
     )
 
 

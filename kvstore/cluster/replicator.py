@@ -1,6 +1,8 @@
-"""The replicator: keeps k copies of a replicated namespace's blocks on distinct live nodes.
+"""The replicator: keeps k copies of a replicated namespace's (or a pin's) blocks on distinct live nodes.
 
-Every daemon runs one (``[replication] namespaces``). In rounds, each
+Every daemon runs one (``[replication] namespaces``, and pins that ask for
+``replicas``: :mod:`kvstore.cluster.pin_copies`, whose work runs first in
+each round, from the same budgets). In rounds, each
 ``interval_s`` apart, it walks the blocks this node holds in replicated
 namespaces (a cursor over the store's listing, ``blocks_per_round`` blocks a
 round, resumed where the last round stopped), asks the prefix index who
@@ -46,7 +48,6 @@ fleet-wide sum counts a block once per holder.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -57,17 +58,19 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.block import BlockKey
+from kvstore.cluster.pin_copies import PinCopies, PinLimits, PinNamespaceReport
 from kvstore.cluster.policy import ReplicationPolicy
+from kvstore.cluster.pusher import Pusher, rank
 from kvstore.errors import InvalidArgument, PrefixIndexError, StrataError, UnknownNamespace
 from kvstore.index.base import MAX_CHAIN_BLOCKS, NodeInfo, PrefixIndex
-from kvstore.peer.base import PeerTransport, open_peer_transport
+from kvstore.peer.base import PeerTransport
 from kvstore.remote.peer import LOCAL_TIERS
 from kvstore.store.tiered import MAX_LIST_PAGE
 
 log = logging.getLogger(__name__)
 
 INDEX_TIMEOUT_S = 5.0
-PUSH_SCHEMES = ("tcp",)  # the peer transports with writes, preferred first
+__all__ = ["Plan", "ReplicationLimits", "ReplicationReport", "Replicator", "open_replicator", "plan", "rank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,8 @@ class ReplicationLimits:
     push_s: float = 10.0
     settle_s: float = 5.0  # a push counts as a copy this long before the index shows it
     backoff_s: float = 5.0  # a target whose push failed is passed over this long
+    max_pin_replicas: int = 4  # the most copies a Pin may ask for; 1: pins are never replicated
+    max_pins: int = 4096  # pins with replicas kept at once
 
     def __post_init__(self) -> None:
         if not (self.interval_s > 0 and self.push_s > 0 and self.settle_s >= 0 and self.backoff_s >= 0):
@@ -97,11 +102,6 @@ class Plan:
     @property
     def short(self) -> int:
         return len(self.targets)
-
-
-def rank(key: bytes, node_ids: Iterable[str]) -> list[str]:
-    """``node_ids`` in rendezvous order for ``key``: the same order on every node."""
-    return sorted(node_ids, key=lambda n: (hashlib.blake2b(n.encode() + b"\0" + key, digest_size=8).digest(), n))
 
 
 def plan(key: bytes, k: int, node_id: str, holders: Iterable[str], writable: Iterable[str]) -> tuple[int, Plan]:
@@ -132,6 +132,9 @@ class ReplicationReport:
     last_round_at: float = 0.0  # wall clock (time.time), 0: no round yet
     last_error: str = ""  # why the latest round stopped short ("": it did not)
     namespaces: list[NamespaceReport] = field(default_factory=list)
+    pins: list[PinNamespaceReport] = field(default_factory=list)  # this node's pins that ask for copies
+    namespaces_enabled: bool = True  # whether any [replication] namespaces rule is set
+    max_pin_replicas: int = 1
 
 
 class ReplicationMetrics:
@@ -148,6 +151,15 @@ class ReplicationMetrics:
             "present there), failed", ["outcome"], registry=r,
         )
         self.pushed_bytes = Counter("strata_replication_pushed_bytes_total", "Block bytes pushed to other nodes", registry=r)
+        self.pinned_under = Gauge(
+            "strata_replication_pinned_under_replicated_blocks",
+            "Blocks of this node's pins that ask for replicas found with fewer copies on distinct live nodes than "
+            "asked (this one counted, at each pin's latest check)", registry=r,
+        )
+        self.pinned_copies = Gauge(
+            "strata_replication_pinned_copies",
+            "Copies of this node's pinned blocks held (pinned) on other nodes for those pins", registry=r,
+        )
         self.checked = Counter("strata_replication_checked_blocks_total", "Blocks whose holders were checked", registry=r)
         self.rounds = Counter(
             "strata_replication_rounds_total", "Replication rounds, by outcome: ok, error (the index did not answer)",
@@ -199,16 +211,21 @@ class Replicator:
         self.node_id = node_id
         self.policy = policy
         self.limits = limits
-        self._token = token
-        self._transports: dict[str, PeerTransport] = dict(transports or {})
         self.metrics = ReplicationMetrics(registry)
         self._clock = clock
+        self._pusher = Pusher(node_id, push_s=limits.push_s, backoff_s=limits.backoff_s, token=token,
+                              transports=transports, clock=clock)
+        self.pins = PinCopies(
+            store, node_id, self._pusher,
+            PinLimits(limits.max_pin_replicas, limits.max_pins, limits.blocks_per_round, limits.settle_s,
+                      renew_s=3 * limits.interval_s),
+            self.metrics, clock,
+        )
         self._lock = threading.Lock()
         self._ns: dict[str, _Namespace] = {}
         self._pass: list[str] = []  # namespaces of the current pass, in order
         self._cursor = (0, b"")  # (position in _pass, page token)
         self._recent: dict[tuple[str, bytes], dict[str, float]] = {}  # (namespace, key) -> target -> pushed at
-        self._backoff: dict[str, float] = {}  # target -> passed over until
         self._rounds = self._passes = 0
         self._last_round_at = 0.0
         self._last_error = ""
@@ -253,12 +270,7 @@ class Replicator:
             await asyncio.sleep(self.limits.interval_s)
 
     async def close(self) -> None:
-        transports, self._transports = list(self._transports.values()), {}
-        for transport in transports:
-            try:
-                await transport.close()
-            except StrataError as err:
-                log.warning("peer transport %s did not close cleanly: %s", transport.scheme, err)
+        await self._pusher.close()
 
     # ---- one round -------------------------------------------------------------------
 
@@ -282,26 +294,22 @@ class Replicator:
         self.metrics.last_round.set(self._last_round_at)
 
     async def _round(self) -> None:
-        batch = await self._next_batch()
-        if not batch:
+        batch = await self._next_batch() if self.policy else []
+        if not batch and not self.pins.busy():
             return
         nodes = await self._on_index(self._index.nodes)
         live = {n.node_id: n for n in nodes if n.alive}
         now = self._clock()
         self._forget(now)
-        budget = self.limits.bytes_per_round
-        pushed_any = False
+        spent, pushed_any = await self.pins.round(live, self._holders, self.limits.bytes_per_round, False)
+        budget = self.limits.bytes_per_round - spent
         for namespace, keys in batch:
             state = self._ns[namespace]
-            found: list = []
-            for i in range(0, len(keys), MAX_CHAIN_BLOCKS):
-                part = keys[i : i + MAX_CHAIN_BLOCKS]
-                found += await self._on_index(lambda part=part: self._index.holders(namespace, part))
+            found = await self._holders(namespace, keys)
             self.metrics.checked.inc(len(keys))
-            for key, held in zip(keys, found):
-                holders = {h.node_id for h in held if h.tier in LOCAL_TIERS}
+            for key, holders in zip(keys, found):
                 holders |= {t for t in self._recent.get((namespace, key), ()) if t in live}
-                writable = [n for n, info in live.items() if self._endpoint(info) and self._backoff.get(n, 0.0) <= now]
+                writable = [n for n, info in live.items() if self._pusher.usable(info, now)]
                 short, p = plan(key, state.k, self.node_id, holders, writable)
                 made = 0
                 if p.pusher == self.node_id and p.targets and (not pushed_any or budget > 0):
@@ -314,6 +322,14 @@ class Replicator:
                         state.under.add(key)
                     else:
                         state.under.discard(key)
+
+    async def _holders(self, namespace: str, keys: list[bytes]) -> list[set[str]]:
+        """Per key, the live nodes the index says hold it in a local tier (batched within the index's limit)."""
+        found: list = []
+        for i in range(0, len(keys), MAX_CHAIN_BLOCKS):
+            part = keys[i : i + MAX_CHAIN_BLOCKS]
+            found += await self._on_index(lambda part=part: self._index.holders(namespace, part))
+        return [{h.node_id for h in held if h.tier in LOCAL_TIERS} for held in found]
 
     async def _next_batch(self) -> list[tuple[str, list[bytes]]]:
         """Up to ``blocks_per_round`` keys this node holds, from where the last round stopped;
@@ -381,15 +397,7 @@ class Replicator:
         for target in targets:
             if (pushed_any or spent) and meta.size > budget - spent:
                 break  # the round's byte budget is spent; the next round goes on
-            scheme, address = self._endpoint(target)
-            ok = False
-            try:
-                transport = self._transport(scheme)
-                deadline = time.monotonic() + self.limits.push_s
-                [result] = await transport.write(address, namespace, [(key, data, meta)], deadline)
-                ok, why = result.ok, result.error
-            except StrataError as err:
-                why = err
+            ok, _why = await self._pusher.write(target, namespace, key, data, meta)
             spent += meta.size
             now = self._clock()
             if ok:
@@ -401,32 +409,11 @@ class Replicator:
                     state.made += 1
                 log.debug("replicated %s/%s to %s", namespace, key.hex()[:16], target.node_id)
             else:
-                self._backoff[target.node_id] = now + self.limits.backoff_s
                 self.metrics.copies.labels("failed").inc()
                 with self._lock:
                     state.failed += 1
-                log.warning("could not copy %s/%s to %s (%s): %s; passing it over for %.1fs", namespace,
-                            key.hex()[:16], target.node_id, address, why, self.limits.backoff_s)
+                log.debug("could not copy %s/%s to %s", namespace, key.hex()[:16], target.node_id)
         return made, spent
-
-    def _endpoint(self, node: NodeInfo) -> tuple[str, str] | None:
-        """(scheme, scheme://host:port) of the node's first transport this node pushes with."""
-        if node.node_id == self.node_id:
-            return None
-        for scheme in PUSH_SCHEMES:
-            endpoint = node.endpoint(scheme)
-            if endpoint is not None:
-                return scheme, f"{scheme}://{endpoint}"
-        return None
-
-    def _transport(self, scheme: str) -> PeerTransport:
-        transport = self._transports.get(scheme)
-        if transport is None:
-            transport = open_peer_transport(scheme, token=self._token) if self._token else open_peer_transport(scheme)
-            if not transport.writes:
-                raise InvalidArgument(f"the {scheme} peer transport cannot write blocks: replication pushes over tcp")
-            self._transports[scheme] = transport
-        return transport
 
     def _forget(self, now: float) -> None:
         recent = {}
@@ -435,7 +422,7 @@ class Replicator:
             if kept:
                 recent[block] = kept
         self._recent = recent
-        self._backoff = {n: t for n, t in self._backoff.items() if t > now}
+        self._pusher.forget(now)
 
     async def _on_index(self, call: Callable[[], Awaitable]):
         async def bounded():
@@ -468,21 +455,25 @@ class Replicator:
                 )
                 for namespace, s in sorted(self._ns.items())
             ]
-            return ReplicationReport(self.node_id, self._rounds, self._passes, self._last_round_at,
-                                     self._last_error, namespaces)
+            report = ReplicationReport(self.node_id, self._rounds, self._passes, self._last_round_at,
+                                       self._last_error, namespaces)
+        report.pins = self.pins.report()
+        report.namespaces_enabled = bool(self.policy)
+        report.max_pin_replicas = self.limits.max_pin_replicas
+        return report
 
     def under_replicated(self) -> int:
         with self._lock:
-            return sum(len(s.under) for s in self._ns.values())
+            return sum(len(s.under) for s in self._ns.values()) + self.pins.under_replicated()
 
 
 def open_replicator(settings, store, index: PrefixIndex, node_id: str, index_loop: asyncio.AbstractEventLoop,
                     registry: CollectorRegistry | None = None) -> Replicator | None:
     """The daemon's replicator from its settings (``[replication]``; the push token is
-    ``[tiers.peer] token_file``), or None when no namespace is replicated."""
+    ``[tiers.peer] token_file``), or None when no namespace is replicated and pins may not ask for copies."""
     options = settings.replication.options()
     policy = ReplicationPolicy(options.pop("rules"))
-    if not policy:
+    if not policy and options["max_pin_replicas"] < 2:
         return None
     token = ""
     if settings.tiers.peer.token_file:

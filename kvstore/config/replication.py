@@ -1,4 +1,4 @@
-"""Settings of replication: ``[replication]``, k copies of a namespace's blocks on distinct nodes.
+"""Settings of replication: ``[replication]``, k copies of a namespace's (or a pin's) blocks on distinct nodes.
 
 Config checks the syntax (each rule an exact namespace, a prefix ``team-*``
 or ``*``; each k a whole number from 1 to :data:`MAX_REPLICAS`) and hands
@@ -54,8 +54,9 @@ def parse_replicas(value: Any) -> Any:
 
 class ReplicationSettings(Section):
     flag_prefix = "replication_"
-    title = ("replication: keep k copies of the blocks of chosen namespaces on distinct live nodes (pushed over "
-             "the TCP peer data plane; needs a shared [index] url and --peer-listen on every node)")
+    title = ("replication: keep k copies of the blocks of chosen namespaces, and of pins that ask for replicas, on "
+             "distinct live nodes (pushed over the TCP peer data plane; needs a shared [index] url and --peer-listen "
+             "on every node)")
 
     namespaces: dict[str, int] = setting(
         default_factory=dict,
@@ -72,6 +73,14 @@ class ReplicationSettings(Section):
         ByteSize(256 << 20), "block bytes one round pushes to other nodes at most (one block in flight at a time)",
     )
     push_seconds: float = setting(10.0, "deadline of one block's push to a peer", gt=0, le=600)
+    max_pin_replicas: int = setting(
+        4, f"the most copies a Pin may ask for (its replicas, this node counted; more is refused); 1: pins are "
+        f"never replicated; at most {MAX_REPLICAS}", ge=1, le=MAX_REPLICAS,
+    )
+    max_replicated_pins: int = setting(
+        4096, "pins asking for copies this node keeps at once; one more is refused as overloaded until one ends",
+        ge=1, le=1 << 20,
+    )
 
     _parse = field_validator("namespaces", mode="before")(lambda cls, v: parse_replicas(v))
 
@@ -98,5 +107,6 @@ class ReplicationSettings(Section):
         return {
             "rules": dict(self.namespaces), "interval_s": self.interval_seconds,
             "blocks_per_round": self.blocks_per_round, "bytes_per_round": int(self.bytes_per_round),
-            "push_s": self.push_seconds,
+            "push_s": self.push_seconds, "max_pin_replicas": self.max_pin_replicas,
+            "max_pins": self.max_replicated_pins,
         }

@@ -9,6 +9,6 @@
   the same protocol over ucxx (the ``ucx`` extra): the link, the client, the listener.
 """
 
-from kvstore.peer.base import PEER_TRANSPORTS, PeerAddress, PeerStats, PeerTransport, open_peer_transport
+from kvstore.peer.base import PEER_TRANSPORTS, Held, PeerAddress, PeerStats, PeerTransport, open_peer_transport
 
-__all__ = ["PEER_TRANSPORTS", "PeerAddress", "PeerStats", "PeerTransport", "open_peer_transport"]
+__all__ = ["PEER_TRANSPORTS", "Held", "PeerAddress", "PeerStats", "PeerTransport", "open_peer_transport"]

@@ -33,6 +33,15 @@ and results through unchanged:
   ``meta`` and stores it whole or not at all; a key it holds already is
   PRESENT. A transport without writes raises ``InvalidArgument`` naming the
   transport (:attr:`PeerTransport.writes` says which).
+- ``hold(address, namespace, keys, lease_s, deadline) -> Held``: pin blocks
+  the peer holds under one lease of ``lease_s`` (the peer may grant less: at
+  most its longest lease) on behalf of this node's pin; ``Held.held`` says
+  per key whether it was there and is now pinned. ``release(address,
+  lease_ids, deadline) -> list[bool]`` ends such holds early (False: it had
+  ended, or was another caller's). A hold is bound to the caller's
+  principal, so any connection of the same node may end it; one never
+  released ends at its deadline. A transport whose ``writes`` is True also
+  holds; the others raise ``InvalidArgument`` as for ``write``.
 - Whole-call errors, raised when nothing was tried or the peer refused the
   batch as a whole: ``DeadlineExceeded`` (deadline already passed),
   ``TierUnavailable`` (the peer cannot be reached: try the next holder),
@@ -66,7 +75,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.remote.base import Place, ReadResult, WriteResult
 
 __all__ = [
-    "PEER_TRANSPORTS", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult", "WriteResult",
+    "PEER_TRANSPORTS", "Held", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult", "WriteResult",
     "open_peer_transport",
 ]
 
@@ -96,6 +105,15 @@ class PeerAddress:
 
 
 @dataclass(frozen=True, slots=True)
+class Held:
+    """A peer's answer to a hold: its lease (0: none of the keys was there), for how long, and per key."""
+
+    lease_id: int
+    lease_s: float
+    held: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
 class PeerStats:
     """Traffic of one transport object, over every peer it talked to."""
 
@@ -116,7 +134,7 @@ class PeerTransport(abc.ABC):
 
     #: The address scheme this transport serves (``tcp``, ``ucx``).
     scheme: str = ""
-    #: Whether :meth:`write` is supported.
+    #: Whether :meth:`write` (and :meth:`hold`, :meth:`release`) is supported.
     writes: bool = False
 
     @abc.abstractmethod
@@ -135,6 +153,14 @@ class PeerTransport(abc.ABC):
     ) -> list[WriteResult]:
         """Per block STORED, PRESENT, or FAILED with nothing stored at the peer."""
         raise InvalidArgument(f"the {self.scheme} peer transport cannot write blocks: use one whose writes is True")
+
+    async def hold(self, address: str, namespace: str, keys: Sequence[bytes], lease_s: float, deadline: float) -> Held:
+        """Pin the keys the peer holds for ``lease_s`` on behalf of this node's pin."""
+        raise InvalidArgument(f"the {self.scheme} peer transport cannot hold blocks: use one whose writes is True")
+
+    async def release(self, address: str, lease_ids: Sequence[int], deadline: float) -> list[bool]:
+        """End holds early; per id whether it was still held."""
+        raise InvalidArgument(f"the {self.scheme} peer transport cannot hold blocks: use one whose writes is True")
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -13,7 +13,12 @@ for those keys: the store reads each through its verifying path, which
 drops a corrupt copy, so the next read finds a sound copy or a miss (bytes
 corrupted in transit leave the holder's sound copy where it is). A write reserves arena slots for the blocks (Allocate), receives
 their bytes straight into the slots and commits each with the writer's
-checksum, which the store verifies.
+checksum, which the store verifies. A HOLD pins blocks held here under a
+lease of kind :data:`REPLICA_LEASE` on behalf of another node's pin (the
+copies it made of a pinned prefix, see :mod:`kvstore.cluster.pin_copies`);
+the hold is bound to the caller's principal, not to its connection, so the
+pinning node may end it (RELEASE) over any pooled connection, and it ends
+by itself at its deadline when that node dies first.
 
 Why threads with blocking sockets, as the same-host server: a connection's
 requests are served in order by its own thread, which spends its time in
@@ -56,12 +61,15 @@ import time
 from kvstore.auth import READ, WRITE, Authority
 from kvstore.auth.identity import Caller, Identity
 from kvstore.block import BlockKey, validate_namespace
-from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, StrataError, UnknownNamespace
+from kvstore.errors import (
+    DeadlineExceeded, InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError, UnknownNamespace,
+)
 from kvstore.metrics import StoreMetrics
 from kvstore.peer import wire
 from kvstore.rpc.status import code_for
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreGroup
+from kvstore.store.leases import LeaseKind
 from kvstore.server.listeners import stop_listening
 from kvstore.transport.unix import set_kernel_timeouts
 
@@ -69,6 +77,7 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0
 REFUSE_RETRY_S = 0.5
+REPLICA_LEASE = LeaseKind("replica")  # a copy pinned here for another node's pin (HOLD)
 
 
 def _fields(value, n: int, what: str) -> list:
@@ -241,7 +250,8 @@ class PeerServer:
         return Caller(identity, f"peer:{identity.principal}:{host}:{port}:{next(self._ids)}")
 
     def _loop(self, conn: socket.socket, link: wire.Wire, caller: Caller) -> None:
-        ops = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify}
+        ops = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify, wire.HOLD: self._hold,
+               wire.RELEASE: self._release}
         while True:
             try:
                 meta, payload = link.read_meta()
@@ -448,3 +458,36 @@ class PeerServer:
                 out.append([None, wire.error_result(err)])
         self._reply(conn, rid, wire.OK, out)
 
+    # ---- HOLD / RELEASE ------------------------------------------------------------
+
+    @staticmethod
+    def _hold_owner(caller: Caller) -> str:
+        """Who may end a hold: the calling node's principal (any of its connections), never another's."""
+        return f"peer-hold:{caller.identity.principal}"
+
+    def _hold(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
+        namespace, keys, lease_ms = _fields(args, 3, "Hold")
+        namespace = self._check(caller.identity, namespace, WRITE)  # a hold takes capacity, as a write does
+        keys = _list(keys, "keys")
+        lease_ms = _int(lease_ms, "lease_ms")
+        if not keys or lease_ms <= 0:
+            raise InvalidArgument("a peer Hold names at least one key and a lease of at least 1 ms")
+        self._store.check_batch(keys)
+        lease_s = min(lease_ms / 1000, self._store.limits.max_lease_s)
+        lease, _ = self._store.lease(namespace, keys, REPLICA_LEASE, lease_s, self._hold_owner(caller))
+        held = {k.key for k in lease.keys}
+        if not held:
+            self._store.end_lease(lease.id, REPLICA_LEASE, self._hold_owner(caller))
+        self._reply(conn, rid, wire.OK, [lease.id if held else 0, int(lease_s * 1000), [k in held for k in keys]])
+
+    def _release(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
+        [lease_ids] = _fields(args, 1, "Release")
+        lease_ids = [_int(i, "lease id") for i in _list(lease_ids, "lease ids")]
+        self._store.check_batch(lease_ids)
+        out = []
+        for lease_id in lease_ids:
+            try:
+                out.append(self._store.end_lease(lease_id, REPLICA_LEASE, self._hold_owner(caller)))
+            except LeaseOwnedElsewhere:
+                out.append(False)  # as for an id never issued: a stranger learns nothing of it
+        self._reply(conn, rid, wire.OK, out)

@@ -40,7 +40,7 @@ from kvstore.errors import (
     Cancelled, CorruptBlock, DeadlineExceeded, InvalidArgument, Overloaded, StrataError, TierUnavailable,
 )
 from kvstore.peer import wire
-from kvstore.peer.base import PeerAddress, PeerStats, PeerTransport
+from kvstore.peer.base import Held, PeerAddress, PeerStats, PeerTransport
 from kvstore.remote.base import MISS, PRESENT, STORED, Place, ReadResult, ReadStatus, WriteResult
 from kvstore.transport.base import Deadline
 from kvstore.transport.unix import set_kernel_timeouts
@@ -462,6 +462,43 @@ class TcpPeerClient:
         return out
 
 
+    # ---- holds -----------------------------------------------------------------
+
+    def hold(self, address: str, namespace: str, keys: Sequence[bytes], lease_s: float,
+             deadline: Deadline) -> Held:
+        """Pin ``keys`` at the peer for ``lease_s`` (see :meth:`PeerTransport.hold`)."""
+        validate_namespace(namespace)
+        keys = [bytes(k) for k in keys]
+        if not keys:
+            return Held(0, 0.0, [])
+        lease_ms = max(1, int(lease_s * 1000))
+
+        def call(conn: _Connection) -> Held:
+            _, result = conn.reply(conn.send(wire.HOLD, [namespace, keys, lease_ms]))
+            try:
+                lease_id, granted_ms, held = result
+                if not (isinstance(held, list) and len(held) == len(keys)):
+                    raise ValueError("one answer per key")
+                return Held(int(lease_id), float(granted_ms) / 1000, [bool(h) for h in held])
+            except (TypeError, ValueError):
+                raise TierUnavailable(f"peer {address} answered a hold of {len(keys)} keys with {result!r:.80}") from None
+
+        return self._call(address, deadline, call)
+
+    def release(self, address: str, lease_ids: Sequence[int], deadline: Deadline) -> list[bool]:
+        """End holds at the peer; per id whether it was still held."""
+        lease_ids = [int(i) for i in lease_ids]
+        if not lease_ids:
+            return []
+        def call(conn: _Connection) -> list[bool]:
+            _, result = conn.reply(conn.send(wire.RELEASE, [lease_ids]))
+            if not isinstance(result, list) or len(result) != len(lease_ids):
+                raise TierUnavailable(f"peer {address} answered a release of {len(lease_ids)} holds with {result!r:.80}")
+            return [bool(r) for r in result]
+
+        return self._call(address, deadline, call)
+
+
 class TcpPeerTransport(PeerTransport):
     """The :class:`PeerTransport` over TCP: the blocking core in worker threads, ``place`` on the loop."""
 
@@ -529,6 +566,12 @@ class TcpPeerTransport(PeerTransport):
     async def write(self, address, namespace, blocks, deadline) -> list[WriteResult]:
         got = await self._run(deadline, self.client.write, address, namespace, blocks)
         return [r for r, _ in got]
+
+    async def hold(self, address, namespace, keys, lease_s, deadline) -> Held:
+        return await self._run(deadline, self.client.hold, address, namespace, keys, lease_s)
+
+    async def release(self, address, lease_ids, deadline) -> list[bool]:
+        return await self._run(deadline, self.client.release, address, lease_ids)
 
     async def close(self) -> None:
         if self._closed:

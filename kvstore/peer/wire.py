@@ -26,6 +26,12 @@ Requests ``[op, request_id, args]`` and their replies ``[request_id, status, res
            -> OK [[stored, tier] or [None, error] per block sent]
     CHECK  [namespace, keys]   (after a read whose bytes failed their checksum)
            -> OK [sound per key]: the holder verified its copy, and dropped it if corrupt
+    HOLD   [namespace, keys, lease_ms]   (a copy made for another node's pin, or one it found here)
+           -> OK [lease_id, granted_ms, [held per key]]: the held keys are pinned here under one
+              lease for granted_ms (at most the lease asked for, and this daemon's longest);
+              lease_id 0 when none of the keys is here
+    RELEASE [lease_ids]   (the pin ended: its copies here become ordinary cache)
+           -> OK [released per id]: False for a hold that already ended, or another caller's
 
 A reply of request id 0 is a refusal of the connection (too many of them,
 a bad Hello, a frame over the limits); the stream cannot go on after it.
@@ -41,8 +47,8 @@ from kvstore.block import Checksummer
 from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError, encode, error_result, raise_error, send
 
 __all__ = [
-    "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "MAX_META_BYTES", "MISS", "OK", "OP_NAMES",
-    "PROTOCOL_VERSION", "PUT", "READ", "FrameError", "Wire", "encode", "error_result", "raise_error", "send",
+    "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "HOLD", "MAX_META_BYTES", "MISS", "OK",
+    "OP_NAMES", "PROTOCOL_VERSION", "PUT", "READ", "RELEASE", "FrameError", "Wire", "encode", "error_result", "raise_error", "send",
 ]
 
 PROTOCOL_VERSION = 1
@@ -50,8 +56,9 @@ PROTOCOL_VERSION = 1
 # Reply statuses.
 OK, ERROR, BLOCK, MISS, FAILED = 0, 1, 2, 3, 4
 # Request operations.
-HELLO, READ, PUT, DATA, CHECK = 1, 2, 3, 4, 5
-OP_NAMES = {HELLO: "PeerHello", READ: "PeerRead", PUT: "PeerPut", DATA: "PeerData", CHECK: "PeerCheck"}
+HELLO, READ, PUT, DATA, CHECK, HOLD, RELEASE = 1, 2, 3, 4, 5, 6, 7
+OP_NAMES = {HELLO: "PeerHello", READ: "PeerRead", PUT: "PeerPut", DATA: "PeerData", CHECK: "PeerCheck",
+            HOLD: "PeerHold", RELEASE: "PeerRelease"}
 
 # Bytes moved per system call and hashed per step: large enough that Python's
 # per-call cost vanishes, small enough to still be in cache when hashed.

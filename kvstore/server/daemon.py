@@ -106,7 +106,7 @@ class Daemon:
         self.peer_metrics = None  # PeerMetrics, with a peer tier in the chain
         self.handoffs = None  # HandoffTable: the prefill side's open handoffs
         self._handoff_peer = None  # TcpPeerClient the decode side pulls with
-        self.replicator: Replicator | None = None  # with [replication] namespaces
+        self.replicator: Replicator | None = None  # with [replication] namespaces, or pins with replicas
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -228,7 +228,8 @@ class Daemon:
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},
                        lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
-                       self.put_budget, open_handoffs=lambda: len(self.handoffs)), server
+                       self.put_budget, open_handoffs=lambda: len(self.handoffs),
+                       pin_copies=self.replicator.pins if self.replicator is not None else None), server
         )
         handoff_pb2_grpc.add_HandoffServiceServicer_to_server(self._handoff_servicer(), server)
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}

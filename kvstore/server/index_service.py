@@ -89,7 +89,7 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
         retry_after_s: float = 0.05,
         replication: Callable[[], ReplicationReport] | None = None,
     ) -> None:
-        """``replication``: this node's replication report (None: it replicates nothing)."""
+        """``replication``: this node's replication report (None: it replicates nothing, pins included)."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight is {max_in_flight}; allow at least one index RPC at a time")
         self._agent = agent
@@ -160,7 +160,7 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
             return pb.ReplicationResponse(node_id=self._agent.node_id, enabled=False)
         r = self._replication()  # in memory: no index call, no slot taken
         return pb.ReplicationResponse(
-            node_id=r.node_id, enabled=True, rounds=r.rounds, passes=r.passes,
+            node_id=r.node_id, enabled=r.namespaces_enabled, rounds=r.rounds, passes=r.passes,
             last_round_unix_seconds=r.last_round_at, last_error=r.last_error,
             namespaces=[
                 pb.NamespaceReplication(
@@ -169,4 +169,13 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
                 )
                 for n in r.namespaces
             ],
+            pins=[
+                pb.PinReplication(
+                    namespace=p.namespace, pins=p.pins, replicas=p.replicas, blocks=p.blocks,
+                    under_replicated=p.under_replicated, copies_held=p.copies_held, copies_made=p.copies_made,
+                    copies_failed=p.copies_failed,
+                )
+                for p in r.pins
+            ],
+            max_pin_replicas=r.max_pin_replicas,
         )

@@ -13,7 +13,8 @@ from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth import EVERY_NAMESPACE, current_identity, may_attach, owner_of
 from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
-from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied
+from kvstore.cluster.pin_copies import PinCopies
+from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
 from kvstore.node import NodeIdentity
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreArena, StoreGroup
@@ -55,7 +56,8 @@ class _Held:
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: StoreGroup, node: NodeIdentity, chunk_bytes: int,
                  control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
-                 put_budget: ByteBudget | None = None, open_handoffs: Callable[[], int] | None = None) -> None:
+                 put_budget: ByteBudget | None = None, open_handoffs: Callable[[], int] | None = None,
+                 pin_copies: PinCopies | None = None) -> None:
         self._store = store  # every arena's store; each call goes to its namespace's arena
         self._control_sockets = dict(control_sockets or {})  # arena name → its same-host socket
         # Told (with the arena's name) after blocks were deleted, before the Delete answers
@@ -65,6 +67,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         self._chunk = chunk_bytes
         self._put_budget = put_budget or ByteBudget(1 << 62, "streamed puts", "--put-budget-bytes")
         self._open_handoffs = open_handoffs or (lambda: 0)  # the prefill side's (kvstore.handoff)
+        self._pin_copies = pin_copies  # copies of pins that ask for replicas (kvstore.cluster); None: not kept
 
     # ---- streamed bytes ---------------------------------------------------
 
@@ -237,9 +240,23 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.DeleteResponse(deleted=deleted)
 
     def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
-        lease, missing = self._store.pin(
-            request.namespace, list(request.keys), _lease_s(request.lease_ms), owner_of(context)
-        )
+        replicated = request.replicas > 1
+        if replicated:
+            if self._pin_copies is None:
+                raise InvalidArgument(
+                    f"a pin asks for {request.replicas} replicas, and this daemon keeps no copies of pins "
+                    "([replication] max_pin_replicas is 1): ask for 0 or 1, or raise the setting"
+                )
+            self._pin_copies.check(request.replicas)  # refused before anything is pinned
+        owner = owner_of(context)
+        lease, missing = self._store.pin(request.namespace, list(request.keys), _lease_s(request.lease_ms), owner)
+        if replicated:
+            try:
+                self._pin_copies.add(lease.id, request.namespace, [k.key for k in lease.keys], request.replicas,
+                                     lease.deadline)
+            except StrataError:
+                self._store.unpin(lease.id, owner)  # the table filled meanwhile: the pin is refused whole
+                raise
         return pb.PinResponse(
             lease_id=lease.id, pinned=len(lease.keys), missing=missing, lease_deadline_unix_ms=_to_ms(lease.deadline)
         )
@@ -248,7 +265,9 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         try:
             released = self._store.unpin(request.lease_id, owner_of(context))
         except LeaseOwnedElsewhere:
-            released = False  # as for an id never issued: a stranger learns nothing of it
+            return pb.UnpinResponse(released=False)  # as for an id never issued: a stranger learns nothing of it
+        if self._pin_copies is not None:
+            self._pin_copies.end(request.lease_id)  # released or already expired: its copies become cache
         return pb.UnpinResponse(released=released)
 
     def List(self, request: pb.ListRequest, context) -> pb.ListResponse:

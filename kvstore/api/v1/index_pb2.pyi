@@ -151,8 +151,28 @@ class NamespaceReplication(_message.Message):
     copies_failed: int
     def __init__(self, namespace: _Optional[str] = ..., rule: _Optional[str] = ..., replicas: _Optional[int] = ..., blocks: _Optional[int] = ..., under_replicated: _Optional[int] = ..., copies_made: _Optional[int] = ..., copies_failed: _Optional[int] = ...) -> None: ...
 
+class PinReplication(_message.Message):
+    __slots__ = ("namespace", "pins", "replicas", "blocks", "under_replicated", "copies_held", "copies_made", "copies_failed")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNDER_REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_HELD_FIELD_NUMBER: _ClassVar[int]
+    COPIES_MADE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    pins: int
+    replicas: int
+    blocks: int
+    under_replicated: int
+    copies_held: int
+    copies_made: int
+    copies_failed: int
+    def __init__(self, namespace: _Optional[str] = ..., pins: _Optional[int] = ..., replicas: _Optional[int] = ..., blocks: _Optional[int] = ..., under_replicated: _Optional[int] = ..., copies_held: _Optional[int] = ..., copies_made: _Optional[int] = ..., copies_failed: _Optional[int] = ...) -> None: ...
+
 class ReplicationResponse(_message.Message):
-    __slots__ = ("node_id", "enabled", "rounds", "passes", "last_round_unix_seconds", "last_error", "namespaces")
+    __slots__ = ("node_id", "enabled", "rounds", "passes", "last_round_unix_seconds", "last_error", "namespaces", "pins", "max_pin_replicas")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +180,8 @@ class ReplicationResponse(_message.Message):
     LAST_ROUND_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     enabled: bool
     rounds: int
@@ -167,4 +189,6 @@ class ReplicationResponse(_message.Message):
     last_round_unix_seconds: float
     last_error: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceReplication]
-    def __init__(self, node_id: _Optional[str] = ..., enabled: bool = ..., rounds: _Optional[int] = ..., passes: _Optional[int] = ..., last_round_unix_seconds: _Optional[float] = ..., last_error: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceReplication, _Mapping]]] = ...) -> None: ...
+    pins: _containers.RepeatedCompositeFieldContainer[PinReplication]
+    max_pin_replicas: int
+    def __init__(self, node_id: _Optional[str] = ..., enabled: bool = ..., rounds: _Optional[int] = ..., passes: _Optional[int] = ..., last_round_unix_seconds: _Optional[float] = ..., last_error: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceReplication, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[PinReplication, _Mapping]]] = ..., max_pin_replicas: _Optional[int] = ...) -> None: ...

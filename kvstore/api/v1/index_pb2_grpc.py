@@ -79,7 +79,7 @@ class IndexServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Replication(self, request, context):
-        """This node's replication state: per replicated namespace, blocks held and under-replicated.
+        """This node's replication state: per replicated namespace and for its pins, blocks held and under-replicated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

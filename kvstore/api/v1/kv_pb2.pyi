@@ -256,14 +256,16 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ms")
+    __slots__ = ("namespace", "keys", "lease_ms", "replicas")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("lease_id", "pinned", "missing", "lease_deadline_unix_ms")
