@@ -105,7 +105,7 @@ class Daemon:
         self.advertised = ""  # host:port peers reach this daemon at (its node record)
         self.peer_metrics = None  # PeerMetrics, with a peer tier in the chain
         self.handoffs = None  # HandoffTable: the prefill side's open handoffs
-        self._handoff_peer = None  # TcpPeerClient the decode side pulls with
+        self._handoff_peers: dict = {}  # the blocking peer clients the decode side pulls with, by scheme
         self.replicator: Replicator | None = None  # with [replication] namespaces
 
     def start(self) -> Daemon:
@@ -363,11 +363,11 @@ class Daemon:
         from kvstore.handoff.metrics import HandoffMetrics
         from kvstore.handoff.pull import HandoffPuller, PullLimits
         from kvstore.handoff.table import HandoffLimits, HandoffTable
-        from kvstore.peer.tcp import TcpPeerClient
+        from kvstore.peer.base import open_peer_client
 
         s = self.settings
         h = s.handoff
-        metrics = HandoffMetrics(self.metrics.registry)
+        metrics = HandoffMetrics(self.metrics.registry, h.transports)
         self.handoffs = HandoffTable(
             self.store, lambda: (self.node.node_id, self.node.epoch, self.peer_transports(), self.advertised),
             HandoffLimits(h.lease_seconds, h.max_lease_seconds, h.max_total_seconds, h.max_open, h.max_blocks),
@@ -376,9 +376,9 @@ class Daemon:
         token_file = h.token_file or s.tiers.peer.token_file
         token = read_token_file(token_file) if token_file else ""
         security = ChannelSecurity.build(token=token or None, tls_ca=s.tiers.peer.tls_ca or None)
-        self._handoff_peer = TcpPeerClient(token=token)
+        self._handoff_peers = {scheme: open_peer_client(scheme, security) for scheme in h.transports}
         puller = HandoffPuller(
-            self.store, self._handoff_peer, lambda address: Client(address, security=security, retries=1, timeout=10),
+            self.store, self._handoff_peers, lambda address: Client(address, security=security, retries=1, timeout=10),
             self.index_agent.publish,
             PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds), metrics,
         )
@@ -387,8 +387,8 @@ class Daemon:
     def _stop_handoffs(self) -> None:
         if self.handoffs is not None:
             self.handoffs.stop()
-        if self._handoff_peer is not None:
-            self._handoff_peer.close()
+        for client in self._handoff_peers.values():
+            client.close()
 
     def _tier_runtime(self, index) -> dict[str, dict]:
         """What tiers get from the running daemon: the peer tier asks this node's index (on the
