@@ -47,6 +47,7 @@ from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.peer.base import PeerAddress
+from kvstore.peer.served import ServedBytes
 from kvstore.peer.server import PeerServer
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.budget import ByteBudget
@@ -107,6 +108,7 @@ class Daemon:
         self.handoffs = None  # HandoffTable: the prefill side's open handoffs
         self._handoff_peers: dict = {}  # the blocking peer clients the decode side pulls with, by scheme
         self.replicator: Replicator | None = None  # with [replication] namespaces
+        self.served: ServedBytes | None = None  # block bytes served to peers, by transport
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -147,9 +149,11 @@ class Daemon:
         self._lock_state_dir(state_dir)
         self.node = NodeIdentity.start(s.node.id, state_dir)
         index = open_index(s.index.url)
+        self.served = ServedBytes(self.metrics.registry)
         self.index_agent = IndexAgent(
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
             ttl_s=s.index.ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
+            served=self.served.snapshot,
         )
         self.events.subscribe("index", self.index_agent.on_events)
         self.events.subscribe("metrics", self.metrics.count_events)
@@ -210,6 +214,7 @@ class Daemon:
                 self.store, s.peers.listen, authority=self.authority, metrics=self.metrics,
                 max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
                 in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+                served=self.served,
             )
             try:
                 self.peer_server.start()
@@ -228,7 +233,8 @@ class Daemon:
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},
                        lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
-                       self.put_budget, open_handoffs=lambda: len(self.handoffs)), server
+                       self.put_budget, handoffs=lambda: self.handoffs.metrics.counts(), served=self.served,
+                       replication=self.replicator.report if self.replicator is not None else None), server
         )
         handoff_pb2_grpc.add_HandoffServiceServicer_to_server(self._handoff_servicer(), server)
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
@@ -325,6 +331,7 @@ class Daemon:
             self.store, s.peers.ucx_listen, authority=self.authority, metrics=self.metrics,
             max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
             in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+            served=self.served,
         )
         self._start_ucx(f"--peer-ucx-listen {s.peers.ucx_listen}")
         try:
@@ -398,7 +405,7 @@ class Daemon:
             return {}
         from kvstore.remote.peer import PeerMetrics
 
-        self.peer_metrics = PeerMetrics(self.metrics.registry)
+        self.peer_metrics = PeerMetrics(self.metrics.registry, s.tiers.peer.transports)
         return {"peer": {
             "index": index, "index_loop": self.index_agent.loop, "node_id": self.node.node_id,
             "host": s.server.advertised_host(), "metrics": self.peer_metrics,
