@@ -13,10 +13,13 @@ whether waiting helps: a disk that refuses every write, and whose full
 period is over by the next look, took each round's copies and freed
 nothing, so the writer demoted again, and again, until its deadline (for
 ever with a frozen clock). A writer now waits on the store's condition for
-the copies in flight to end (``copies_ended`` moves), and a round whose
-copies all ended without the head gaining room is *fruitless*; after
-``MAX_FRUITLESS_ROUNDS`` of them, or ``MAX_IDLE_WAITS`` waits in which no
-copy ended at all, it is refused with a retry delay, whatever the clock says.
+the copies in flight to end (``copies_ended`` moves). A wait after which
+copies ended but none landed below (``copies_landed``) and no room came
+free is *fruitless*; after ``MAX_FRUITLESS_ROUNDS`` of them in a row, or
+``MAX_IDLE_WAITS`` waits in a row in which no copy ended at all, the writer
+is refused with a retry delay, whatever the clock says. Copies that land
+are progress, even when another writer takes the room they made: that
+writer waits on, until its deadline, as before.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from kvstore.store.eviction import plan_eviction
 from kvstore.store.state import StorePart, StoreState
 
 WAIT_S = 0.05  # one wait for copies in flight (real time): the condition wakes it sooner when one ends
-MAX_FRUITLESS_ROUNDS = 3  # rounds of copies that ended without room (another writer may take what one freed)
-MAX_IDLE_WAITS = 200  # waits in which no copy ended: 10 s of a stalled write-behind, whatever the clock
+MAX_FRUITLESS_ROUNDS = 3  # waits in a row whose copies all ended without landing below
+MAX_IDLE_WAITS = 200  # waits in a row in which no copy ended: 10 s of a stalled write-behind, whatever the clock
 
 
 class HeadPlacement(StorePart):
@@ -58,12 +61,16 @@ class HeadPlacement(StorePart):
                 remaining = deadline - self._clock()
                 if not pending or remaining <= 0 or fruitless >= MAX_FRUITLESS_ROUNDS or idle >= MAX_IDLE_WAITS:
                     raise self._no_room(size, copies_failed=fruitless >= MAX_FRUITLESS_ROUNDS)
-                used, ended = self._head.used_bytes, self._s.copies_ended
+                used, ended, landed = self._head.used_bytes, self._s.copies_ended, self._s.copies_landed
                 self._wait_for_copies_locked(ended, remaining)
                 if self._s.copies_ended == ended:
                     idle += 1
-                elif self._s.demoting == 0 and self._head.used_bytes >= used:
-                    fruitless += 1  # every copy it waited for ended, and the head has no more room
+                    continue
+                idle = 0
+                if self._s.copies_landed == landed and self._head.used_bytes >= used:
+                    fruitless += 1  # copies ended, none of them landed below, and no room came free
+                else:
+                    fruitless = 0  # progress: the next round may find its room
 
     def _wait_for_copies_locked(self, ended: int, remaining: float) -> None:
         """Until a copy in flight ends (or ``WAIT_S``): inline, by writing the queued copies here."""
