@@ -21,9 +21,11 @@ a prefill daemon P (peer listener on loopback) holds a 32k-token request's
 KV, 16 blocks × 16 MiB; each round opens a handoff on P and asks a decode
 daemon D to pull it (PullHandoff: D reads the blocks over P's peer listener
 into its arena slots, verifies, stores, publishes, and completes the
-handoff at P), timed from OpenHandoff to PullHandoff's answer. Between
-rounds D deletes the blocks, untimed. The baseline is the plain socket
-moving the same 256 MiB in one request, in the same rounds.
+handoff at P), timed from OpenHandoff to PullHandoff's answer; and the same
+handoff with the params offering P's gRPC address only (what a prefill node
+without ``--peer-listen`` hands out: D pulls over gRPC). Between rounds D
+deletes the blocks, untimed. The baseline is the plain socket moving the
+same 256 MiB in one request, in the same rounds.
 
 The UCX peer transport (:class:`kvstore.peer.ucx.UcxPeerClient`) over the
 same daemon's ``--peer-ucx-listen``, in the same rounds, where ucxx can be
@@ -40,6 +42,7 @@ process stands for the fetching daemon). The index churn rates are
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import socket
@@ -133,12 +136,16 @@ HANDOFF_BLOCKS = 16
 HANDOFF_BLOCK = 16 * MiB
 
 
-def handoff_round(prefill, decode, keys: list[bytes]):
+def handoff_round(prefill, decode, keys: list[bytes], only: str = ""):
+    """``only``: keep just the params' addresses of that scheme (``grpc``: as from a prefill node
+    without a TCP peer listener)."""
     def run() -> tuple[int, float]:
         with contextlib.suppress(UnknownNamespace):  # untimed: every round pulls the whole request again
             decode.delete("bench", keys)
         t0 = time.perf_counter()
         params, _ = prefill.open_handoff("bench", keys, lease_s=30)
+        if only:
+            params = dataclasses.replace(params, addresses=tuple(a for a in params.addresses if a.startswith(only)))
         result = decode.pull_handoff(params, timeout=120)
         elapsed = time.perf_counter() - t0
         if result.stored != len(keys) or not result.completed:
@@ -168,6 +175,7 @@ def run_handoff(bench: Benchmark, plan: dict) -> None:
         buffers = [memoryview(bytearray(HANDOFF_BLOCK)) for _ in range(HANDOFF_BLOCKS)]
         fns = {
             "handoff 16x16MiB": handoff_round(prefill, decode, keys),
+            "handoff 16x16MiB grpc": handoff_round(prefill, decode, keys, only="grpc://"),
             "plain socket 16x16MiB": plain_round(plain, buffers, HANDOFF_BLOCK, 1),
         }
         s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
@@ -175,6 +183,9 @@ def run_handoff(bench: Benchmark, plan: dict) -> None:
             "OpenHandoff on P to PullHandoff's answer from D: D pulls over P's TCP peer listener into its "
             "arena, verifies, stores, publishes itself as holder, completes at P; two daemon processes; the "
             "baseline moves the same 256 MiB unframed and unverified in one request")))
+        bench.add(compare(s, "handoff 16x16MiB grpc", "plain socket 16x16MiB", target_ratio=TARGET, note=(
+            "the same handoff with P's params offering gRPC only (a prefill node without --peer-listen): D "
+            "pulls through P's KVService Get, each message copied into the arena slot and hashed there")))
 
 
 def main(argv: list[str] | None = None) -> int:

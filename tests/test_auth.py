@@ -200,9 +200,12 @@ def test_stats_show_node_wide_figures_only_to_an_admin(authed):
             a.stats()
         mine = a.stats("a")
         assert mine.blocks == 1 and mine.tiers == {} and mine.namespaces == ["a"]
+        assert mine.handoffs is None and mine.replication is None  # node-wide: not for a tenant
     with Client(authed.target, token=TOKEN_ADMIN, use_shm=False) as admin:
         everything = admin.stats()
         assert everything.tiers["host"]["used_bytes"] >= 1000
+        assert everything.handoffs.opened == 0 and everything.replication.enabled is False
+        assert admin.stats("a").handoffs is not None
 
 
 def test_health_and_reflection_stay_open(authed):

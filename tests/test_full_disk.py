@@ -28,6 +28,7 @@ from kvstore.errors import TierFull
 from kvstore.node import NodeIdentity
 from kvstore.store import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.fsops import Fault, FaultyFileOps
 from kvstore.tiers.ram import HostRamTier
 from conftest import wait_until
 from store_blocks import MiB, Clock, value
@@ -179,3 +180,33 @@ def test_with_the_disk_full_and_ram_full_a_put_is_refused_not_accepted_and_dropp
             assert store.metrics.drops._value.get() == 0
         finally:
             store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("threads", [0, 1], ids=["inline-demotion", "demotion-thread"])
+@pytest.mark.parametrize("clock", ["frozen", "real"])
+def test_a_put_that_finds_ram_full_and_the_disk_refusing_every_write_is_refused_not_spun_on(tmp_path, threads, clock):
+    """Regression: the disk's filesystem refuses every write (ENOSPC, injected) and its full period
+    is over by the next look (``tier_retry_s`` 0), so each round of the writer's wait demoted
+    again and no demotion ever happened. With a frozen clock the put deadline never came and the
+    wait spun forever; with a real one it spun, copy after failed copy, until the deadline. Now
+    the writer counts rounds whose copies all ended without room: after a few it is refused,
+    RESOURCE_EXHAUSTED with a retry delay, whatever the clock says."""
+    ops = FaultyFileOps(Fault("write", 1, errno.ENOSPC, persist=True))
+    tiers = [HostRamTier(16 * BLOCK, shm_dir=str(tmp_path), arena_name="spin"),
+             DiskTier(tmp_path / "disk", 64 * MiB, ops=ops)]
+    limits = StoreLimits.from_settings(max_block_bytes=BLOCK, demotion_threads=threads, tier_retry_s=0.0,
+                                       put_wait_s=3600.0)
+    store = TieredStore(tiers, limits=limits, **({"clock": Clock()} if clock == "frozen" else {}))
+    try:
+        for i in range(16):
+            put(store, i)
+        with pytest.raises(TierFull) as refused:
+            put(store, 16)
+        assert refused.value.retry_after_s > 0
+        attempts = store.metrics.demotions.labels("full")._value.get()
+        assert 0 < attempts <= 4 * 16, f"{attempts} copies down were tried for one refused put"
+        assert all(store.exists("m", [b"k%d" % i]) for i in range(16)), "no acknowledged block was dropped"
+        assert store.metrics.drops._value.get() == 0
+    finally:
+        store.close()

@@ -16,6 +16,7 @@ import hashlib
 import json
 import random
 import socket
+import struct
 import threading
 import time
 
@@ -117,7 +118,8 @@ def test_decode_side_pulls_stores_and_completes(nodes, keep_as_cache):
             assert pc.exists(NS, keys) == []
         assert p.metric("strata_handoffs_ended_total", outcome="completed") == 1
         assert p.metric("strata_handoffs_opened_total") == 1
-        assert d.metric("strata_handoff_pulled_bytes_total") == 8 << 20
+        assert d.metric("strata_handoff_pulled_bytes_total", transport="tcp") == 8 << 20
+        assert d.metric("strata_handoff_pulled_bytes_total", transport="grpc") == 0
         assert d.metric("strata_handoff_pulls_total", outcome="ok") == 1
 
         # A completed handoff's id is refused, naming it.
@@ -253,15 +255,16 @@ def test_decode_side_killed_mid_pull_leaves_nothing_pinned(nodes):
         proxy.close()
 
 
-def test_bytes_damaged_in_transit_are_never_stored(nodes):
-    p, d = nodes("p", peer_listen=True), nodes("d")
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_bytes_damaged_in_transit_are_never_stored(nodes, transport):
+    p, d = nodes("p", peer_listen=transport == "tcp"), nodes("d")
     with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
         keys, values = put_chain(pc, "flip", 4, 256 << 10, prefix=MARKER)
         params, _ = pc.open_handoff(NS, keys, lease_s=30)
-        proxy = FlipProxy(("127.0.0.1", p.peer_port), MARKER)
+        proxy = FlipProxy(("127.0.0.1", p.peer_port if transport == "tcp" else p.port), MARKER)
         try:
             routed = params.to_dict()
-            routed["addresses"] = [f"tcp://{proxy.address}"]
+            routed["addresses"] = [f"{transport}://{proxy.address}"]
             with pytest.raises(CorruptBlock):
                 dc.pull_handoff(routed)
             assert proxy.flipped >= 1
@@ -273,3 +276,94 @@ def test_bytes_damaged_in_transit_are_never_stored(nodes):
         assert result.stored == 4 and result.completed
         for k, v in zip(keys, values):
             assert dc.get(NS, k) == v
+
+
+class CutProxy(ThrottleProxy):
+    """A ThrottleProxy whose :meth:`cut` takes the listener down: the server socket closes and every
+    connection through it is shut, as when the prefill node's TCP peer listener goes away."""
+
+    def __init__(self, upstream: tuple[str, int], rate: int) -> None:
+        self.live: list[socket.socket] = []
+        super().__init__(upstream, rate)
+
+    def _pump(self, src, dst, slow: bool) -> None:
+        self.live += [src, dst]
+        super()._pump(src, dst, slow)
+
+    def cut(self) -> None:
+        self.close()
+        for s in list(self.live):
+            try:  # a reset, not a close: the sender at P learns at once that nobody reads any more
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+def pulled(node: PeerNode) -> dict[str, float]:
+    return {t: node.metric("strata_handoff_pulled_bytes_total", transport=t) for t in ("tcp", "grpc")}
+
+
+def test_a_prefill_node_without_a_peer_listener_is_pulled_over_grpc(nodes):
+    """P runs without --peer-listen: its params offer gRPC only, the transport both daemons share;
+    the blocks still land in D's arena, verified, and no fallback is counted (none was needed)."""
+    p, d = nodes("p"), nodes("d")
+    with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False) as dc:
+        keys, values = put_chain(pc, "grpc-only", 6, 1 << 20)
+        params, _ = pc.open_handoff(NS, keys)
+        assert [a.partition("://")[0] for a in params.addresses] == ["grpc"]
+        result = dc.pull_handoff(params.to_dict())
+        assert (result.stored, result.pulled_bytes) == (6, 6 << 20) and result.completed and result.published
+        assert dc.exists(NS, keys) == [TierName.HOST] * 6  # in D's RAM: its arena slots
+        for k, v in zip(keys, values):
+            assert dc.get(NS, k) == v
+        assert pulled(d) == {"tcp": 0, "grpc": 6 << 20}
+        assert d.metric("strata_handoff_pull_fallbacks_total", transport="tcp", reason="unavailable") == 0
+        assert p.metric("strata_handoffs_ended_total", outcome="completed") == 1
+        assert pc.stats().pinned_blocks == 0
+
+
+def test_a_tcp_listener_that_is_down_falls_back_to_grpc_and_is_counted(nodes):
+    """The params name a TCP listener nobody answers on (P's went down): D falls back to gRPC."""
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False) as dc:
+        keys, values = put_chain(pc, "tcp-down", 4, 512 << 10)
+        params, _ = pc.open_handoff(NS, keys)
+        routed = params.to_dict()
+        down = socket.create_server(("127.0.0.1", 0))
+        routed["addresses"][0] = f"tcp://127.0.0.1:{down.getsockname()[1]}"
+        down.close()  # the port is free now: connections to it are refused
+        result = dc.pull_handoff(routed)
+        assert (result.stored, result.pulled_bytes) == (4, 2 << 20) and result.completed
+        for k, v in zip(keys, values):
+            assert dc.get(NS, k) == v
+        assert pulled(d) == {"tcp": 0, "grpc": 2 << 20}
+        assert d.metric("strata_handoff_pull_fallbacks_total", transport="tcp", reason="unavailable") == 1
+
+
+def test_a_tcp_listener_that_goes_down_mid_pull_falls_back_for_the_rest(nodes):
+    """The TCP path breaks off while the bytes flow: the blocks verified over it stay, the rest come
+    over gRPC, and what D stores is exactly what P held."""
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
+        keys, values = put_chain(pc, "tcp-cut", 16, 2 << 20)  # 32 MiB
+        params, _ = pc.open_handoff(NS, keys, lease_s=30)
+        proxy = CutProxy(("127.0.0.1", p.peer_port), rate=16 << 20)  # ~2 s over TCP
+        routed = params.to_dict()
+        routed["addresses"][0] = f"tcp://{proxy.address}"
+        outcome: list = []
+        puller = threading.Thread(target=lambda: outcome.append(dc.pull_handoff(routed, timeout=60)))
+        puller.start()
+        wait_until(lambda: proxy.forwarded > 8 << 20, timeout=60, what="the pull to be under way over TCP")
+        proxy.cut()
+        puller.join(60)
+        [result] = outcome
+        assert (result.stored, result.pulled_bytes) == (16, 32 << 20) and result.completed
+        for k, v in zip(keys, values):
+            assert dc.get(NS, k) == v
+        by = pulled(d)
+        assert by["tcp"] > 0 and by["grpc"] > 0 and by["tcp"] + by["grpc"] == 32 << 20, by
+        assert d.metric("strata_handoff_pull_fallbacks_total", transport="tcp", reason="unavailable") == 1
+        # The handoff's lease ended; the read lease of the block cut mid-send ends as P's sender sees the reset.
+        wait_until(lambda: pc.stats().pinned_blocks == 0, timeout=10, what="P's pins to be released")

@@ -384,6 +384,38 @@ def test_node_records_carry_addresses(backend):
     run(backend, body)
 
 
+def test_heartbeats_carry_served_bytes(backend):
+    """A heartbeat may carry the node's served-bytes counters (by transport): they replace what its
+    record reports; a heartbeat without them leaves them; a new incarnation and a leave drop them."""
+
+    async def body(ix):
+        await ix.join("a", 3, LONG_TTL, address="10.0.0.2:50051")
+        await ix.join("b", 1, LONG_TTL)
+        assert {n.node_id: n.served for n in await ix.nodes()} == {"a": (), "b": ()}
+        await ix.heartbeat("a", 3, LONG_TTL, served={"tcp": 7 << 30, "grpc": 0, "ucx": (1 << 63) - 1})
+        await ix.heartbeat("b", 1, LONG_TTL)  # an older daemon's heartbeat: no counters
+        nodes = {n.node_id: n for n in await ix.nodes()}
+        assert nodes["a"] == NodeInfo("a", 3, True, "10.0.0.2:50051", (),
+                                      (("grpc", 0), ("tcp", 7 << 30), ("ucx", (1 << 63) - 1)))
+        assert nodes["a"].served_bytes == {"grpc": 0, "tcp": 7 << 30, "ucx": (1 << 63) - 1}
+        assert nodes["b"] == NodeInfo("b", 1, True)
+        await ix.heartbeat("a", 3, LONG_TTL)  # no counters this time: the last ones stay
+        await ix.join("a", 3, LONG_TTL, address="10.0.0.2:50051")  # a refresh of the same incarnation
+        assert (await ix.nodes())[0].served_bytes == {"grpc": 0, "tcp": 7 << 30, "ucx": (1 << 63) - 1}
+        await ix.heartbeat("a", 3, LONG_TTL, served={"tcp": 8 << 30})
+        assert (await ix.nodes())[0].served == (("tcp", 8 << 30),)
+        with pytest.raises(StaleEpoch):  # an older process may not overwrite the new one's counters
+            await ix.heartbeat("a", 2, LONG_TTL, served={"tcp": 1})
+        await ix.join("a", 4, LONG_TTL)  # restarted: its new epoch has served nothing yet
+        assert (await ix.nodes())[0] == NodeInfo("a", 4, True)
+        await ix.heartbeat("b", 1, LONG_TTL, served={"grpc": 5})
+        await ix.leave("b")
+        await ix.join("b", 1, LONG_TTL)
+        assert {n.node_id: n.served for n in await ix.nodes()} == {"a": (), "b": ()}
+
+    run(backend, body)
+
+
 def test_heartbeat_expiry(backend):
     k = chain(4)
 
@@ -654,6 +686,12 @@ BAD_CALLS: dict[str, Callable[[PrefixIndex], Awaitable]] = {
     "transport without scheme": lambda ix: ix.join("a", 1, 10, transports=["10.0.0.1:5"]),
     "transports as one string": lambda ix: ix.join("a", 1, 10, transports="grpc://h:1"),
     "too many transports": lambda ix: ix.join("a", 1, 10, transports=[f"tcp://h:{i}" for i in range(17)]),
+    "served not a mapping": lambda ix: ix.heartbeat("a", 1, 10, served=[("tcp", 1)]),
+    "served negative": lambda ix: ix.heartbeat("a", 1, 10, served={"tcp": -1}),
+    "served too big": lambda ix: ix.heartbeat("a", 1, 10, served={"tcp": 1 << 63}),
+    "served bool": lambda ix: ix.heartbeat("a", 1, 10, served={"tcp": True}),
+    "served bad scheme": lambda ix: ix.heartbeat("a", 1, 10, served={"TCP ": 1}),
+    "served too many": lambda ix: ix.heartbeat("a", 1, 10, served={f"t{i}": 1 for i in range(17)}),
 }
 
 

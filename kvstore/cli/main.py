@@ -6,10 +6,10 @@
     strata kv stat NS KEY...         which tier holds each block
     strata kv list NS [--prefix P]   keys in byte order, with size and tier
     strata kv delete NS KEY...       remove blocks
-    strata stats                     tier usage, blocks, leases
+    strata stats                     tier usage, blocks, leases, handoffs, replication
     strata index lookup NS KEY...    nodes ranked by the cached prefix they hold (or --tokens)
     strata index holders NS KEY...   who holds each block of a chain
-    strata peers                     the fleet's nodes: epochs, liveness, advertised transports
+    strata peers                     the fleet's nodes: epochs, liveness, transports, bytes served
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
 """
 
@@ -247,6 +247,15 @@ def cmd_index_holders(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: float) -> str:
+    """Bytes for a person: 512 B, 1.5 KiB, 20.0 MiB, 3.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     with _client(args) as client:
         nodes = client.nodes()
@@ -257,7 +266,9 @@ def cmd_peers(args: argparse.Namespace) -> int:
         print("the prefix index knows no node (is --index-url a shared Redis?)")
     for n in nodes:
         state = "alive" if n.alive else "dead"
-        print(f"{n.node_id}\tepoch {n.epoch}\t{state}\t{n.address or '-'}\t{' '.join(n.transports) or '-'}")
+        served = ", ".join(f"{t} {_size(b)}" for t, b in n.served_bytes.items()) or "nothing reported"
+        print(f"{n.node_id}\tepoch {n.epoch}\t{state}\t{n.address or '-'}\t{' '.join(n.transports) or '-'}"
+              f"\tserved: {served}")
     return 0
 
 
@@ -308,6 +319,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if t.get("degraded"):
             print(f"        degraded: {t['degraded']}")
     print(f"  namespaces: {', '.join(s.namespaces) or 'none'}")
+    if s.handoffs is not None:
+        h = s.handoffs
+        print(f"  handoffs: {h.open} open, {h.opened} opened, {h.completed} completed, {h.expired} expired; "
+              f"pulls here: {h.pulls_ok} ok, {h.pulls_failed} failed, {_size(h.pulled_bytes)} pulled, "
+              f"{h.pull_fallbacks} fallbacks")
+    r = s.replication
+    if r is not None and not r.enabled:
+        print("  replication: off")
+    elif r is not None:
+        import time
+
+        check = f"{time.time() - r.last_round_unix_seconds:.1f}s ago" if r.last_round_unix_seconds else "not yet"
+        print(f"  replication: {r.under_replicated} blocks under-replicated, {r.copies_made} copies pushed "
+              f"({r.copies_failed} failed), {r.rounds} rounds, last check {check}"
+              + (f" (stopped short: {r.last_error})" if r.last_error else ""))
     return 0
 
 
@@ -419,9 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
     holders.set_defaults(func=cmd_index_holders)
 
     peers = sub.add_parser(
-        "peers", parents=[client_opts], help="list the fleet's nodes: epochs, liveness, advertised transports",
+        "peers", parents=[client_opts], help="list the fleet's nodes: epochs, liveness, transports, bytes served",
         description="Every node the daemon's prefix index knows: node id, epoch, whether it heartbeats within "
-        "its TTL, its advertised gRPC address and its data-plane transports (what peers fetch blocks over).",
+        "its TTL, its advertised gRPC address, its data-plane transports (what peers fetch blocks over) and the "
+        "block bytes its peer listeners served to other nodes this epoch, by transport (tcp, ucx, grpc), as its "
+        "latest heartbeat reported them (every ttl/3).",
     )
     peers.add_argument("--json", action="store_true", help="print JSON")
     peers.set_defaults(func=cmd_peers)
@@ -438,7 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
     replication.add_argument("--check", action="store_true", help="exit 4 when any block is under-replicated")
     replication.set_defaults(func=cmd_replication)
 
-    stats = sub.add_parser("stats", parents=[client_opts], help="show tier usage, blocks and leases")
+    stats = sub.add_parser(
+        "stats", parents=[client_opts], help="show tier usage, blocks, leases, handoffs and replication",
+        description="The daemon's tiers (used, capacity, degraded), blocks, pins, leases and slots; its handoffs "
+        "since it started (open, completed, expired; pulls run here, bytes pulled, fallbacks); its replication "
+        "(under-replicated blocks, copies pushed, the latest check). Node-wide figures need an identity allowed "
+        "on every namespace.",
+    )
     stats.add_argument("--namespace", help="only this namespace")
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(func=cmd_stats)

@@ -73,6 +73,35 @@ class Stats:
     node_id: str
     epoch: int
     open_handoffs: int = 0
+    handoffs: HandoffSummary | None = None  # node-wide: None for an identity not allowed on every namespace
+    replication: ReplicationSummary | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffSummary:
+    """The daemon's handoffs since it started: as a prefill side, then as a decode side."""
+
+    open: int
+    opened: int
+    completed: int
+    expired: int
+    pulls_ok: int
+    pulls_failed: int
+    pulled_bytes: int
+    pull_fallbacks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationSummary:
+    """The daemon's replication over every replicated namespace (``strata replication`` has them one by one)."""
+
+    enabled: bool
+    under_replicated: int
+    copies_made: int
+    copies_failed: int
+    rounds: int
+    last_round_unix_seconds: float
+    last_error: str
 
 
 def parse_exists(r: pb.ExistsResponse) -> list[TierName]:
@@ -131,10 +160,13 @@ class PeerNode:
     alive: bool
     address: str  # its gRPC service, host:port
     transports: list[str]  # data-plane endpoints, scheme://host:port, preferred first
+    # Block bytes its peer listeners served to other nodes this epoch, by transport (its latest heartbeat).
+    served_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def parse_nodes(r) -> list[PeerNode]:
-    return [PeerNode(n.node_id, n.epoch, n.alive, n.address, list(n.transports)) for n in r.nodes]
+    return [PeerNode(n.node_id, n.epoch, n.alive, n.address, list(n.transports), dict(sorted(n.served_bytes.items())))
+            for n in r.nodes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +259,19 @@ def parse_stats(r: pb.StatsResponse) -> Stats:
         node_id=r.node_id,
         epoch=r.epoch,
         open_handoffs=r.open_handoffs,
+        handoffs=_handoffs(r.handoffs) if r.HasField("handoffs") else None,
+        replication=_replication(r.replication) if r.HasField("replication") else None,
     )
+
+
+def _handoffs(h: pb.HandoffStats) -> HandoffSummary:
+    return HandoffSummary(h.open, h.opened, h.completed, h.expired, h.pulls_ok, h.pulls_failed, h.pulled_bytes,
+                          h.pull_fallbacks)
+
+
+def _replication(r: pb.ReplicationStats) -> ReplicationSummary:
+    return ReplicationSummary(r.enabled, r.under_replicated, r.copies_made, r.copies_failed, r.rounds,
+                              r.last_round_unix_seconds, r.last_error)
 
 
 # ---- errors and retries -----------------------------------------------------

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
 
 from kvstore.config.section import Section, setting
+from kvstore.config.values import split_commas
 
 
 class HandoffSettings(Section):
@@ -36,6 +39,26 @@ class HandoffSettings(Section):
         "", "file holding the bearer token this daemon presents to prefill daemons when it pulls (their "
         "policy must let it read and write the namespace); empty: [tiers.peer] token_file",
     )
+    transports: Annotated[list[str], Field(min_length=1, max_length=8)] = setting(
+        default_factory=lambda: ["tcp", "grpc"],
+        description="data planes this daemon pulls handoffs over, preferred first, comma-separated: a pull takes "
+        "the first one the prefill node offers and falls back to the next when it cannot be reached (tcp: a "
+        "prefill node with --peer-listen; ucx: one with --peer-ucx-listen, and ucxx here; grpc: every daemon)",
+    )
+
+    _split = field_validator("transports", mode="before")(split_commas)
+
+    @field_validator("transports")
+    @classmethod
+    def _known(cls, value: list[str]) -> list[str]:
+        from kvstore.peer.base import PEER_CLIENTS
+
+        unknown = [scheme for scheme in value if scheme not in PEER_CLIENTS]
+        if unknown:
+            raise ValueError(f"handoff transports {unknown} are unknown; pick from {', '.join(PEER_CLIENTS)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"handoff transports {value}: list each scheme once")
+        return value
 
     @model_validator(mode="after")
     def _leases(self) -> HandoffSettings:

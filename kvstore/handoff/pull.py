@@ -8,18 +8,29 @@
    (:meth:`~kvstore.store.group.StoreGroup.open_write`): an extent reserved
    in the head, so the bytes land in the arena slot that will hold the
    block, with no buffer in between;
-3. reads them from the prefill node's TCP peer listener (the first
-   ``tcp://`` address of the params) in batches: the transport
-   ``recv_into`` s each block straight into its writer's extent and
-   verifies its checksum on arrival; a block whose size or checksum is not
+3. reads them over the best data plane both sides have (:meth:`routes`):
+   this daemon's transports in its order of preference
+   (``--handoff-transports``, tcp then grpc by default), each taken where
+   the params offer an address of its scheme (the prefill daemon's TCP
+   peer listener, ``--peer-listen``; its UCX one; its gRPC service, which
+   every daemon has). The peer client lands each block straight in its
+   writer's extent and verifies its checksum there (``recv_into`` over TCP
+   and UCX, a copy per gRPC message); a block whose size or checksum is not
    the one the params announced is refused before its bytes move;
-4. while it reads, heartbeats the prefill daemon every third of the lease,
+4. **falls back** to the next route when one cannot be reached, or breaks
+   off mid-pull (``TierUnavailable``): the keys it had not delivered are
+   read again over the next, the verified ones stay, and the pull keeps to
+   that route for its remaining batches
+   (``strata_handoff_pull_fallbacks_total`` by the transport left). A
+   corrupt block, a deadline or the prefill side's refusal is not a reason
+   to fall back: the pull fails, as it would over any route;
+5. while it reads, heartbeats the prefill daemon every third of the lease,
    so a long pull keeps its blocks held; a heartbeat refused as ended
    (expired) cancels the read at once;
-5. commits each writer (its bytes were verified as they landed in the
+6. commits each writer (its bytes were verified as they landed in the
    extent: a corrupt byte is never stored) or, on any failure, aborts them
    all: nothing of a failed pull is stored;
-6. publishes this node as a holder of the blocks in the index before it
+7. publishes this node as a holder of the blocks in the index before it
    answers (``publish``), so the decode node is a holder when PullHandoff
    returns, then completes the handoff at the prefill daemon.
 
@@ -32,7 +43,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName
@@ -70,20 +82,38 @@ class PullResult:
 
 
 class HandoffPuller:
-    """``store``: the StoreGroup; ``peer``: a :class:`~kvstore.peer.tcp.TcpPeerClient` (with the peer
-    token); ``control(address)``: a client of the prefill daemon's gRPC with ``heartbeat_handoff`` and
-    ``complete_handoff`` (the caller closes it); ``publish(namespace, [(key, tier)], timeout_s)``: adds
-    this node's holdings to the index now, True when the index took them."""
+    """``store``: the StoreGroup; ``peers``: scheme -> a blocking peer client
+    (:func:`kvstore.peer.base.open_peer_client`, with the peer token), in this daemon's order of
+    preference; ``control(address)``: a client of the prefill daemon's gRPC with
+    ``heartbeat_handoff`` and ``complete_handoff`` (the caller closes it); ``publish(namespace,
+    [(key, tier)], timeout_s)``: adds this node's holdings to the index now, True when the index
+    took them."""
 
-    def __init__(self, store, peer, control: Callable, publish: Callable[[str, list, float], bool],
-                 limits: PullLimits, metrics: HandoffMetrics | None = None) -> None:
+    def __init__(self, store, peers: Mapping[str, object], control: Callable,
+                 publish: Callable[[str, list, float], bool], limits: PullLimits,
+                 metrics: HandoffMetrics | None = None) -> None:
+        if not peers:
+            raise InvalidArgument("a handoff puller needs at least one peer transport (e.g. tcp, grpc)")
         self._store = store
-        self._peer = peer
+        self._peers = dict(peers)
         self._control = control
         self._publish = publish
         self.limits = limits
         self.metrics = metrics or HandoffMetrics()
         self._slots = threading.BoundedSemaphore(limits.max_pulls)
+
+    @property
+    def transports(self) -> list[str]:
+        """The schemes this daemon pulls over, preferred first."""
+        return list(self._peers)
+
+    def routes(self, params: HandoffParams) -> list[tuple[str, str]]:
+        """(scheme, address) of every transport both sides have: this daemon's order, each with the
+        first address of its scheme the params offer."""
+        offered: dict[str, str] = {}
+        for address in params.addresses:
+            offered.setdefault(address.partition("://")[0], address)
+        return [(scheme, offered[scheme]) for scheme in self._peers if scheme in offered]
 
     def pull(self, params: HandoffParams, timeout_s: float | None = None) -> PullResult:
         self._check(params)
@@ -94,15 +124,13 @@ class HandoffPuller:
             )
         started = time.monotonic()
         try:
-            result = self._pull(params, started + (timeout_s or self.limits.pull_s))
+            result, by_transport = self._pull(params, started + (timeout_s or self.limits.pull_s))
         except BaseException:
-            self.metrics.pulls.labels("failed").inc()
+            self.metrics.pull_failed()
             raise
         finally:
             self._slots.release()
-        self.metrics.pulls.labels("ok").inc()
-        self.metrics.pulled_bytes.inc(result.pulled_bytes)
-        self.metrics.pull_seconds.observe(time.monotonic() - started)
+        self.metrics.pulled(by_transport, time.monotonic() - started)
         return result
 
     def _check(self, params: HandoffParams) -> None:
@@ -119,15 +147,16 @@ class HandoffPuller:
                     f"{lim.max_block_bytes} (--max-block-bytes)"
                 )
 
-    def _pull(self, params: HandoffParams, deadline_at: float) -> PullResult:
+    def _pull(self, params: HandoffParams, deadline_at: float) -> tuple[PullResult, dict[str, int]]:
         from kvstore.transport.base import Deadline
 
         ns = params.namespace
-        address = next((a for a in params.addresses if a.startswith("tcp://")), None)
-        if params.blocks and address is None:
+        route = _Route(self.routes(params), params, self.metrics)
+        if params.blocks and not route.left:
             raise InvalidArgument(
-                f"prefill node {params.node_id} offers no tcp:// data-plane address ({list(params.addresses)}): "
-                "start it with --peer-listen"
+                f"prefill node {params.node_id} offers the data planes {list(params.addresses)} and this daemon "
+                f"pulls over {self.transports} (--handoff-transports): none in common; add grpc here, or "
+                "start the prefill node with --peer-listen"
             )
         control = self._control(params.control_address)
         try:
@@ -141,7 +170,7 @@ class HandoffPuller:
                 beat.start()
                 try:
                     for batch in _batches(wanted, params):
-                        self._read(address, params, writers, batch, deadline)
+                        self._read(route, params, writers, batch, deadline)
                 except StrataError:
                     if beat.ended is not None:  # the heartbeat learned the handoff ended and cancelled the read
                         raise beat.ended from None
@@ -167,8 +196,9 @@ class HandoffPuller:
                 completed, why = False, str(err)
                 log.warning("handoff %s: pulled and stored, but the prefill node %s did not confirm the "
                             "completion (%s); its lease ends the handoff", params.handoff_id[:8], params.node_id, err)
-            return PullResult(len(stored), present, sum(params.blocks[i].meta.size for i in wanted), completed, why,
-                              published)
+            result = PullResult(len(stored), present, sum(params.blocks[i].meta.size for i in wanted), completed,
+                                why, published)
+            return result, dict(route.delivered)
         finally:
             control.close()
 
@@ -179,38 +209,94 @@ class HandoffPuller:
             tiers.append(got[0] if got else TierName.HOST)
         return tiers
 
-    def _read(self, address: str, params: HandoffParams, writers, batch: list[int], deadline) -> None:
-        def place(j: int, meta: BlockMeta) -> memoryview:
-            want = params.blocks[batch[j]].meta
-            if meta.size != want.size or meta.checksum != want.checksum:
-                raise CorruptBlock(
-                    f"handoff block {params.blocks[batch[j]].key.hex()[:16]} at the prefill node is not the one "
-                    f"the handoff announced (size {meta.size} vs {want.size}, checksum {meta.checksum:#x} vs "
-                    f"{want.checksum:#x}): nothing was stored"
-                )
-            return writers[batch[j]].landing()
+    def _read(self, route: _Route, params: HandoffParams, writers, batch: list[int], deadline) -> None:
+        """One batch over the current route; what it did not deliver, again over the next one."""
+        todo = batch
+        while True:
+            scheme, address = route.current
 
-        got = self._peer.read(address, params.namespace, [params.blocks[i].key for i in batch], place, deadline)
-        for j, g in enumerate(got):
-            r = g.result
-            key = params.blocks[batch[j]].key.hex()[:16]
-            if r.status is ReadStatus.HIT:
-                # The TCP client hashed the bytes as they landed in the slot and they matched the
-                # checksum the params announced (place checked): no second pass over them.
-                writers[batch[j]].landed(verified=True)
+            def place(j: int, meta: BlockMeta, todo=todo) -> memoryview:
+                want = params.blocks[todo[j]].meta
+                if meta.size != want.size or meta.checksum != want.checksum:
+                    raise CorruptBlock(
+                        f"handoff block {params.blocks[todo[j]].key.hex()[:16]} at the prefill node is not the one "
+                        f"the handoff announced (size {meta.size} vs {want.size}, checksum {meta.checksum:#x} vs "
+                        f"{want.checksum:#x}): nothing was stored"
+                    )
+                return writers[todo[j]].landing()
+
+            keys = [params.blocks[i].key for i in todo]
+            try:
+                got = self._peers[scheme].read(address, params.namespace, keys, place, deadline)
+            except TierUnavailable as err:  # nothing answered: unreachable, or broke before the first block
+                if deadline.cancelled:
+                    raise
+                route.fall_back(err)
                 continue
-            if r.status is ReadStatus.MISS:
-                raise HandoffEnded(
-                    f"the prefill node {params.node_id} no longer holds handoff block {key}: the handoff ended "
-                    "there (expired, or its daemon restarted); nothing was stored"
-                )
-            err = r.error or TierUnavailable(f"handoff block {key} was not delivered")
-            if deadline.cancelled:
-                raise HandoffEnded(f"handoff {params.handoff_id[:8]}… ended at the prefill node while pulling; "
-                                   "nothing was stored")
-            if isinstance(err, (CorruptBlock, DeadlineExceeded, TierUnavailable)):
-                raise type(err)(f"pulling handoff block {key} from {params.node_id}: {err}; nothing was stored")
-            raise err
+            left, why = [], None
+            for j, g in enumerate(got):
+                i, r = todo[j], g.result
+                key = params.blocks[i].key.hex()[:16]
+                if r.status is ReadStatus.HIT:
+                    # The peer client hashed the bytes as they landed in the slot and they matched the
+                    # checksum the params announced (place checked): no second pass over them.
+                    writers[i].landed(verified=True)
+                    route.delivered[scheme] += r.meta.size
+                    continue
+                if r.status is ReadStatus.MISS:
+                    raise HandoffEnded(
+                        f"the prefill node {params.node_id} no longer holds handoff block {key}: the handoff ended "
+                        "there (expired, or its daemon restarted); nothing was stored"
+                    )
+                err = r.error or TierUnavailable(f"handoff block {key} was not delivered")
+                if deadline.cancelled:
+                    raise HandoffEnded(f"handoff {params.handoff_id[:8]}… ended at the prefill node while pulling; "
+                                       "nothing was stored")
+                if isinstance(err, TierUnavailable):  # the route broke off mid-batch: the next one takes the rest
+                    left.append(i)
+                    why = why or err
+                    continue
+                if isinstance(err, (CorruptBlock, DeadlineExceeded)):
+                    raise type(err)(f"pulling handoff block {key} from {params.node_id}: {err}; nothing was stored")
+                raise err
+            if not left:
+                return
+            route.fall_back(why)
+            todo = left
+
+
+class _Route:
+    """The routes a pull may take, the one it is on, and the verified bytes each delivered."""
+
+    def __init__(self, routes: list[tuple[str, str]], params: HandoffParams, metrics: HandoffMetrics) -> None:
+        self._routes = routes
+        self._params = params
+        self._metrics = metrics
+        self._at = 0
+        self.delivered: defaultdict[str, int] = defaultdict(int)
+
+    @property
+    def left(self) -> bool:
+        return self._at < len(self._routes)
+
+    @property
+    def current(self) -> tuple[str, str]:
+        return self._routes[self._at]
+
+    def fall_back(self, err: TierUnavailable) -> None:
+        """Leave the current route for the next; raise ``err`` (named) when none is left."""
+        scheme, address = self.current
+        self._metrics.fell_back(scheme, "unavailable")
+        self._at += 1
+        p = self._params
+        if not self.left:
+            tried = ", ".join(a for _, a in self._routes)
+            raise TierUnavailable(
+                f"pulling handoff {p.handoff_id[:8]}… from {p.node_id}: no data plane left ({tried}); the last "
+                f"one, {address}, failed: {err}; nothing was stored"
+            )
+        log.warning("handoff %s: %s cannot serve the pull from %s (%s); falling back to %s", p.handoff_id[:8],
+                    address, p.node_id, err, self.current[1])
 
 
 def _batches(wanted: list[int], params: HandoffParams):

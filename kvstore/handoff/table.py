@@ -122,8 +122,7 @@ class HandoffTable:
             held = [k.key for k in lease.keys]
             self._open[handoff_id] = _Open(handoff_id, namespace, lease.id, held, keep_as_cache, lease_s,
                                            lease.deadline, now + lim.max_total_s)
-        self.metrics.opened.inc()
-        self.metrics.open.inc()
+        self.metrics.opened()
         blocks = []
         for key in held:
             found = self._store.meta(namespace, key)
@@ -192,8 +191,7 @@ class HandoffTable:
         self._ended[h.handoff_id] = why
         while len(self._ended) > MAX_REMEMBERED:
             self._ended.popitem(last=False)
-        self.metrics.ended.labels(why).inc()
-        self.metrics.open.dec()
+        self.metrics.ended(why)
         if why == "expired":
             log.info("handoff %s expired: its %d blocks of %s are no longer held", h.handoff_id[:8], len(h.keys),
                      h.namespace)

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -60,14 +60,17 @@ class IndexAgent:
         on_degraded: Callable[[bool], None] | None = None,
         address: str = "",
         transports: Sequence[str] = (),
+        served: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        """``address`` and ``transports``: what this node advertises to its peers in its node record."""
+        """``address`` and ``transports``: what this node advertises to its peers in its node record;
+        ``served``: the bytes its peer listeners served by transport, sent with every heartbeat."""
         self.index = index
         self.address = address
         self.transports = tuple(transports)
         self.node_id = node_id
         self.epoch = epoch
         self._holdings = holdings
+        self._served = served
         self._ttl_s = ttl_s
         self._flush_s = flush_s
         self._batch = batch_blocks
@@ -195,7 +198,7 @@ class IndexAgent:
                     await self._republish()
                     next_beat = loop.time() + heartbeat_every
                 elif loop.time() >= next_beat:
-                    await self.index.heartbeat(self.node_id, self.epoch, self._ttl_s)
+                    await self._heartbeat()
                     next_beat = loop.time() + heartbeat_every
                 await self._flush()
                 self._set_degraded(False)
@@ -210,6 +213,12 @@ class IndexAgent:
             if stopping:
                 return
             await asyncio.sleep(backoff)
+
+    async def _heartbeat(self) -> None:
+        if self._served is None:
+            await self.index.heartbeat(self.node_id, self.epoch, self._ttl_s)
+        else:
+            await self.index.heartbeat(self.node_id, self.epoch, self._ttl_s, served=self._served())
 
     async def _republish(self) -> None:
         with self._lock:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import MAX_KEY_BYTES, TierName, validate_key
@@ -42,6 +43,8 @@ MAX_EPOCH = (1 << 63) - 1
 MAX_TTL_S = 86400.0
 MAX_ADDRESS_CHARS = 256  # an advertised address or one transport endpoint
 MAX_TRANSPORTS = 16
+MAX_COUNTER = (1 << 63) - 1
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]{0,31}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ class NodeInfo:
     endpoints, ``scheme://host:port``, in the node's order of preference
     (``grpc://10.0.0.2:50051``, ``tcp://10.0.0.2:50061``). Both are what the
     node gave at its latest ``join``; empty when it advertised none.
+    ``served`` is what it reported at its latest ``heartbeat``.
     """
 
     node_id: str
@@ -76,11 +80,19 @@ class NodeInfo:
     alive: bool
     address: str = ""
     transports: tuple[str, ...] = ()
+    # Block bytes its peer listeners served to other nodes since its epoch began, by transport
+    # scheme, sorted: what its latest heartbeat carried (``()``: none reported, or none yet).
+    served: tuple[tuple[str, int], ...] = ()
 
     @property
     def host(self) -> str:
         """The host part of ``address`` ("" when none): how a peer tells a node on its own host."""
         return address_host(self.address)
+
+    @property
+    def served_bytes(self) -> dict[str, int]:
+        """``served`` as a dict: transport scheme -> bytes."""
+        return dict(self.served)
 
     def endpoint(self, scheme: str) -> str | None:
         """The ``host:port`` of its first transport of ``scheme``, or None when it has none."""
@@ -104,8 +116,10 @@ class PrefixIndex(abc.ABC):
         before, at every join; ``nodes`` reports them until the node leaves."""
 
     @abc.abstractmethod
-    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float) -> None:
-        """Keep a node alive for ``ttl_s`` more seconds; StaleEpoch if the epoch is old."""
+    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float, *, served: Mapping[str, int] | None = None) -> None:
+        """Keep a node alive for ``ttl_s`` more seconds; StaleEpoch if the epoch is old.
+        ``served`` (transport scheme -> block bytes its peer listeners served this epoch) replaces
+        what the node's record reports; None leaves it. A new incarnation starts with none."""
 
     @abc.abstractmethod
     async def leave(self, node_id: str) -> None:
@@ -204,6 +218,24 @@ def check_contact(address: str, transports: Sequence[str]) -> tuple[str, tuple[s
         if not sep or not scheme or not rest.rpartition(":")[2].isdigit():
             raise InvalidArgument(f"transport {t!r} is not scheme://host:port (e.g. grpc://10.0.0.2:50051)")
     return address, transports
+
+
+def check_served(served: Mapping[str, int] | None) -> tuple[tuple[str, int], ...] | None:
+    """A heartbeat's served-bytes counters, as every backend stores them: sorted (scheme, bytes)."""
+    if served is None:
+        return None
+    if not isinstance(served, Mapping):
+        raise InvalidArgument(f"served must be a mapping of transport scheme to bytes, not {type(served).__name__}")
+    if len(served) > MAX_TRANSPORTS:
+        raise InvalidArgument(f"{len(served)} served counters; a node reports at most {MAX_TRANSPORTS}")
+    out = []
+    for scheme, n in served.items():
+        if not isinstance(scheme, str) or not _SCHEME.fullmatch(scheme):
+            raise InvalidArgument(f"served counter {scheme!r} is not a transport scheme such as tcp or grpc")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_COUNTER:
+            raise InvalidArgument(f"served bytes of {scheme} must be an integer from 0 to 2**63-1, not {n!r}")
+        out.append((scheme, n))
+    return tuple(sorted(out))
 
 
 def check_budget(max_entries: int) -> None:

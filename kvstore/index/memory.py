@@ -25,7 +25,7 @@ Time comes from an injectable monotonic clock so tests can move it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block import TierName, validate_namespace
@@ -42,6 +42,7 @@ from kvstore.index.base import (
     check_keys,
     check_node,
     check_node_id,
+    check_served,
     check_ttl,
     sort_matches,
 )
@@ -54,6 +55,7 @@ class _Member:
     deadline: float
     address: str = ""
     transports: tuple[str, ...] = ()
+    served: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -95,11 +97,14 @@ class MemoryIndex(PrefixIndex):
         if m is not None:
             self._forget_if_empty(m.incarnation)
 
-    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float) -> None:
+    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float, *, served: Mapping[str, int] | None = None) -> None:
         check_node(node_id, epoch)
         check_ttl(ttl_s)
+        counters = check_served(served)
         m = self._current(node_id, epoch)
         m.deadline = self._clock() + ttl_s
+        if counters is not None:
+            m.served = counters
 
     async def leave(self, node_id: str) -> None:
         check_node_id(node_id)
@@ -111,7 +116,8 @@ class MemoryIndex(PrefixIndex):
     async def nodes(self) -> list[NodeInfo]:
         now = self._clock()
         return sorted(
-            (NodeInfo(n, m.epoch, m.deadline > now, m.address, m.transports) for n, m in self._members.items()),
+            (NodeInfo(n, m.epoch, m.deadline > now, m.address, m.transports, m.served)
+             for n, m in self._members.items()),
             key=lambda i: i.node_id,
         )
 

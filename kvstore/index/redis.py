@@ -23,6 +23,8 @@ Lua script sees them all in one Cluster slot; node membership lives under
     {p:ns}:rc:<h>      set    chunks c of holder h's reverse index
     {p}:nodes          hash   node id -> "<epoch> <incarnation> <deadline ms>"
     {p}:addr           hash   node id -> what it advertised at its latest join (JSON: address, transports)
+    {p}:served         hash   node id -> its peer listeners' served bytes at its latest heartbeat
+                              (JSON: scheme -> bytes; gone with a new incarnation or a leave)
     {p}:dl             zset   node id by deadline (finds expired nodes without a scan)
     {p}:seq            string last incarnation
     {p}:gone           hash   incarnation -> node id, ended but not yet retired everywhere
@@ -100,7 +102,7 @@ import logging
 import sys
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as rexc
@@ -125,6 +127,7 @@ from kvstore.index.base import (
     check_keys,
     check_node,
     check_node_id,
+    check_served,
     check_ttl,
 )
 
@@ -609,7 +612,7 @@ return {deleted, more}
 _GLOBAL = _COMMON + r"""
 local NODES = KEYS[1]
 local GB = string.sub(NODES, 1, -6)
-local DL, GONE, ALLNS, ADDR = GB .. 'dl', GB .. 'gone', GB .. 'ns', GB .. 'addr'
+local DL, GONE, ALLNS, ADDR, SERVED = GB .. 'dl', GB .. 'gone', GB .. 'ns', GB .. 'addr', GB .. 'served'
 local function record(node)
   local r = redis.call('HGET', NODES, node)
   if not r then return nil end
@@ -654,11 +657,12 @@ end
 local ng = redis.call('INCR', GB .. 'seq')
 put(node, epoch, ng, now + ttl)
 advertise()
+redis.call('HDEL', SERVED, node)  -- a new incarnation has served nothing yet
 if e then return {'NEW', ng, g, nslist(g)} end
 return {'NEW', ng}
 """
 
-# ARGV: node, epoch, ttl ms
+# ARGV: node, epoch, ttl ms, served-bytes counters ('' leaves them)
 _BEAT = _GLOBAL + r"""
 local now = now_ms()
 local node, epoch = ARGV[1], ARGV[2]
@@ -666,6 +670,7 @@ local g, d = current(node, epoch, now)
 if not g then return d end
 local e = record(node)
 put(node, e, g, now + tonumber(ARGV[3]))
+if ARGV[4] ~= '' then redis.call('HSET', SERVED, node, ARGV[4]) end
 return {'OK', g, nslist(g)}
 """
 
@@ -686,6 +691,7 @@ local e, g = record(node)
 if not e then return {} end
 redis.call('HDEL', NODES, node)
 redis.call('HDEL', ADDR, node)
+redis.call('HDEL', SERVED, node)
 redis.call('ZREM', DL, node)
 redis.call('HSET', GONE, g, node)
 return {g, nslist(g)}
@@ -735,7 +741,8 @@ local out = {}
 local all = redis.call('HGETALL', NODES)
 for j = 1, #all, 2 do
   local e, g, d = string.match(all[j + 1], '^(%d+) (%d+) (%d+)$')
-  out[#out + 1] = {all[j], e, tonumber(d) > now and 1 or 0, redis.call('HGET', ADDR, all[j]) or ''}
+  out[#out + 1] = {all[j], e, tonumber(d) > now and 1 or 0, redis.call('HGET', ADDR, all[j]) or '',
+                   redis.call('HGET', SERVED, all[j]) or ''}
 end
 return out
 """
@@ -927,10 +934,11 @@ class RedisIndex(PrefixIndex):
         elif len(r) > 2:  # a new incarnation replaced a previous one: it stops counting now
             await self._end(node_id, r[2], r[3], purge=False)
 
-    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float) -> None:
+    async def heartbeat(self, node_id: str, epoch: int, ttl_s: float, *, served: Mapping[str, int] | None = None) -> None:
         check_node(node_id, epoch)
         check_ttl(ttl_s)
-        r = await self._global(BEAT, node_id, str(epoch), _ms(ttl_s))
+        counters = check_served(served)
+        r = await self._global(BEAT, node_id, str(epoch), _ms(ttl_s), "" if counters is None else json.dumps(dict(counters)))
         self._raise_refusal(node_id, epoch, r)
         await self._refresh(node_id, r[1], r[2], ttl_s)
 
@@ -1166,15 +1174,20 @@ def _chain(keys: list[bytes]) -> list[bytes]:
     return [lengths.tobytes(), fields]
 
 
-def _node_info(node: bytes, epoch: bytes, alive: int, contact: bytes) -> NodeInfo:
-    address, transports = "", ()
+def _node_info(node: bytes, epoch: bytes, alive: int, contact: bytes, served: bytes = b"") -> NodeInfo:
+    address, transports, counters = "", (), ()
     if contact:
         try:
             record = json.loads(contact)
             address, transports = check_contact(record.get("address", ""), record.get("transports", ()))
         except (ValueError, AttributeError, InvalidArgument):  # written by something else: reported as none
             log.warning("the prefix index holds an unreadable address record for node %r: ignored", node)
-    return NodeInfo(node.decode(), int(epoch), bool(alive), address, transports)
+    if served:
+        try:
+            counters = check_served(json.loads(served)) or ()
+        except (ValueError, InvalidArgument):
+            log.warning("the prefix index holds unreadable served-bytes counters for node %r: ignored", node)
+    return NodeInfo(node.decode(), int(epoch), bool(alive), address, transports, counters)
 
 
 def _ms(seconds: float) -> int:

@@ -75,8 +75,8 @@ from kvstore.errors import InvalidArgument
 from kvstore.remote.base import Place, ReadResult, WriteResult
 
 __all__ = [
-    "PEER_TRANSPORTS", "Held", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult", "WriteResult",
-    "open_peer_transport",
+    "PEER_CLIENTS", "PEER_TRANSPORTS", "Held", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult",
+    "WriteResult", "open_peer_client", "open_peer_transport",
 ]
 
 
@@ -191,6 +191,39 @@ def _ucx(**options) -> PeerTransport:
 # Address scheme → constructor (keyword options: token, pool limits); a new
 # peer transport is one module and one entry here.
 PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {"tcp": _tcp, "grpc": _grpc, "ucx": _ucx}
+
+
+def _tcp_client(security) -> object:
+    from kvstore.peer.tcp import TcpPeerClient
+
+    return TcpPeerClient(token=security.token or "")
+
+
+def _ucx_client(security) -> object:
+    from kvstore.peer.ucx import UcxPeerClient
+
+    return UcxPeerClient(token=security.token or "")
+
+
+def _grpc_client(security) -> object:
+    from kvstore.peer.grpc import GrpcPeerClient
+
+    return GrpcPeerClient(security=security)
+
+
+# The blocking cores under the transports, by address scheme, each built from a
+# ChannelSecurity (its token; the gRPC one its TLS CA too): ``read(address,
+# namespace, keys, place, Deadline) -> list[Got]`` and ``close()``, in the
+# calling thread. A handoff pull runs in a gRPC worker thread and uses these.
+PEER_CLIENTS: dict[str, Callable[..., object]] = {"tcp": _tcp_client, "ucx": _ucx_client, "grpc": _grpc_client}
+
+
+def open_peer_client(scheme: str, security) -> object:
+    try:
+        factory = PEER_CLIENTS[scheme]
+    except KeyError:
+        raise InvalidArgument(f"unknown peer transport {scheme!r}; known: {', '.join(sorted(PEER_CLIENTS))}") from None
+    return factory(security)
 
 
 def open_peer_transport(scheme: str, **options) -> PeerTransport:

@@ -66,6 +66,7 @@ from kvstore.errors import (
 )
 from kvstore.metrics import StoreMetrics
 from kvstore.peer import wire
+from kvstore.peer.served import ServedBytes
 from kvstore.rpc.status import code_for
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreGroup
@@ -106,12 +107,18 @@ class _Refused(Exception):
 
 
 class PeerServer:
-    """Serves a store group's blocks to other daemons over TCP. :meth:`start`, then :meth:`stop`."""
+    """Serves a store group's blocks to other daemons over TCP. :meth:`start`, then :meth:`stop`.
+    ``served``: where the bytes each block read sends are counted, under :attr:`scheme`."""
+
+    #: The transport served (a label of ``served``); the UCX listener says ``ucx``.
+    scheme = "tcp"
 
     def __init__(self, store: StoreGroup, listen: str, *, authority: Authority | None = None,
                  metrics: StoreMetrics | None = None, max_connections: int = 64, idle_s: float = 120.0,
-                 in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20) -> None:
+                 in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20,
+                 served: ServedBytes | None = None) -> None:
         self._store = store
+        self._served = served if served is not None else ServedBytes()
         self._listen = listen
         self._authority = authority if authority is not None else Authority()
         self._metrics = metrics if metrics is not None else store.metrics
@@ -361,6 +368,7 @@ class PeerServer:
         try:
             self._send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view)
             self.bytes_sent += meta.size
+            self._served.add(self.scheme, meta.size)
         finally:
             view.release()
             self._store.release([loc.lease_id], caller.owner)
@@ -374,6 +382,7 @@ class PeerServer:
         head[1:6] = [meta.size, meta.checksum, meta.parent, meta.layout, int(tier)]
         self._send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), memoryview(data))
         self.bytes_sent += meta.size
+        self._served.add(self.scheme, meta.size)
 
     # ---- PUT ----------------------------------------------------------------------
 

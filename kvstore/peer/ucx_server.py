@@ -34,6 +34,8 @@ __all__ = ["UcxPeerServer"]
 class UcxPeerServer(PeerServer):
     """Serves a store group's blocks to other daemons over UCX. :meth:`start`, then :meth:`stop`."""
 
+    scheme = "ucx"
+
     def start(self) -> UcxPeerServer:
         _, _, port = self._listen.rpartition(":")
         self._runtime = UcxRuntime.get()

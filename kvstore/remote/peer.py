@@ -92,7 +92,8 @@ class PeerLimits:
 class PeerMetrics:
     """The peer tier's Prometheus metrics; one object per daemon, shared by every arena's peer tier."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, transports: Sequence[str] = ("tcp", "grpc")) -> None:
+        """``transports``: the schemes this node fetches with, whose series exist (at 0) from the start."""
         r = registry if registry is not None else CollectorRegistry()
         self.fetched_bytes = Counter(
             "strata_peer_fetched_bytes_total",
@@ -122,6 +123,9 @@ class PeerMetrics:
             "index named no usable holder)", ["outcome"], registry=r,
         )
         self.in_flight = Gauge("strata_peer_fetches_in_flight", "Fetches from peers running now", registry=r)
+        for transport in transports:
+            self.fetched_bytes.labels(transport)
+            self.fetch_seconds.labels(transport)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)
         for outcome in ("removed", "gone", "failed"):

@@ -47,6 +47,7 @@ from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
 from kvstore.peer.base import PeerAddress
+from kvstore.peer.served import ServedBytes
 from kvstore.peer.server import PeerServer
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server.budget import ByteBudget
@@ -105,8 +106,9 @@ class Daemon:
         self.advertised = ""  # host:port peers reach this daemon at (its node record)
         self.peer_metrics = None  # PeerMetrics, with a peer tier in the chain
         self.handoffs = None  # HandoffTable: the prefill side's open handoffs
-        self._handoff_peer = None  # TcpPeerClient the decode side pulls with
+        self._handoff_peers: dict = {}  # the blocking peer clients the decode side pulls with, by scheme
         self.replicator: Replicator | None = None  # with [replication] namespaces, or pins with replicas
+        self.served: ServedBytes | None = None  # block bytes served to peers, by transport
 
     def start(self) -> Daemon:
         """Build and serve; on any failure, give back what was taken (lock, arena, ports)."""
@@ -147,9 +149,11 @@ class Daemon:
         self._lock_state_dir(state_dir)
         self.node = NodeIdentity.start(s.node.id, state_dir)
         index = open_index(s.index.url)
+        self.served = ServedBytes(self.metrics.registry)
         self.index_agent = IndexAgent(
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
             ttl_s=s.index.ttl_seconds, registry=self.metrics.registry, on_degraded=self._index_degraded,
+            served=self.served.snapshot,
         )
         self.events.subscribe("index", self.index_agent.on_events)
         self.events.subscribe("metrics", self.metrics.count_events)
@@ -210,6 +214,7 @@ class Daemon:
                 self.store, s.peers.listen, authority=self.authority, metrics=self.metrics,
                 max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
                 in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+                served=self.served,
             )
             try:
                 self.peer_server.start()
@@ -228,7 +233,8 @@ class Daemon:
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},
                        lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
-                       self.put_budget, open_handoffs=lambda: len(self.handoffs),
+                       self.put_budget, handoffs=lambda: self.handoffs.metrics.counts(), served=self.served,
+                       replication=self.replicator.report if self.replicator is not None else None,
                        pin_copies=self.replicator.pins if self.replicator is not None else None), server
         )
         handoff_pb2_grpc.add_HandoffServiceServicer_to_server(self._handoff_servicer(), server)
@@ -326,6 +332,7 @@ class Daemon:
             self.store, s.peers.ucx_listen, authority=self.authority, metrics=self.metrics,
             max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
             in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+            served=self.served,
         )
         self._start_ucx(f"--peer-ucx-listen {s.peers.ucx_listen}")
         try:
@@ -364,11 +371,11 @@ class Daemon:
         from kvstore.handoff.metrics import HandoffMetrics
         from kvstore.handoff.pull import HandoffPuller, PullLimits
         from kvstore.handoff.table import HandoffLimits, HandoffTable
-        from kvstore.peer.tcp import TcpPeerClient
+        from kvstore.peer.base import open_peer_client
 
         s = self.settings
         h = s.handoff
-        metrics = HandoffMetrics(self.metrics.registry)
+        metrics = HandoffMetrics(self.metrics.registry, h.transports)
         self.handoffs = HandoffTable(
             self.store, lambda: (self.node.node_id, self.node.epoch, self.peer_transports(), self.advertised),
             HandoffLimits(h.lease_seconds, h.max_lease_seconds, h.max_total_seconds, h.max_open, h.max_blocks),
@@ -377,9 +384,9 @@ class Daemon:
         token_file = h.token_file or s.tiers.peer.token_file
         token = read_token_file(token_file) if token_file else ""
         security = ChannelSecurity.build(token=token or None, tls_ca=s.tiers.peer.tls_ca or None)
-        self._handoff_peer = TcpPeerClient(token=token)
+        self._handoff_peers = {scheme: open_peer_client(scheme, security) for scheme in h.transports}
         puller = HandoffPuller(
-            self.store, self._handoff_peer, lambda address: Client(address, security=security, retries=1, timeout=10),
+            self.store, self._handoff_peers, lambda address: Client(address, security=security, retries=1, timeout=10),
             self.index_agent.publish,
             PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds), metrics,
         )
@@ -388,8 +395,8 @@ class Daemon:
     def _stop_handoffs(self) -> None:
         if self.handoffs is not None:
             self.handoffs.stop()
-        if self._handoff_peer is not None:
-            self._handoff_peer.close()
+        for client in self._handoff_peers.values():
+            client.close()
 
     def _tier_runtime(self, index) -> dict[str, dict]:
         """What tiers get from the running daemon: the peer tier asks this node's index (on the
@@ -399,7 +406,7 @@ class Daemon:
             return {}
         from kvstore.remote.peer import PeerMetrics
 
-        self.peer_metrics = PeerMetrics(self.metrics.registry)
+        self.peer_metrics = PeerMetrics(self.metrics.registry, s.tiers.peer.transports)
         return {"peer": {
             "index": index, "index_loop": self.index_agent.loop, "node_id": self.node.node_id,
             "host": s.server.advertised_host(), "metrics": self.peer_metrics,

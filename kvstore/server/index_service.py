@@ -133,7 +133,8 @@ class IndexServicer(index_pb2_grpc.IndexServiceServicer):
         nodes = self._bounded("Nodes", lambda: self._agent.run(self._agent.index.nodes(), self._deadline(context)))
         return pb.NodesResponse(
             nodes=[
-                pb.Node(node_id=n.node_id, epoch=n.epoch, alive=n.alive, address=n.address, transports=n.transports)
+                pb.Node(node_id=n.node_id, epoch=n.epoch, alive=n.alive, address=n.address, transports=n.transports,
+                        served_bytes=n.served_bytes)
                 for n in nodes
             ],
             node_id=self._agent.node_id,

@@ -14,8 +14,11 @@ from kvstore.auth import EVERY_NAMESPACE, current_identity, may_attach, owner_of
 from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.cluster.pin_copies import PinCopies
+from kvstore.cluster.replicator import ReplicationReport
 from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
+from kvstore.handoff.metrics import HandoffCounts
 from kvstore.node import NodeIdentity
+from kvstore.peer.served import ServedBytes
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreArena, StoreGroup
 from kvstore.store.writer import BlockWriter
@@ -56,8 +59,12 @@ class _Held:
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: StoreGroup, node: NodeIdentity, chunk_bytes: int,
                  control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
-                 put_budget: ByteBudget | None = None, open_handoffs: Callable[[], int] | None = None,
+                 put_budget: ByteBudget | None = None, handoffs: Callable[[], HandoffCounts] | None = None,
+                 served: ServedBytes | None = None, replication: Callable[[], ReplicationReport] | None = None,
                  pin_copies: PinCopies | None = None) -> None:
+        """``handoffs``: the daemon's handoff counts (kvstore.handoff); ``replication``: its
+        replicator's report (None: it replicates nothing); ``served``: where peer reads are counted;
+        ``pin_copies``: copies of pins that ask for replicas (kvstore.cluster; None: not kept)."""
         self._store = store  # every arena's store; each call goes to its namespace's arena
         self._control_sockets = dict(control_sockets or {})  # arena name → its same-host socket
         # Told (with the arena's name) after blocks were deleted, before the Delete answers
@@ -66,8 +73,10 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         self._node = node
         self._chunk = chunk_bytes
         self._put_budget = put_budget or ByteBudget(1 << 62, "streamed puts", "--put-budget-bytes")
-        self._open_handoffs = open_handoffs or (lambda: 0)  # the prefill side's (kvstore.handoff)
-        self._pin_copies = pin_copies  # copies of pins that ask for replicas (kvstore.cluster); None: not kept
+        self._handoffs = handoffs or HandoffCounts
+        self._replication = replication
+        self._served = served if served is not None else ServedBytes()  # what peers read here (local_only Gets)
+        self._pin_copies = pin_copies
 
     # ---- streamed bytes ---------------------------------------------------
 
@@ -138,6 +147,8 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             view = memoryview(data)
             for off in range(0, len(data), self._chunk):
                 yield pb.GetResponse(chunk=bytes(view[off : off + self._chunk]))
+            if request.local_only:  # a peer's read (the gRPC peer transport, a handoff pulled over gRPC)
+                self._served.add("grpc", len(data))
 
     # ---- shared-memory path -------------------------------------------------
 
@@ -277,8 +288,10 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         )
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        s = visible_stats(current_identity(), self._store.stats(request.namespace))
-        return pb.StatsResponse(
+        identity = current_identity()
+        s = visible_stats(identity, self._store.stats(request.namespace))
+        handoffs = self._handoffs()
+        response = pb.StatsResponse(
             tiers=[
                 pb.TierStats(
                     tier=int(t.tier), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, blocks=t.blocks,
@@ -294,6 +307,28 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             namespaces=s.namespaces,
             node_id=self._node.node_id,
             epoch=self._node.epoch,
-            open_handoffs=self._open_handoffs(),
+            open_handoffs=handoffs.open,
         )
+        if identity.grant.admin:  # node-wide figures (kvstore.auth.stats)
+            response.handoffs.CopyFrom(handoff_stats(handoffs))
+            response.replication.CopyFrom(replication_stats(self._replication() if self._replication else None))
+        return response
+
+
+def handoff_stats(c: HandoffCounts) -> pb.HandoffStats:
+    return pb.HandoffStats(
+        open=c.open, opened=c.opened, completed=c.completed, expired=c.expired, pulls_ok=c.pulls_ok,
+        pulls_failed=c.pulls_failed, pulled_bytes=c.pulled_bytes, pull_fallbacks=c.fallbacks,
+    )
+
+
+def replication_stats(r: ReplicationReport | None) -> pb.ReplicationStats:
+    if r is None:
+        return pb.ReplicationStats(enabled=False)
+    both = [*r.namespaces, *r.pins]  # namespace rules and pins with replicas alike
+    return pb.ReplicationStats(
+        enabled=r.namespaces_enabled or r.max_pin_replicas >= 2, under_replicated=sum(n.under_replicated for n in both),
+        copies_made=sum(n.copies_made for n in both), copies_failed=sum(n.copies_failed for n in both),
+        rounds=r.rounds, last_round_unix_seconds=r.last_round_at, last_error=r.last_error,
+    )
 

@@ -60,6 +60,7 @@ class CopyDown(StorePart):
     def _finish(self, job: Copy, entry: Entry, outcome: str, reason: str) -> None:
         with self._s.locked():
             if outcome == "ok":
+                self._s.copies_landed += 1
                 if job.dst not in entry.tiers:
                     entry.tiers.add(job.dst)
                     self._recency.add(job.dst, job.key)

@@ -6,6 +6,20 @@ copies with a twin below go at once, others are queued for the write-behind
 workers, and a writer waits for them until its deadline, then gets
 ``TierFull`` with a retry delay — never an unbounded wait. Above the high
 watermark the head starts demoting in the background, down to the low one.
+
+Why the wait is counted in rounds, not only timed. A writer's deadline is
+read from the store's clock, which tests freeze and which says nothing of
+whether waiting helps: a disk that refuses every write, and whose full
+period is over by the next look, took each round's copies and freed
+nothing, so the writer demoted again, and again, until its deadline (for
+ever with a frozen clock). A writer now waits on the store's condition for
+the copies in flight to end (``copies_ended`` moves). A wait after which
+copies ended but none landed below (``copies_landed``) and no room came
+free is *fruitless*; after ``MAX_FRUITLESS_ROUNDS`` of them in a row, or
+``MAX_IDLE_WAITS`` waits in a row in which no copy ended at all, the writer
+is refused with a retry delay, whatever the clock says. Copies that land
+are progress, even when another writer takes the room they made: that
+writer waits on, until its deadline, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +30,10 @@ from kvstore.store.demotion import Copy, Demoter
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
 from kvstore.store.state import StorePart, StoreState
+
+WAIT_S = 0.05  # one wait for copies in flight (real time): the condition wakes it sooner when one ends
+MAX_FRUITLESS_ROUNDS = 3  # waits in a row whose copies all ended without landing below
+MAX_IDLE_WAITS = 200  # waits in a row in which no copy ended: 10 s of a stalled write-behind, whatever the clock
 
 
 class HeadPlacement(StorePart):
@@ -29,6 +47,7 @@ class HeadPlacement(StorePart):
         """A head extent of ``size`` bytes, evicting and waiting (until ``deadline``) as needed."""
         if deadline is None:
             deadline = self._clock() + self._s.limits.put_wait_s
+        fruitless = idle = 0
         with self._s.locked():
             while True:
                 self._s.expire_locked()
@@ -40,29 +59,48 @@ class HeadPlacement(StorePart):
                 if freed:
                     continue
                 remaining = deadline - self._clock()
-                if not pending or remaining <= 0:
-                    stats = self._head.stats()
-                    full = self._s.full_below(self._head.name)
-                    why = (
-                        f"the {full.label} tier below is full, so nothing can go down and no block is dropped for it"
-                        if full is not None else "the rest is pinned, leased or being demoted"
-                    )
-                    raise TierFull(
-                        f"the {self._head.name.label} tier has no room for {size} bytes ({stats.used_bytes} of "
-                        f"{stats.capacity_bytes} used, largest free extent {self._head.largest_free_bytes}; {why}): "
-                        "retry later, unpin blocks, or raise --ram-bytes",
-                        retry_after_s=1.0 if full is not None else 0.1,
-                    )
-                if not self._demoter.threaded:
-                    # No demotion thread: write the queued blocks down here.
-                    self._cond.release()
-                    try:
-                        self._s.run_deletes()
-                        self._demoter.flush()
-                    finally:
-                        self._cond.acquire()
+                if not pending or remaining <= 0 or fruitless >= MAX_FRUITLESS_ROUNDS or idle >= MAX_IDLE_WAITS:
+                    raise self._no_room(size, copies_failed=fruitless >= MAX_FRUITLESS_ROUNDS)
+                used, ended, landed = self._head.used_bytes, self._s.copies_ended, self._s.copies_landed
+                self._wait_for_copies_locked(ended, remaining)
+                if self._s.copies_ended == ended:
+                    idle += 1
+                    continue
+                idle = 0
+                if self._s.copies_landed == landed and self._head.used_bytes >= used:
+                    fruitless += 1  # copies ended, none of them landed below, and no room came free
                 else:
-                    self._cond.wait(timeout=min(remaining, 0.05))
+                    fruitless = 0  # progress: the next round may find its room
+
+    def _wait_for_copies_locked(self, ended: int, remaining: float) -> None:
+        """Until a copy in flight ends (or ``WAIT_S``): inline, by writing the queued copies here."""
+        if not self._demoter.threaded:
+            self._cond.release()
+            try:
+                self._s.run_deletes()
+                self._demoter.flush()
+            finally:
+                self._cond.acquire()
+            if self._s.copies_ended != ended:
+                return  # the copies were written here; otherwise another thread is writing them: wait
+        self._cond.wait_for(lambda: self._s.copies_ended != ended, timeout=min(remaining, WAIT_S))
+
+    def _no_room(self, size: int, copies_failed: bool) -> TierFull:
+        stats = self._head.stats()
+        full = self._s.full_below(self._head.name)
+        below = self._chain.below(self._head.name)
+        if full is not None:
+            why = f"the {full.label} tier below is full, so nothing can go down and no block is dropped for it"
+        elif copies_failed and below is not None:
+            why = f"every copy down to the {below.name.label} tier ended without making room"
+        else:
+            why = "the rest is pinned, leased or being demoted"
+        return TierFull(
+            f"the {self._head.name.label} tier has no room for {size} bytes ({stats.used_bytes} of "
+            f"{stats.capacity_bytes} used, largest free extent {self._head.largest_free_bytes}; {why}): "
+            "retry later, unpin blocks, or raise --ram-bytes",
+            retry_after_s=1.0 if full is not None or copies_failed else 0.1,
+        )
 
     def adopt(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool) -> tuple[bool, TierName]:
         head = self._head.name

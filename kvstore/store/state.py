@@ -92,6 +92,8 @@ class StoreState:
         self.full_until: dict[TierName, float] = {}
         self.no_headroom_until: dict[TierName, float] = {}  # a headroom copy found no room there: none until then
         self.demoting = 0  # blocks marked for a copy down, queued or being written
+        self.copies_ended = 0  # marked copies that ended, however: a writer waiting for room watches it
+        self.copies_landed = 0  # of them, those whose block now has its copy below
         # Deletes of copies in tiers other than the head, run outside the lock.
         self.deletes: list[tuple[Tier, BlockKey]] = []
         self.deleting: dict[tuple[TierName, BlockKey], int] = {}
@@ -242,6 +244,7 @@ class StoreState:
     def end_copy_locked(self, key: BlockKey, entry: Entry) -> None:
         entry.demoting = False
         self.demoting -= 1
+        self.copies_ended += 1
         self.maybe_remove_locked(key, entry)
         self.cond.notify_all()
 

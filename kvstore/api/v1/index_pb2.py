@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvstore.api.v1 import kv_pb2 as kvstore_dot_api_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvstore/api/v1/index.proto\x12\x0fstrata.index.v1\x1a\x17kvstore/api/v1/kv.proto\"m\n\nTokenChain\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\thash_seed\x18\x03 \x01(\t\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x18\n\x08KeyChain\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\">\n\nTierWeight\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.strata.kv.v1.Tier\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xcb\x01\n\x0cScoreRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.strata.index.v1.TokenChainH\x00\x12)\n\x04keys\x18\x03 \x01(\x0b\x32\x19.strata.index.v1.KeyChainH\x00\x12\x12\n\ncandidates\x18\x04 \x03(\t\x12\x31\n\x0ctier_weights\x18\x05 \x03(\x0b\x32\x1b.strata.index.v1.TierWeightB\x07\n\x05\x63hain\"a\n\rEndpointScore\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.strata.kv.v1.Tier\x12\r\n\x05score\x18\x04 \x01(\x01\"X\n\rScoreResponse\x12\x31\n\tendpoints\x18\x01 \x03(\x0b\x32\x1e.strata.index.v1.EndpointScore\x12\x14\n\x0c\x63hain_blocks\x18\x02 \x01(\r\"\x86\x01\n\x0eHoldersRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.strata.index.v1.TokenChainH\x00\x12)\n\x04keys\x18\x03 \x01(\x0b\x32\x19.strata.index.v1.KeyChainH\x00\x42\x07\n\x05\x63hain\"J\n\x06Holder\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.strata.kv.v1.Tier\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"E\n\x0c\x42lockHolders\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12(\n\x07holders\x18\x02 \x03(\x0b\x32\x17.strata.index.v1.Holder\"@\n\x0fHoldersResponse\x12-\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x1d.strata.index.v1.BlockHolders\"\x0e\n\x0cNodesRequest\"Z\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\"F\n\rNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.strata.index.v1.Node\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"\x14\n\x12ReplicationRequest\"\x9f\x01\n\x14NamespaceReplication\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04rule\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x18\n\x10under_replicated\x18\x05 \x01(\x04\x12\x13\n\x0b\x63opies_made\x18\x06 \x01(\x04\x12\x15\n\rcopies_failed\x18\x07 \x01(\x04\"\xae\x01\n\x0ePinReplication\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04pins\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x18\n\x10under_replicated\x18\x05 \x01(\x04\x12\x13\n\x0b\x63opies_held\x18\x06 \x01(\x04\x12\x13\n\x0b\x63opies_made\x18\x07 \x01(\x04\x12\x15\n\rcopies_failed\x18\x08 \x01(\x04\"\x90\x02\n\x13ReplicationResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x0e\n\x06passes\x18\x04 \x01(\x04\x12\x1f\n\x17last_round_unix_seconds\x18\x05 \x01(\x01\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\x39\n\nnamespaces\x18\x07 \x03(\x0b\x32%.strata.index.v1.NamespaceReplication\x12-\n\x04pins\x18\x08 \x03(\x0b\x32\x1f.strata.index.v1.PinReplication\x12\x18\n\x10max_pin_replicas\x18\t \x01(\r2\xc6\x02\n\x0cIndexService\x12\x46\n\x05Score\x12\x1d.strata.index.v1.ScoreRequest\x1a\x1e.strata.index.v1.ScoreResponse\x12L\n\x07Holders\x12\x1f.strata.index.v1.HoldersRequest\x1a .strata.index.v1.HoldersResponse\x12\x46\n\x05Nodes\x12\x1d.strata.index.v1.NodesRequest\x1a\x1e.strata.index.v1.NodesResponse\x12X\n\x0bReplication\x12#.strata.index.v1.ReplicationRequest\x1a$.strata.index.v1.ReplicationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvstore/api/v1/index.proto\x12\x0fstrata.index.v1\x1a\x17kvstore/api/v1/kv.proto\"m\n\nTokenChain\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\thash_seed\x18\x03 \x01(\t\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x18\n\x08KeyChain\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\">\n\nTierWeight\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.strata.kv.v1.Tier\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xcb\x01\n\x0cScoreRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.strata.index.v1.TokenChainH\x00\x12)\n\x04keys\x18\x03 \x01(\x0b\x32\x19.strata.index.v1.KeyChainH\x00\x12\x12\n\ncandidates\x18\x04 \x03(\t\x12\x31\n\x0ctier_weights\x18\x05 \x03(\x0b\x32\x1b.strata.index.v1.TierWeightB\x07\n\x05\x63hain\"a\n\rEndpointScore\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.strata.kv.v1.Tier\x12\r\n\x05score\x18\x04 \x01(\x01\"X\n\rScoreResponse\x12\x31\n\tendpoints\x18\x01 \x03(\x0b\x32\x1e.strata.index.v1.EndpointScore\x12\x14\n\x0c\x63hain_blocks\x18\x02 \x01(\r\"\x86\x01\n\x0eHoldersRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.strata.index.v1.TokenChainH\x00\x12)\n\x04keys\x18\x03 \x01(\x0b\x32\x19.strata.index.v1.KeyChainH\x00\x42\x07\n\x05\x63hain\"J\n\x06Holder\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.strata.kv.v1.Tier\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"E\n\x0c\x42lockHolders\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12(\n\x07holders\x18\x02 \x03(\x0b\x32\x17.strata.index.v1.Holder\"@\n\x0fHoldersResponse\x12-\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x1d.strata.index.v1.BlockHolders\"\x0e\n\x0cNodesRequest\"\xcc\x01\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12<\n\x0cserved_bytes\x18\x06 \x03(\x0b\x32&.strata.index.v1.Node.ServedBytesEntry\x1a\x32\n\x10ServedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"F\n\rNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.strata.index.v1.Node\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"\x14\n\x12ReplicationRequest\"\x9f\x01\n\x14NamespaceReplication\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04rule\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x18\n\x10under_replicated\x18\x05 \x01(\x04\x12\x13\n\x0b\x63opies_made\x18\x06 \x01(\x04\x12\x15\n\rcopies_failed\x18\x07 \x01(\x04\"\xae\x01\n\x0ePinReplication\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04pins\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x18\n\x10under_replicated\x18\x05 \x01(\x04\x12\x13\n\x0b\x63opies_held\x18\x06 \x01(\x04\x12\x13\n\x0b\x63opies_made\x18\x07 \x01(\x04\x12\x15\n\rcopies_failed\x18\x08 \x01(\x04\"\x90\x02\n\x13ReplicationResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x0e\n\x06passes\x18\x04 \x01(\x04\x12\x1f\n\x17last_round_unix_seconds\x18\x05 \x01(\x01\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\x39\n\nnamespaces\x18\x07 \x03(\x0b\x32%.strata.index.v1.NamespaceReplication\x12-\n\x04pins\x18\x08 \x03(\x0b\x32\x1f.strata.index.v1.PinReplication\x12\x18\n\x10max_pin_replicas\x18\t \x01(\r2\xc6\x02\n\x0cIndexService\x12\x46\n\x05Score\x12\x1d.strata.index.v1.ScoreRequest\x1a\x1e.strata.index.v1.ScoreResponse\x12L\n\x07Holders\x12\x1f.strata.index.v1.HoldersRequest\x1a .strata.index.v1.HoldersResponse\x12\x46\n\x05Nodes\x12\x1d.strata.index.v1.NodesRequest\x1a\x1e.strata.index.v1.NodesResponse\x12X\n\x0bReplication\x12#.strata.index.v1.ReplicationRequest\x1a$.strata.index.v1.ReplicationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.api.v1.index_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_NODE_SERVEDBYTESENTRY']._loaded_options = None
+  _globals['_NODE_SERVEDBYTESENTRY']._serialized_options = b'8\001'
   _globals['_TOKENCHAIN']._serialized_start=72
   _globals['_TOKENCHAIN']._serialized_end=181
   _globals['_KEYCHAIN']._serialized_start=183
@@ -54,18 +56,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HOLDERSRESPONSE']._serialized_end=1016
   _globals['_NODESREQUEST']._serialized_start=1018
   _globals['_NODESREQUEST']._serialized_end=1032
-  _globals['_NODE']._serialized_start=1034
-  _globals['_NODE']._serialized_end=1124
-  _globals['_NODESRESPONSE']._serialized_start=1126
-  _globals['_NODESRESPONSE']._serialized_end=1196
-  _globals['_REPLICATIONREQUEST']._serialized_start=1198
-  _globals['_REPLICATIONREQUEST']._serialized_end=1218
-  _globals['_NAMESPACEREPLICATION']._serialized_start=1221
-  _globals['_NAMESPACEREPLICATION']._serialized_end=1380
-  _globals['_PINREPLICATION']._serialized_start=1383
-  _globals['_PINREPLICATION']._serialized_end=1557
-  _globals['_REPLICATIONRESPONSE']._serialized_start=1560
-  _globals['_REPLICATIONRESPONSE']._serialized_end=1832
-  _globals['_INDEXSERVICE']._serialized_start=1835
-  _globals['_INDEXSERVICE']._serialized_end=2161
+  _globals['_NODE']._serialized_start=1035
+  _globals['_NODE']._serialized_end=1239
+  _globals['_NODE_SERVEDBYTESENTRY']._serialized_start=1189
+  _globals['_NODE_SERVEDBYTESENTRY']._serialized_end=1239
+  _globals['_NODESRESPONSE']._serialized_start=1241
+  _globals['_NODESRESPONSE']._serialized_end=1311
+  _globals['_REPLICATIONREQUEST']._serialized_start=1313
+  _globals['_REPLICATIONREQUEST']._serialized_end=1333
+  _globals['_NAMESPACEREPLICATION']._serialized_start=1336
+  _globals['_NAMESPACEREPLICATION']._serialized_end=1495
+  _globals['_PINREPLICATION']._serialized_start=1498
+  _globals['_PINREPLICATION']._serialized_end=1672
+  _globals['_REPLICATIONRESPONSE']._serialized_start=1675
+  _globals['_REPLICATIONRESPONSE']._serialized_end=1947
+  _globals['_INDEXSERVICE']._serialized_start=1950
+  _globals['_INDEXSERVICE']._serialized_end=2276
 # @@protoc_insertion_point(module_scope)

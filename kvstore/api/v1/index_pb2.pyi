@@ -108,18 +108,27 @@ class NodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "epoch", "alive", "address", "transports")
+    __slots__ = ("node_id", "epoch", "alive", "address", "transports", "served_bytes")
+    class ServedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     alive: bool
     address: str
     transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: bool = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    served_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: bool = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., served_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class NodesResponse(_message.Message):
     __slots__ = ("nodes", "node_id")

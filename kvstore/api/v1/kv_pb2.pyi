@@ -340,7 +340,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., degraded: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "blocks", "pinned_blocks", "active_leases", "open_slots", "demotion_queue_depth", "namespaces", "node_id", "epoch", "open_handoffs")
+    __slots__ = ("tiers", "blocks", "pinned_blocks", "active_leases", "open_slots", "demotion_queue_depth", "namespaces", "node_id", "epoch", "open_handoffs", "handoffs", "replication")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,8 @@ class StatsResponse(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OPEN_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     blocks: int
     pinned_blocks: int
@@ -361,4 +363,44 @@ class StatsResponse(_message.Message):
     node_id: str
     epoch: int
     open_handoffs: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., open_slots: _Optional[int] = ..., demotion_queue_depth: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., open_handoffs: _Optional[int] = ...) -> None: ...
+    handoffs: HandoffStats
+    replication: ReplicationStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., open_slots: _Optional[int] = ..., demotion_queue_depth: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., open_handoffs: _Optional[int] = ..., handoffs: _Optional[_Union[HandoffStats, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStats, _Mapping]] = ...) -> None: ...
+
+class HandoffStats(_message.Message):
+    __slots__ = ("open", "opened", "completed", "expired", "pulls_ok", "pulls_failed", "pulled_bytes", "pull_fallbacks")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_OK_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    open: int
+    opened: int
+    completed: int
+    expired: int
+    pulls_ok: int
+    pulls_failed: int
+    pulled_bytes: int
+    pull_fallbacks: int
+    def __init__(self, open: _Optional[int] = ..., opened: _Optional[int] = ..., completed: _Optional[int] = ..., expired: _Optional[int] = ..., pulls_ok: _Optional[int] = ..., pulls_failed: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., pull_fallbacks: _Optional[int] = ...) -> None: ...
+
+class ReplicationStats(_message.Message):
+    __slots__ = ("enabled", "under_replicated", "copies_made", "copies_failed", "rounds", "last_round_unix_seconds", "last_error")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    UNDER_REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_MADE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    under_replicated: int
+    copies_made: int
+    copies_failed: int
+    rounds: int
+    last_round_unix_seconds: float
+    last_error: str
+    def __init__(self, enabled: bool = ..., under_replicated: _Optional[int] = ..., copies_made: _Optional[int] = ..., copies_failed: _Optional[int] = ..., rounds: _Optional[int] = ..., last_round_unix_seconds: _Optional[float] = ..., last_error: _Optional[str] = ...) -> None: ...
