@@ -223,7 +223,10 @@ def test_strata_stats_shows_handoffs_and_replication(tmp_path):
 
 
 def test_strata_stats_of_a_daemon_that_replicates_nothing(fleet):
+    # No namespace rule and no pin with replicas: replication is on (pins may ask
+    # for copies by default) and has nothing to report.
     p, g, d = fleet
     s = json.loads(strata("stats", "--target", g.target, "--json"))
-    assert s["replication"]["enabled"] is False and s["handoffs"]["opened"] == 0
-    assert "replication: off" in strata("stats", "--target", g.target)
+    assert s["replication"]["enabled"] is True and s["handoffs"]["opened"] == 0
+    assert s["replication"].get("under_replicated", 0) == 0 and s["replication"].get("copies_made", 0) == 0
+    assert "replication: 0 blocks under-replicated" in strata("stats", "--target", g.target)
