@@ -204,7 +204,7 @@ def test_stats_show_node_wide_figures_only_to_an_admin(authed):
     with Client(authed.target, token=TOKEN_ADMIN, use_shm=False) as admin:
         everything = admin.stats()
         assert everything.tiers["host"]["used_bytes"] >= 1000
-        assert everything.handoffs.opened == 0 and everything.replication.enabled is False
+        assert everything.handoffs.opened == 0 and everything.replication.enabled is True  # pins may ask for copies by default
         assert admin.stats("a").handoffs is not None
 
 
