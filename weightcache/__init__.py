@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import asyncio
 
+from weightcache.cache import NodeCache
+from weightcache.fetch import FetchLimits, FetchStats
 from weightcache.manifest import DEFAULT_CHUNK_BYTES, Manifest
 from weightcache.origin import S3Options, open_origin
+from weightcache.reader import ModelReader, open_model
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "FetchLimits",
+    "FetchStats",
     "Manifest",
+    "ModelReader",
+    "NodeCache",
     "S3Options",
+    "open_model",
     "open_origin",
     "publish_model",
 ]
