@@ -2,13 +2,12 @@
 
 A :class:`CachedModel` is what the fetch planner writes into and the reader
 reads from. It never holds an unverified byte: :meth:`store` checks a
-chunk's BLAKE3 digest *before* the bytes reach the file, writes them, makes
-them durable and records them (:mod:`weightcache.record`), and only then
-reports them present. What is present is known three ways, one per
-audience: this object's in-memory map (this process), the record (every
-process, and the next start), and nothing else: the sparse file's contents
-are never taken as evidence, so bytes of a chunk written before a crash but
-never recorded are fetched again.
+chunk's BLAKE3 digest *before* the bytes reach the file, writes them, marks
+them present for this process, then makes them durable and records them
+(:mod:`weightcache.record`) for every other process and the next start.
+Presence is known only those two ways, this object's in-memory map and the
+record: the sparse file's contents are never taken as evidence, so bytes of
+a chunk written before a crash but never recorded are fetched again.
 
 Files are created at their full size (sparse) when the first chunk of one
 is about to be fetched, after the node cache admits them (capacity and the
@@ -114,8 +113,10 @@ class CachedModel:
                 done += os.pwrite(fd, view[done:], offset + done)
         except OSError as err:
             raise _io_error(err, self.path(file)) from None
-        self.record.commit(fd, [(file, chunk)])
+        # Present here first, then durable: the bytes are verified and in the page cache, so this
+        # process may serve them now; and refresh() never mistakes our own entry for another's.
         self._present[file][chunk] = 1
+        self.record.commit(fd, [(file, chunk)])
         return True
 
     # ---- reading -----------------------------------------------------------------
