@@ -11,6 +11,7 @@
     strata index holders NS KEY...   who holds each block of a chain
     strata peers                     the fleet's nodes: epochs, liveness, transports, bytes served
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
+    strata weights ...               model weights: publish, ls, fetch, evict (runs python -m weightcache)
 """
 
 from __future__ import annotations
@@ -476,10 +477,26 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--namespace", help="only this namespace")
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(func=cmd_stats)
+
+    sub.add_parser("weights", add_help=False, help="model weights: publish, ls, fetch, evict (strata weights --help)")
     return parser
 
 
+def run_weights(argv: list[str]) -> int:
+    """``strata weights ...`` is ``python -m weightcache ...``, run in this process's place: the
+    weight pipeline is its own package, which kvstore never imports."""
+    command = [sys.executable, "-m", "weightcache", *argv]
+    try:
+        os.execv(sys.executable, command)
+    except OSError as err:
+        print(f"strata weights: cannot run {' '.join(command[:3])}: {err}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["weights"]:
+        return run_weights(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return args.func(args)

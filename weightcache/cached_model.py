@@ -1,0 +1,156 @@
+"""One model revision in the node cache: its files, which chunks are verified, and who fetches what.
+
+A :class:`CachedModel` is what the fetch planner writes into and the reader
+reads from. It never holds an unverified byte: :meth:`store` checks a
+chunk's BLAKE3 digest *before* the bytes reach the file, writes them, marks
+them present for this process, then makes them durable and records them
+(:mod:`weightcache.record`) for every other process and the next start.
+Presence is known only those two ways, this object's in-memory map and the
+record: the sparse file's contents are never taken as evidence, so bytes of
+a chunk written before a crash but never recorded are fetched again.
+
+Files are created at their full size (sparse) when the first chunk of one
+is about to be fetched, after the node cache admits them (capacity and the
+disk's free space). A write that still finds the disk full raises
+:class:`~kvstore.errors.DiskFull`; the record stays as it was, so a later
+run resumes from the chunks verified so far.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from pathlib import Path
+
+from kvstore.errors import DiskFull, TierUnavailable
+from weightcache.claims import Claims
+from weightcache.manifest import Manifest, digest_of
+from weightcache.record import ChunkRecord
+
+
+class CachedModel:
+    def __init__(self, cache, folder: Path, manifest: Manifest, lease_fd: int) -> None:
+        self.cache = cache
+        self.folder = folder
+        self.manifest = manifest
+        self._lease_fd = lease_fd
+        self.record = ChunkRecord(folder / "verified.log", manifest)
+        self.claims = Claims(folder / "claims")
+        self._present = [bytearray(len(f.chunks)) for f in manifest.files]
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        for f, c in self.record.load():
+            self._present[f][c] = 1
+
+    # ---- presence ----------------------------------------------------------------
+
+    def is_present(self, file: int, chunk: int) -> bool:
+        return bool(self._present[file][chunk])
+
+    def verified_chunks(self) -> int:
+        return sum(sum(p) for p in self._present)
+
+    def file_complete(self, file: int) -> bool:
+        return all(self._present[file])
+
+    def refresh(self) -> list[tuple[int, int]]:
+        """Chunks other processes recorded since the last look, now present here too."""
+        new = []
+        with self._lock:
+            for f, c in self.record.tail():
+                if not self._present[f][c]:
+                    self._present[f][c] = 1
+                    new.append((f, c))
+        return new
+
+    def global_index(self, file: int, chunk: int) -> int:
+        return self.manifest.first_chunk[file] + chunk
+
+    # ---- writing -----------------------------------------------------------------
+
+    def path(self, file: int) -> Path:
+        return self.folder / "files" / self.manifest.files[file].path
+
+    def prepare(self, file: int) -> int:
+        """The file's descriptor, creating the file at full size (admitted by the cache) if new."""
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is not None:
+                return fd
+            entry = self.manifest.files[file]
+            path = self.path(file)
+            with self.cache.locked():
+                try:
+                    exists = path.stat().st_size == entry.size
+                except FileNotFoundError:
+                    exists = False
+                if not exists:
+                    self.cache.reserve(self.manifest.digest, entry.size)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    if not exists:
+                        os.ftruncate(fd, entry.size)
+                except OSError as err:
+                    raise _io_error(err, path) from None
+            self._fds[file] = fd
+            return fd
+
+    def store(self, file: int, chunk: int, data: memoryview) -> bool:
+        """Verify one chunk and make it present; False (nothing written) if it fails its digest."""
+        if digest_of(data) != self.manifest.files[file].chunks[chunk]:
+            return False
+        fd = self.prepare(file)
+        offset = chunk * self.manifest.chunk_bytes
+        view = memoryview(data).cast("B")
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as err:
+            raise _io_error(err, self.path(file)) from None
+        # Present here first, then durable: the bytes are verified and in the page cache, so this
+        # process may serve them now; and refresh() never mistakes our own entry for another's.
+        self._present[file][chunk] = 1
+        self.record.commit(fd, [(file, chunk)])
+        return True
+
+    # ---- reading -----------------------------------------------------------------
+
+    def map(self, file: int, start: int, end: int) -> tuple[mmap.mmap, int]:
+        """A private (copy-on-write) mapping holding bytes [start, end) of the file, and where
+        ``start`` is inside it. The caller maps only verified bytes; writes to the mapping (an
+        engine scaling a tensor in place) stay in this process and never reach the cache."""
+        fd = self.prepare(file)
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        return mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base), start - base
+
+    def read(self, file: int, start: int, end: int) -> bytes:
+        return os.pread(self.prepare(file), end - start, start)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+        self.record.close()
+        self.claims.close()
+        try:
+            (self.folder / "used").touch()
+        except OSError:
+            pass
+        fcntl.flock(self._lease_fd, fcntl.LOCK_UN)
+        os.close(self._lease_fd)
+
+
+def _io_error(err: OSError, path: Path) -> Exception:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"{path}: the filesystem is full; free space, or put the weight cache on a larger disk")
+    return TierUnavailable(f"{path}: {err.strerror}")

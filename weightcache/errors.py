@@ -1,0 +1,78 @@
+"""Errors raised by the weight pipeline (manifests, the node cache, the fetch planner, the reader).
+
+One tree, rooted in Strata's own (:mod:`kvstore.errors`), so each class
+already stands for one status code when it crosses a boundary: bad input
+INVALID_ARGUMENT, full RESOURCE_EXHAUSTED, bytes that are not the published
+ones DATA_LOSS, an origin that cannot be reached UNAVAILABLE. Every message
+names the file, the chunk or the tensor, and what to do.
+
+    StrataError                                   (kvstore.errors)
+    ├── InvalidArgument
+    │   ├── HeaderError          a safetensors header that is truncated, not JSON, or breaks the
+    │   │                        format (offsets overlapping or past the file, unknown dtype)
+    │   ├── ManifestError        a manifest that does not parse or breaks its limits
+    │   └── NotPublished         no manifest at the location (run ``strata weights publish``)
+    ├── CorruptBlock             (DATA_LOSS)
+    │   └── ManifestMismatch     the bytes are not the ones the manifest describes
+    │       └── CorruptChunk     a chunk failed its digest from every source, every try
+    ├── ResourceExhausted
+    │   ├── TierFull
+    │   │   ├── CacheFull        the node cache cannot hold the files even after evicting
+    │   │   │                    every model not in use
+    │   │   └── DiskFull         the cache's filesystem is full      (kvstore.errors)
+    │   └── OriginThrottled      the origin asked to slow down (S3 503 SlowDown); the
+    │                            planner backs off and retries, so callers rarely see it
+    └── TierUnavailable
+        └── OriginUnavailable    the origin cannot be reached, or a file is gone from it
+
+``DiskFull`` is kvstore's own class: a full disk is a full disk, whichever
+package found it. A class here is defined here and nowhere else; the test
+``tests/test_weights_errors.py`` checks this docstring against the classes.
+"""
+
+from __future__ import annotations
+
+from kvstore.errors import CorruptBlock, InvalidArgument, ResourceExhausted, TierFull, TierUnavailable
+
+__all__ = [
+    "CacheFull",
+    "CorruptChunk",
+    "HeaderError",
+    "ManifestError",
+    "ManifestMismatch",
+    "NotPublished",
+    "OriginThrottled",
+    "OriginUnavailable",
+]
+
+
+class HeaderError(InvalidArgument):
+    pass
+
+
+class ManifestError(InvalidArgument):
+    pass
+
+
+class NotPublished(InvalidArgument):
+    pass
+
+
+class ManifestMismatch(CorruptBlock):
+    pass
+
+
+class CorruptChunk(ManifestMismatch):
+    pass
+
+
+class CacheFull(TierFull):
+    pass
+
+
+class OriginThrottled(ResourceExhausted):
+    pass
+
+
+class OriginUnavailable(TierUnavailable):
+    pass
