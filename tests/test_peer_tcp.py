@@ -270,6 +270,8 @@ def test_bytes_in_flight_over_every_connection_are_bounded(make_daemon):
     d = make_daemon(**{**BIG, "peer_in_flight_bytes": "16MiB", "peer_connection_in_flight_bytes": "16MiB"})
     put(d, "m", {b"big": blob(1, 16 * MiB)})
     put(d, "m", {b"small": b"s" * 100})
+    # A put is answered before its connection gives its bytes back to the budget.
+    wait_until(lambda: d.peer_server.in_flight_bytes == 0, what="the puts' bytes to leave the budget")
     address = d.peer_addresses()["tcp"]
     placed, go_on = threading.Event(), threading.Event()
     slow, other = TcpPeerClient(), TcpPeerClient()
