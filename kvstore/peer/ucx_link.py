@@ -87,31 +87,41 @@ class UcxRuntime:
 
     _instance: UcxRuntime | None = None
     _lock = threading.Lock()
+    thread_name = "strata-ucx"
 
     def __init__(self) -> None:
         self.ucxx = _import_ucxx()
         self.loop = asyncio.new_event_loop()
         ready = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="strata-ucx", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=self.thread_name, daemon=True)
         self._thread.start()
         ready.result(30)
 
     def _run(self, ready: concurrent.futures.Future) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.ucxx.init(progress_mode=PROGRESS_MODE)
-            self.ucxx.continuous_ucx_progress(self.loop)
+            self._start_worker()
         except BaseException as err:  # noqa: BLE001 - handed to the starting thread
             ready.set_exception(UcxUnavailable(f"ucxx failed to start a worker ({err})"))
             return
         ready.set_result(None)
         self.loop.run_forever()
 
+    def _start_worker(self) -> None:
+        """On the UCX thread, before its loop runs: ucxx's process-wide context, progressed here
+        (made on the running loop, which is where ucxx starts progressing it)."""
+
+        async def init() -> None:
+            self.ucxx.init(progress_mode=PROGRESS_MODE)
+            self.ucxx.continuous_ucx_progress(self.loop)
+
+        self.loop.run_until_complete(init())
+
     @classmethod
     def get(cls) -> UcxRuntime:
         with cls._lock:
             if cls._instance is None:
-                cls._instance = UcxRuntime()
+                cls._instance = cls()
             return cls._instance
 
     def submit(self, coro) -> concurrent.futures.Future:
@@ -122,6 +132,10 @@ class UcxRuntime:
         coroutine goes on: the caller decides what to abort)."""
         return self.submit(coro).result(timeout)
 
+    def on_loop(self) -> bool:
+        """Whether this is the UCX thread."""
+        return threading.get_ident() == self._thread.ident
+
     def is_ucx_error(self, err: BaseException) -> bool:
         return isinstance(err, self.ucxx.exceptions.UCXError)
 
@@ -129,12 +143,19 @@ class UcxRuntime:
 class UcxLink:
     """One ucxx endpoint carrying peer-protocol frames, used by one thread at a time (see the module)."""
 
-    def __init__(self, runtime: UcxRuntime, endpoint, *, max_meta: int = MAX_META_BYTES) -> None:
+    def __init__(self, runtime: UcxRuntime, endpoint, *, max_meta: int = MAX_META_BYTES,
+                 send_tag: int | None = None, recv_tag: int | None = None) -> None:
+        """``send_tag``/``recv_tag``: the tags of this link's messages, for an endpoint made from a
+        worker address (which has no tags of its own); None: the endpoint's own pair, agreed by
+        ucxx when a listener connected it."""
         self._rt = runtime
         self.ep = endpoint
         self._max_meta = max_meta
         self._head = bytearray(HEADER.size + max_meta)
         self._timeout: float | None = None
+        self._send_tag = {} if send_tag is None else {"tag": send_tag, "force_tag": True}
+        self._recv_tag = {} if recv_tag is None else {"tag": recv_tag, "force_tag": True}
+        self._sends: set[asyncio.Task] = set()  # on the UCX thread
         self.pending = 0
         self.closed = False
 
@@ -145,7 +166,8 @@ class UcxLink:
 
     def _wait(self, coro):
         if self.closed:
-            raise ConnectionError("the UCX endpoint is closed")
+            coro.close()
+            raise ConnectionError(self._closed_why())
         future = self._rt.submit(coro)
         try:
             return future.result(self._timeout)
@@ -153,50 +175,73 @@ class UcxLink:
             self._abort(future)
             raise BlockingIOError("the UCX peer did not answer in time") from None
         except Exception as err:
-            if self._rt.is_ucx_error(err):
+            # A UCX error, or the endpoint aborted under the call (a shutdown, the peer gone):
+            # the request was cancelled, or found the endpoint already closed.
+            if self._rt.is_ucx_error(err) or self.closed or isinstance(err, concurrent.futures.CancelledError):
+                why = self._closed_why() if self.closed else f"the UCX endpoint failed ({type(err).__name__}: {err})"
                 self._abort(future)
-                raise ConnectionError(f"the UCX endpoint failed ({type(err).__name__}: {err})") from None
+                raise ConnectionError(why) from None
             raise
 
+    def _closed_why(self) -> str:
+        return "the UCX endpoint is closed"
+
     def _abort(self, future: concurrent.futures.Future | None = None) -> None:
-        """Abort the endpoint (its requests are cancelled) and wait until ``future`` ended."""
+        """Abort the endpoint (its requests are cancelled) and wait until ``future`` ended. From
+        any thread, the UCX thread included."""
         if not self.closed:
             self.closed = True
-            done = concurrent.futures.Future()
+            if self._rt.on_loop():
+                self._abort_endpoint()
+            else:
+                done = concurrent.futures.Future()
 
-            def abort() -> None:
+                def abort() -> None:
+                    try:
+                        self._abort_endpoint()
+                    finally:
+                        done.set_result(None)
+
+                self._rt.loop.call_soon_threadsafe(abort)
                 try:
-                    self.ep.abort()
-                finally:
-                    done.set_result(None)
-
-            self._rt.loop.call_soon_threadsafe(abort)
-            try:
-                done.result(_ABORT_WAIT_S)
-            except concurrent.futures.TimeoutError:
-                pass  # the loop is stuck; the endpoint goes with the process
-        if future is not None:
+                    done.result(_ABORT_WAIT_S)
+                except concurrent.futures.TimeoutError:
+                    pass  # the loop is stuck; the endpoint goes with the process
+        if future is not None and not self._rt.on_loop():
             try:
                 future.result(_ABORT_WAIT_S)
             except BaseException:  # noqa: BLE001 - cancelled or failed: either way it has ended
                 pass
 
+    def _abort_endpoint(self) -> None:
+        """On the UCX thread: close the endpoint at once. Its receives end cancelled; a send UCX
+        cannot cancel (one without endpoint error handling waits for its receiver for ever) has
+        its task cancelled instead, so the thread waiting on it goes on. Its bytes are only ever
+        read after that, by a receiver that is itself aborting, and checked against their
+        checksum where they land."""
+        self.ep.abort()
+        for task in list(self._sends):
+            task.cancel()
+
+    async def _send(self, parts: Sequence) -> None:
+        task = asyncio.current_task()
+        self._sends.add(task)
+        try:
+            for p in parts:
+                await self.ep.send(p, **self._send_tag)
+        finally:
+            self._sends.discard(task)
+
     def sendall(self, data) -> None:
         if len(data):
-            self._wait(self.ep.send(data))
+            self._wait(self._send([data]))
 
     def sendmsg(self, parts: Sequence) -> int:
         """Each part as its own message (a frame's head, then one message per block); returns the
         bytes sent, as a socket's sendmsg does."""
         parts = [p for p in parts if len(p)]
-        if len(parts) == 1:
-            self._wait(self.ep.send(parts[0]))
-        elif parts:
-            async def send_all():
-                for p in parts:
-                    await self.ep.send(p)
-
-            self._wait(send_all())
+        if parts:
+            self._wait(self._send(parts))
         return sum(len(p) for p in parts)
 
     def shutdown(self, how=None) -> None:
@@ -211,7 +256,7 @@ class UcxLink:
     def read_meta(self) -> tuple[object, int]:
         if self.pending:
             raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
-        self._wait(self.ep.recv(self._head))
+        self._wait(self.ep.recv(self._head, **self._recv_tag))
         meta_len, payload_len = HEADER.unpack_from(self._head)
         if meta_len > self._max_meta:
             raise FrameError(
@@ -232,7 +277,7 @@ class UcxLink:
         if n:
             if before is not None:
                 before()
-            self._wait(self.ep.recv(dst))
+            self._wait(self.ep.recv(dst, **self._recv_tag))
             if hasher is not None:
                 hasher.update(dst)
         self.pending -= n
