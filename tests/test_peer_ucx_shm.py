@@ -184,6 +184,32 @@ def test_a_holder_that_dies_while_a_reader_waits_on_it_ends_the_wait_through_the
             d.kill()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_connection_costs_the_holder_no_cpu(tmp_path):
+    """The holder keeps a receive posted for an open connection's next request. ucxx's own wait
+    spins on it (a core for as long as the connection is open); the progress driver sleeps in
+    epoll between backed-off polls. A resource bound with a wide margin, not a timing."""
+    from kvstore.peer.ucx_shm import UcxShmPeerClient
+
+    d = DaemonProcess(tmp_path, *SHM, "--auto-create-namespaces").start()
+    try:
+        client = UcxShmPeerClient()
+        client.write(shm_address(d), "m", [(b"i", b"v" * 10, BlockMeta(10, checksum(b"v" * 10)))], Deadline.after(60))
+        time.sleep(0.5)  # past the connection's first polls
+        before, t0 = _cpu_seconds(d.proc.pid), time.monotonic()
+        time.sleep(3)
+        used, elapsed = _cpu_seconds(d.proc.pid) - before, time.monotonic() - t0
+        assert client.open_connections == 1
+        assert used < 0.1 * elapsed, f"the holder used {used:.2f}s of CPU in {elapsed:.1f}s with one idle connection"
+        client.close()
+    finally:
+        d.kill()
+
+
 READER = """
 import sys, time
 from kvstore.peer.ucx_shm import UcxShmPeerClient

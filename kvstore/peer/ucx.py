@@ -41,7 +41,7 @@ class _UcxConnection(_Connection):
             raise TierUnavailable(f"cannot resolve peer {address} ({err}): check its advertised address") from None
         try:
             ep = runtime.call(
-                runtime.ucxx.create_endpoint(host, address.port, endpoint_error_handling=True, connect_timeout=timeout),
+                runtime.context.create_endpoint(host, address.port, endpoint_error_handling=True, connect_timeout=timeout),
                 timeout + 1.0,
             )
         except Exception as err:  # noqa: BLE001 - every way a connect fails (refused, timed out, UCX's own errors)

@@ -30,7 +30,14 @@ environment when it is imported and sets ``UCX_MAX_RNDV_RAILS=1`` unless
 told otherwise, which cuts TCP bandwidth about three times; two rails is
 set first (an operator's own value wins). The progress mode is
 ``blocking`` (the worker's event fd on the loop): ucxx's default progress
-thread is 3–5× slower on a small machine.
+thread is 3–5× slower on a small machine. Requests are made through ucxx's
+low-level endpoint (``tag_send``/``tag_recv`` with the link's tags) and
+waited on through :class:`~kvstore.peer.ucx_progress.UcxProgress`, not
+ucxx's own wait, which spins a core for as long as any request is pending
+(a served connection always has one: the receive for its next request).
+Each runtime has a ucxx context of its own (:attr:`UcxRuntime.options`
+over the environment), so the shared-memory one
+(:mod:`kvstore.peer.ucx_shm_link`) can fix its transports.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import msgpack
 
 from kvstore.block import Checksummer
 from kvstore.errors import TierUnavailable
+from kvstore.peer.ucx_progress import UcxProgress
 from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError
 
 __all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
@@ -64,6 +72,8 @@ def _import_ucxx():
     os.environ.setdefault("UCX_MAX_RNDV_RAILS", "2")
     try:
         import ucxx
+        import ucxx._lib.arr
+        import ucxx.types
     except Exception as err:  # noqa: BLE001 - an ImportError, or a native library that failed to load
         raise UcxUnavailable(
             f"the UCX peer transport needs ucxx, which cannot be imported ({type(err).__name__}: {err}): "
@@ -82,12 +92,14 @@ def ucx_available() -> tuple[bool, str]:
 
 
 class UcxRuntime:
-    """The process's ucxx worker and the event loop thread it progresses on. One per process
-    (ucxx keeps one application context); :meth:`get` starts it."""
+    """A ucxx context and worker, and the event loop thread it progresses on (:class:`UcxProgress`).
+    One per process and kind (:meth:`get` starts it): ucxx progresses one worker per event loop."""
 
     _instance: UcxRuntime | None = None
     _lock = threading.Lock()
     thread_name = "strata-ucx"
+    #: UCX settings of this context, over the environment's (none: UCX's own choice of transports).
+    options: dict[str, str] = {}
 
     def __init__(self) -> None:
         self.ucxx = _import_ucxx()
@@ -108,14 +120,27 @@ class UcxRuntime:
         self.loop.run_forever()
 
     def _start_worker(self) -> None:
-        """On the UCX thread, before its loop runs: ucxx's process-wide context, progressed here
-        (made on the running loop, which is where ucxx starts progressing it)."""
+        """On the UCX thread, before its loop runs: a context of this runtime's own (not ucxx's
+        global one), made on the running loop, which is where ucxx progresses it."""
+        from ucxx._lib_async import ApplicationContext
 
-        async def init() -> None:
-            self.ucxx.init(progress_mode=PROGRESS_MODE)
-            self.ucxx.continuous_ucx_progress(self.loop)
+        async def make():
+            return ApplicationContext(dict(self.options), progress_mode=PROGRESS_MODE)
 
-        self.loop.run_until_complete(init())
+        self.context = self.loop.run_until_complete(make())
+        self.progress = UcxProgress(self.context.worker, self.loop)
+        self._tag, self._tag_mask, self._array = self.ucxx.types.Tag, self.ucxx.types.TagMaskFull, self.ucxx._lib.arr.Array
+
+    def tag(self, value: int):
+        return self._tag(value)
+
+    async def tag_send(self, endpoint, buffer, tag) -> None:
+        """Send ``buffer`` as one tag message on the ucxx ``endpoint``, awaited without spinning."""
+        await self.progress.wait(endpoint._ep.tag_send(self._array(buffer), tag))
+
+    async def tag_recv(self, endpoint, buffer, tag) -> None:
+        """Receive one tag message into ``buffer`` (tracked by ``endpoint``: its abort cancels it)."""
+        await self.progress.wait(endpoint._ep.tag_recv(self._array(buffer), tag, self._tag_mask))
 
     @classmethod
     def get(cls) -> UcxRuntime:
@@ -153,8 +178,8 @@ class UcxLink:
         self._max_meta = max_meta
         self._head = bytearray(HEADER.size + max_meta)
         self._timeout: float | None = None
-        self._send_tag = {} if send_tag is None else {"tag": send_tag, "force_tag": True}
-        self._recv_tag = {} if recv_tag is None else {"tag": recv_tag, "force_tag": True}
+        self._send_tag = runtime.tag(endpoint._tags["msg_send"] if send_tag is None else send_tag)
+        self._recv_tag = runtime.tag(endpoint._tags["msg_recv"] if recv_tag is None else recv_tag)
         self._sends: set[asyncio.Task] = set()  # on the UCX thread
         self.pending = 0
         self.closed = False
@@ -224,13 +249,20 @@ class UcxLink:
             task.cancel()
 
     async def _send(self, parts: Sequence) -> None:
+        if self.closed:  # aborted since the call was submitted (the abort runs on this thread too)
+            raise ConnectionError(self._closed_why())
         task = asyncio.current_task()
         self._sends.add(task)
         try:
             for p in parts:
-                await self.ep.send(p, **self._send_tag)
+                await self._rt.tag_send(self.ep, p, self._send_tag)
         finally:
             self._sends.discard(task)
+
+    async def _recv(self, buffer) -> None:
+        if self.closed:
+            raise ConnectionError(self._closed_why())
+        await self._rt.tag_recv(self.ep, buffer, self._recv_tag)
 
     def sendall(self, data) -> None:
         if len(data):
@@ -256,7 +288,7 @@ class UcxLink:
     def read_meta(self) -> tuple[object, int]:
         if self.pending:
             raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
-        self._wait(self.ep.recv(self._head, **self._recv_tag))
+        self._wait(self._recv(self._head))
         meta_len, payload_len = HEADER.unpack_from(self._head)
         if meta_len > self._max_meta:
             raise FrameError(
@@ -277,7 +309,7 @@ class UcxLink:
         if n:
             if before is not None:
                 before()
-            self._wait(self.ep.recv(dst, **self._recv_tag))
+            self._wait(self._recv(dst))
             if hasher is not None:
                 hasher.update(dst)
         self.pending -= n

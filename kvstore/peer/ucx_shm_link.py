@@ -55,7 +55,7 @@ import struct
 
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.peer import wire
-from kvstore.peer.ucx_link import PROGRESS_MODE, UcxLink, UcxRuntime
+from kvstore.peer.ucx_link import UcxLink, UcxRuntime
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,10 @@ class UcxShmRuntime(UcxRuntime):
 
     _instance: UcxShmRuntime | None = None
     thread_name = "strata-ucx-shm"
+    options = {"TLS": SHM_TLS}
 
     def _start_worker(self) -> None:
-        from ucxx._lib_async import ApplicationContext  # a context of its own, beside ucxx's global one
-
-        async def make():  # on the running loop, so ucxx progresses the worker on this loop
-            return ApplicationContext({"TLS": SHM_TLS}, progress_mode=PROGRESS_MODE)
-
-        self.context = self.loop.run_until_complete(make())
+        super()._start_worker()
         self.address = self.context.worker_address.tobytes()
         if len(self.address) > MAX_HANDSHAKE_BYTES // 2:
             raise InvalidArgument(f"the shared-memory worker's address is {len(self.address)} bytes, more than the handshake takes")
