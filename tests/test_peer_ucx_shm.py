@@ -88,6 +88,28 @@ def test_an_address_of_another_host_is_refused_without_connecting(make_daemon):
     assert d.ucx_shm_server.connections == 0
 
 
+def test_a_full_listener_refuses_the_handshake_with_overloaded_and_a_retry_delay(make_daemon):
+    from kvstore.errors import Overloaded
+    from kvstore.peer.ucx_shm import UcxShmPeerClient
+
+    d = make_daemon(peer_ucx_shm=True, auto_create_namespaces=True, peer_max_connections=1)
+    address = d.peer_addresses()["ucx-shm"]
+    first, second = UcxShmPeerClient(), UcxShmPeerClient()
+    try:
+        first.write(address, "m", [(b"k", b"v", BlockMeta(1, checksum(b"v")))], Deadline.after(30))  # stays open
+        wait_until(lambda: d.ucx_shm_server.connections == 1, what="the first connection to be served")
+        with pytest.raises(Overloaded, match="--peer-max-connections") as refused:
+            second.read(address, "m", [b"k"], lambda i, m: bytearray(m.size), Deadline.after(30))
+        assert refused.value.retry_after_s > 0
+        first.close()  # its lifeline ends: the holder frees the slot at once
+        wait_until(lambda: d.ucx_shm_server.connections == 0, what="the closed connection to end")
+        [got] = second.read(address, "m", [b"k"], lambda i, m: bytearray(m.size), Deadline.after(30))
+        assert got.result.is_hit
+    finally:
+        first.close()
+        second.close()
+
+
 def test_the_shared_memory_worker_has_no_transport_but_shared_memory_whatever_UCX_TLS_says():
     """Its transports are set by config, over the environment: UCX_TLS=tcp still gives sm, self."""
     code = ("from kvstore.peer.ucx_shm_link import UcxShmRuntime; "
