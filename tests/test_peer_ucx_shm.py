@@ -31,7 +31,7 @@ from kvstore.client.sync import Client
 from kvstore.errors import TierUnavailable
 from kvstore.peer import open_peer_transport
 from kvstore.peer.ucx_link import ucx_available
-from kvstore.remote.base import ReadStatus, WriteStatus
+from kvstore.remote.base import ReadStatus
 from kvstore.transport import BlockPut, Deadline, open_transport
 from peer_cluster import REPO, PeerNode
 from test_peer_tier import NS, held_by, index_url, keys_of, network, nodes, value  # noqa: F401 - fixtures

@@ -53,15 +53,15 @@ import secrets
 import socket
 import struct
 
-from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.errors import InvalidArgument
 from kvstore.peer import wire
 from kvstore.peer.ucx_link import UcxLink, UcxRuntime
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "HANDSHAKE_VERSION", "MAX_HANDSHAKE_BYTES", "SHM_TLS", "ShmLink", "UcxShmRuntime", "check_peer_uid",
-    "host_id", "read_handshake", "send_handshake", "socket_name",
+    "HANDSHAKE_VERSION", "MAX_HANDSHAKE_BYTES", "SHM_TLS", "SHM_TRANSPORTS", "ShmLink", "UcxShmRuntime",
+    "check_peer_uid", "host_id", "new_connection_id", "read_handshake", "send_handshake", "socket_name",
 ]
 
 SHM_TLS = "sm,self"
@@ -112,7 +112,7 @@ def read_handshake(sock: socket.socket) -> list:
     """One handshake frame (a list), within :data:`MAX_HANDSHAKE_BYTES`."""
     meta, payload = wire.Wire(sock, max_meta=MAX_HANDSHAKE_BYTES).read_meta()
     if payload or not isinstance(meta, list):
-        raise InvalidArgument("a malformed UCX shared-memory handshake: run the same Strata release on both daemons")
+        raise wire.FrameError("a malformed UCX shared-memory handshake: run the same Strata release on both daemons")
     return meta
 
 
