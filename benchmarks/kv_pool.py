@@ -30,8 +30,14 @@ same 256 MiB in one request, in the same rounds.
 The UCX peer transport (:class:`kvstore.peer.ucx.UcxPeerClient`) over the
 same daemon's ``--peer-ucx-listen``, in the same rounds, where ucxx can be
 imported: UCX over its tcp transport on loopback (the listener API wires up
-over TCP), ``UCX_MAX_RNDV_RAILS=2``, blocking progress. UCX shared memory is
-not measured: the listener API never selects it.
+over TCP), ``UCX_MAX_RNDV_RAILS=2``, blocking progress.
+
+UCX shared memory (:class:`kvstore.peer.ucx_shm.UcxShmPeerClient`) over the
+same daemon's ``--peer-ucx-shm``, in the same rounds, where ucxx can be
+imported: endpoints from worker addresses, error handling off, on a worker
+whose only transports are ``sm,self`` (so it is shared memory or nothing:
+sysv/posix for messages, cma for blocks), the address found in the daemon's
+own node record.
 
 The target is ≥ 0.8× the plain socket. Not measured yet (issue 10):
 Mooncake; and a daemon fetching from a daemon through its peer tier (this
@@ -132,6 +138,29 @@ def peer_round(client: TcpPeerClient, address: str, keys: list[bytes], buffers: 
     return run
 
 
+def shm_reader(target: str):
+    """The daemon's ucx-shm:// address (from its node record) and a shared-memory client; refuses
+    to go on unless the client's worker has shared-memory transports only."""
+    from kvstore.client.sync import Client
+    from kvstore.peer.ucx_shm import UcxShmPeerClient
+    from kvstore.peer.ucx_shm_link import SHM_TRANSPORTS, UcxShmRuntime
+
+    with Client(target, use_shm=False) as c:
+        for _ in range(100):  # the daemon publishes its node record just after it starts
+            found = [t for n in c.nodes() for t in n.transports if t.startswith("ucx-shm://")]
+            if found:
+                break
+            time.sleep(0.1)
+        else:
+            raise SystemExit("the daemon never advertised a ucx-shm:// address")
+    at = found[0]
+    transports = UcxShmRuntime.get().transports()
+    if not transports <= SHM_TRANSPORTS:
+        raise SystemExit(f"the shared-memory worker offers {sorted(transports)}: not shared memory only")
+    print(f"UCX shared memory: {at}, worker transports {sorted(transports)}")
+    return at, UcxShmPeerClient()
+
+
 HANDOFF_BLOCKS = 16
 HANDOFF_BLOCK = 16 * MiB
 
@@ -205,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ucx, no_ucx = ucx_available()
     if not ucx:
         print(f"UCX cases left out: {no_ucx}")
-    extra = dict(peer_ucx_listen=f"127.0.0.1:{ucx_port}", insecure=True) if ucx else {}
+    extra = dict(peer_ucx_listen=f"127.0.0.1:{ucx_port}", insecure=True, peer_ucx_shm=True) if ucx else {}
     with strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
-                       peer_listen=f"127.0.0.1:{peer_port}", **extra), \
+                       peer_listen=f"127.0.0.1:{peer_port}", **extra) as target, \
             plain_socket(BATCH * max(SIZES)) as plain:
         address = f"tcp://127.0.0.1:{peer_port}"
         client = TcpPeerClient()
@@ -216,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvstore.peer.ucx import UcxPeerClient
 
             ucx_client = UcxPeerClient()
+            shm_at, shm_client = shm_reader(target)
         try:
             for seed, size in enumerate(SIZES):
                 L = size_label(size)
@@ -241,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                     at = f"ucx://127.0.0.1:{ucx_port}"
                     fns[f"get {L} peer-ucx"] = peer_round(ucx_client, at, keys[:1], buffers[:1], single_calls)
                     fns[f"get {L} peer-ucx x{BATCH} batch"] = peer_round(ucx_client, at, keys, buffers, batch_calls)
+                    fns[f"get {L} peer-ucx-shm"] = peer_round(shm_client, shm_at, keys[:1], buffers[:1], single_calls)
+                    fns[f"get {L} peer-ucx-shm x{BATCH} batch"] = peer_round(shm_client, shm_at, keys, buffers,
+                                                                           batch_calls)
                 s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
                 bench.add(compare(s, f"get {L} peer-tcp", f"plain socket {L}", target_ratio=TARGET, note=(
                     "one block per read: request, header, bytes received into a preallocated buffer and "
@@ -254,10 +287,16 @@ def main(argv: list[str] | None = None) -> int:
                         "receive into the preallocated buffer, verified")))
                     bench.add(compare(s, f"get {L} peer-ucx x{BATCH} batch", f"plain socket {L} x{BATCH}",
                                       target_ratio=TARGET, note=f"{BATCH} blocks per read over UCX"))
+                    bench.add(compare(s, f"get {L} peer-ucx-shm", f"plain socket {L}", target_ratio=TARGET, note=(
+                        "the same over UCX shared memory (worker transports sm,self only: sysv/posix messages, "
+                        "each block one tag receive pulled by cma into the preallocated buffer), verified")))
+                    bench.add(compare(s, f"get {L} peer-ucx-shm x{BATCH} batch", f"plain socket {L} x{BATCH}",
+                                      target_ratio=TARGET, note=f"{BATCH} blocks per read over UCX shared memory"))
         finally:
             client.close()
             if ucx_client is not None:
                 ucx_client.close()
+                shm_client.close()
     if handoff:
         run_handoff(bench, plan)
     bench.finish()

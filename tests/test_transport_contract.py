@@ -3,7 +3,8 @@
 Each transport talks to the same real daemon: in-process through its store,
 the others through its gRPC port, its arena, its same-host socket and its
 peer data plane (peer-tcp, over its --peer-listen TCP port; peer-ucx, over
-its --peer-ucx-listen UCX port, skipped where ucxx cannot be imported).
+its --peer-ucx-listen UCX port; peer-ucx-shm, over UCX shared memory with
+--peer-ucx-shm; the UCX ones skipped where ucxx cannot be imported).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvstore.transport.base import BlockInfo, Transport
 from conftest import wait_until
 
 MiB = 1 << 20
-NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio", "peer-tcp", "peer-ucx"]
+NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio", "peer-tcp", "peer-ucx", "peer-ucx-shm"]
 UCX, NO_UCX = ucx_available()
 
 
@@ -42,10 +43,12 @@ def name(request):
 
 @pytest.fixture
 def daemon(make_daemon, name):
-    if name != "peer-ucx":
+    if name not in ("peer-ucx", "peer-ucx-shm"):
         return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0")
     if not UCX:
         pytest.skip(NO_UCX)
+    if name == "peer-ucx-shm":
+        return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0", peer_ucx_shm=True)
     # ucxx's listener binds every interface: protected mode wants authentication or --insecure
     return make_daemon(auto_create_namespaces=True, namespaces="m", peer_listen="127.0.0.1:0",
                        peer_ucx_listen="127.0.0.1:0", insecure=True)
@@ -120,7 +123,7 @@ class OnItsLoop(Transport):
 def transport(daemon, name):
     if name == "same-host-asyncio":
         t = OnItsLoop(daemon)
-    elif name in ("peer-tcp", "peer-ucx"):
+    elif name in ("peer-tcp", "peer-ucx", "peer-ucx-shm"):
         t = open_transport(name, target=daemon.peer_addresses()[name.removeprefix("peer-")])
     else:
         t = open_transport(name, **({"store": daemon.store} if name == "in-process" else {"target": daemon.target}))

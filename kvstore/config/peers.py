@@ -1,4 +1,4 @@
-"""Settings of the peer data plane: ``[peers]``, the TCP and UCX listeners other daemons read blocks from."""
+"""Settings of the peer data plane: ``[peers]``, the TCP and UCX listeners (and UCX shared memory) other daemons read blocks from."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ class PeerSettings(Section):
     ucx_advertise: str = setting(
         "", "the address other daemons reach the UCX listener at, host:port (default: the UCX listen address, "
         "with this node's hostname in place of a wildcard host)"
+    )
+    ucx_shm: bool = setting(
+        False, "also serve the peer data plane over UCX shared memory to daemons on this host (ucxx, the ucx "
+        "extra; advertised as ucx-shm://<host id>:<port>, tried first by a reader on this host that lists "
+        "ucx-shm in its peer transports); reachable by this user's processes on this host only",
     )
     max_connections: int = setting(64, "peer connections at once; one more is refused with a retry delay", ge=1, le=4096)
     idle_seconds: float = setting(

@@ -164,7 +164,8 @@ class PeerTierSettings(LowerTierSettings):
         default_factory=lambda: ["tcp", "grpc"],
         description="transport schemes this node fetches with, preferred first, comma-separated; a holder is "
         "reached by the first one it also advertises (tcp: holders with --peer-listen; ucx: holders with "
-        "--peer-ucx-listen, and ucxx here; grpc: every daemon)",
+        "--peer-ucx-listen, and ucxx here; grpc: every daemon); ucx-shm (holders on this host with "
+        "--peer-ucx-shm, and ucxx here) is taken first wherever it is listed, for holders on this host only",
     )
     token_file: str = setting(
         "", "file holding the bearer token this daemon presents to its peers; their auth policy must let it "

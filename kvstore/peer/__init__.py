@@ -6,7 +6,11 @@
 - :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``);
 - :mod:`kvstore.peer.tcp`: the TCP client, a :class:`PeerTransport`;
 - :mod:`kvstore.peer.ucx_link`, :mod:`kvstore.peer.ucx`, :mod:`kvstore.peer.ucx_server`:
-  the same protocol over ucxx (the ``ucx`` extra): the link, the client, the listener.
+  the same protocol over ucxx (the ``ucx`` extra): the link, the client, the listener;
+  :mod:`kvstore.peer.ucx_progress`: how the UCX thread progresses its worker without spinning;
+- :mod:`kvstore.peer.ucx_shm_link`, :mod:`kvstore.peer.ucx_shm`, :mod:`kvstore.peer.ucx_shm_server`:
+  UCX shared memory between daemons of one host (its worker, handshake and lifeline; the
+  client; the listener).
 """
 
 from kvstore.peer.base import PEER_TRANSPORTS, Held, PeerAddress, PeerStats, PeerTransport, open_peer_transport

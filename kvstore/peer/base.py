@@ -58,9 +58,12 @@ and results through unchanged:
   closes pooled connections. Idempotent.
 
 Addresses are URLs whose scheme names the transport: ``tcp://host:port``
-(:mod:`kvstore.peer.tcp`), ``ucx://host:port`` (:mod:`kvstore.peer.ucx`). A daemon advertises
-one address per transport it serves; :data:`PEER_TRANSPORTS` maps a scheme
-to the implementation, so a caller picks the first scheme both sides have.
+(:mod:`kvstore.peer.tcp`), ``ucx://host:port`` (:mod:`kvstore.peer.ucx`),
+``ucx-shm://<host id>:port`` (:mod:`kvstore.peer.ucx_shm`: UCX shared memory,
+meaningful on its own host only). A daemon advertises one address per
+transport it serves; :data:`PEER_TRANSPORTS` maps a scheme to the
+implementation, so a caller picks the first scheme both sides have, a
+same-host-only one first where it :meth:`~PeerTransport.reaches` the holder.
 """
 
 from __future__ import annotations
@@ -136,6 +139,13 @@ class PeerTransport(abc.ABC):
     scheme: str = ""
     #: Whether :meth:`write` (and :meth:`hold`, :meth:`release`) is supported.
     writes: bool = False
+    #: Whether it reaches daemons on this host only (shared memory). A reader takes such a
+    #: transport first for a holder it :meth:`reaches`, and never for one elsewhere.
+    same_host_only: bool = False
+
+    def reaches(self, address: str) -> bool:
+        """Whether a daemon at ``address`` can be reached from here at all (False: use another scheme)."""
+        return True
 
     @abc.abstractmethod
     async def read(
@@ -188,9 +198,17 @@ def _ucx(**options) -> PeerTransport:
     return UcxPeerTransport(**options)
 
 
+def _ucx_shm(**options) -> PeerTransport:
+    from kvstore.peer.ucx_shm import UcxShmPeerTransport
+
+    return UcxShmPeerTransport(**options)
+
+
 # Address scheme → constructor (keyword options: token, pool limits); a new
 # peer transport is one module and one entry here.
-PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {"tcp": _tcp, "grpc": _grpc, "ucx": _ucx}
+PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {
+    "tcp": _tcp, "grpc": _grpc, "ucx": _ucx, "ucx-shm": _ucx_shm,
+}
 
 
 def _tcp_client(security) -> object:

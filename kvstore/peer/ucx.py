@@ -41,7 +41,7 @@ class _UcxConnection(_Connection):
             raise TierUnavailable(f"cannot resolve peer {address} ({err}): check its advertised address") from None
         try:
             ep = runtime.call(
-                runtime.ucxx.create_endpoint(host, address.port, endpoint_error_handling=True, connect_timeout=timeout),
+                runtime.context.create_endpoint(host, address.port, endpoint_error_handling=True, connect_timeout=timeout),
                 timeout + 1.0,
             )
         except Exception as err:  # noqa: BLE001 - every way a connect fails (refused, timed out, UCX's own errors)
@@ -72,9 +72,11 @@ class UcxPeerTransport(TcpPeerTransport):
     scheme = "ucx"
     writes = True
     client_class = UcxPeerClient
+    #: The ucxx worker its connections use (the shared-memory transport has its own).
+    runtime_class = UcxRuntime
 
     def __init__(self, *, token: str = "", max_connections: int = MAX_CONNECTIONS,
                  max_idle_per_peer: int = MAX_IDLE_PER_PEER) -> None:
-        UcxRuntime.get()  # fails here, with the fix, when ucxx cannot be imported
+        self.runtime_class.get()  # fails here, with the fix, when ucxx cannot be imported
         super().__init__(token=token, max_connections=max_connections, max_idle_per_peer=max_idle_per_peer)
 

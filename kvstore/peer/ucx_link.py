@@ -30,7 +30,14 @@ environment when it is imported and sets ``UCX_MAX_RNDV_RAILS=1`` unless
 told otherwise, which cuts TCP bandwidth about three times; two rails is
 set first (an operator's own value wins). The progress mode is
 ``blocking`` (the worker's event fd on the loop): ucxx's default progress
-thread is 3–5× slower on a small machine.
+thread is 3–5× slower on a small machine. Requests are made through ucxx's
+low-level endpoint (``tag_send``/``tag_recv`` with the link's tags) and
+waited on through :class:`~kvstore.peer.ucx_progress.UcxProgress`, not
+ucxx's own wait, which spins a core for as long as any request is pending
+(a served connection always has one: the receive for its next request).
+Each runtime has a ucxx context of its own (:attr:`UcxRuntime.options`
+over the environment), so the shared-memory one
+(:mod:`kvstore.peer.ucx_shm_link`) can fix its transports.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import msgpack
 
 from kvstore.block import Checksummer
 from kvstore.errors import TierUnavailable
+from kvstore.peer.ucx_progress import UcxProgress
 from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError
 
 __all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
@@ -64,6 +72,8 @@ def _import_ucxx():
     os.environ.setdefault("UCX_MAX_RNDV_RAILS", "2")
     try:
         import ucxx
+        import ucxx._lib.arr
+        import ucxx.types
     except Exception as err:  # noqa: BLE001 - an ImportError, or a native library that failed to load
         raise UcxUnavailable(
             f"the UCX peer transport needs ucxx, which cannot be imported ({type(err).__name__}: {err}): "
@@ -82,36 +92,61 @@ def ucx_available() -> tuple[bool, str]:
 
 
 class UcxRuntime:
-    """The process's ucxx worker and the event loop thread it progresses on. One per process
-    (ucxx keeps one application context); :meth:`get` starts it."""
+    """A ucxx context and worker, and the event loop thread it progresses on (:class:`UcxProgress`).
+    One per process and kind (:meth:`get` starts it): ucxx progresses one worker per event loop."""
 
     _instance: UcxRuntime | None = None
     _lock = threading.Lock()
+    thread_name = "strata-ucx"
+    #: UCX settings of this context, over the environment's (none: UCX's own choice of transports).
+    options: dict[str, str] = {}
 
     def __init__(self) -> None:
         self.ucxx = _import_ucxx()
         self.loop = asyncio.new_event_loop()
         ready = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="strata-ucx", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=self.thread_name, daemon=True)
         self._thread.start()
         ready.result(30)
 
     def _run(self, ready: concurrent.futures.Future) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.ucxx.init(progress_mode=PROGRESS_MODE)
-            self.ucxx.continuous_ucx_progress(self.loop)
+            self._start_worker()
         except BaseException as err:  # noqa: BLE001 - handed to the starting thread
             ready.set_exception(UcxUnavailable(f"ucxx failed to start a worker ({err})"))
             return
         ready.set_result(None)
         self.loop.run_forever()
 
+    def _start_worker(self) -> None:
+        """On the UCX thread, before its loop runs: a context of this runtime's own (not ucxx's
+        global one), made on the running loop, which is where ucxx progresses it."""
+        from ucxx._lib_async import ApplicationContext
+
+        async def make():
+            return ApplicationContext(dict(self.options), progress_mode=PROGRESS_MODE)
+
+        self.context = self.loop.run_until_complete(make())
+        self.progress = UcxProgress(self.context.worker, self.loop)
+        self._tag, self._tag_mask, self._array = self.ucxx.types.Tag, self.ucxx.types.TagMaskFull, self.ucxx._lib.arr.Array
+
+    def tag(self, value: int):
+        return self._tag(value)
+
+    async def tag_send(self, endpoint, buffer, tag) -> None:
+        """Send ``buffer`` as one tag message on the ucxx ``endpoint``, awaited without spinning."""
+        await self.progress.wait(endpoint._ep.tag_send(self._array(buffer), tag))
+
+    async def tag_recv(self, endpoint, buffer, tag) -> None:
+        """Receive one tag message into ``buffer`` (tracked by ``endpoint``: its abort cancels it)."""
+        await self.progress.wait(endpoint._ep.tag_recv(self._array(buffer), tag, self._tag_mask))
+
     @classmethod
     def get(cls) -> UcxRuntime:
         with cls._lock:
             if cls._instance is None:
-                cls._instance = UcxRuntime()
+                cls._instance = cls()
             return cls._instance
 
     def submit(self, coro) -> concurrent.futures.Future:
@@ -122,6 +157,10 @@ class UcxRuntime:
         coroutine goes on: the caller decides what to abort)."""
         return self.submit(coro).result(timeout)
 
+    def on_loop(self) -> bool:
+        """Whether this is the UCX thread."""
+        return threading.get_ident() == self._thread.ident
+
     def is_ucx_error(self, err: BaseException) -> bool:
         return isinstance(err, self.ucxx.exceptions.UCXError)
 
@@ -129,12 +168,19 @@ class UcxRuntime:
 class UcxLink:
     """One ucxx endpoint carrying peer-protocol frames, used by one thread at a time (see the module)."""
 
-    def __init__(self, runtime: UcxRuntime, endpoint, *, max_meta: int = MAX_META_BYTES) -> None:
+    def __init__(self, runtime: UcxRuntime, endpoint, *, max_meta: int = MAX_META_BYTES,
+                 send_tag: int | None = None, recv_tag: int | None = None) -> None:
+        """``send_tag``/``recv_tag``: the tags of this link's messages, for an endpoint made from a
+        worker address (which has no tags of its own); None: the endpoint's own pair, agreed by
+        ucxx when a listener connected it."""
         self._rt = runtime
         self.ep = endpoint
         self._max_meta = max_meta
         self._head = bytearray(HEADER.size + max_meta)
         self._timeout: float | None = None
+        self._send_tag = runtime.tag(endpoint._tags["msg_send"] if send_tag is None else send_tag)
+        self._recv_tag = runtime.tag(endpoint._tags["msg_recv"] if recv_tag is None else recv_tag)
+        self._sends: set[asyncio.Task] = set()  # on the UCX thread
         self.pending = 0
         self.closed = False
 
@@ -145,7 +191,8 @@ class UcxLink:
 
     def _wait(self, coro):
         if self.closed:
-            raise ConnectionError("the UCX endpoint is closed")
+            coro.close()
+            raise ConnectionError(self._closed_why())
         future = self._rt.submit(coro)
         try:
             return future.result(self._timeout)
@@ -153,50 +200,80 @@ class UcxLink:
             self._abort(future)
             raise BlockingIOError("the UCX peer did not answer in time") from None
         except Exception as err:
-            if self._rt.is_ucx_error(err):
+            # A UCX error, or the endpoint aborted under the call (a shutdown, the peer gone):
+            # the request was cancelled, or found the endpoint already closed.
+            if self._rt.is_ucx_error(err) or self.closed or isinstance(err, concurrent.futures.CancelledError):
+                why = self._closed_why() if self.closed else f"the UCX endpoint failed ({type(err).__name__}: {err})"
                 self._abort(future)
-                raise ConnectionError(f"the UCX endpoint failed ({type(err).__name__}: {err})") from None
+                raise ConnectionError(why) from None
             raise
 
+    def _closed_why(self) -> str:
+        return "the UCX endpoint is closed"
+
     def _abort(self, future: concurrent.futures.Future | None = None) -> None:
-        """Abort the endpoint (its requests are cancelled) and wait until ``future`` ended."""
+        """Abort the endpoint (its requests are cancelled) and wait until ``future`` ended. From
+        any thread, the UCX thread included."""
         if not self.closed:
             self.closed = True
-            done = concurrent.futures.Future()
+            if self._rt.on_loop():
+                self._abort_endpoint()
+            else:
+                done = concurrent.futures.Future()
 
-            def abort() -> None:
+                def abort() -> None:
+                    try:
+                        self._abort_endpoint()
+                    finally:
+                        done.set_result(None)
+
+                self._rt.loop.call_soon_threadsafe(abort)
                 try:
-                    self.ep.abort()
-                finally:
-                    done.set_result(None)
-
-            self._rt.loop.call_soon_threadsafe(abort)
-            try:
-                done.result(_ABORT_WAIT_S)
-            except concurrent.futures.TimeoutError:
-                pass  # the loop is stuck; the endpoint goes with the process
-        if future is not None:
+                    done.result(_ABORT_WAIT_S)
+                except concurrent.futures.TimeoutError:
+                    pass  # the loop is stuck; the endpoint goes with the process
+        if future is not None and not self._rt.on_loop():
             try:
                 future.result(_ABORT_WAIT_S)
             except BaseException:  # noqa: BLE001 - cancelled or failed: either way it has ended
                 pass
 
+    def _abort_endpoint(self) -> None:
+        """On the UCX thread: close the endpoint at once. Its receives end cancelled; a send UCX
+        cannot cancel (one without endpoint error handling waits for its receiver for ever) has
+        its task cancelled instead, so the thread waiting on it goes on. Its bytes are only ever
+        read after that, by a receiver that is itself aborting, and checked against their
+        checksum where they land."""
+        self.ep.abort()
+        for task in list(self._sends):
+            task.cancel()
+
+    async def _send(self, parts: Sequence) -> None:
+        if self.closed:  # aborted since the call was submitted (the abort runs on this thread too)
+            raise ConnectionError(self._closed_why())
+        task = asyncio.current_task()
+        self._sends.add(task)
+        try:
+            for p in parts:
+                await self._rt.tag_send(self.ep, p, self._send_tag)
+        finally:
+            self._sends.discard(task)
+
+    async def _recv(self, buffer) -> None:
+        if self.closed:
+            raise ConnectionError(self._closed_why())
+        await self._rt.tag_recv(self.ep, buffer, self._recv_tag)
+
     def sendall(self, data) -> None:
         if len(data):
-            self._wait(self.ep.send(data))
+            self._wait(self._send([data]))
 
     def sendmsg(self, parts: Sequence) -> int:
         """Each part as its own message (a frame's head, then one message per block); returns the
         bytes sent, as a socket's sendmsg does."""
         parts = [p for p in parts if len(p)]
-        if len(parts) == 1:
-            self._wait(self.ep.send(parts[0]))
-        elif parts:
-            async def send_all():
-                for p in parts:
-                    await self.ep.send(p)
-
-            self._wait(send_all())
+        if parts:
+            self._wait(self._send(parts))
         return sum(len(p) for p in parts)
 
     def shutdown(self, how=None) -> None:
@@ -211,7 +288,7 @@ class UcxLink:
     def read_meta(self) -> tuple[object, int]:
         if self.pending:
             raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
-        self._wait(self.ep.recv(self._head))
+        self._wait(self._recv(self._head))
         meta_len, payload_len = HEADER.unpack_from(self._head)
         if meta_len > self._max_meta:
             raise FrameError(
@@ -232,7 +309,7 @@ class UcxLink:
         if n:
             if before is not None:
                 before()
-            self._wait(self.ep.recv(dst))
+            self._wait(self._recv(dst))
             if hasher is not None:
                 hasher.update(dst)
         self.pending -= n

@@ -42,7 +42,7 @@ class UcxPeerServer(PeerServer):
         self._serial = itertools.count(1)
 
         async def listen():
-            return self._runtime.ucxx.create_listener(self._accepted, port=int(port), endpoint_error_handling=True)
+            return self._runtime.context.create_listener(self._accepted, port=int(port), endpoint_error_handling=True)
 
         self._listener = self._runtime.call(listen(), 30)
         self.port = self._listener.port

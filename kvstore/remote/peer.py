@@ -11,8 +11,9 @@ a local miss the store reads through to it, and it
    another epoch refreshes it) and the first transport scheme in this
    node's preference order that the holder advertises;
 3. orders the holders: **same host first** (the holder's advertised host
-   equals this node's: loopback or shared-memory-fast, and no network
-   hop), **then least loaded**, the load being the fetches this node has
+   equals this node's, or a same-host-only transport — UCX shared memory —
+   reaches it, which is then the scheme used: loopback or shared-memory-fast,
+   and no network hop), **then least loaded**, the load being the fetches this node has
    in flight to that holder now. It is the one signal every node has
    without asking anyone; ties are broken at random so that a hot block's
    readers spread over its holders;
@@ -140,6 +141,7 @@ class _Candidate:
     record: NodeInfo
     scheme: str
     address: str  # scheme://host:port
+    near: bool = False  # reached over a same-host-only transport: on this host
 
     @property
     def node_id(self) -> str:
@@ -419,14 +421,33 @@ class PeerSource(RemoteSource):
             record = records.get(h.node_id)
             if record is None or record.epoch != h.epoch or self._backoff.get(h.node_id, 0.0) > now:
                 continue
-            for scheme in self._schemes:
-                endpoint = record.endpoint(scheme)
-                if endpoint is not None:
-                    out.append(_Candidate(h, record, scheme, f"{scheme}://{endpoint}"))
-                    break
+            picked = self._pick(record)
+            if picked is not None:
+                out.append(_Candidate(h, record, *picked))
         random.shuffle(out)
-        out.sort(key=lambda c: (c.record.host != self.host, self._in_flight.get(c.node_id, 0)))
+        out.sort(key=lambda c: (not c.near and c.record.host != self.host, self._in_flight.get(c.node_id, 0)))
         return out[: self.limits.max_holders]
+
+    def _pick(self, record: NodeInfo) -> tuple[str, str, bool] | None:
+        """How to reach ``record``: (scheme, address, near). A same-host-only transport (shared
+        memory) that reaches it comes first, whatever its place in this node's order; one that
+        does not is never used for it; otherwise the first of this node's schemes it advertises."""
+        first = None
+        for scheme in self._schemes:
+            endpoint = record.endpoint(scheme)
+            if endpoint is None:
+                continue
+            address = f"{scheme}://{endpoint}"
+            try:
+                transport = self._transport(scheme)
+            except StrataError:
+                transport = None  # unusable here: the fetch says why, as before
+            if transport is not None and transport.same_host_only:
+                if transport.reaches(address):
+                    return scheme, address, True
+            elif first is None:
+                first = (scheme, address, False)
+        return first
 
     async def _node_records(self, holders: list[Holder], deadline: float) -> dict[str, NodeInfo]:
         if self._records_lock is None:

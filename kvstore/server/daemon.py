@@ -91,6 +91,7 @@ class Daemon:
         self._same_hosts: dict[str, SameHostServer] = {}  # every arena's, by arena name
         self.peer_server: PeerServer | None = None  # the peer data plane (--peer-listen)
         self.ucx_server: PeerServer | None = None  # the same over UCX (--peer-ucx-listen)
+        self.ucx_shm_server: PeerServer | None = None  # the same over UCX shared memory, this host (--peer-ucx-shm)
         self._watchdog: StreamWatchdog | None = None
         self._metrics_server = None
         self._health = health.HealthServicer()
@@ -127,6 +128,8 @@ class Daemon:
             self._stop_handoffs()
             if self.ucx_server is not None:
                 self.ucx_server.stop()
+            if self.ucx_shm_server is not None:
+                self.ucx_shm_server.stop()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if self.replicator is not None:
@@ -228,6 +231,10 @@ class Daemon:
             self.ucx_server = self._ucx_server()
         elif "peer" in s.tiers.chain and "ucx" in s.tiers.peer.transports:
             self._start_ucx("--peer-transports ucx")
+        if s.peers.ucx_shm:
+            self.ucx_shm_server = self._ucx_shm_server()
+        elif "peer" in s.tiers.chain and "ucx-shm" in s.tiers.peer.transports:
+            self._start_ucx("--peer-transports ucx-shm", shared_memory=True)
         self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
@@ -313,15 +320,38 @@ class Daemon:
         return self
 
     @staticmethod
-    def _start_ucx(why: str) -> None:
+    def _start_ucx(why: str, *, shared_memory: bool = False) -> None:
         """Start ucxx's worker now, not on the first peer read (its start can take seconds on a busy
         host, longer than a read's deadline), and say at once when it cannot be imported."""
         from kvstore.peer.ucx_link import UcxRuntime, UcxUnavailable
 
         try:
-            UcxRuntime.get()
+            if shared_memory:
+                from kvstore.peer.ucx_shm_link import UcxShmRuntime
+
+                UcxShmRuntime.get()
+            else:
+                UcxRuntime.get()
         except UcxUnavailable as err:
             raise DaemonError(f"{err} ({why})") from None
+
+    def _ucx_shm_server(self) -> PeerServer:
+        """The UCX shared-memory peer listener: the same requests, to daemons on this host."""
+        from kvstore.peer.ucx_shm_server import UcxShmPeerServer
+
+        s = self.settings
+        self._start_ucx("--peer-ucx-shm", shared_memory=True)
+        server = UcxShmPeerServer(
+            self.store, "", authority=self.authority, metrics=self.metrics,
+            max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
+            in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+        )
+        try:
+            return server.start()
+        except OSError as err:
+            raise DaemonError(
+                f"cannot serve UCX shared memory to this host's daemons ({err}): turn --peer-ucx-shm off"
+            ) from None
 
     def _ucx_server(self) -> PeerServer:
         """The UCX peer listener: the same requests as the TCP one, over ucxx (the ucx extra)."""
@@ -346,9 +376,12 @@ class Daemon:
     def peer_addresses(self) -> dict[str, str]:
         """The peer data plane's addresses by transport scheme (``{"tcp": "tcp://host:port",
         "ucx": "ucx://host:port"}``), as other daemons reach them: what this node's index record
-        advertises. Empty when no peer listener is configured (--peer-listen, --peer-ucx-listen)."""
+        advertises, shared memory first (``ucx-shm://<host id>:port``, for daemons on this host).
+        Empty when no peer listener is configured (--peer-listen, --peer-ucx-listen, --peer-ucx-shm)."""
         p = self.settings.peers
         out = {}
+        if self.ucx_shm_server is not None and self.ucx_shm_server.port is not None:
+            out["ucx-shm"] = self.ucx_shm_server.address
         for scheme, server, listen, advertise in (("tcp", self.peer_server, p.listen, p.advertise),
                                                   ("ucx", self.ucx_server, p.ucx_listen, p.ucx_advertise)):
             if server is None or server.port is None:
@@ -414,9 +447,9 @@ class Daemon:
         }}
 
     def peer_transports(self) -> list[str]:
-        """The data-plane endpoints this node advertises in its node record, preferred first: the
-        TCP peer listener when there is one (--peer-listen), the UCX one (--peer-ucx-listen), then
-        gRPC. A reader picks the first of its own ``[tiers.peer] transports`` listed here."""
+        """The data-plane endpoints this node advertises in its node record, preferred first: UCX
+        shared memory for this host's daemons (--peer-ucx-shm), the TCP peer listener when there is
+        one (--peer-listen), the UCX one (--peer-ucx-listen), then gRPC. A reader picks the first of its own ``[tiers.peer] transports`` listed here."""
         return [*self.peer_addresses().values(), f"grpc://{self.advertised}"]
 
     def _authority(self) -> Authority:
@@ -524,6 +557,8 @@ class Daemon:
             self.replicator.stop()
         if self.ucx_server is not None:
             self.ucx_server.stop()
+        if self.ucx_shm_server is not None:
+            self.ucx_shm_server.stop()
         if self.kv_events is not None:
             try:
                 self.index_agent.run(self.kv_events.stop(leave=True), timeout=5)

@@ -11,7 +11,9 @@ suite over all of them (``tests/test_transport_contract.py``):
 - ``peer-tcp``: the daemon's peer data plane (``--peer-listen``), the TCP
   transport daemons read each other's blocks with (:mod:`kvstore.peer`);
 - ``peer-ucx``: the same over the daemon's UCX listener (``--peer-ucx-listen``;
-  needs the ``ucx`` extra).
+  needs the ``ucx`` extra);
+- ``peer-ucx-shm``: the same over UCX shared memory, to a daemon on this host
+  (``--peer-ucx-shm``; the ``ucx`` extra).
 
 A new transport is one module and one entry in :data:`TRANSPORTS`.
 """
@@ -54,6 +56,12 @@ def _peer_ucx(*, target: str, **options) -> Transport:
     return connect(target, **options)
 
 
+def _peer_ucx_shm(*, target: str, **options) -> Transport:
+    from kvstore.transport.peer_ucx_shm import connect
+
+    return connect(target, **options)
+
+
 def _peer_tcp(*, target: str, **options) -> Transport:
     from kvstore.transport.peer_tcp import connect
 
@@ -69,6 +77,7 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
     "same-host": _same_host,
     "peer-tcp": _peer_tcp,
     "peer-ucx": _peer_ucx,
+    "peer-ucx-shm": _peer_ucx_shm,
 }
 
 
