@@ -321,6 +321,10 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
     it cannot outlive a benchmark killed with SIGKILL. Its arena goes with it (``ram_keep_on_exit`` off):
     a benchmark's cache is not worth keeping in the shared-memory directory.
     """
+    scratch = None
+    if "disk_dir" not in settings:  # never the default ~/.cache/strata: another daemon may be using it
+        scratch = tempfile.TemporaryDirectory(prefix="strata-bench-")
+        settings["disk_dir"] = scratch.name
     settings = {"listen": "127.0.0.1:0", "metrics_listen": "", "ram_keep_on_exit": False, **settings}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     log = tempfile.TemporaryFile()
@@ -345,6 +349,8 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             _stop(proc, 5.0)
         log.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 def _read_port(proc: subprocess.Popen, timeout_s: float) -> int | None:
