@@ -141,13 +141,4 @@ class HeadPlacement(StorePart):
         return plan.frees_now, self._s.demoting > 0
 
     def write_through_locked(self, key: BlockKey, entry: Entry) -> None:
-        head = self._head.name
-        below = self._chain.below(head)
-        if below is None or not self._chain.edge_below(head).write_through:
-            return
-        now = self._clock()
-        if now < self._s.unhealthy_until.get(below.name, 0.0) or now < self._s.full_until.get(below.name, 0.0):
-            return
-        if self._s.mark_copy_locked(key, below.name):
-            if not self._demoter.offer(Copy(key, head, below.name, evict=False)):
-                self._s.unmark_copy_locked(key)  # queue full: eviction will demote it later
+        self._s.write_through_locked(key, entry, self._head.name, self._demoter.offer)

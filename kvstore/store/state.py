@@ -134,6 +134,32 @@ class StoreState:
             self.emit_locked(Evicted(key, tier, self.best(entry)))
         self.cond.notify_all()
 
+    def forget_copy_locked(self, key: BlockKey, entry: Entry, tier: TierName) -> None:
+        """Forget a copy its tier turned out not to have (a remote tier answered miss for it): nothing is
+        deleted there. The block leaves the store when that was its last copy."""
+        if tier not in entry.tiers:
+            return
+        self.recency.discard(tier, key)
+        entry.tiers.discard(tier)
+        if not entry.tiers:
+            self.remove_locked(key, entry)
+            return
+        if not entry.deleted:
+            self.emit_locked(Evicted(key, tier, self.best(entry)))
+        self.cond.notify_all()
+
+    def write_through_locked(self, key: BlockKey, entry: Entry, tier: TierName, offer: Callable[[Copy], bool]) -> None:
+        """``key`` was just stored in ``tier``: when the edge below it writes through, queue a copy
+        down at once (keeping this one). A full queue leaves it to eviction to demote later."""
+        below = self.chain.below(tier)
+        if below is None or not self.chain.edge_below(tier).write_through or below.name in entry.tiers:
+            return
+        now = self.clock()
+        if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
+            return
+        if self.mark_copy_locked(key, below.name) and not offer(Copy(key, tier, below.name, evict=False)):
+            self.unmark_copy_locked(key)
+
     def remove_locked(self, key: BlockKey, entry: Entry) -> None:
         """The block leaves the store. One still pinned (a reader dropped its corrupt last copy
         while a lease names it) stays as an invisible tombstone until its last pin goes."""
