@@ -54,6 +54,7 @@ from kvstore.remote.object.metrics import ObjectMetrics, code_label
 READ_CHUNK_BYTES = 1 << 20  # a streamed GET hands over at least this much at a time
 _STATUS_RE = re.compile(r"status code: (\d{3})")
 _CODE_RE = re.compile(r"<Code>([A-Za-z]+)</Code>")
+_HTTP_KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")  # object_store's transport failure kinds
 _RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
 _SLOW_STATUS = frozenset({429, 503})
 
@@ -119,8 +120,8 @@ def classify(err: BaseException) -> Failure:
     if status is not None:
         code = code_match.group(1) if code_match else f"HTTP{status}"
         return Failure(code, status, status in _RETRY_STATUS, status in _SLOW_STATUS)
-    lowered = text.lower()
-    if "timed out" in lowered or "timeout" in lowered:
+    kind = _HTTP_KIND_RE.search(text)
+    if (kind is not None and kind.group(1) == "Timeout") or "timed out" in text.lower():
         return Failure("timeout", None, True, False)
     return Failure("connection", None, True, False)
 
@@ -264,7 +265,10 @@ class S3Client:
         self.metrics.seconds.labels(op).observe(time.monotonic() - started)
 
     def _error(self, op: str, failure: Failure, tries: int) -> TierUnavailable | InvalidArgument:
-        where = f"{self.name}: {op} answered {failure.code}" + (f" (HTTP {failure.status})" if failure.status else "")
+        if failure.code in ("connection", "timeout"):
+            where = f"{self.name}: {op} got no answer ({'timed out' if failure.code == 'timeout' else 'connection failed'})"
+        else:
+            where = f"{self.name}: {op} answered {failure.code}" + (f" (HTTP {failure.status})" if failure.status else "")
         if failure.code == "NoSuchBucket":
             return TierUnavailable(f"{where}: create the bucket or fix [tiers.object] bucket")
         if failure.code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken") or (

@@ -306,7 +306,11 @@ class ObjectSource(RemoteSource):
 
         async def body() -> None:
             async def fill(i: int) -> None:
-                results[i] = await step(i)
+                try:
+                    results[i] = await step(i)
+                except StrataError as err:  # the client's TierUnavailable or InvalidArgument: this key failed
+                    self._errors += 1
+                    results[i] = failed(err)
 
             await _gather([fill(i) for i in range(n)])
 
