@@ -18,6 +18,7 @@ from kvstore.tiers import known_tiers, open_tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
 from store_blocks import MiB, Clock, value
+from kvstore.tiers.object import ObjectTier
 from kvstore.tiers.remote import RemoteTier
 from kvstore.remote.memory import MemoryRemote
 
@@ -40,7 +41,15 @@ def ram_disk_remote(tmp_path, n):
     return ram_disk(tmp_path, n) + [RemoteTier.open(f"memory://chain-{tmp_path.name}-{n}")]
 
 
-CHAINS = {"ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote}
+def ram_disk_object(tmp_path, n, s3):
+    environ = {"AWS_ACCESS_KEY_ID": "chain", "AWS_SECRET_ACCESS_KEY": "chain", "HOME": str(tmp_path)}
+    tier = ObjectTier.open(bucket=s3.bucket, prefix=f"chain-{tmp_path.name}-{n}", endpoint=s3.endpoint,
+                           environ=environ, retries=0)
+    return ram_disk(tmp_path, n) + [tier]
+
+
+CHAINS = {"ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote, "ram+disk+object": ram_disk_object}
+NEEDS = {"ram+disk+object": "s3"}  # a session fixture a chain's row needs
 
 
 @pytest.fixture
@@ -58,7 +67,8 @@ def stores():
 
 @pytest.fixture(params=sorted(CHAINS))
 def store(request, tmp_path, clock, stores):
-    s = TieredStore(CHAINS[request.param](tmp_path, len(stores)), limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    needs = [request.getfixturevalue(NEEDS[request.param])] if request.param in NEEDS else []
+    s = TieredStore(CHAINS[request.param](tmp_path, len(stores), *needs), limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
     stores.append(s)
     return s
 
