@@ -413,6 +413,26 @@ def test_a_copy_the_remote_tier_no_longer_has_is_forgotten_when_read(tmp_path, c
     assert store.exists("m", [b"k%d" % gone]) == [], "the store still offers a block no tier holds"
 
 
+def test_a_read_only_remote_tier_in_the_middle_is_passed_over_on_the_way_down(tmp_path, clock, stores):
+    """[ram, disk, peer, object]: the peer tier takes no copies, so disk evictions go on to the bucket."""
+    tiers = [
+        HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-skip"),
+        DiskTier(tmp_path / "d-skip", 3 * MiB),
+        RemoteTier.open(f"memory://skip-peer-{tmp_path.name}", tier=TierName.PEER),
+        RemoteTier.open(f"memory://skip-object-{tmp_path.name}"),
+    ]
+    store = TieredStore(tiers, edges=[EdgePolicy(), EdgePolicy(demote=False), EdgePolicy()], clock=clock,
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    stores.append(store)
+    for i in range(12):
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    where = [store.exists("m", [b"k%d" % i]) for i in range(12)]
+    assert all(where), "a block was dropped though the bucket had room"
+    assert [TierName.OBJECT] in where and [TierName.PEER] not in where
+    assert not store.chain.target_below(DISK, through=True), "no edge below disk writes through"
+
+
 def test_remote_tiers_come_last(tmp_path):
     ram = HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-last")
     remote = RemoteTier.open(f"memory://last-{tmp_path.name}")

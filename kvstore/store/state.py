@@ -151,8 +151,8 @@ class StoreState:
     def write_through_locked(self, key: BlockKey, entry: Entry, tier: TierName, offer: Callable[[Copy], bool]) -> None:
         """``key`` was just stored in ``tier``: when the edge below it writes through, queue a copy
         down at once (keeping this one). A full queue leaves it to eviction to demote later."""
-        below = self.chain.below(tier)
-        if below is None or not self.chain.edge_below(tier).write_through or below.name in entry.tiers:
+        below = self.chain.target_below(tier, through=True)
+        if below is None or below.name in entry.tiers:
             return
         now = self.clock()
         if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
@@ -236,9 +236,9 @@ class StoreState:
         return [parent]
 
     def usable_below(self, tier: TierName) -> Level | None:
-        """The next level down when it takes copies now (its edge demotes and it has not just failed)."""
-        below = self.chain.below(tier)
-        if below is None or not self.chain.edge_below(tier).demote:
+        """The level copies go down to when it takes them now (its edge demotes and it has not just failed)."""
+        below = self.chain.target_below(tier)
+        if below is None:
             return None
         now = self.clock()
         if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
@@ -246,9 +246,9 @@ class StoreState:
         return below
 
     def full_below(self, tier: TierName) -> TierName | None:
-        """The next tier down, when it is in its full period: the tier above then drops nothing of its own."""
-        below = self.chain.below(tier)
-        if below is None or not self.chain.edge_below(tier).demote:
+        """The tier copies go down to, when it is in its full period: the tier above then drops nothing of its own."""
+        below = self.chain.target_below(tier)
+        if below is None:
             return None
         return below.name if self.clock() < self.full_until.get(below.name, 0.0) else None
 
