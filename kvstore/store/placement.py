@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import TierFull
-from kvstore.store.demotion import Copy, Demoter
+from kvstore.store.demotion import Demoter
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
 from kvstore.store.state import StorePart, StoreState
