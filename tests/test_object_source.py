@@ -314,3 +314,19 @@ def test_an_object_of_a_newer_format_is_a_miss_and_is_left_alone(s3, prefix):
 
     run(body)
     assert s3.raw_get(path) == bytes(obj), "a newer daemon's object is not ours to delete"
+
+
+def test_a_block_larger_than_this_daemon_takes_is_a_miss_and_is_left_alone(s3, prefix):
+    async def body():
+        writer, reader = source(s3, prefix), source(s3, prefix, max_block_bytes=8192)
+        data, meta = block(10_000)
+        await writer.write([(key("big"), data, meta)], later())
+        asked = []
+        [got] = await reader.read([key("big")], lambda i, m: asked.append(m), later())
+        assert got.status is ReadStatus.MISS and asked == [], "no buffer was asked for"
+        [again] = await writer.read([key("big")], Buffers(), later())
+        assert again.is_hit, "another daemon's block is not deleted for being large"
+        await writer.close()
+        await reader.close()
+
+    run(body)

@@ -399,7 +399,8 @@ class Daemon:
         if "object" in s.tiers.chain:
             from kvstore.remote.object.metrics import ObjectMetrics
 
-            runtime["object"] = {"environ": dict(os.environ), "metrics": ObjectMetrics(self.metrics.registry)}
+            runtime["object"] = {"environ": dict(os.environ), "metrics": ObjectMetrics(self.metrics.registry),
+                                 "max_block_bytes": int(s.store.max_block_bytes)}
         if "peer" not in s.tiers.chain:
             return runtime
         from kvstore.remote.peer import PeerMetrics

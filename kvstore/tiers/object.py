@@ -56,7 +56,7 @@ class ObjectTier(RemoteTier):
         retries: int = 4, backoff_s: float = 0.1, max_backoff_s: float = 5.0, part_bytes: int = 8 << 20,
         parts_in_flight: int = 4, multipart_bytes: int = 64 << 20, check_before_put: bool = True,
         queue_blocks: int = 1024, queue_bytes: int = 256 << 20, max_uploads: int = 8, upload_s: float = 30.0,
-        drain_s: float = 10.0, writeback: WriteBackLimits | None = None,
+        drain_s: float = 10.0, max_block_bytes: int = 1 << 30, writeback: WriteBackLimits | None = None,
     ) -> ObjectTier:
         """Resolve credentials (``environ``: the daemon's environment, read once here), then start the
         source on its bridge's loop and the write-back workers (``writeback``: every write-back limit,
@@ -71,7 +71,7 @@ class ObjectTier(RemoteTier):
             parts_in_flight=parts_in_flight,
         )
         layout = KeyLayout(prefix)
-        limits = ObjectLimits(multipart_bytes, check_before_put)
+        limits = ObjectLimits(multipart_bytes, check_before_put, max_block_bytes)
         metrics = metrics or ObjectMetrics()
         bridge = RemoteBridge(
             lambda: ObjectSource(S3Client(options, metrics), layout, limits=limits),

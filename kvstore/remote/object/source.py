@@ -71,6 +71,7 @@ DEFAULT_MULTIPART_BYTES = 64 << 20
 class ObjectLimits:
     multipart_bytes: int = DEFAULT_MULTIPART_BYTES  # objects at least this large go up in parts (not conditional)
     check_before_put: bool = True  # ask (a ranged GET) before uploading: no second upload of a stored block
+    max_block_bytes: int = 1 << 30  # a larger block (another fleet's limits) is a miss here: never allocated
 
     def __post_init__(self) -> None:
         if self.multipart_bytes < 5 << 20:
@@ -101,7 +102,8 @@ class ObjectSource(RemoteSource):
 
     @classmethod
     def open(cls, rest: str, *, capacity_bytes: int | None = None, multipart_bytes: int = DEFAULT_MULTIPART_BYTES,
-             check_before_put: bool = True, metrics: ObjectMetrics | None = None, **options: Any) -> ObjectSource:
+             check_before_put: bool = True, max_block_bytes: int = 1 << 30, metrics: ObjectMetrics | None = None,
+             **options: Any) -> ObjectSource:
         """``rest``: ``BUCKET[/PREFIX]``; ``options``: the fields of :class:`S3Options` (endpoint,
         region, credentials, max_requests, retries, ...); ``capacity_bytes``: a :class:`ByteQuota`."""
         bucket, _, prefix = rest.partition("/")
@@ -109,7 +111,7 @@ class ObjectSource(RemoteSource):
             client = S3Client(S3Options(bucket=bucket, **options), metrics)
         except TypeError as err:
             raise InvalidArgument(f"object source s3://{rest}: {err}") from None
-        source = cls(client, KeyLayout(prefix), limits=ObjectLimits(multipart_bytes, check_before_put))
+        source = cls(client, KeyLayout(prefix), limits=ObjectLimits(multipart_bytes, check_before_put, max_block_bytes))
         if capacity_bytes is not None:
             if capacity_bytes <= 0:
                 raise InvalidArgument(f"capacity_bytes is {capacity_bytes}: give a positive number of bytes")
@@ -218,6 +220,11 @@ class ObjectSource(RemoteSource):
             header: Header | None = None
             try:
                 head, header = await _read_header(chunks, key)
+                if header.meta.size > self._limits.max_block_bytes:
+                    log.warning("%s: block %s is %d bytes, over this daemon's %d: read as a miss", self.name, key,
+                                header.meta.size, self._limits.max_block_bytes)
+                    self._misses += 1
+                    return MISS
                 if body.size != header.object_bytes:
                     raise CorruptBlock(f"object is {body.size} bytes; its header says {header.object_bytes}")
                 view = place(i, header.meta)
