@@ -171,3 +171,29 @@ def test_credentials_and_region_from_the_files_by_profile(tmp_path):
 def test_no_credentials_anywhere_leaves_them_to_the_instance(tmp_path):
     found = credentials.resolve({"HOME": str(tmp_path)})
     assert found.credentials is None and found.region == "us-east-1"
+
+
+# ---- what an S3 answer means ---------------------------------------------------------------------
+
+
+def test_s3_answers_are_told_apart_by_their_code():
+    import obstore.exceptions as obx
+
+    from kvstore.remote.object.client import classify
+
+    def generic(status: int, code: str) -> Exception:
+        return obx.GenericError(f"Error performing PUT http://h/b/k - Server returned non-2xx status code: "
+                                f"{status} X: <Error><Code>{code}</Code></Error>")
+
+    slow = classify(generic(503, "SlowDown"))
+    assert (slow.code, slow.retryable, slow.slow_down) == ("SlowDown", True, True)
+    assert classify(generic(500, "InternalError")).retryable and not classify(generic(500, "InternalError")).slow_down
+    assert not classify(generic(400, "InvalidArgument")).retryable
+    conflict = classify(obx.AlreadyExistsError("409 <Code>ConditionalRequestConflict</Code>"))
+    assert conflict.retryable, "a create that raced a delete is tried again, never taken for 'present'"
+    assert classify(obx.AlreadyExistsError("412 <Code>PreconditionFailed</Code>")).code == "PreconditionFailed"
+    assert classify(FileNotFoundError("404 <Code>NoSuchBucket</Code>")).code == "NoSuchBucket"
+    dropped = classify(obx.GenericError("HTTP error: error sending request ... HttpError {\n kind: Request, "
+                                        "retry_timeout: 180s"))
+    assert (dropped.code, dropped.retryable) == ("connection", True)
+    assert classify(obx.GenericError("HttpError {\n kind: Timeout,")).code == "timeout"

@@ -89,6 +89,11 @@ def test_blocks_evicted_from_disk_land_in_the_bucket_and_a_store_with_empty_tier
         assert reader.exists("m", [b"k%d" % i]) == [HOST], "promoted into RAM"
     assert reader.get(BlockKey("m", b"never-written")) is None
 
+    unpromoted, _ = made(s3, prefix, edges=[EdgePolicy(), EdgePolicy(promote=False)])  # [tiers.object] promote = false
+    i = in_bucket[0]
+    assert unpromoted.get(BlockKey("m", b"k%d" % i))[0] == value(i)
+    assert unpromoted.exists("m", [b"k%d" % i]) == [OBJECT], "copied up though the edge says not to"
+
 
 def test_a_block_waiting_for_upload_is_served_from_the_queue(s3, prefix, made):
     proxy = s3.proxy()

@@ -113,6 +113,8 @@ def classify(err: BaseException) -> Failure:
     if isinstance(err, (FileNotFoundError, obx.NotFoundError)):
         code = code_match.group(1) if code_match else "NoSuchKey"
         return Failure(code, 404, False, False)
+    if code_match and code_match.group(1) == "ConditionalRequestConflict":  # a delete raced the create: again
+        return Failure("ConditionalRequestConflict", 409, True, False)
     if isinstance(err, (obx.AlreadyExistsError, obx.PreconditionError)):
         return Failure("PreconditionFailed", 412, False, False)
     if isinstance(err, (obx.PermissionDeniedError, obx.UnauthenticatedError)):
