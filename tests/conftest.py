@@ -162,3 +162,19 @@ def redis_cluster_url(tmp_path_factory):
     yield f"redis+cluster://127.0.0.1:{servers[0].port}"
     for s in servers:
         s.stop()
+
+
+# ---- a private S3-compatible server (the object tier) ---------------------------
+# moto's server in a child process, one bucket; tests isolate themselves with a
+# prefix of their own (tests/s3_servers.py).
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    import s3_servers
+
+    if not s3_servers.available():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    env = s3_servers.S3Env(s3_servers.start_moto(tmp_path_factory.mktemp("moto")))
+    yield env
+    env.close()

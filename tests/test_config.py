@@ -3,6 +3,7 @@ and errors that name the flag, variable or config key to change."""
 
 from __future__ import annotations
 
+import re
 import socket
 
 import dataclasses
@@ -144,9 +145,28 @@ def test_example_config_file_loads():
         "replay_endpoint": "tcp://vllm-0:5558", "topic": "",
     }]
     assert s.server.unix_socket == "/run/strata/strata.sock"
-    assert s.tiers.chain == ["ram", "disk", "peer"] and s.server.advertise_address == "10.0.0.2:50051"
+    assert s.tiers.chain == ["ram", "disk", "peer", "object"] and s.server.advertise_address == "10.0.0.2:50051"
     assert s.tiers.peer.edge() == {"demote": False, "write_through": False, "promote": True}
     assert s.tiers.peer.transports == ["tcp", "grpc"] and s.tiers.peer.token_file == "/etc/strata/peer.token"
+    assert (s.tiers.object.bucket, s.tiers.object.prefix) == ("my-kv-cache", "strata/prod")
+    assert s.tiers.object.edge() == {"demote": True, "write_through": False, "promote": True}
+
+
+def test_object_settings_are_checked_and_handed_down_as_plain_values(tmp_path):
+    s = load_settings(environ={"STRATA_OBJECT_BUCKET": "kv"}, tiers="ram,disk,object",
+                      object_endpoint="http://minio:9000", object_queue_bytes="64MiB")
+    options = s.tiers.object.tier_options(tmp_path)
+    assert options["bucket"] == "kv" and options["endpoint"] == "http://minio:9000"
+    assert options["queue_bytes"] == 64 << 20 and options["prefix"] == "strata" and options["call_s"] == 5.0
+    assert "secret" not in " ".join(options)  # credentials come from the environment at start, never from here
+    for bad, says in [
+        (dict(tiers="ram,disk,object"), "set [tiers.object] bucket"),
+        (dict(tiers="ram,object", object_bucket="kv", object_part_bytes="1MiB"), "at least 5MiB"),
+        (dict(tiers="ram,object", object_bucket="kv", object_max_uploads=32, object_max_requests=32),
+         "reads need requests of their own"),
+    ]:
+        with pytest.raises(SettingsError, match=re.escape(says)):
+            load_settings(environ={}, **bad)
 
 
 def test_peer_settings_are_checked_and_the_advertised_address_derived():

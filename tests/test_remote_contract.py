@@ -24,6 +24,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -44,6 +45,8 @@ from kvstore.remote import SOURCES, open_remote
 from kvstore.remote.base import MAX_BATCH_BLOCKS, ReadStatus, RemoteSource, WriteStatus
 from kvstore.remote.faults import FaultySource
 from kvstore.remote.memory import MemoryRemote, forget
+from kvstore.remote.object.credentials import StaticCredentials
+from kvstore.remote.object.format import header_length
 
 CAPACITY = 16 << 20
 SLOW_S = 30.0  # a latency no test waits out: a source that honoured it instead of the deadline fails the test
@@ -87,18 +90,43 @@ class Buffers:
 
 @dataclass
 class Row:
-    open: Callable[..., RemoteSource]  # (place, **options) -> a new source on that shared place
-    corrupt: Callable[[RemoteSource, BlockKey], None]  # damage a stored block's bytes at rest
-    forget: Callable[[str], None]  # drop a place's blocks after the test
+    open: Callable[..., RemoteSource]  # (place, env, **options) -> a new source on that shared place
+    corrupt: Callable[[RemoteSource, BlockKey, Any], None]  # damage a stored block's bytes at rest (env last)
+    forget: Callable[[str, Any], None] = lambda place, env: None  # drop a place's blocks after the test
+    fixture: str | None = None  # a session fixture the row needs (its value is ``env``)
+    model_examples: int = 30  # examples of the model-based test (a slow server gets fewer)
 
 
-def _memory_corrupt(source: RemoteSource, k: BlockKey) -> None:
-    inner = source.inner if isinstance(source, FaultySource) else source
-    assert inner.corrupt(k)
+def _inner(source: RemoteSource) -> RemoteSource:
+    return source.inner if isinstance(source, FaultySource) else source
+
+
+def _memory_corrupt(source: RemoteSource, k: BlockKey, env) -> None:
+    assert _inner(source).corrupt(k)
+
+
+def _s3_open(place: str, s3, *, capacity_bytes: int | None = None, latency_s: float = 0.0) -> RemoteSource:
+    """A source on prefix ``place`` of the test bucket; a latency goes through a delaying proxy."""
+    import s3_servers
+
+    endpoint = s3.delayed(latency_s).endpoint if latency_s else s3.endpoint
+    credentials = StaticCredentials(s3_servers.ACCESS_KEY, s3_servers.SECRET_KEY)
+    return open_remote(f"s3://{s3.bucket}/{place}", endpoint=endpoint, credentials=credentials,
+                       capacity_bytes=capacity_bytes, retries=1)
+
+
+def _s3_corrupt(source: RemoteSource, k: BlockKey, s3) -> None:
+    """Flip the first payload byte of the block's object, in the bucket (a bit flip at rest)."""
+    path = _inner(source).layout.path(k)
+    data = bytearray(s3.raw_get(path))
+    data[header_length(data)] ^= 0xFF
+    s3.raw_put(path, bytes(data))
 
 
 ROWS: dict[str, Row] = {
-    "memory": Row(lambda place, **o: open_remote(f"memory://{place}", **o), _memory_corrupt, forget),
+    "memory": Row(lambda place, env, **o: open_remote(f"memory://{place}", **o), _memory_corrupt,
+                  lambda place, env: forget(place)),
+    "s3": Row(_s3_open, _s3_corrupt, fixture="s3", model_examples=20),
 }
 
 
@@ -106,16 +134,17 @@ ROWS: dict[str, Row] = {
 class Harness:
     row: Row
     place: str
+    env: Any = None
     opened: list[RemoteSource] = field(default_factory=list)
 
     def open(self, **options) -> RemoteSource:
         if not self.opened:
             options.setdefault("capacity_bytes", CAPACITY)
-        self.opened.append(self.row.open(self.place, **options))
+        self.opened.append(self.row.open(self.place, self.env, **options))
         return self.opened[-1]
 
     def corrupt(self, source: RemoteSource, k: BlockKey) -> None:
-        self.row.corrupt(source, k)
+        self.row.corrupt(source, k, self.env)
 
     def run(self, body: Callable[[], Awaitable[None]]) -> None:
         async def scenario() -> None:
@@ -128,12 +157,25 @@ class Harness:
         asyncio.run(scenario())
 
 
+def _place(request) -> str:
+    return "t" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
+
+
 @pytest.fixture(params=sorted(ROWS))
 def remote(request) -> Harness:
-    place = "t" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
     row = ROWS[request.param]
-    yield Harness(row, place)
-    row.forget(place)
+    env = request.getfixturevalue(row.fixture) if row.fixture else None
+    harness = Harness(row, _place(request), env)
+    yield harness
+    row.forget(harness.place, env)
+
+
+@pytest.fixture
+def memory_remote(request) -> Harness:
+    """The in-process row alone, for checks of MemoryRemote itself."""
+    harness = Harness(ROWS["memory"], _place(request))
+    yield harness
+    forget(harness.place)
 
 
 async def put(source: RemoteSource, *blocks: tuple[BlockKey, bytes, BlockMeta]) -> None:
@@ -668,17 +710,18 @@ class RemoteMachine(RuleBasedStateMachine):
 
 def test_model_based(remote):
     run_state_machine_as_test(
-        lambda: RemoteMachine(remote), settings=settings(max_examples=30, stateful_step_count=25, deadline=None)
+        lambda: RemoteMachine(remote),
+        settings=settings(max_examples=remote.row.model_examples, stateful_step_count=25, deadline=None),
     )
 
 
 # The in-process source alone.
 
 
-def test_a_read_stopped_half_way_through_a_block_never_reports_it(remote):
+def test_a_read_stopped_half_way_through_a_block_never_reports_it(memory_remote):
     async def body():
         src = MemoryRemote(bytes_per_s=1.0)  # the first 256 KiB chunk lands, the next takes days
-        remote.opened.append(src)
+        memory_remote.opened.append(src)
         data, meta = block(1 << 20)
         src.bytes_per_s = None
         await put(src, (key("k"), data, meta))
@@ -706,13 +749,13 @@ def test_a_read_stopped_half_way_through_a_block_never_reports_it(remote):
         assert src._blocks.reserved == 0
         assert src.stats().hits == 0
 
-    remote.run(body)
+    memory_remote.run(body)
 
 
-def test_evicting_source_drops_least_recently_used(remote):
+def test_evicting_source_drops_least_recently_used(memory_remote):
     async def body():
         src = MemoryRemote(capacity_bytes=300_000, evict=True)
-        remote.opened.append(src)
+        memory_remote.opened.append(src)
         blocks = [(key(f"e{i}"), *block(100_000, seed=i)) for i in range(4)]
         await put(src, *blocks[:3])
         await src.read([key("e0")], Buffers(), later())  # e0 is now more recent than e1
@@ -721,10 +764,10 @@ def test_evicting_source_drops_least_recently_used(remote):
         assert [m is not None for m in metas] == [True, False, True, True]
         assert src.stats().stored_bytes <= 300_000
 
-    remote.run(body)
+    memory_remote.run(body)
 
 
-def test_memory_source_options_are_checked(remote):
+def test_memory_source_options_are_checked(memory_remote):
     with pytest.raises(InvalidArgument, match="A-Za-z0-9"):
         MemoryRemote("bad name")
     with pytest.raises(InvalidArgument, match="PEER or OBJECT"):
@@ -733,7 +776,7 @@ def test_memory_source_options_are_checked(remote):
         MemoryRemote(latency_s=-1)
     with pytest.raises(InvalidArgument):
         MemoryRemote(capacity_bytes=0)
-    place = remote.place + "-opts"
+    place = memory_remote.place + "-opts"
     MemoryRemote(place, capacity_bytes=1 << 20)
     try:
         MemoryRemote(place)  # the capacity is the place's
@@ -749,32 +792,32 @@ def test_memory_source_options_are_checked(remote):
     forget(place)
 
 
-def test_named_places_are_bounded(remote, monkeypatch):
+def test_named_places_are_bounded(memory_remote, monkeypatch):
     import kvstore.remote.memory as memory
 
     monkeypatch.setattr(memory, "MAX_SHARED_NAMES", len(memory._shared) + 1)
-    MemoryRemote(remote.place + "-1")
+    MemoryRemote(memory_remote.place + "-1")
     try:
         with pytest.raises(ResourceExhausted, match="forget"):
-            MemoryRemote(remote.place + "-2")
+            MemoryRemote(memory_remote.place + "-2")
     finally:
-        forget(remote.place + "-1")
+        forget(memory_remote.place + "-1")
 
 
-def test_private_sources_share_nothing(remote):
+def test_private_sources_share_nothing(memory_remote):
     async def body():
         one, two = open_remote("memory"), open_remote("memory://")
-        remote.opened += [one, two]
+        memory_remote.opened += [one, two]
         data, meta = block(100)
         await put(one, (key("k"), data, meta))
         assert await two.lookup([key("k")], later()) == [None]
 
-    remote.run(body)
+    memory_remote.run(body)
 
 
 def test_unknown_kind_lists_the_known_ones():
     with pytest.raises(InvalidArgument) as caught:
-        open_remote("s3://bucket/prefix")
+        open_remote("gs://bucket/prefix")
     for scheme in SOURCES:
         assert f"{scheme}://" in str(caught.value)
-    assert "'s3'" in str(caught.value)
+    assert "'gs'" in str(caught.value)

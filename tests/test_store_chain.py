@@ -6,6 +6,8 @@ behaviour runs over each (RAM only; RAM + disk; more as tiers join).
 
 from __future__ import annotations
 
+import asyncio
+import time
 
 import pytest
 
@@ -16,7 +18,9 @@ from kvstore.tiers import known_tiers, open_tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
 from store_blocks import MiB, Clock, value
+from kvstore.tiers.object import ObjectTier
 from kvstore.tiers.remote import RemoteTier
+from kvstore.remote.memory import MemoryRemote
 
 HOST, DISK = TierName.HOST, TierName.DISK
 
@@ -37,7 +41,15 @@ def ram_disk_remote(tmp_path, n):
     return ram_disk(tmp_path, n) + [RemoteTier.open(f"memory://chain-{tmp_path.name}-{n}")]
 
 
-CHAINS = {"ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote}
+def ram_disk_object(tmp_path, n, s3):
+    environ = {"AWS_ACCESS_KEY_ID": "chain", "AWS_SECRET_ACCESS_KEY": "chain", "HOME": str(tmp_path)}
+    tier = ObjectTier.open(bucket=s3.bucket, prefix=f"chain-{tmp_path.name}-{n}", endpoint=s3.endpoint,
+                           environ=environ, retries=0)
+    return ram_disk(tmp_path, n) + [tier]
+
+
+CHAINS = {"ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote, "ram+disk+object": ram_disk_object}
+NEEDS = {"ram+disk+object": "s3"}  # a session fixture a chain's row needs
 
 
 @pytest.fixture
@@ -55,7 +67,8 @@ def stores():
 
 @pytest.fixture(params=sorted(CHAINS))
 def store(request, tmp_path, clock, stores):
-    s = TieredStore(CHAINS[request.param](tmp_path, len(stores)), limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
+    needs = [request.getfixturevalue(NEEDS[request.param])] if request.param in NEEDS else []
+    s = TieredStore(CHAINS[request.param](tmp_path, len(stores), *needs), limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)
     stores.append(s)
     return s
 
@@ -147,7 +160,7 @@ def test_tier_registry_builds_by_name_and_lists_known(tmp_path):
     remote = open_tier("remote", url=f"memory://registry-{tmp_path.name}")
     assert remote.name is TierName.OBJECT and remote.remote
     remote.close()
-    with pytest.raises(InvalidArgument, match="known tiers are disk, peer, ram, remote"):
+    with pytest.raises(InvalidArgument, match="known tiers are disk, object, peer, ram, remote"):
         open_tier("tape")
 
 
@@ -369,6 +382,55 @@ def test_a_remote_tier_that_is_too_slow_is_a_miss_and_local_tiers_keep_serving(t
         put(store, b"k%d" % i, value(i))
         store.flush_demotions()
     assert store.get(BlockKey("m", b"k11"))[0] == value(11)
+
+
+def test_write_through_on_a_lower_edge_copies_a_block_on_down_as_soon_as_it_lands(tmp_path, clock, stores):
+    tiers = [
+        HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-through"),
+        DiskTier(tmp_path / "d-through", 8 * MiB),
+        RemoteTier.open(f"memory://through-{tmp_path.name}"),
+    ]
+    store = TieredStore(tiers, edges=[EdgePolicy(write_through=True), EdgePolicy(write_through=True)], clock=clock,
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    stores.append(store)
+    put(store, b"k", value(1))
+    store.flush_demotions()
+    remote = MemoryRemote(f"through-{tmp_path.name}")
+    assert asyncio.run(remote.lookup([BlockKey("m", b"k")], time.monotonic() + 5)) == [BlockMeta(MiB, checksum(value(1)))]
+    assert store.exists("m", [b"k"]) == [HOST], "every copy above stays"
+
+
+def test_a_copy_the_remote_tier_no_longer_has_is_forgotten_when_read(tmp_path, clock, stores):
+    shared = f"lost-{tmp_path.name}"
+    store = remote_store(tmp_path, clock, stores, "lost", f"memory://{shared}")
+    for i in range(12):
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    gone = next(i for i in range(12) if store.exists("m", [b"k%d" % i]) == [TierName.OBJECT])
+    other = MemoryRemote(shared)  # another node deletes it, or a lifecycle rule expires it
+    assert asyncio.run(other.delete([BlockKey("m", b"k%d" % gone)], time.monotonic() + 5)) == 1
+    assert store.get(BlockKey("m", b"k%d" % gone)) is None
+    assert store.exists("m", [b"k%d" % gone]) == [], "the store still offers a block no tier holds"
+
+
+def test_a_read_only_remote_tier_in_the_middle_is_passed_over_on_the_way_down(tmp_path, clock, stores):
+    """[ram, disk, peer, object]: the peer tier takes no copies, so disk evictions go on to the bucket."""
+    tiers = [
+        HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-skip"),
+        DiskTier(tmp_path / "d-skip", 3 * MiB),
+        RemoteTier.open(f"memory://skip-peer-{tmp_path.name}", tier=TierName.PEER),
+        RemoteTier.open(f"memory://skip-object-{tmp_path.name}"),
+    ]
+    store = TieredStore(tiers, edges=[EdgePolicy(), EdgePolicy(demote=False), EdgePolicy()], clock=clock,
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    stores.append(store)
+    for i in range(12):
+        put(store, b"k%d" % i, value(i))
+        store.flush_demotions()
+    where = [store.exists("m", [b"k%d" % i]) for i in range(12)]
+    assert all(where), "a block was dropped though the bucket had room"
+    assert [TierName.OBJECT] in where and [TierName.PEER] not in where
+    assert not store.chain.target_below(DISK, through=True), "no edge below disk writes through"
 
 
 def test_remote_tiers_come_last(tmp_path):

@@ -9,7 +9,8 @@ One section per component, each a model that holds its settings' defaults
     ├── tiers     TierSettings
     │   ├── ram   RamSettings       [tiers.ram]    bytes, shm_dir
     │   ├── disk  DiskSettings      [tiers.disk]   dir, bytes, fsync
-    │   └── peer  PeerTierSettings  [tiers.peer]   fetch limits and deadlines, transports, token_file
+    │   ├── peer  PeerTierSettings  [tiers.peer]   fetch limits and deadlines, transports, token_file
+    │   └── object ObjectTierSettings [tiers.object] bucket, prefix, endpoint, region, uploads, queue
     ├── store     StoreSettings     [store]        block and batch limits, leases, demotion, namespaces
     ├── index     IndexSettings     [index]        url, ttl_seconds, score_weights, kv_events
     ├── auth      AuthSettings      [auth]         policy file, TLS, protected mode, socket mode

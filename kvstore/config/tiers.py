@@ -1,10 +1,10 @@
-"""Settings of the tiers: ``[tiers] chain``, ``[tiers.ram]``, ``[tiers.disk]`` and ``[tiers.peer]``.
+"""Settings of the tiers: ``[tiers] chain``, ``[tiers.ram]``, ``[tiers.disk]``, ``[tiers.peer]``, ``[tiers.object]``.
 
 ``chain`` orders the tiers, fastest first; each name is a section here and a
 tier in :mod:`kvstore.tiers`' registry. Every tier below the head says how
 blocks reach it (``write_policy``) and whether reads from it are copied up
-(``promote``): the policy of the edge above it. The GPU and object
-tiers get their sections here when they exist: a
+(``promote``): the policy of the edge above it. The GPU tier gets its
+section here when it exists: a
 :class:`~kvstore.config.section.Section` subclass (a
 :class:`LowerTierSettings` for a tier below the head) and a field of
 :class:`TierSettings`.
@@ -207,6 +207,91 @@ class PeerTierSettings(LowerTierSettings):
         }
 
 
+class ObjectTierSettings(LowerTierSettings):
+    flag_prefix = "object_"
+    title = ("object tier: blocks evicted from disk go up to an S3-compatible bucket the fleet shares (verified, "
+             "one object per block); a local miss reads through")
+
+    write_policy: Literal["back", "through", "off"] = setting(
+        "back",
+        "how blocks reach the bucket: back (when evicted from the tier above), through (as soon as stored "
+        "there, keeping that copy), off (never: read-through only); uploads never hold up a put",
+    )
+    bucket: str = setting("", "S3 bucket (required with object in the chain); it must exist")
+    prefix: str = setting("strata", "key prefix in the bucket: daemons on one bucket and prefix share blocks")
+    endpoint: str = setting(
+        "", "S3 endpoint, scheme and host: empty for AWS (or AWS_ENDPOINT_URL); http://minio:9000 for MinIO; "
+        "http:// allows plain HTTP",
+    )
+    region: str = setting("", "region; empty: AWS_REGION, AWS_DEFAULT_REGION, the AWS config file, or us-east-1")
+    profile: str = setting(
+        "", "profile of the AWS credentials and config files; empty: AWS_PROFILE or default. Credentials come "
+        "from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, that file, then web identity (IRSA), the container or "
+        "the instance role; they are never logged",
+    )
+    virtual_hosted: bool = setting(
+        False, "address the bucket as a host name (BUCKET.s3.REGION.amazonaws.com) instead of a path; MinIO "
+        "and most S3-compatible servers want paths",
+    )
+    max_requests: int = setting(32, "S3 requests in flight at once (reads and uploads)", ge=2, le=1024)
+    max_uploads: int = setting(8, "uploads at once (of max_requests; the rest stay free for reads)", ge=1, le=512)
+    queue_blocks: int = setting(1024, "blocks waiting for upload; beyond it the oldest are dropped", ge=1,
+                                le=1 << 20)
+    queue_bytes: ByteSize = setting(
+        ByteSize(256 << 20), "block bytes waiting for upload (held in memory); beyond it the oldest are dropped"
+    )
+    part_bytes: ByteSize = setting(ByteSize(8 << 20), "part size of multipart uploads (S3's minimum: 5MiB)")
+    multipart_bytes: ByteSize = setting(
+        ByteSize(64 << 20), "blocks at least this large upload in parts; smaller ones in one conditional PUT "
+        "(If-None-Match: the bucket keeps one object however many nodes write the block)",
+    )
+    read_seconds: float = setting(5.0, "deadline of one read from the bucket; a local miss never waits longer",
+                                  gt=0, le=300)
+    upload_seconds: float = setting(30.0, "deadline of one upload, retries included; then it is tried again later",
+                                    gt=0, le=3600)
+    request_seconds: float = setting(10.0, "timeout of one S3 request", gt=0, le=600)
+    retries: int = setting(4, "retries of one S3 request answered 5xx or SlowDown, or not answered", ge=0, le=20)
+    check_before_put: bool = setting(
+        True, "ask the bucket (a small ranged GET) before an upload, so a block another node stored is not "
+        "sent again",
+    )
+    drain_seconds: float = setting(10.0, "at a graceful stop, wait this long for queued uploads", ge=0, le=600)
+
+    @field_validator("part_bytes")
+    @classmethod
+    def _part_minimum(cls, value: ByteSize) -> ByteSize:
+        if value < 5 << 20:
+            raise ValueError(f"object_part_bytes is {value.human_readable()}; S3 parts are at least 5MiB")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ObjectTierSettings:
+        if self.max_uploads >= self.max_requests:
+            raise ValueError(
+                f"object_max_uploads ({self.max_uploads}) must be below object_max_requests ({self.max_requests}): "
+                "reads need requests of their own"
+            )
+        if self.multipart_bytes < self.part_bytes:
+            raise ValueError("object_multipart_bytes must be at least object_part_bytes")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def tier_options(self, state_dir: Path) -> dict[str, Any]:
+        """Plain values; the daemon adds its environment (for credentials) and the metrics."""
+        return {
+            "bucket": self.bucket, "prefix": self.prefix, "endpoint": self.endpoint, "region": self.region,
+            "profile": self.profile, "virtual_hosted": self.virtual_hosted, "call_s": self.read_seconds,
+            "max_requests": self.max_requests, "request_s": self.request_seconds, "retries": self.retries,
+            "part_bytes": int(self.part_bytes), "multipart_bytes": int(self.multipart_bytes),
+            "check_before_put": self.check_before_put, "queue_blocks": self.queue_blocks,
+            "queue_bytes": int(self.queue_bytes), "max_uploads": self.max_uploads,
+            "upload_s": self.upload_seconds, "drain_s": self.drain_seconds,
+        }
+
+
 class TierSettings(Section):
     title = "the tiers, fastest first"
 
@@ -218,6 +303,7 @@ class TierSettings(Section):
     ram: RamSettings = setting(default_factory=RamSettings)
     disk: DiskSettings = setting(default_factory=DiskSettings)
     peer: PeerTierSettings = setting(default_factory=PeerTierSettings)
+    object: ObjectTierSettings = setting(default_factory=ObjectTierSettings)
 
     _split = field_validator("chain", mode="before")(split_commas)
 
@@ -229,6 +315,11 @@ class TierSettings(Section):
                 raise ValueError(f"tier {name!r} in the chain is not a tier; the known tiers are {', '.join(known)}")
         if self.chain[0] != "ram" or len(set(self.chain)) != len(self.chain):
             raise ValueError(f"chain {self.chain}: ram comes first, and each tier appears once")
+        if "object" in self.chain and not self.object.bucket:
+            raise ValueError(
+                "the object tier is in the chain but has no bucket: set [tiers.object] bucket "
+                "(flag --object-bucket, env STRATA_OBJECT_BUCKET)"
+            )
         return self
 
     def section(self, name: str) -> Section:

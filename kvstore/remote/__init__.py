@@ -25,19 +25,28 @@ def _peer(rest: str, **options) -> RemoteSource:
     return PeerSource.from_options(rest, **options)
 
 
+def _s3(rest: str, **options) -> RemoteSource:
+    from kvstore.remote.object import ObjectSource
+
+    return ObjectSource.open(rest, **options)
+
+
 # URL scheme -> constructor(the part after "scheme://", **options); a new kind registers here.
 SOURCES: dict[str, Callable[..., RemoteSource]] = {
     "memory": _memory,
     "peer": _peer,
+    "s3": _s3,
 }
 
 
 def open_remote(url: str, **options) -> RemoteSource:
     """A source for ``url``: ``memory://NAME`` (shared in-process), ``memory://`` or ``memory`` (private),
-    ``peer://`` (the peer tier: other daemons' blocks, found through the prefix index).
+    ``peer://`` (the peer tier: other daemons' blocks, found through the prefix index),
+    ``s3://BUCKET/PREFIX`` (the object tier: one object per block in an S3-compatible bucket).
 
     ``options`` go to the kind's constructor (for memory: capacity_bytes,
-    evict, tier, latency_s, bytes_per_s; for peer: see ``PeerSource.from_options``).
+    evict, tier, latency_s, bytes_per_s; for peer: see ``PeerSource.from_options``;
+    for s3: see ``ObjectSource.open``).
     """
     scheme, sep, rest = url.partition("://")
     if not sep:

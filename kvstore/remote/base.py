@@ -83,8 +83,10 @@ runs on that loop: an implementation uses asynchronous I/O or a worker
 thread.
 
 Implementations pass one contract suite (``tests/test_remote_contract.py``):
-today :class:`~kvstore.remote.memory.MemoryRemote`, the in-process source
-that tests and embedded use rely on.
+:class:`~kvstore.remote.memory.MemoryRemote`, the in-process source that
+tests and embedded use rely on, and :class:`~kvstore.remote.object.ObjectSource`
+(an S3-compatible bucket, run against a moto server). The peer source is
+read-through only and has suites of its own.
 """
 
 from __future__ import annotations

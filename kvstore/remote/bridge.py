@@ -27,6 +27,10 @@ between the two:
 
 Calls made from the loop thread itself (from inside ``place``) would wait on
 themselves forever; they are refused with ``InvalidArgument``.
+
+Work the source's owner keeps going on the loop (the object tier's
+write-back uploads) runs through :meth:`RemoteBridge.background`, outside
+the call limits; ``close`` cancels whatever of it still runs.
 """
 
 from __future__ import annotations
@@ -141,6 +145,21 @@ class RemoteBridge:
 
     def delete(self, keys: Sequence[BlockKey], deadline: float) -> int:
         return self._call("delete", lambda call: self._source.delete(keys, call.deadline), deadline)
+
+    def background(self, make: Callable[[RemoteSource], Awaitable]) -> concurrent.futures.Future:
+        """Run ``make(source)`` on the loop, outside the call limits (it bounds itself); close()
+        cancels it if it still runs then."""
+        with self._lock:
+            if self._closing:
+                raise TierUnavailable(f"{self.name}: the bridge is closed; no background work starts")
+        return asyncio.run_coroutine_threadsafe(make(self._source), self._loop)
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the loop thread soon (to wake background work); nothing once the loop is gone."""
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop closed: nothing is left to wake
+            pass
 
     def stats(self) -> BridgeStats:
         with self._lock:

@@ -433,18 +433,26 @@ class Daemon:
 
     def _tier_runtime(self, index) -> dict[str, dict]:
         """What tiers get from the running daemon: the peer tier asks this node's index (on the
-        index agent's loop) for holders, and must know which node it is not to fetch from."""
+        index agent's loop) for holders, and must know which node it is not to fetch from; the
+        object tier reads its credentials from the daemon's environment, once, here."""
         s = self.settings
+        runtime: dict[str, dict] = {}
+        if "object" in s.tiers.chain:
+            from kvstore.remote.object.metrics import ObjectMetrics
+
+            runtime["object"] = {"environ": dict(os.environ), "metrics": ObjectMetrics(self.metrics.registry),
+                                 "max_block_bytes": int(s.store.max_block_bytes)}
         if "peer" not in s.tiers.chain:
-            return {}
+            return runtime
         from kvstore.remote.peer import PeerMetrics
 
         self.peer_metrics = PeerMetrics(self.metrics.registry, s.tiers.peer.transports)
-        return {"peer": {
+        runtime["peer"] = {
             "index": index, "index_loop": self.index_agent.loop, "node_id": self.node.node_id,
             "host": s.server.advertised_host(), "metrics": self.peer_metrics,
             "max_block_bytes": int(s.store.max_block_bytes),
-        }}
+        }
+        return runtime
 
     def peer_transports(self) -> list[str]:
         """The data-plane endpoints this node advertises in its node record, preferred first: UCX

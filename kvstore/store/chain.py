@@ -81,6 +81,21 @@ class TierChain:
     def edge_below(self, name: TierName) -> EdgePolicy:
         return self._by_name[name].edge
 
+    def target_below(self, name: TierName, *, through: bool = False) -> Level | None:
+        """Where copies from ``name`` go down: the nearest level below whose edge takes them (demotions,
+        or with ``through`` write-through copies). A remote tier that takes none (the peer tier, read-through
+        only) is passed over, so ``[ram, disk, peer, object]`` demotes from disk to the bucket; any other
+        tier that takes none ends the way down there."""
+        pos = self._by_name[name].position + 1
+        while pos < len(self.levels):
+            edge = self.levels[pos - 1].edge
+            if edge.write_through if through else edge.demote:
+                return self.levels[pos]
+            if not self.levels[pos].tier.remote:
+                return None
+            pos += 1
+        return None
+
     def promotes(self, name: TierName) -> bool:
         """Whether a read served from ``name`` is copied up into the head (every edge on the way allows it)."""
         pos = self._by_name[name].position

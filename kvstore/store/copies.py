@@ -26,6 +26,7 @@ What a failed copy means for the lower tier, by outcome:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import BlockTooLarge, CorruptBlock, DiskFull, InvalidArgument, TierFull, TierUnavailable
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 class CopyDown(StorePart):
     def __init__(self, state: StoreState) -> None:
         super().__init__(state)
+        # The write-behind queue (set once it exists): a copy that lands in a tier whose edge below
+        # writes through queues the next copy down there.
+        self.offer: Callable[[Copy], bool] | None = None
 
     def copy_down(self, job: Copy) -> None:
         """Write one marked block from ``job.src`` into ``job.dst``; then, for a demotion, drop the upper copy."""
@@ -82,6 +86,8 @@ class CopyDown(StorePart):
                 else:  # a headroom copy: only headroom waits; a writer's copy may still evict there
                     self._s.no_headroom_until[job.dst] = until
             self._s.end_copy_locked(job.key, entry)
+            if outcome == "ok" and self.offer is not None and entry.visible and job.dst in entry.tiers:
+                self._s.write_through_locked(job.key, entry, job.dst, self.offer)
 
     def _write_copy(self, job: Copy, entry: Entry) -> tuple[str, str]:
         """Move the bytes of one copy down; the outcome names what happened (a metric label), and why."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import TierFull
-from kvstore.store.demotion import Copy, Demoter
+from kvstore.store.demotion import Demoter
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
 from kvstore.store.state import StorePart, StoreState
@@ -179,13 +179,4 @@ class HeadPlacement(StorePart):
         return plan.frees_now, self._s.demoting > 0
 
     def write_through_locked(self, key: BlockKey, entry: Entry) -> None:
-        head = self._head.name
-        below = self._chain.below(head)
-        if below is None or not self._chain.edge_below(head).write_through:
-            return
-        now = self._clock()
-        if now < self._s.unhealthy_until.get(below.name, 0.0) or now < self._s.full_until.get(below.name, 0.0):
-            return
-        if self._s.mark_copy_locked(key, below.name):
-            if not self._demoter.offer(Copy(key, head, below.name, evict=False)):
-                self._s.unmark_copy_locked(key)  # queue full: eviction will demote it later
+        self._s.write_through_locked(key, entry, self._head.name, self._demoter.offer)

@@ -70,7 +70,10 @@ class ChainReader(StorePart):
 
         A tier whose copy went meanwhile (a race with a move down) or turned
         out corrupt is passed over for the next one down; a tier that fails
-        raises TierUnavailable. ``local_only`` passes over remote tiers.
+        raises TierUnavailable. ``local_only`` passes over remote tiers. A
+        remote tier that answers miss for a copy the store lists (a bucket's
+        object deleted elsewhere, an upload that never happened) has that
+        copy forgotten, so the store stops offering it.
         """
         with self._cond:
             order = self._chain.ordered(entry.tiers)
@@ -89,6 +92,10 @@ class ChainReader(StorePart):
                 raise
             if data is not None:
                 return data, tier
+            if self._chain.tier(tier).remote:  # the store listed a copy the remote tier no longer has
+                with self._s.locked():
+                    if self._catalog.get(key) is entry:
+                        self._s.forget_copy_locked(key, entry, tier)
         if corrupt is not None:  # no sound copy was left: the caller learns why it is gone
             raise corrupt
         return None

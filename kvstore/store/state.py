@@ -136,6 +136,32 @@ class StoreState:
             self.emit_locked(Evicted(key, tier, self.best(entry)))
         self.cond.notify_all()
 
+    def forget_copy_locked(self, key: BlockKey, entry: Entry, tier: TierName) -> None:
+        """Forget a copy its tier turned out not to have (a remote tier answered miss for it): nothing is
+        deleted there. The block leaves the store when that was its last copy."""
+        if tier not in entry.tiers:
+            return
+        self.recency.discard(tier, key)
+        entry.tiers.discard(tier)
+        if not entry.tiers:
+            self.remove_locked(key, entry)
+            return
+        if not entry.deleted:
+            self.emit_locked(Evicted(key, tier, self.best(entry)))
+        self.cond.notify_all()
+
+    def write_through_locked(self, key: BlockKey, entry: Entry, tier: TierName, offer: Callable[[Copy], bool]) -> None:
+        """``key`` was just stored in ``tier``: when the edge below it writes through, queue a copy
+        down at once (keeping this one). A full queue leaves it to eviction to demote later."""
+        below = self.chain.target_below(tier, through=True)
+        if below is None or below.name in entry.tiers:
+            return
+        now = self.clock()
+        if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
+            return
+        if self.mark_copy_locked(key, below.name) and not offer(Copy(key, tier, below.name, evict=False)):
+            self.unmark_copy_locked(key)
+
     def remove_locked(self, key: BlockKey, entry: Entry) -> None:
         """The block leaves the store. One still pinned (a reader dropped its corrupt last copy
         while a lease names it) stays as an invisible tombstone until its last pin goes."""
@@ -212,9 +238,9 @@ class StoreState:
         return [parent]
 
     def usable_below(self, tier: TierName) -> Level | None:
-        """The next level down when it takes copies now (its edge demotes and it has not just failed)."""
-        below = self.chain.below(tier)
-        if below is None or not self.chain.edge_below(tier).demote:
+        """The level copies go down to when it takes them now (its edge demotes and it has not just failed)."""
+        below = self.chain.target_below(tier)
+        if below is None:
             return None
         now = self.clock()
         if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
@@ -222,9 +248,9 @@ class StoreState:
         return below
 
     def full_below(self, tier: TierName) -> TierName | None:
-        """The next tier down, when it is in its full period: the tier above then drops nothing of its own."""
-        below = self.chain.below(tier)
-        if below is None or not self.chain.edge_below(tier).demote:
+        """The tier copies go down to, when it is in its full period: the tier above then drops nothing of its own."""
+        below = self.chain.target_below(tier)
+        if below is None:
             return None
         return below.name if self.clock() < self.full_until.get(below.name, 0.0) else None
 

@@ -166,6 +166,7 @@ class TieredStore(StorePart):
         self._copies = CopyDown(state)
         threads = limits.demotion_threads if len(chain) > 1 else 0
         self._demoter = Demoter(self._copies.copy_down, limits.demotion_queue_blocks, threads)
+        self._copies.offer = self._demoter.offer
         self._place = HeadPlacement(state, self._demoter)
         self._reader = ChainReader(state, self._place)
         self._slots = SlotProtocol(state, self._place)

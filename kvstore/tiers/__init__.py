@@ -1,7 +1,8 @@
 """Local tiers and their registry: a tier name in config -> a constructor.
 
 The daemon builds its chain from names (``ram``, ``disk``, ``remote`` for a
-remote source by URL such as ``memory://fleet``, ``peer`` for other daemons' blocks; later ``gpu``) with
+remote source by URL such as ``memory://fleet``, ``peer`` for other daemons' blocks, ``object`` for an
+S3 bucket the fleet shares; later ``gpu``) with
 :func:`open_tier`; a new tier is one module plus one entry in
 ``_REGISTRY`` (and a row in the tier contract suite), never an ``if`` on a
 name somewhere else.
@@ -45,7 +46,16 @@ def _peer(*, deadline_s: float, max_fetches: int, max_queued: int, **options) ->
     return RemoteTier.open("peer://", call_s=deadline_s, limits=limits, **options)
 
 
-_REGISTRY: dict[str, Callable[..., Tier]] = {"ram": _ram, "disk": _disk, "remote": _remote, "peer": _peer}
+def _object(**options) -> Tier:
+    """The object tier: an S3-compatible bucket (see ``ObjectTier.open`` for the options)."""
+    from kvstore.tiers.object import ObjectTier
+
+    return ObjectTier.open(**options)
+
+
+_REGISTRY: dict[str, Callable[..., Tier]] = {
+    "ram": _ram, "disk": _disk, "remote": _remote, "peer": _peer, "object": _object,
+}
 
 
 def register_tier(name: str, factory: Callable[..., Tier]) -> None:

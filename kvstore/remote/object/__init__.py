@@ -1,0 +1,35 @@
+"""The object tier: blocks in an S3-compatible bucket the fleet shares, one object per block.
+
+The modules, one job each:
+
+- :mod:`~kvstore.remote.object.layout` — object names: ``<prefix>/<namespace>/<key hex>``
+  (namespace escaped to one segment, long keys by digest); parses names back for listings.
+- :mod:`~kvstore.remote.object.format` — an object's bytes: a fixed 20-byte preamble (magic
+  ``SKVB``, format version, flags, map length, the map's xxh3-64), a msgpack map (``ns``,
+  ``key``, ``size``, ``xxh3``, ``parent``, ``layout``, ``at``: unix seconds written), then the
+  block's payload. Unknown map fields are ignored; a newer version is a miss, never deleted.
+- :mod:`~kvstore.remote.object.client` — :class:`S3Client` over obstore: deadline-bound
+  retries, one slow-down gate per client, bounded requests, S3 error codes as metrics labels.
+- :mod:`~kvstore.remote.object.credentials` — static keys and region from the AWS variables
+  and files (else obstore's chain: IRSA, container, instance role); never logged.
+- :mod:`~kvstore.remote.object.quota` — what a source may store, checked before upload
+  (reserve / commit / release / forget; the contract's ``capacity_bytes``).
+- :mod:`~kvstore.remote.object.source` — :class:`ObjectSource`, the remote-source contract
+  (:mod:`kvstore.remote.base`): verified reads into the caller's buffers, conditional-create
+  writes, corrupt objects deleted.
+- :mod:`~kvstore.remote.object.writeback` — the bounded upload queue the object tier
+  (:mod:`kvstore.tiers.object`) puts blocks into, so no put ever waits on S3.
+- :mod:`~kvstore.remote.object.metrics` — ``strata_object_*``.
+
+Where lifecycle work plugs in (not here yet): a TTL or GC sweep lists ``layout.namespace_root``
+(ObjectMeta gives ``last_modified`` = last write; the header's ``at`` says the same without a
+listing) and deletes through ``S3Client.delete``; last-read times are not in S3 and must come
+from the index or a lease record. A per-namespace quota implements
+:class:`~kvstore.remote.object.quota.Quota` (``reserve`` gets the key) and is passed to
+``ObjectSource(quota=...)``. The index learns of object-tier copies from the store's events
+(tier ``OBJECT``), like any tier.
+"""
+
+from kvstore.remote.object.source import ObjectLimits, ObjectSource
+
+__all__ = ["ObjectLimits", "ObjectSource"]
