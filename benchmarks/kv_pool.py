@@ -31,9 +31,17 @@ imported: UCX over its tcp transport on loopback (the listener API wires up
 over TCP), ``UCX_MAX_RNDV_RAILS=2``, blocking progress. UCX shared memory is
 not measured: the listener API never selects it.
 
-The target is ≥ 0.8× the plain socket. Not measured yet (issue 10):
-Mooncake; and a daemon fetching from a daemon through its peer tier (this
-process stands for the fetching daemon). The index churn rates are
+Mooncake Store over TCP on this machine, in the same rounds
+(:mod:`benchmarks.mooncake_store`: master, a holder process with the
+segment, this process as the client; its zero-copy calls), against Strata's
+reads above and its writes (``put``: :meth:`TcpPeerClient.write` of fresh
+keys into the daemon, deleted between rounds, untimed). It runs where it is
+installed; ``--no-mooncake`` leaves it out, ``--mooncake`` insists on it;
+where it cannot run, a row and a printed line say why and how to enable it.
+
+The target is ≥ 0.8× the plain socket, and ≥ 2× Mooncake. Not measured yet:
+a daemon fetching from a daemon through its peer tier (this process stands
+for the fetching daemon). The index churn rates are
 ``benchmarks.index_churn``.
 """
 
@@ -44,20 +52,24 @@ import multiprocessing
 import os
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Iterator
 
+from benchmarks import mooncake_store
 from benchmarks.harness import MiB, Benchmark, compare, free_port, interleave, size_label, strata_daemon
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import UnknownNamespace
 from kvstore.peer.tcp import TcpPeerClient
 from kvstore.peer.ucx_link import ucx_available
+from kvstore.remote.base import STORED
 from kvstore.transport.base import Deadline
 
 NAME = "kv_pool"
 SIZES = [1 * MiB, 4 * MiB, 16 * MiB]
 BATCH = 16
 TARGET = 0.8
+MOONCAKE_SEGMENT = 1 << 30  # the holder's segment: the gets' 336 MiB of blocks and one put round
 FULL = dict(rounds=9, warmup=2, round_bytes=256 * MiB)
 QUICK = dict(rounds=5, warmup=1, round_bytes=64 * MiB)
 _REQUEST = struct.Struct("<Q")
@@ -129,6 +141,22 @@ def peer_round(client: TcpPeerClient, address: str, keys: list[bytes], buffers: 
     return run
 
 
+def peer_write_round(client: TcpPeerClient, address: str, control, blocks: list, per_call: int):
+    """Writes of ``blocks`` (fresh keys), ``per_call`` per request; deleted afterwards, untimed."""
+    def run() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for lo in range(0, len(blocks), per_call):
+            done = client.write(address, "bench", blocks[lo:lo + per_call], Deadline.after(120))
+            if any(result is not STORED for result, _ in done):
+                raise SystemExit(f"a benchmark write was not stored: {done}")
+        elapsed = time.perf_counter() - t0
+        if control.delete("bench", [key for key, _, _ in blocks]) != len(blocks):
+            raise SystemExit("a benchmark write's blocks were not all there to delete")
+        return sum(meta.size for _, _, meta in blocks), elapsed
+
+    return run
+
+
 HANDOFF_BLOCKS = 16
 HANDOFF_BLOCK = 16 * MiB
 
@@ -183,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     handoff = "--handoff" in argv or "--handoff-only" in argv
     only = "--handoff-only" in argv
-    argv = [a for a in argv if a not in ("--handoff", "--handoff-only")]
+    mooncake = "off" if "--no-mooncake" in argv else "on" if "--mooncake" in argv else "auto"
+    argv = [a for a in argv if a not in ("--handoff", "--handoff-only", "--mooncake", "--no-mooncake")]
     bench = Benchmark(NAME + "_handoff" if only else NAME, __doc__.splitlines()[0], argv)
     plan = QUICK if bench.quick else FULL
     if only:
@@ -195,9 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     if not ucx:
         print(f"UCX cases left out: {no_ucx}")
     extra = dict(peer_ucx_listen=f"127.0.0.1:{ucx_port}", insecure=True) if ucx else {}
-    with strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
-                       peer_listen=f"127.0.0.1:{peer_port}", **extra), \
-            plain_socket(BATCH * max(SIZES)) as plain:
+    from kvstore.client.sync import Client
+
+    home = tempfile.TemporaryDirectory(prefix="strata-pool-bench-")  # its own state dir: another daemon may run here
+    with home, strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
+                             peer_listen=f"127.0.0.1:{peer_port}", disk_dir=home.name, **extra) as target, \
+            plain_socket(BATCH * max(SIZES)) as plain, Client(target, use_shm=False, timeout=120) as control, \
+            mooncake_store.optional_cluster(mooncake, MOONCAKE_SEGMENT) as (mc, mc_why):
+        if mc is None:
+            print(f"Mooncake cases left out: {mc_why}")
         address = f"tcp://127.0.0.1:{peer_port}"
         client = TcpPeerClient()
         ucx_client = None
@@ -226,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"get {L} peer-tcp x{BATCH} batch": peer_round(client, address, keys, buffers, batch_calls),
                     f"plain socket {L} x{BATCH}": plain_round(plain, buffers, size, batch_calls),
                 }
+                if mc is not None:
+                    fns.update(mc.rounds(L, size, BATCH, single_calls, batch_calls))
+                    sources = [os.urandom(size) for _ in range(BATCH)]
+                    sources = [(data, BlockMeta(size, checksum(data))) for data in sources]
+                    for n, calls in ((1, single_calls), (BATCH, batch_calls)):
+                        blocks = [(b"%s-put%d-%d" % (L.encode(), n, i), *sources[i % BATCH]) for i in range(n * calls)]
+                        fns[f"put {L} peer-tcp" + (f" x{BATCH} batch" if n > 1 else "")] = peer_write_round(
+                            client, address, control, blocks, n)
                 if ucx_client is not None:
                     at = f"ucx://127.0.0.1:{ucx_port}"
                     fns[f"get {L} peer-ucx"] = peer_round(ucx_client, at, keys[:1], buffers[:1], single_calls)
@@ -243,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                         "receive into the preallocated buffer, verified")))
                     bench.add(compare(s, f"get {L} peer-ucx x{BATCH} batch", f"plain socket {L} x{BATCH}",
                                       target_ratio=TARGET, note=f"{BATCH} blocks per read over UCX"))
+                for op in ("get", "put") if mc is not None else ():
+                    for n in (1, BATCH):
+                        ours = f"{op} {L} peer-tcp" + (f" x{BATCH} batch" if n > 1 else "")
+                        bench.add(compare(s, ours, mooncake_store.name(op, L, n), case=f"{ours} vs mooncake",
+                                          target_ratio=mooncake_store.TARGET, note=mooncake_store.note(op, n)))
+            if mc is None:
+                bench.add(mooncake_store.left_out(mc_why))
         finally:
             client.close()
             if ucx_client is not None:
