@@ -160,8 +160,12 @@ def peer_write_round(client: TcpPeerClient, address: str, control, blocks: list,
     return run
 
 
-def run_mooncake(bench: Benchmark, plan: dict, mc, client: TcpPeerClient, address: str, control) -> None:
-    """Strata's reads and writes over the TCP peer transport against Mooncake Store's, in the same rounds."""
+def run_mooncake(bench: Benchmark, plan: dict, mc, client: TcpPeerClient, address: str, control,
+                 plain: socket.socket) -> None:
+    """Strata's reads and writes over the TCP peer transport against Mooncake Store's, in the same rounds.
+
+    The plain socket's reads run in them too: the floor both sides' reads are held to (rows without a target).
+    """
     for size in SIZES:
         L = size_label(size)
         sources = [os.urandom(size) for _ in range(BATCH)]
@@ -178,12 +182,17 @@ def run_mooncake(bench: Benchmark, plan: dict, mc, client: TcpPeerClient, addres
             fns[f"get {L} peer-tcp{suffix}"] = peer_round(client, address, keys[:n], buffers[:n], calls[n])
             blocks = [(b"mc-%s-put%d-%d" % (L.encode(), n, i), *sources[i % BATCH]) for i in range(n * calls[n])]
             fns[f"put {L} peer-tcp{suffix}"] = peer_write_round(client, address, control, blocks, n)
+            fns[f"plain socket {L}" + (f" x{BATCH}" if n > 1 else "")] = plain_round(plain, buffers[:n], size, calls[n])
         s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
         for op in ("get", "put"):
             for n in (1, BATCH):
                 ours = f"{op} {L} peer-tcp" + (f" x{BATCH} batch" if n > 1 else "")
                 bench.add(compare(s, ours, mooncake_store.name(op, L, n), case=f"{ours} vs mooncake",
                                   target_ratio=mooncake_store.TARGET, note=mooncake_store.note(op, n)))
+        for n in (1, BATCH):
+            theirs, floor = mooncake_store.name("get", L, n), f"plain socket {L}" + (f" x{BATCH}" if n > 1 else "")
+            bench.add(compare(s, theirs, floor, case=f"{theirs} vs plain",
+                              note="Mooncake's reads against the plain socket's, in the same rounds (no target)"))
         control.delete("bench", keys)
 
 
@@ -273,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             ucx_client = UcxPeerClient()
         try:
             if mc is not None:  # first: an open UCX endpoint keeps both ends' progress threads busy
-                run_mooncake(bench, plan, mc, client, address, control)
+                run_mooncake(bench, plan, mc, client, address, control, plain)
             for seed, size in enumerate(SIZES):
                 L = size_label(size)
                 keys = [b"%s-%d" % (L.encode(), i) for i in range(BATCH)]
