@@ -39,9 +39,20 @@ whose only transports are ``sm,self`` (so it is shared memory or nothing:
 sysv/posix for messages, cma for blocks), the address found in the daemon's
 own node record.
 
-The target is ≥ 0.8× the plain socket. Not measured yet (issue 10):
-Mooncake; and a daemon fetching from a daemon through its peer tier (this
-process stands for the fetching daemon). The index churn rates are
+Mooncake Store over TCP on this machine (:mod:`benchmarks.mooncake_store`:
+its master, a holder process with the segment, this process as the client,
+its zero-copy calls) against Strata's reads (as above) and writes
+(``put``: :meth:`TcpPeerClient.write` of fresh keys into the daemon,
+deleted between rounds, untimed), alternating in the same rounds. These
+run first, before any UCX endpoint is open: an open one keeps a progress
+thread busy on each side, which slows every case on a small machine. They
+run where Mooncake is installed; ``--no-mooncake`` leaves them out,
+``--mooncake`` insists on them; where they cannot run, a printed line and a
+row in the results say why and how to enable them.
+
+The target is ≥ 0.8× the plain socket, and ≥ 2× Mooncake. Not measured yet:
+a daemon fetching from a daemon through its peer tier (this process stands
+for the fetching daemon). The index churn rates are
 ``benchmarks.index_churn``.
 """
 
@@ -53,20 +64,24 @@ import multiprocessing
 import os
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Iterator
 
+from benchmarks import mooncake_store
 from benchmarks.harness import MiB, Benchmark, compare, free_port, interleave, size_label, strata_daemon
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import UnknownNamespace
 from kvstore.peer.tcp import TcpPeerClient
 from kvstore.peer.ucx_link import ucx_available
+from kvstore.remote.base import STORED
 from kvstore.transport.base import Deadline
 
 NAME = "kv_pool"
 SIZES = [1 * MiB, 4 * MiB, 16 * MiB]
 BATCH = 16
 TARGET = 0.8
+MOONCAKE_SEGMENT = 1 << 30  # the holder's segment: one size's 16 blocks and a put round, 512 MiB at most
 FULL = dict(rounds=9, warmup=2, round_bytes=256 * MiB)
 QUICK = dict(rounds=5, warmup=1, round_bytes=64 * MiB)
 _REQUEST = struct.Struct("<Q")
@@ -161,6 +176,58 @@ def shm_reader(target: str):
     return at, UcxShmPeerClient()
 
 
+def peer_write_round(client: TcpPeerClient, address: str, control, blocks: list, per_call: int):
+    """Writes of ``blocks`` (fresh keys), ``per_call`` per request; deleted afterwards, untimed."""
+    def run() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for lo in range(0, len(blocks), per_call):
+            done = client.write(address, "bench", blocks[lo:lo + per_call], Deadline.after(120))
+            if any(result is not STORED for result, _ in done):
+                raise SystemExit(f"a benchmark write was not stored: {done}")
+        elapsed = time.perf_counter() - t0
+        if control.delete("bench", [key for key, _, _ in blocks]) != len(blocks):
+            raise SystemExit("a benchmark write's blocks were not all there to delete")
+        return sum(meta.size for _, _, meta in blocks), elapsed
+
+    return run
+
+
+def run_mooncake(bench: Benchmark, plan: dict, mc, client: TcpPeerClient, address: str, control,
+                 plain: socket.socket) -> None:
+    """Strata's reads and writes over the TCP peer transport against Mooncake Store's, in the same rounds.
+
+    The plain socket's reads run in them too: the floor both sides' reads are held to (rows without a target).
+    """
+    for size in SIZES:
+        L = size_label(size)
+        sources = [os.urandom(size) for _ in range(BATCH)]
+        sources = [(data, BlockMeta(size, checksum(data))) for data in sources]
+        keys = [b"mc-%s-%d" % (L.encode(), i) for i in range(BATCH)]
+        client.write(address, "bench", [(key, *sources[i]) for i, key in enumerate(keys)], Deadline.after(120))
+        buffers = [memoryview(bytearray(size)) for _ in range(BATCH)]
+        for view in buffers:
+            view[:] = b"\0" * size  # touched: no page faults in the timed part
+        calls = {1: max(1, plan["round_bytes"] // size), BATCH: max(1, plan["round_bytes"] // (size * BATCH))}
+        fns = mc.rounds(L, size, BATCH, calls[1], calls[BATCH])
+        for n in (1, BATCH):
+            suffix = f" x{BATCH} batch" if n > 1 else ""
+            fns[f"get {L} peer-tcp{suffix}"] = peer_round(client, address, keys[:n], buffers[:n], calls[n])
+            blocks = [(b"mc-%s-put%d-%d" % (L.encode(), n, i), *sources[i % BATCH]) for i in range(n * calls[n])]
+            fns[f"put {L} peer-tcp{suffix}"] = peer_write_round(client, address, control, blocks, n)
+            fns[f"plain socket {L}" + (f" x{BATCH}" if n > 1 else "")] = plain_round(plain, buffers[:n], size, calls[n])
+        s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
+        for op in ("get", "put"):
+            for n in (1, BATCH):
+                ours = f"{op} {L} peer-tcp" + (f" x{BATCH} batch" if n > 1 else "")
+                bench.add(compare(s, ours, mooncake_store.name(op, L, n), case=f"{ours} vs mooncake",
+                                  target_ratio=mooncake_store.TARGET, note=mooncake_store.note(op, n)))
+        for n in (1, BATCH):
+            theirs, floor = mooncake_store.name("get", L, n), f"plain socket {L}" + (f" x{BATCH}" if n > 1 else "")
+            bench.add(compare(s, theirs, floor, case=f"{theirs} vs plain",
+                              note="Mooncake's reads against the plain socket's, in the same rounds (no target)"))
+        control.delete("bench", keys)
+
+
 HANDOFF_BLOCKS = 16
 HANDOFF_BLOCK = 16 * MiB
 
@@ -223,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     handoff = "--handoff" in argv or "--handoff-only" in argv
     only = "--handoff-only" in argv
-    argv = [a for a in argv if a not in ("--handoff", "--handoff-only")]
+    mooncake = "off" if "--no-mooncake" in argv else "on" if "--mooncake" in argv else "auto"
+    argv = [a for a in argv if a not in ("--handoff", "--handoff-only", "--mooncake", "--no-mooncake")]
     bench = Benchmark(NAME + "_handoff" if only else NAME, __doc__.splitlines()[0], argv)
     plan = QUICK if bench.quick else FULL
     if only:
@@ -235,9 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     if not ucx:
         print(f"UCX cases left out: {no_ucx}")
     extra = dict(peer_ucx_listen=f"127.0.0.1:{ucx_port}", insecure=True, peer_ucx_shm=True) if ucx else {}
-    with strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
-                       peer_listen=f"127.0.0.1:{peer_port}", **extra) as target, \
-            plain_socket(BATCH * max(SIZES)) as plain:
+    from kvstore.client.sync import Client
+
+    home = tempfile.TemporaryDirectory(prefix="strata-pool-bench-")  # its own state dir: another daemon may run here
+    with home, strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
+                             peer_listen=f"127.0.0.1:{peer_port}", disk_dir=home.name, **extra) as target, \
+            plain_socket(BATCH * max(SIZES)) as plain, Client(target, use_shm=False, timeout=120) as control, \
+            mooncake_store.optional_cluster(mooncake, MOONCAKE_SEGMENT) as (mc, mc_why):
+        if mc is None:
+            print(f"Mooncake cases left out: {mc_why}")
+            bench.add(mooncake_store.left_out(mc_why))
         address = f"tcp://127.0.0.1:{peer_port}"
         client = TcpPeerClient()
         ucx_client = None
@@ -247,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             ucx_client = UcxPeerClient()
             shm_at, shm_client = shm_reader(target)
         try:
+            if mc is not None:  # first: an open UCX endpoint keeps both ends' progress threads busy
+                run_mooncake(bench, plan, mc, client, address, control, plain)
             for seed, size in enumerate(SIZES):
                 L = size_label(size)
                 keys = [b"%s-%d" % (L.encode(), i) for i in range(BATCH)]
