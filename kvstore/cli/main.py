@@ -11,6 +11,7 @@
     strata index holders NS KEY...   who holds each block of a chain
     strata peers                     the fleet's nodes: epochs, liveness, advertised transports
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
+    strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
 """
 
 from __future__ import annotations
@@ -442,12 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--namespace", help="only this namespace")
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(func=cmd_stats)
+
+    from kvstore.cli import doctor
+
+    doctor.add_parser(sub, _add_settings_flags)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "doctor"):
         return args.func(args)
     from kvstore.errors import StrataError
 
