@@ -12,6 +12,7 @@
     strata peers                     the fleet's nodes: epochs, liveness, transports, bytes served
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
     strata weights ...               model weights: publish, ls, fetch, evict (runs python -m weightcache)
+    strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
 """
 
 from __future__ import annotations
@@ -479,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=cmd_stats)
 
     sub.add_parser("weights", add_help=False, help="model weights: publish, ls, fetch, evict (strata weights --help)")
+    from kvstore.cli import doctor
+
+    doctor.add_parser(sub, _add_settings_flags)
     return parser
 
 
@@ -498,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["weights"]:
         return run_weights(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "doctor"):
         return args.func(args)
     from kvstore.errors import StrataError
 
