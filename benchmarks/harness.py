@@ -353,14 +353,29 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
             scratch.cleanup()
 
 
-def _read_port(proc: subprocess.Popen, timeout_s: float) -> int | None:
+def _read_port(proc: subprocess.Popen, timeout_s: float, max_bytes: int = 1 << 16) -> int | None:
+    """The port the daemon prints; lines before it that are not a port (a library's warning
+    on stdout, e.g. UCX's) are skipped. Read from the descriptor itself, a line at a time, so
+    nothing past the port's line is taken from the pipe."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    end = time.monotonic() + timeout_s
+    line = b""
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout_s):
-            return None
-    line = proc.stdout.readline().strip()
-    return int(line) if line.isdigit() else None
+        sel.register(fd, selectors.EVENT_READ)
+        for _ in range(max_bytes):
+            if not sel.select(max(0.0, end - time.monotonic())):
+                return None
+            byte = os.read(fd, 1)
+            if not byte:
+                return None  # the daemon exited
+            if byte != b"\n":
+                line += byte
+            elif line.strip().isdigit():
+                return int(line.strip())
+            else:
+                line = b""
+    return None
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
