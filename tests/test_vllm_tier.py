@@ -137,9 +137,10 @@ def test_the_factory_resolves_the_class_name_too_and_declares_the_tiers_metrics(
 
 def test_a_load_keeps_the_chunks_that_came_and_fails_only_the_others(make_daemon):
     """One chunk of the promotion is gone and one holds another layout's bytes under this engine's
-    key: vLLM gets successful_keys for the rest, recomputes those two, and no foreign byte lands."""
+    key: vLLM gets successful_keys for the rest, recomputes those two, and no foreign byte lands.
+    The chunk found gone is announced as removed from the tier (KV events)."""
     daemon = make_daemon()
-    with Engine([strata_entry(daemon.target, **FAST)]) as e:
+    with Engine([strata_entry(daemon.target, enable_kv_events=True, **FAST)]) as e:
         chunks = chunk_bytes(chunk_keys(5, seed=1))
         keys = list(chunks)
         e.store(chunks)
@@ -160,6 +161,8 @@ def test_a_load_keeps_the_chunks_that_came_and_fails_only_the_others(make_daemon
         [result] = results
         assert not result.success and set(result.successful_keys) == {keys[0], keys[2], keys[4]}
         assert tier.counts == {"failed_load:missing": 1, "failed_load:layout": 1}
+        removed = [k for ev in tier.take_events() if ev.removed for k in ev.keys]
+        assert removed == [keys[1]]
         rows = e._rows()
         for key, chunk in zip(keys, spec.store_spec.chunk_ids):
             if key in result.successful_keys:
