@@ -211,7 +211,8 @@ def test_no_daemon_lookups_miss_stores_drop_loads_fail_and_nothing_waits(tmp_pat
 @pytest.mark.timeout(120)
 def test_sigkill_mid_load_fails_the_load_within_bounds_then_a_restart_serves_again(daemon_process):
     daemon = daemon_process()
-    with Engine([strata_entry(daemon.target, **FAST)]) as e:
+    # A long call deadline: the load must still be waiting on the stopped daemon when it is killed.
+    with Engine([strata_entry(daemon.target, **dict(FAST, timeout_s=30.0))]) as e:
         chunks = chunk_bytes(chunk_keys(6, seed=5))
         keys = list(chunks)
         e.store(chunks)
