@@ -43,6 +43,8 @@ says what was wrong and what to do about it.
     │                               another format: the RAM tier starts empty             [shm.table]
     ├── DaemonError                 the daemon cannot start as configured                 [server.daemon]
     ├── DaemonUnavailable           client side: the daemon cannot be reached
+    │   └── StaleAttachment         client side: the daemon restarted since this client attached
+    │                               its arena; the client attaches again
     └── ArenaUnusable               client side: the daemon's arena cannot be mapped
                                     here (another host); the client streams instead
 
@@ -177,6 +179,10 @@ class Cancelled(StrataError):
 
 class DaemonUnavailable(StrataError):
     pass
+
+
+class StaleAttachment(DaemonUnavailable):
+    """The daemon refused a token it accepted before: it restarted, and what was attached is gone."""
 
 
 class ArenaUnusable(StrataError):

@@ -7,6 +7,7 @@ import json
 import os
 import urllib.request
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 from kvstore import BlockPut, Client, TierName
 from kvstore.errors import InvalidArgument
 from kvstore.config.tiers import arena_name
+from kvstore.transport import frames
 from conftest import free_port, wait_until
 
 MiB = 1 << 20
@@ -185,6 +187,7 @@ def test_stop_and_start_keeps_the_ram_cache_warm(daemon_process):
         for k in keys:
             c.put("m", k, blob(k, 200_000))
         assert stale.get("m", keys[0]) == blob(keys[0], 200_000)
+    old_token = same_host_token(stale)
     assert daemon.kill(signal.SIGTERM) == 0
     assert arena_file(daemon).exists()
     daemon.start()
@@ -192,13 +195,34 @@ def test_stop_and_start_keeps_the_ram_cache_warm(daemon_process):
         assert all(c.exists("m", [k]) == [TierName.HOST] for k in keys)
         assert all(c.get("m", k) == blob(k, 200_000) for k in keys)
         assert c.stats().tiers["disk"]["blocks"] == len(keys)
-    try:  # the new daemon has a new token: a client of the first run is told to attach again
-        stale.get("m", keys[1])
-        pytest.fail("a client of the previous run was served with the previous run's token")
-    except InvalidArgument as err:
-        assert "attach again" in str(err)
+        new_token = same_host_token(c)
+    assert new_token != old_token
+    # The new daemon refuses the first run's token (StaleAttachment on the client's side); the
+    # client attaches again and is served under the new token, never under the old one.
+    try:
+        assert stale.get("m", keys[1]) == blob(keys[1], 200_000)
+        assert same_host_token(stale) == new_token
     finally:
         stale.close()
+    with pytest.raises(InvalidArgument, match="attach again"):  # the daemon's side: the old token is refused
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(same_host_path(daemon))
+            frames.send(raw, frames.encode([frames.HELLO, 1, [frames.PROTOCOL_VERSION, old_token]]))
+            _, status, result = frames.FrameReader(raw).read()[0]
+            assert status == frames.ERROR
+            frames.raise_error(result)
+
+
+def same_host_token(client: Client) -> bytes:
+    [transport] = {id(t): t for t in client._transports.values()}.values()
+    return transport._token
+
+
+def same_host_path(daemon) -> str:
+    with Client(daemon.target) as c:
+        c.stats()
+        [transport] = {id(t): t for t in (c._data(""),)}.values()
+        return transport._path
 
 
 def test_ram_keep_on_exit_off_removes_the_arena_at_stop(daemon_process):

@@ -362,3 +362,19 @@ def test_async_repeat_reads_skip_the_round_trip_until_a_delete(daemon):
             assert await reader.get("m", b"k") is None
 
     asyncio.run(body())
+
+
+def test_a_client_attached_before_a_daemon_restart_attaches_again(daemon_process):
+    """The restarted daemon refuses the arena token the client attached with; the client
+    attaches the new arena (StaleAttachment) and the call goes through, not InvalidArgument."""
+    import signal
+
+    d = daemon_process()
+    with Client(d.target) as c:
+        assert c.put("ns", b"a", b"x" * (2 * MiB)) and c.transport_name == "same-host"
+        d.kill(signal.SIGTERM)
+        d.start()
+        assert c.put("ns", b"b", b"y" * (2 * MiB))
+        assert c.get("ns", b"b") == b"y" * (2 * MiB)
+        assert c.get("ns", b"a") == b"x" * (2 * MiB)  # kept across the clean stop
+        assert c.transport_name == "same-host"

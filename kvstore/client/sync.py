@@ -30,7 +30,7 @@ from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
-from kvstore.errors import StrataError
+from kvstore.errors import StaleAttachment, StrataError
 from kvstore.handoff.params import HandoffParams
 from kvstore.handoff.pull import PullResult
 from kvstore.shm.arena import ShmArena
@@ -102,21 +102,15 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        with self._pick_lock:
-            transports, self._transports, self._arena_of = self._transports, {}, {}
-            mapped, self._mapped = self._mapped, []
-        for transport in {id(t): t for t in transports.values()}.values():
-            if transport is not self._stream:
-                transport.close()
+        self._forget_attachments()
         self._stream.close()
-        for arena in mapped:
-            arena.close()
         self._channel.close()
 
     # ---- calls ---------------------------------------------------------------
 
     def _retrying(self, method: str, attempt_once):
         attempt = 0
+        attached_again = False
         while True:
             try:
                 return attempt_once()
@@ -124,6 +118,12 @@ class Client:
                 err = codec.translate(rpc_err)
             except StrataError as transport_err:  # transports raise Strata errors already
                 err = transport_err
+            if isinstance(err, StaleAttachment) and not attached_again:
+                # The daemon restarted: attach its new arena and try once more, whatever
+                # ``retries`` says (this is not the same failure again).
+                self._forget_attachments()
+                attached_again = True
+                continue
             delay = codec.retry_delay(err, method, attempt, self.retries)
             if delay is None:
                 raise err
@@ -174,6 +174,17 @@ class Client:
             self._arena_of[namespace] = attach.arena_name
             return transport
 
+    def _forget_attachments(self) -> None:
+        """Drop every attached arena and its transport; the next block call attaches again."""
+        with self._pick_lock:
+            transports, self._transports, self._arena_of = self._transports, {}, {}
+            mapped, self._mapped = self._mapped, []
+        for transport in {id(t): t for t in transports.values()}.values():
+            if transport is not self._stream:
+                transport.close()
+        for arena in mapped:
+            arena.close()
+
     def _deadline(self) -> Deadline:
         return Deadline.after(self.timeout, cancellable=False)  # the call's own: nobody else can cancel it
 
@@ -188,9 +199,8 @@ class Client:
         checked = codec.check_puts(namespace, items)
         if not checked:
             return []
-        transport = self._data(namespace)
         items = [item for item, _, _ in checked]
-        return self._retrying("Put", lambda: transport.put(namespace, items, self._deadline()))
+        return self._retrying("Put", lambda: self._data(namespace).put(namespace, items, self._deadline()))
 
     def get(self, namespace: str, key: bytes) -> bytes | bytearray | None:
         """The block's bytes, or None on a miss."""
@@ -221,8 +231,15 @@ class Client:
     def _get(self, keys: list[bytes], namespace: str, place) -> list[Block | None]:
         if not keys:
             return []
-        transport = self._data(namespace)
-        return self._retrying("Get", lambda: transport.get_into(namespace, keys, place, self._deadline()))
+        return self._retrying("Get", lambda: self._data(namespace).get_into(namespace, keys, place, self._deadline()))
+
+    def touch(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """Best effort, no answer: the blocks were used without being read (an engine served them
+        from its own memory), so the daemon's eviction should keep them. Only the same-host
+        transport says so (batched, with its next flush); the others do nothing."""
+        keys = codec.check_gets(namespace, keys)
+        if keys:
+            self._data(namespace).touch(namespace, keys)
 
     # ---- control -------------------------------------------------------------
 

@@ -1,6 +1,8 @@
-"""Strata inside other projects' extension points (LMCache's remote storage, ...).
+"""Strata inside other projects' extension points: LMCache's remote storage
+(:mod:`.lmcache`), a secondary tier of vLLM's own KV offloading (:mod:`.vllm`).
 
-Each module imports its host project, which is an optional dependency
-(``pip install strata[lmcache]``), so nothing here is imported by
-``kvstore`` itself: the host project names the module in its own config.
+Each package imports its host project, which is an optional dependency
+(``pip install strata[lmcache]``, ``strata[vllm]``), so nothing here is imported
+by ``kvstore`` itself: the host project names the module in its own config.
+:mod:`.health` (when a daemon is worth calling) is shared and imports neither.
 """

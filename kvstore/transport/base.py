@@ -195,6 +195,11 @@ class Transport(ABC):
     ) -> list[Block | None]:
         """Read blocks into the buffers ``place`` chooses (new ones when None); None per miss."""
 
+    def touch(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """Best effort: tell the daemon these blocks were used without reading them (an engine
+        served them from its own memory), so its eviction keeps them. Transports without a
+        cheap way to say it do nothing."""
+
     @abstractmethod
     def close(self) -> None:
         """Give back what the transport holds. Idempotent."""

@@ -28,7 +28,16 @@ import time
 from collections.abc import Sequence
 
 from kvstore.block import TierName, checksum
-from kvstore.errors import ArenaUnusable, Cancelled, DaemonUnavailable, DeadlineExceeded, LeaseExpired, StrataError
+from kvstore.errors import (
+    ArenaUnusable,
+    Cancelled,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseExpired,
+    StaleAttachment,
+    StrataError,
+)
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io, frames
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
@@ -201,14 +210,32 @@ class SameHostTransport(Transport):
                 raise DaemonUnavailable("the transport is closed")
             if self._idle:
                 return self._idle.pop()
-        return _Connection(self._path, self._token)
+        return self._connect()
+
+    def _connect(self) -> _Connection:
+        """A new connection. The daemon accepted this token at the first Hello, so refusing it
+        now means another daemon answers on the socket (a restart): what this transport
+        attached is gone, and the client must attach again."""
+        try:
+            return _Connection(self._path, self._token)
+        except InvalidArgument as err:
+            raise StaleAttachment(f"the daemon refused this client's arena token ({err}); it restarted since the "
+                                  "client attached: attach again") from None
 
     def _give(self, conn: _Connection) -> None:
         with self._lock:
             if not conn.broken and not self._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
                 self._idle.append(conn)
                 return
+            # A connection the daemon closed: the idle ones most likely went with it (a daemon
+            # restart). Drop them too, so the next calls connect afresh instead of each
+            # finding a dead socket in turn.
+            idle = [] if not conn.broken else self._idle
+            if conn.broken:
+                self._idle = []
         conn.close()
+        for other in idle:
+            other.close()
 
     def close(self) -> None:
         """Send pending releases, then close every connection."""
@@ -276,7 +303,7 @@ class SameHostTransport(Transport):
                 continue  # a Lookup carried them
             if conn is None:
                 try:
-                    conn = _Connection(self._path, self._token)
+                    conn = self._connect()
                 except StrataError:
                     continue  # the daemon is gone: the leases expire by themselves
             if pending:
@@ -284,6 +311,11 @@ class SameHostTransport(Transport):
             for namespace, keys in touched.items():
                 conn.notify(frames.TOUCH, [namespace, list(keys)])
             self._give(conn)
+
+    def touch(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """Tell the daemon these blocks were used (recency), with the next flush; no reply."""
+        if keys:
+            self._touch_later(namespace, list(keys))
 
     # ---- reads ---------------------------------------------------------------
 
@@ -493,7 +525,7 @@ class SameHostTransport(Transport):
         """Give slots back (committed ones are skipped by the daemon); on a fresh socket if this one broke."""
         if conn.broken:
             try:
-                conn = _Connection(self._path, self._token)
+                conn = self._connect()
             except StrataError:
                 return  # the slots expire by themselves
             conn.notify(frames.ABORT, [slots])

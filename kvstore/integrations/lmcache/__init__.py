@@ -1,7 +1,8 @@
 """Strata as LMCache's remote storage: a ``RemoteConnector`` on Strata's client.
 
 The package: :mod:`.settings` (options per entry), :mod:`.mapping` (keys and
-layouts), :mod:`.health` (when to call the daemon) and :mod:`.connector`.
+layouts) and :mod:`.connector`; when to call the daemon is
+:mod:`kvstore.integrations.health`, shared with the vLLM tier.
 
 LMCache (0.5.x) loads it as a remote-storage plugin; no fork of LMCache or
 vLLM is needed::
@@ -58,7 +59,7 @@ from ``local_cpu_backend.allocate`` and belong to the caller.
 """
 
 from kvstore.integrations.lmcache.connector import StrataAdapter, StrataConnector
-from kvstore.integrations.lmcache.health import DaemonHealth
+from kvstore.integrations.health import DaemonHealth
 from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, cache_key, namespace_of
 from kvstore.integrations.lmcache.settings import PluginSettings
 

@@ -23,7 +23,7 @@ from kvstore.errors import (
     UnknownNamespace,
 )
 
-from kvstore.integrations.lmcache.health import DaemonHealth
+from kvstore.integrations.health import DaemonHealth
 from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, namespace_of
 from kvstore.integrations.lmcache.settings import (
     PLUGIN_TYPE,

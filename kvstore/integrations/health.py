@@ -17,12 +17,13 @@ class DaemonHealth:
 
     After a call finds the daemon unreachable or stuck, every call in the
     next ``backoff_s`` answers a miss at once: a dead sidecar must not cost
-    LMCache a deadline per chunk, nor the daemon a retry storm when it
-    comes back.
+    the engine a deadline per chunk, nor the daemon a retry storm when it
+    comes back. ``engine`` names who sees the misses, for the log.
     """
 
-    def __init__(self, backoff_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, backoff_s: float, clock: Callable[[], float] = time.monotonic, engine: str = "LMCache") -> None:
         self._backoff = backoff_s
+        self._engine = engine
         self._clock = clock
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -35,8 +36,8 @@ class DaemonHealth:
         with self._lock:
             self._down_until = self._clock() + self._backoff
             if not self.down:
-                log.warning("Strata daemon %s unreachable (%s); LMCache sees misses for the next %.1fs",
-                            target, type(err).__name__, self._backoff)
+                log.warning("Strata daemon %s unreachable (%s); %s sees misses for the next %.1fs",
+                            target, type(err).__name__, self._engine, self._backoff)
             self.down = True
 
     def ok(self, target: str) -> None:
