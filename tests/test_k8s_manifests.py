@@ -51,7 +51,7 @@ PENDING_COMMANDS = {
     ("weights", "wait"): "the weight pipeline's pre-fetch (strata weights wait) is still being built",
     ("weights", "prefetch"): "the weight pipeline's pre-fetch (strata weights prefetch) is still being built",
 }
-PENDING_MODULES = {"kvstore.integrations.vllm_tier": "the vLLM-native tier is built on its own branch"}
+PENDING_MODULES: dict[str, str] = {}  # modules the manifests name before they exist
 SECRETISH = re.compile(r"PASSWORD|TOKEN|SECRET|ACCESS_KEY|PRIVATE", re.I)
 
 
@@ -329,7 +329,15 @@ def test_pending_commands_and_modules_do_not_exist_yet():
     for module, why in PENDING_MODULES.items():
         assert module in rendered, f"no manifest names {module}: drop it from PENDING_MODULES"
         assert importlib.util.find_spec(module) is None, (
-            f"{module} exists now ({why}): check components/vllm-native-tier against it and remove it from PENDING_MODULES")
+            f"{module} exists now ({why}): check the manifests against it and remove it from PENDING_MODULES")
+
+
+def test_every_module_path_a_manifest_names_exists():
+    rendered = "\n".join(yaml.safe_dump(o) for _, o in objects())
+    named = set(re.findall(r'module_path\W+(kvstore[\w.]+)', rendered))
+    assert "kvstore.integrations.vllm" in named
+    for module in named - set(PENDING_MODULES):
+        assert importlib.util.find_spec(module) is not None, f"a manifest names {module}, which does not exist"
 
 
 def test_engines_on_the_node_map_the_daemon_s_arena_at_its_path_as_its_uid(tmp_path):
