@@ -123,14 +123,13 @@ class Prefetcher:
             if model.is_present(f, c) for s, e in [entry.chunk_span(c, manifest.chunk_bytes)]
         )
         chunks = model.verified_chunks()
-        if chunks == manifest.total_chunks:
-            state = COMPLETE
-        elif job is None:
-            state = UNKNOWN
-        elif job.done.is_set():
-            state = FAILED
+        whole = chunks == manifest.total_chunks
+        if job is None:
+            state = COMPLETE if whole else UNKNOWN  # a model a previous run (or another process) fetched
+        elif not job.done.is_set():
+            state = RUNNING  # even when every chunk is recorded: its counts are final once the job ends
         else:
-            state = RUNNING
+            state = COMPLETE if whole and job.error is None else FAILED
         by_source = dict(job.reader.stats.fetched_bytes) if job is not None else {}
         return Progress(state, manifest.model, manifest.total_bytes, verified, manifest.total_chunks, chunks,
                         str(job.error) if job is not None and job.error else "", by_source)
