@@ -49,6 +49,8 @@ class Progress:
 class _Job:
     def __init__(self, reader) -> None:
         self.reader = reader
+        self.manifest = reader.manifest
+        self.stats = reader.stats
         self.error: Exception | None = None
         self.done = threading.Event()
 
@@ -94,7 +96,7 @@ class Prefetcher:
             if reader.digest in self._jobs and self._jobs[reader.digest].error is None:
                 reader.close()
                 return reader.digest, False
-            job = self._jobs[reader.digest] = _Job(reader)
+            job = self._jobs[reader.digest] = _Job(reader)  # a failed one before it is closed: retried
         threading.Thread(target=self._drive, args=(job,), name=f"prefetch-{reader.digest[:12]}", daemon=True).start()
         return reader.digest, True
 
@@ -103,15 +105,16 @@ class Prefetcher:
             job.reader.wait()
         except StrataError as err:
             job.error = err
-            log.error("prefetch of %s failed: %s", job.reader.digest, err)
+            log.error("prefetch of %s failed: %s", job.manifest.digest, err)
         finally:
+            job.reader.close()  # its loop, origin and lease: the chunks are in the record now
             job.done.set()
 
     def status(self, digest: str) -> Progress:
         catalog.check_digest(digest)
         with self._lock:
             job = self._jobs.get(digest)
-        manifest = job.reader.manifest if job is not None else self._cache.stored_manifest(digest)
+        manifest = job.manifest if job is not None else self._cache.stored_manifest(digest)
         if manifest is None:
             return Progress(UNKNOWN)
         model = self._served(digest)
@@ -130,7 +133,7 @@ class Prefetcher:
             state = RUNNING  # even when every chunk is recorded: its counts are final once the job ends
         else:
             state = COMPLETE if whole and job.error is None else FAILED
-        by_source = dict(job.reader.stats.fetched_bytes) if job is not None else {}
+        by_source = dict(job.stats.fetched_bytes) if job is not None else {}
         return Progress(state, manifest.model, manifest.total_bytes, verified, manifest.total_chunks, chunks,
                         str(job.error) if job is not None and job.error else "", by_source)
 
@@ -182,7 +185,7 @@ class Prefetcher:
             jobs, self._jobs = list(self._jobs.values()), {}
             serving, self._serving = list(self._serving.values()), {}
         for job in jobs:
-            job.reader.close()
+            job.reader.close()  # closing twice is a no-op
         for model in serving:
             model.close()
         self._cache.close()
