@@ -144,3 +144,47 @@ def test_a_peer_is_read_first_and_its_corrupt_chunk_is_refetched_from_the_origin
         np.testing.assert_array_equal(got[k], v)
     assert stats.corrupt == 1  # the peer's copy failed its digest once; the same round asked the origin
     assert stats.fetched["origin"] == 1 and stats.fetched["peer"] == stats.planned - 1
+
+
+def test_a_node_at_its_upload_bound_refuses_as_overloaded(model, node):
+    folder, m, _ = model
+    prefetcher, _, stub, _ = node
+    prefetcher.prefetch(folder, m.digest)
+    wait_until(lambda: prefetcher.status(m.digest).state == "complete", what="the prefetch to complete")
+    held = 0
+    while prefetcher._uploads.acquire(blocking=False):  # every upload slot busy, as under load
+        held += 1
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=0, chunk=0), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for _ in range(held):
+            prefetcher._uploads.release()
+    assert held == 8 and stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=0, chunk=0), timeout=10).found
+
+
+def test_a_swarm_member_never_asked_for_the_model_costs_only_its_join_wait(tmp_path, model):
+    """The other member is up but never told to prefetch: this node's requests to it miss after
+    join_wait_s (not the whole peer wait) and the origin serves everything."""
+    from weightcache.peers import Swarm
+
+    folder, m, t = model
+    idle = Prefetcher(tmp_path / "idle", limits=FAST, join_wait_s=0.05)
+    idle_server, idle_port = serve(idle, "127.0.0.1:0")
+    me_server = None
+    try:
+        me = f"127.0.0.1:{__import__('conftest').free_port()}"
+        peer = f"127.0.0.1:{idle_port}"
+        prefetcher = Prefetcher(tmp_path / "me", limits=FAST, swarm=Swarm([peer, me], me, wait_s=600))
+        me_server, _ = serve(prefetcher, me)
+        prefetcher.prefetch(folder, m.digest)
+        wait_until(lambda: prefetcher.status(m.digest).state == "complete", timeout=60, what="all from the origin")
+        s = prefetcher.status(m.digest)
+        assert s.bytes_by_source["origin"] == m.total_bytes and not s.bytes_by_source.get("peer")
+        prefetcher.close()
+    finally:
+        if me_server is not None:
+            me_server.stop(0).wait()
+        idle_server.stop(0).wait()
+        idle.close()

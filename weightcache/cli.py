@@ -168,7 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     swarm = Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait) if args.peer else None
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
-                            metrics=metrics, max_uploads=args.max_uploads)
+                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait)
     server, port = serve(prefetcher, args.listen)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -343,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a swarm member (repeat; may include this node)")
     srv.add_argument("--peer-wait", type=_seconds, default=120.0,
                      help="how long to wait for a chunk's owner to have it before the origin [120s]")
+    srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,
+                     help="how long a peer asked for a model it was not told to prefetch waits for that [5s]")
     srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
     srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
     srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")

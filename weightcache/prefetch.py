@@ -11,7 +11,11 @@ It is also what the peer data plane reads from (:meth:`read_chunk`): only
 chunks recorded as verified are served, by digest and position, with a
 bounded wait for a chunk this node is still fetching and at most
 ``max_uploads`` reads at once (more are refused as overloaded, so a
-popular node slows its callers instead of queueing without bound).
+popular node slows its callers instead of queueing without bound). A node
+asked for a model it has no prefetch of waits only ``join_wait_s`` for one
+to start (the members of a swarm are asked at about the same time, not at
+once), so a member that was never asked costs its peers that long, not
+their whole wait.
 """
 
 from __future__ import annotations
@@ -58,7 +62,12 @@ class _Job:
 class Prefetcher:
     def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
                  s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
-                 max_uploads: int = 8) -> None:
+                 max_uploads: int = 8, join_wait_s: float = 5.0) -> None:
+        if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024):
+            raise ValueError("max_jobs and max_uploads must be 1..1024")
+        if not 0 <= join_wait_s <= MAX_WAIT_S:
+            raise ValueError(f"join_wait_s must be 0..{MAX_WAIT_S:g}")
+        self.join_wait_s = join_wait_s
         self.cache_dir = Path(cache_dir)
         self.cache_bytes = cache_bytes
         self.limits = limits
@@ -153,7 +162,9 @@ class Prefetcher:
         """A verified chunk's bytes, None when this node does not hold it (after waiting up to
         ``wait_s`` while a prefetch here may still bring it)."""
         catalog.check_digest(digest)
-        deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
+        now = time.monotonic()
+        deadline = now + min(max(wait_s, 0.0), MAX_WAIT_S)
+        joined = now + min(max(wait_s, 0.0), self.join_wait_s)  # by then a prefetch here should have begun
         while True:
             model = self._served(digest)
             if model is not None:
@@ -165,7 +176,8 @@ class Prefetcher:
                     break
             with self._lock:
                 job = self._jobs.get(digest)
-            if (job is not None and job.done.is_set()) or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if (job is not None and job.done.is_set()) or now >= deadline or (job is None and now >= joined):
                 return None
             time.sleep(self.limits.poll_interval_s)
         if not self._uploads.acquire(blocking=False):
