@@ -84,7 +84,8 @@ def open_model(
     (peers), or, given as a function of a chunk, the ones it names for that chunk (a swarm's
     owner of it). ``order`` (a sort key of (file, chunk)) reorders the fetch plan (a swarm
     node fetches the chunks it owns first). ``route``, a function of the resolved manifest,
-    gives both (:meth:`weightcache.peers.Swarm.route`). ``cache_bytes`` bounds the node cache (default: what its disk holds).
+    gives both (:meth:`weightcache.peers.Swarm.route`). ``cache_bytes`` bounds the node cache
+    (default: what its disk holds).
     """
     if sys.byteorder != "little":
         raise InvalidArgument("weightcache reads safetensors (little-endian) in place; this host is big-endian")
@@ -106,10 +107,10 @@ def open_model(
             sources, order = route(manifest)
         origin_source = OriginSource(origin, limits.origin_concurrency)
         if callable(sources):
-            route = sources
+            pick = sources
 
             def chooser(ref):
-                return [*route(ref), origin_source]
+                return [*pick(ref), origin_source]
         else:
             chosen = [*sources, origin_source]
 
@@ -128,7 +129,8 @@ def open_model(
 
 
 class ModelReader:
-    def __init__(self, manifest, cache, loop, origin, chooser, make, limits, *, files, names, include, deadline_s, metrics, order=None):
+    def __init__(self, manifest, cache, loop, origin, chooser, make, limits, *, files, names, include, deadline_s,
+                 metrics, order=None):
         self.manifest: Manifest = manifest
         self.digest: str = manifest.digest
         self.stats = FetchStats()
