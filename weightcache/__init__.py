@@ -10,6 +10,10 @@
 - :mod:`weightcache.sources` and :mod:`weightcache.fetch`: where chunks come from, and the
   planner that fetches them in the reader's order, verified, with back-off.
 - :mod:`weightcache.reader`: :func:`open_model`, (name, tensor) as each tensor lands.
+- :mod:`weightcache.prefetch`, :mod:`weightcache.service`, :mod:`weightcache.peers`: the weight
+  node (``strata weights serve``): prefetch jobs, ``WeightService`` over gRPC, peer chunk reads
+  and the swarm that asks the origin for each chunk about once.
+- :mod:`weightcache.vllm_loader`: vLLM's ``--load-format strata`` (imported only by vLLM).
 
 ``weightcache`` imports ``kvstore``; ``kvstore`` never imports ``weightcache``.
 """

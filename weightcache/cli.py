@@ -5,6 +5,10 @@
     strata weights ls --cache DIR        the models a node cache holds: verified chunks, bytes, in use
     strata weights fetch LOCATION [DIGEST] --cache DIR   fill a node cache (an init container's job)
     strata weights evict DIGEST --cache DIR              remove a cached model no process is using
+    strata weights serve --cache DIR --listen ADDR [--peer ADDR ...]  a weight node: prefetch, status,
+                                         and chunks for peers (a swarm shares the origin)
+    strata weights prefetch LOCATION [DIGEST] --node ADDR   ask a weight node to fetch a model
+    strata weights wait DIGEST --node ADDR --deadline 10m   until it is warm (an init container's job)
 
 The same program runs as ``strata-weights``, ``python -m weightcache`` and
 ``strata weights``: the ``strata`` command hands ``weights`` over by
@@ -149,6 +153,125 @@ def cmd_evict(args: argparse.Namespace) -> int:
         cache.close()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from weightcache.fetch import FetchLimits
+    from weightcache.metrics import WeightMetrics
+    from weightcache.peers import Swarm
+    from weightcache.prefetch import Prefetcher
+    from weightcache.service import serve
+
+    metrics = WeightMetrics()
+    me = args.advertise or args.listen
+    swarm = Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait) if args.peer else None
+    limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
+    prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
+                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait)
+    server, port = serve(prefetcher, args.listen)
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    print(f"weight node listening on port {port}", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(5).wait()
+    prefetcher.close()
+    return 0
+
+
+def _stub(address: str):
+    import grpc
+
+    from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
+    from weightcache.peers import CHANNEL_OPTIONS
+
+    return pb_grpc.WeightServiceStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+
+
+def _call(method, request, timeout: float):
+    import grpc
+
+    from kvstore.rpc.status import from_rpc_error
+
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as err:
+        raise from_rpc_error(err) from None
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    from weightcache.api.v1 import weights_pb2 as pb
+
+    reply = _call(_stub(args.node).Prefetch, pb.PrefetchRequest(
+        location=args.location, digest=args.digest or "", revision=args.revision or ""), timeout=args.timeout)
+    print(reply.digest)
+    if args.wait is not None:
+        args.digest, args.deadline = reply.digest, args.wait
+        return cmd_wait(args)
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Poll Status until the model is complete (0), failed (1) or the deadline passes (4)."""
+    import time
+
+    from tqdm import tqdm
+
+    from weightcache.api.v1 import weights_pb2 as pb
+
+    stub = _stub(args.node)
+    end = time.monotonic() + args.deadline
+    bar = None
+    try:
+        while True:
+            try:
+                s = _call(stub.Status, pb.StatusRequest(digest=args.digest), timeout=min(30.0, max(1.0, args.deadline)))
+            except StrataError as err:
+                s, last = None, err  # the node not up yet (an init container may start first): keep asking
+            if s is not None:
+                if bar is None and s.total_bytes:
+                    bar = tqdm(total=s.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                               desc=s.model or args.digest[:12], disable=args.no_progress, file=sys.stderr)
+                if bar is not None:
+                    bar.update(s.verified_bytes - bar.n)
+                if s.state == pb.PREFETCH_STATE_COMPLETE:
+                    if args.json:
+                        print(json.dumps({"digest": args.digest, "bytes": s.total_bytes,
+                                          "bytes_by_source": dict(s.bytes_by_source)}))
+                    return 0
+                if s.state == pb.PREFETCH_STATE_FAILED:
+                    print(f"strata weights wait: the prefetch of {args.digest} failed: {s.error}", file=sys.stderr)
+                    return 1
+                last = None
+            if time.monotonic() >= end:
+                where = (f"{s.verified_chunks} of {s.total_chunks} chunks verified" if s is not None and s.total_chunks
+                         else f"the node answered: {last}" if s is None else "the node has not been asked for it")
+                print(f"strata weights wait: {args.digest} is not warm on {args.node} after {args.deadline:g}s "
+                      f"({where}); start it with 'strata weights prefetch', or give a longer --deadline",
+                      file=sys.stderr)
+                return 4
+            time.sleep(min(args.interval, max(0.0, end - time.monotonic())))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _seconds(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(text[: -len(unit)]) * units[unit]
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (90, 30s, 10m, 1h)") from None
+
+
 def _summary(manifest, latest: bool) -> dict:
     return {
         "digest": manifest.digest, "latest": latest, "model": manifest.model, "revision": manifest.revision,
@@ -207,6 +330,46 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("digest")
     evict.add_argument("--cache", required=True, metavar="DIR")
     evict.set_defaults(func=cmd_evict)
+
+    srv = sub.add_parser("serve", parents=[s3], help="a weight node: prefetch into a node cache, serve peers",
+                         description="Serve WeightService: Prefetch and Status for init containers, ReadChunk for "
+                         "peers. With --peer, the listed nodes (the same list on each) form a swarm: each chunk "
+                         "is fetched from the origin by one of them and read from it by the rest.")
+    srv.add_argument("--cache", required=True, metavar="DIR")
+    srv.add_argument("--cache-bytes", type=_size, help="the node cache's bound [default: its disk]")
+    srv.add_argument("--listen", default="127.0.0.1:7460", metavar="HOST:PORT", help="[127.0.0.1:7460]")
+    srv.add_argument("--advertise", metavar="HOST:PORT", help="this node's address in --peer lists [--listen]")
+    srv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                     help="a swarm member (repeat; may include this node)")
+    srv.add_argument("--peer-wait", type=_seconds, default=120.0,
+                     help="how long to wait for a chunk's owner to have it before the origin [120s]")
+    srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,
+                     help="how long a peer asked for a model it was not told to prefetch waits for that [5s]")
+    srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
+    srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
+    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.set_defaults(func=cmd_serve)
+
+    node = argparse.ArgumentParser(add_help=False)
+    node.add_argument("--node", default="127.0.0.1:7460", metavar="HOST:PORT", help="the weight node [127.0.0.1:7460]")
+    node.add_argument("--no-progress", action="store_true", help="no progress bar")
+    node.add_argument("--interval", type=_seconds, default=1.0, help="how often to ask for progress [1s]")
+    pre = sub.add_parser("prefetch", parents=[s3, node], help="ask a weight node to fetch a model",
+                         description="Start a prefetch on the node (nothing new if it runs or is done); prints the "
+                         "manifest digest. With --wait, waits as 'strata weights wait' does.")
+    pre.add_argument("location")
+    pre.add_argument("digest", nargs="?", help="the manifest [default: the location's latest]")
+    pre.add_argument("--timeout", type=_seconds, default=120.0, help="for resolving the manifest [120s]")
+    pre.add_argument("--wait", type=_seconds, metavar="DEADLINE", help="then wait until warm, up to this long")
+    pre.set_defaults(func=cmd_prefetch)
+
+    wait = sub.add_parser("wait", parents=[node], help="wait until a model is warm on a weight node",
+                          description="Exit 0 once every chunk is verified in the node's cache; 1 if its prefetch "
+                          "failed; 4 at the deadline, saying how far it got.")
+    wait.add_argument("digest")
+    wait.add_argument("--deadline", type=_seconds, required=True, help="give up after this long (90, 30s, 10m)")
+    wait.add_argument("--json", action="store_true", help="print where the bytes came from, as JSON")
+    wait.set_defaults(func=cmd_wait)
     return parser
 
 

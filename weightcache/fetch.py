@@ -120,6 +120,9 @@ class Planner:
             self.stats.planned += 1
             if self.model.is_present(*item):
                 self.stats.cached += 1
+                self.stats.fetched_bytes["disk"] += self._length(item)
+                if self._metrics is not None:
+                    self._metrics.cached(self._length(item))
                 self._present(item)
             else:
                 self._queue.append(item)
@@ -132,6 +135,10 @@ class Planner:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             self._executor.shutdown(wait=True)
+
+    def _length(self, item: tuple[int, int]) -> int:
+        start, end = self.model.manifest.files[item[0]].chunk_span(item[1], self.model.manifest.chunk_bytes)
+        return end - start
 
     def _present(self, item: tuple[int, int]) -> None:
         if item not in self._done:

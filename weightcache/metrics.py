@@ -1,13 +1,18 @@
 """Prometheus metrics of the weight pipeline, in a registry passed in (the daemon's, or a test's).
 
-Labels are bounded: ``source`` is a source kind (origin, peer), ``outcome``
-one of ok, corrupt, throttled, unavailable, mismatch, miss. Never a model, file or
-digest: those are unbounded and belong in logs.
+Labels are bounded: ``source`` is where verified bytes came from (``disk``:
+already in the node cache when the fetch began; ``peer``; ``origin``),
+``outcome`` one of ok, corrupt, throttled, unavailable, mismatch, miss.
+Never a model, file or digest: those are unbounded and belong in logs.
+(The page cache is not told apart from the disk: a cached chunk is read
+through it either way.)
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class WeightMetrics:
@@ -19,11 +24,25 @@ class WeightMetrics:
             ["source", "outcome"], registry=r,
         )
         self.bytes = Counter(
-            "strata_weights_fetched_bytes_total", "Verified chunk bytes stored in the node cache, by source",
+            "strata_weights_fetched_bytes_total", "Verified chunk bytes a load had, by source (disk: cached before)",
             ["source"], registry=r,
+        )
+        self.first_tensor = Histogram(
+            "strata_weights_time_to_first_tensor_seconds", "From opening a model to its first tensor yielded",
+            registry=r, buckets=_LOAD_BUCKETS,
+        )
+        self.complete = Histogram(
+            "strata_weights_time_to_complete_seconds", "From opening a model to every planned chunk present",
+            registry=r, buckets=_LOAD_BUCKETS,
+        )
+        self.served = Counter(
+            "strata_weights_served_bytes_total", "Chunk bytes this node served to peers", registry=r,
         )
 
     def chunk(self, source: str, outcome: str, nbytes: int = 0) -> None:
         self.requests.labels(source, outcome).inc()
         if nbytes:
             self.bytes.labels(source).inc(nbytes)
+
+    def cached(self, nbytes: int) -> None:
+        self.bytes.labels("disk").inc(nbytes)

@@ -50,7 +50,7 @@ from weightcache.fetch import FetchLimits, FetchStats, Planner
 from weightcache.manifest import Manifest
 from weightcache.origin import S3Options, open_origin
 from weightcache.safetensors_header import LENGTH_BYTES, Header, TensorEntry, header_length, parse_header
-from weightcache.sources import ChunkSource, OriginSource
+from weightcache.sources import ChunkRef, ChunkSource, OriginSource
 from weightcache.tensors import converter
 
 Selector = str | Iterable[str] | Callable[[str], bool] | None
@@ -70,7 +70,9 @@ def open_model(
     framework: str = "numpy",
     limits: FetchLimits = FetchLimits(),
     s3: S3Options | None = None,
-    sources: Sequence[ChunkSource] = (),
+    sources: Sequence[ChunkSource] | Callable[[ChunkRef], Sequence[ChunkSource]] = (),
+    order: Callable[[tuple[int, int]], int] | None = None,
+    route: Callable[[Manifest], tuple[Callable, Callable]] | None = None,
     deadline_s: float | None = None,
     metrics=None,
 ) -> ModelReader:
@@ -79,7 +81,11 @@ def open_model(
     ``digest`` pins the manifest (what ``strata weights publish`` printed); without it the
     location's latest manifest is used and ``reader.digest`` says which. ``revision``, when
     given, must be the manifest's. ``sources`` are tried before the origin for every chunk
-    (peers). ``cache_bytes`` bounds the node cache (default: what its disk holds).
+    (peers), or, given as a function of a chunk, the ones it names for that chunk (a swarm's
+    owner of it). ``order`` (a sort key of (file, chunk)) reorders the fetch plan (a swarm
+    node fetches the chunks it owns first). ``route``, a function of the resolved manifest,
+    gives both (:meth:`weightcache.peers.Swarm.route`). ``cache_bytes`` bounds the node cache
+    (default: what its disk holds).
     """
     if sys.byteorder != "little":
         raise InvalidArgument("weightcache reads safetensors (little-endian) in place; this host is big-endian")
@@ -97,10 +103,22 @@ def open_model(
                 f"manifest {manifest.digest} at {location} is of revision {manifest.revision!r}, not "
                 f"{origin.default_revision!r}: open the digest published for that revision"
             )
-        chosen = [*sources, OriginSource(origin, limits.origin_concurrency)]
+        if route is not None:
+            sources, order = route(manifest)
+        origin_source = OriginSource(origin, limits.origin_concurrency)
+        if callable(sources):
+            pick = sources
+
+            def chooser(ref):
+                return [*pick(ref), origin_source]
+        else:
+            chosen = [*sources, origin_source]
+
+            def chooser(ref):
+                return chosen
         return ModelReader(
-            manifest, cache, loop, origin, lambda ref: chosen, make, limits,
-            files=files, names=names, include=include, deadline_s=deadline_s, metrics=metrics,
+            manifest, cache, loop, origin, chooser, make, limits,
+            files=files, names=names, include=include, deadline_s=deadline_s, metrics=metrics, order=order,
         )
     except BaseException:
         loop.call(origin.close(), 30)
@@ -111,7 +129,8 @@ def open_model(
 
 
 class ModelReader:
-    def __init__(self, manifest, cache, loop, origin, chooser, make, limits, *, files, names, include, deadline_s, metrics):
+    def __init__(self, manifest, cache, loop, origin, chooser, make, limits, *, files, names, include, deadline_s,
+                 metrics, order=None):
         self.manifest: Manifest = manifest
         self.digest: str = manifest.digest
         self.stats = FetchStats()
@@ -129,7 +148,12 @@ class ModelReader:
         self._iterated = False
         self._checked: dict[int, Header] = {}
         self._maps: dict[int, object] = {}
+        self._metrics = metrics
+        self._opened = time.monotonic()
         self._select(files, names, include)
+        if order is not None:
+            self._plan = sorted(self._plan, key=order)  # stable: the reader's order within each rank
+            self.plan = tuple(dict.fromkeys(self._plan))
         self.model = cache.open(manifest)
         self._planner = Planner(
             self.model, chooser, limits=limits, stats=self.stats,
@@ -226,6 +250,8 @@ class ModelReader:
             self._finished = True
             if not future.cancelled() and future.exception() is not None:
                 self._fatal = future.exception()
+            elif self._metrics is not None and not future.cancelled() and not self._failed:
+                self._metrics.complete.observe(time.monotonic() - self._opened)
             self._cond.notify_all()
 
     # ---- consuming -----------------------------------------------------------------
@@ -239,7 +265,10 @@ class ModelReader:
         while yielded < len(self.tensors):
             item = self._next_ready(lambda i: i < len(self.tensors))
             f, t = self.tensors[item]
-            yield t.name, self._tensor(f, t)
+            tensor = self._tensor(f, t)
+            if yielded == 0 and self._metrics is not None:
+                self._metrics.first_tensor.observe(time.monotonic() - self._opened)
+            yield t.name, tensor
             yielded += 1
 
     def path(self, file_path: str) -> Path:

@@ -1,0 +1,190 @@
+"""A weight node (WeightService over real gRPC): prefetch into a node cache, status, the init
+container's `strata weights wait` (exit 0 warm, 4 at the deadline), metrics by source, and peer
+chunk reads: a miss is an answer, a peer's corrupt chunk is refetched from the origin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import weightcache
+from conftest import wait_until
+from weightcache.api.v1 import weights_pb2 as pb
+from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
+from weightcache.fetch import FetchLimits
+from weightcache.metrics import WeightMetrics
+from weightcache.peers import PeerSource
+from weightcache.prefetch import Prefetcher
+from weightcache.service import serve
+from weights_models import layered_tensors, write_numpy_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 64 << 10
+FAST = FetchLimits(max_in_flight=4, origin_concurrency=4, backoff_base_s=0.001, backoff_max_s=0.01, poll_interval_s=0.005)
+
+
+@pytest.fixture
+def model(tmp_path):
+    t = layered_tensors(seed=3, layers=4)
+    folder = write_numpy_model(tmp_path / "src", [t])
+    return str(folder), weightcache.publish_model(str(folder), chunk_bytes=CHUNK), t
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A started weight node: (prefetcher, address, stub, metrics)."""
+    metrics = WeightMetrics()
+    prefetcher = Prefetcher(tmp_path / "node", limits=FAST, metrics=metrics)
+    server, port = serve(prefetcher, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield prefetcher, f"127.0.0.1:{port}", pb_grpc.WeightServiceStub(channel), metrics
+    channel.close()
+    server.stop(0).wait()
+    prefetcher.close()
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "weightcache", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_prefetch_fills_the_cache_and_wait_exits_zero_when_warm(tmp_path, model, node):
+    folder, m, t = model
+    _, address, stub, metrics = node
+    done = cli("prefetch", folder, m.digest, "--node", address, "--wait", "60s", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == m.digest
+    s = stub.Status(pb.StatusRequest(digest=m.digest), timeout=10)
+    assert s.state == pb.PREFETCH_STATE_COMPLETE
+    assert s.verified_chunks == s.total_chunks == m.total_chunks and s.verified_bytes == m.total_bytes
+    assert s.bytes_by_source["origin"] == m.total_bytes
+    assert metrics.registry.get_sample_value("strata_weights_fetched_bytes_total", {"source": "origin"}) == m.total_bytes
+    assert metrics.registry.get_sample_value("strata_weights_time_to_complete_seconds_count") == 1
+    again = stub.Prefetch(pb.PrefetchRequest(location=folder, digest=m.digest), timeout=30)
+    assert (again.digest, again.started) == (m.digest, False)
+    warm = cli("wait", m.digest, "--node", address, "--deadline", "5s", "--no-progress", "--json")
+    assert warm.returncode == 0, warm.stderr
+    # the node cache holds the model: a reader on this node needs no origin at all (an empty one)
+    (tmp_path / "gone").mkdir()
+    with weightcache.open_model(str(tmp_path / "gone"), m.digest, cache_dir=tmp_path / "node", limits=FAST) as r:
+        got = dict(r)
+        assert r.stats.cached == r.stats.planned
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_wait_gives_up_at_its_deadline_with_a_clear_message(node):
+    _, address, _, _ = node
+    digest = "0" * 64
+    done = cli("wait", digest, "--node", address, "--deadline", "0.3s", "--interval", "0.1s", "--no-progress")
+    assert done.returncode == 4
+    assert "is not warm" in done.stderr and "strata weights prefetch" in done.stderr
+
+
+def test_wait_on_a_node_that_is_not_up_says_so_at_the_deadline(tmp_path):
+    from conftest import free_port
+
+    done = cli("wait", "0" * 64, "--node", f"127.0.0.1:{free_port()}", "--deadline", "0.5s", "--interval", "0.1s",
+               "--no-progress")
+    assert done.returncode == 4 and "the node answered" in done.stderr
+
+
+def test_bad_input_is_invalid_argument(node):
+    _, _, stub, _ = node
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Status(pb.StatusRequest(digest="not-a-digest"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Prefetch(pb.PrefetchRequest(location="/nowhere/at/all"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_read_chunk_serves_verified_chunks_and_misses_what_it_lacks(model, node):
+    folder, m, _ = model
+    prefetcher, _, stub, metrics = node
+    miss = stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=0, chunk=0), timeout=10)
+    assert not miss.found
+    prefetcher.prefetch(folder, m.digest)
+    wait_until(lambda: prefetcher.status(m.digest).state == "complete", what="the prefetch to complete")
+    f = m.file_index(next(e.path for e in m.files if e.path.endswith(".safetensors")))
+    hit = stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=f, chunk=1), timeout=10)
+    start, end = m.files[f].chunk_span(1, m.chunk_bytes)
+    assert hit.found and hit.data == (Path(folder) / m.files[f].path).read_bytes()[start:end]
+    assert metrics.registry.get_sample_value("strata_weights_served_bytes_total") == end - start
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=f, chunk=10_000), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_peer_is_read_first_and_its_corrupt_chunk_is_refetched_from_the_origin(tmp_path, model, node):
+    folder, m, t = model
+    prefetcher, address, _, _ = node
+    prefetcher.prefetch(folder, m.digest)
+    wait_until(lambda: prefetcher.status(m.digest).state == "complete", what="the peer's prefetch")
+    # damage one chunk at rest in the peer's cache: the peer serves it as recorded, unverified
+    f = m.file_index(next(e.path for e in m.files if e.path.endswith(".safetensors")))
+    path = tmp_path / "node" / "models" / m.digest / "files" / m.files[f].path
+    with open(path, "r+b") as fh:
+        fh.seek(2 * CHUNK + 5)
+        b = fh.read(1)
+        fh.seek(2 * CHUNK + 5)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    peer = PeerSource(address, m.digest)
+    with weightcache.open_model(folder, m.digest, cache_dir=tmp_path / "other", limits=FAST, sources=[peer]) as r:
+        got = dict(r)
+        stats = r.stats
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert stats.corrupt == 1  # the peer's copy failed its digest once; the same round asked the origin
+    assert stats.fetched["origin"] == 1 and stats.fetched["peer"] == stats.planned - 1
+
+
+def test_a_node_at_its_upload_bound_refuses_as_overloaded(model, node):
+    folder, m, _ = model
+    prefetcher, _, stub, _ = node
+    prefetcher.prefetch(folder, m.digest)
+    wait_until(lambda: prefetcher.status(m.digest).state == "complete", what="the prefetch to complete")
+    held = 0
+    while prefetcher._uploads.acquire(blocking=False):  # every upload slot busy, as under load
+        held += 1
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=0, chunk=0), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for _ in range(held):
+            prefetcher._uploads.release()
+    assert held == 8 and stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=0, chunk=0), timeout=10).found
+
+
+def test_a_swarm_member_never_asked_for_the_model_costs_only_its_join_wait(tmp_path, model):
+    """The other member is up but never told to prefetch: this node's requests to it miss after
+    join_wait_s (not the whole peer wait) and the origin serves everything."""
+    from weightcache.peers import Swarm
+
+    folder, m, t = model
+    idle = Prefetcher(tmp_path / "idle", limits=FAST, join_wait_s=0.05)
+    idle_server, idle_port = serve(idle, "127.0.0.1:0")
+    me_server = None
+    try:
+        me = f"127.0.0.1:{__import__('conftest').free_port()}"
+        peer = f"127.0.0.1:{idle_port}"
+        prefetcher = Prefetcher(tmp_path / "me", limits=FAST, swarm=Swarm([peer, me], me, wait_s=600))
+        me_server, _ = serve(prefetcher, me)
+        prefetcher.prefetch(folder, m.digest)
+        wait_until(lambda: prefetcher.status(m.digest).state == "complete", timeout=60, what="all from the origin")
+        s = prefetcher.status(m.digest)
+        assert s.bytes_by_source["origin"] == m.total_bytes and not s.bytes_by_source.get("peer")
+        prefetcher.close()
+    finally:
+        if me_server is not None:
+            me_server.stop(0).wait()
+        idle_server.stop(0).wait()
+        idle.close()

@@ -1,0 +1,145 @@
+"""Weight nodes as a swarm, as real processes against a real S3 server (moto) through a counting
+gate: four nodes fetching one model at once ask the origin for each chunk about once and read the
+rest from each other; a peer killed while another waits on it leaves that node to the origin."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import weightcache
+from conftest import free_port, wait_until
+from weightcache.api.v1 import weights_pb2 as pb
+from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
+from weightcache.fetch import FetchLimits
+from weightcache.peers import Swarm
+from weightcache.prefetch import Prefetcher
+from weightcache.service import serve
+from weights_models import layered_tensors, write_numpy_model
+from weights_s3 import ENV, make_bucket, s3_gate, s3_options, weights_moto  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def published(tmp_path, make_bucket, s3_gate):
+    t = layered_tensors(seed=11, layers=6)
+    url = make_bucket().upload(write_numpy_model(tmp_path / "src", [t]), "acme/swarm/rev1")
+    gate = s3_gate()
+    m = weightcache.publish_model(url, s3=s3_options(gate.endpoint), chunk_bytes=CHUNK)
+    gate.reset_counts()
+    return url, m, t, gate
+
+
+def start_node(cache: Path, address: str, members: list[str], endpoint: str) -> subprocess.Popen:
+    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [sys.executable, "-m", "weightcache", "serve", "--cache", str(cache), "--listen", address,
+            "--s3-endpoint", endpoint, "--s3-allow-http", "--s3-region", "us-east-1", "--concurrency", "4",
+            "--peer-wait", "60s"]
+    for m in members:
+        args += ["--peer", m]
+    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def stub(address: str):
+    return pb_grpc.WeightServiceStub(grpc.insecure_channel(address))
+
+
+def up(address: str) -> bool:
+    try:
+        stub(address).Status(pb.StatusRequest(digest="0" * 64), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def origin_bytes(gate) -> int:
+    total = 0
+    for (_, rng), n in gate.gets.items():
+        a, b = rng.removeprefix("bytes=").split("-")
+        total += (int(b) - int(a) + 1) * n
+    return total
+
+
+def test_four_nodes_fetching_one_model_ask_the_origin_for_it_about_once(tmp_path, published):
+    url, m, t, gate = published
+    members = [f"127.0.0.1:{free_port()}" for _ in range(4)]
+    nodes = [start_node(tmp_path / f"n{i}", a, members, gate.endpoint) for i, a in enumerate(members)]
+    try:
+        for a in members:
+            wait_until(lambda: up(a), what=f"node {a} up")
+        threads = [threading.Thread(target=lambda a=a: stub(a).Prefetch(
+            pb.PrefetchRequest(location=url, digest=m.digest), timeout=60)) for a in members]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        status = {}
+        for a in members:
+            def complete(a=a):
+                status[a] = stub(a).Status(pb.StatusRequest(digest=m.digest), timeout=10)
+                assert status[a].state != pb.PREFETCH_STATE_FAILED, status[a].error
+                return status[a].state == pb.PREFETCH_STATE_COMPLETE
+            wait_until(complete, timeout=120, what=f"node {a} warm")
+        ratio = origin_bytes(gate) / m.total_bytes
+        assert ratio <= 1.1, f"the origin served {ratio:.2f}x the model"
+        for a in members:  # every node read from peers, and every node took a share from the origin
+            assert status[a].bytes_by_source["peer"] > 0 and status[a].bytes_by_source["origin"] > 0
+            assert sum(status[a].bytes_by_source.values()) == m.total_bytes
+    finally:
+        for p in nodes:
+            p.send_signal(signal.SIGTERM)
+        for p in nodes:
+            p.wait(30)
+    with weightcache.open_model(url, m.digest, cache_dir=tmp_path / "n2", s3=s3_options(gate.endpoint)) as r:
+        got = dict(r)
+        assert r.stats.cached == r.stats.planned
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_a_peer_killed_while_a_node_waits_on_it_leaves_that_node_to_the_origin(tmp_path, published, s3_gate):
+    url, m, t, gate = published
+    stuck = s3_gate()
+    stuck.hold_after(0)  # the other node's origin answers nothing: it will own chunks it never gets
+    peer, me = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    child = start_node(tmp_path / "peer", peer, [peer, me], stuck.endpoint)
+    limits = FetchLimits(max_in_flight=4, origin_concurrency=4, backoff_base_s=0.001, backoff_max_s=0.01,
+                         poll_interval_s=0.005)
+    prefetcher = Prefetcher(tmp_path / "me", limits=limits, s3=s3_options(gate.endpoint),
+                            swarm=Swarm([peer, me], me, wait_s=60))
+    server, _ = serve(prefetcher, me)
+    try:
+        wait_until(lambda: up(peer), what="the peer up")
+        stub(peer).Prefetch(pb.PrefetchRequest(location=url, digest=m.digest), timeout=60)
+        prefetcher.prefetch(url, m.digest)
+        swarm = Swarm([peer, me], me)
+        mine = sum(1 for f in m.files for c in f.chunks if swarm.owner(c) == me)
+        wait_until(lambda: prefetcher.status(m.digest).verified_chunks == mine and stuck.held > 0,
+                   what="this node done with its own chunks, waiting on the peer's")
+        assert prefetcher.status(m.digest).state == "running"
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        wait_until(lambda: prefetcher.status(m.digest).state == "complete", timeout=120, what="the rest from the origin")
+        s = prefetcher.status(m.digest)
+        assert s.bytes_by_source["origin"] == m.total_bytes and not s.bytes_by_source.get("peer")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        stuck.release()
+        server.stop(0).wait()
+        prefetcher.close()
+    with weightcache.open_model(url, m.digest, cache_dir=tmp_path / "me", s3=s3_options(gate.endpoint)) as r:
+        got = dict(r)
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)

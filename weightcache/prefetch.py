@@ -1,0 +1,203 @@
+"""Prefetch jobs on one weight node: fill the node cache with a model, report how far it got.
+
+A :class:`Prefetcher` owns the node's cache directory and at most
+``max_jobs`` jobs, one per manifest digest (asking again for a digest that
+is running or done starts nothing). Each job is an :func:`open_model` of
+the whole model driven to the end on a thread of its own; its progress is
+the node cache's record, so :meth:`status` is true across restarts: a
+model a previous run completed is COMPLETE without a job.
+
+It is also what the peer data plane reads from (:meth:`read_chunk`): only
+chunks recorded as verified are served, by digest and position, with a
+bounded wait for a chunk this node is still fetching and at most
+``max_uploads`` reads at once (more are refused as overloaded, so a
+popular node slows its callers instead of queueing without bound). A node
+asked for a model it has no prefetch of waits only ``join_wait_s`` for one
+to start (the members of a swarm are asked at about the same time, not at
+once), so a member that was never asked costs its peers that long, not
+their whole wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import InvalidArgument, ResourceExhausted, StrataError
+from weightcache import catalog
+from weightcache.cache import NodeCache
+from weightcache.fetch import FetchLimits, FetchStats
+from weightcache.origin import S3Options
+
+log = logging.getLogger(__name__)
+
+RUNNING, COMPLETE, FAILED, UNKNOWN = "running", "complete", "failed", "unknown"
+MAX_WAIT_S = 600.0
+
+
+@dataclass
+class Progress:
+    state: str
+    model: str = ""
+    total_bytes: int = 0
+    verified_bytes: int = 0
+    total_chunks: int = 0
+    verified_chunks: int = 0
+    error: str = ""
+    bytes_by_source: dict = field(default_factory=dict)
+
+
+class _Job:
+    def __init__(self, reader) -> None:
+        self.reader = reader
+        self.manifest = reader.manifest
+        self.stats = reader.stats
+        self.error: Exception | None = None
+        self.done = threading.Event()
+
+
+class Prefetcher:
+    def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
+                 s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
+                 max_uploads: int = 8, join_wait_s: float = 5.0) -> None:
+        if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024):
+            raise ValueError("max_jobs and max_uploads must be 1..1024")
+        if not 0 <= join_wait_s <= MAX_WAIT_S:
+            raise ValueError(f"join_wait_s must be 0..{MAX_WAIT_S:g}")
+        self.join_wait_s = join_wait_s
+        self.cache_dir = Path(cache_dir)
+        self.cache_bytes = cache_bytes
+        self.limits = limits
+        self.s3 = s3
+        self.swarm = swarm
+        self.metrics = metrics
+        self.max_jobs = max_jobs
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._uploads = threading.BoundedSemaphore(max_uploads)
+        self._cache = NodeCache(self.cache_dir, cache_bytes if cache_bytes is not None else 1 << 62)
+        self._serving: dict[str, object] = {}  # digest -> CachedModel opened for peer reads
+
+    # ---- jobs ----------------------------------------------------------------------
+
+    def prefetch(self, location: str, digest: str = "", revision: str = "") -> tuple[str, bool]:
+        """Start fetching the model (blocking while its manifest is resolved); (digest, started)."""
+        from weightcache.reader import open_model
+
+        if digest:
+            catalog.check_digest(digest)
+            with self._lock:
+                if digest in self._jobs and self._jobs[digest].error is None:
+                    return digest, False
+        with self._lock:
+            live = sum(1 for j in self._jobs.values() if not j.done.is_set())
+            if live >= self.max_jobs:
+                raise ResourceExhausted(f"{live} prefetches are running (the most is {self.max_jobs}): wait for one",
+                                        retry_after_s=5.0)
+        route = self.swarm.route if self.swarm is not None else None
+        reader = open_model(location, digest or None, cache_dir=self.cache_dir, cache_bytes=self.cache_bytes,
+                            revision=revision or None, limits=self.limits, s3=self.s3, metrics=self.metrics,
+                            include="*", route=route)
+        with self._lock:
+            if reader.digest in self._jobs and self._jobs[reader.digest].error is None:
+                reader.close()
+                return reader.digest, False
+            job = self._jobs[reader.digest] = _Job(reader)  # a failed one before it is closed: retried
+        threading.Thread(target=self._drive, args=(job,), name=f"prefetch-{reader.digest[:12]}", daemon=True).start()
+        return reader.digest, True
+
+    def _drive(self, job: _Job) -> None:
+        try:
+            job.reader.wait()
+        except StrataError as err:
+            job.error = err
+            log.error("prefetch of %s failed: %s", job.manifest.digest, err)
+        finally:
+            job.reader.close()  # its loop, origin and lease: the chunks are in the record now
+            job.done.set()
+
+    def status(self, digest: str) -> Progress:
+        catalog.check_digest(digest)
+        with self._lock:
+            job = self._jobs.get(digest)
+        manifest = job.manifest if job is not None else self._cache.stored_manifest(digest)
+        if manifest is None:
+            return Progress(UNKNOWN)
+        model = self._served(digest)
+        if model is None:
+            return Progress(RUNNING if job is not None and not job.done.is_set() else UNKNOWN)
+        model.refresh()
+        verified = sum(
+            e - s for f, entry in enumerate(manifest.files) for c in range(len(entry.chunks))
+            if model.is_present(f, c) for s, e in [entry.chunk_span(c, manifest.chunk_bytes)]
+        )
+        chunks = model.verified_chunks()
+        whole = chunks == manifest.total_chunks
+        if job is None:
+            state = COMPLETE if whole else UNKNOWN  # a model a previous run (or another process) fetched
+        elif not job.done.is_set():
+            state = RUNNING  # even when every chunk is recorded: its counts are final once the job ends
+        else:
+            state = COMPLETE if whole and job.error is None else FAILED
+        by_source = dict(job.stats.fetched_bytes) if job is not None else {}
+        return Progress(state, manifest.model, manifest.total_bytes, verified, manifest.total_chunks, chunks,
+                        str(job.error) if job is not None and job.error else "", by_source)
+
+    # ---- the peer data plane -----------------------------------------------------------
+
+    def _served(self, digest: str):
+        with self._lock:
+            model = self._serving.get(digest)
+            if model is None:
+                manifest = self._cache.stored_manifest(digest)
+                if manifest is None:
+                    return None
+                model = self._serving[digest] = self._cache.open(manifest)
+            return model
+
+    def read_chunk(self, digest: str, file: int, chunk: int, wait_s: float = 0.0) -> bytes | None:
+        """A verified chunk's bytes, None when this node does not hold it (after waiting up to
+        ``wait_s`` while a prefetch here may still bring it)."""
+        catalog.check_digest(digest)
+        now = time.monotonic()
+        deadline = now + min(max(wait_s, 0.0), MAX_WAIT_S)
+        joined = now + min(max(wait_s, 0.0), self.join_wait_s)  # by then a prefetch here should have begun
+        while True:
+            model = self._served(digest)
+            if model is not None:
+                entry = model.manifest.files[file] if file < len(model.manifest.files) else None
+                if entry is None or chunk >= len(entry.chunks):
+                    raise InvalidArgument(f"manifest {digest} has no chunk {chunk} of file {file}")
+                model.refresh()
+                if model.is_present(file, chunk):
+                    break
+            with self._lock:
+                job = self._jobs.get(digest)
+            now = time.monotonic()
+            if (job is not None and job.done.is_set()) or now >= deadline or (job is None and now >= joined):
+                return None
+            time.sleep(self.limits.poll_interval_s)
+        if not self._uploads.acquire(blocking=False):
+            raise ResourceExhausted("this node is serving its most chunks at once: try another source",
+                                    retry_after_s=0.05)
+        try:
+            start, end = entry.chunk_span(chunk, model.manifest.chunk_bytes)
+            data = model.read(file, start, end)
+        finally:
+            self._uploads.release()
+        if self.metrics is not None:
+            self.metrics.served.inc(len(data))
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+            serving, self._serving = list(self._serving.values()), {}
+        for job in jobs:
+            job.reader.close()  # closing twice is a no-op
+        for model in serving:
+            model.close()
+        self._cache.close()
