@@ -295,6 +295,26 @@ def test_bytes_in_flight_over_every_connection_are_bounded(make_daemon):
     other.close()
 
 
+def test_a_write_gives_back_its_byte_budget_before_it_answers(make_daemon):
+    """Writes that each take the whole in-flight budget, one after another over two connections:
+    each is answered only once its bytes are given back, so the next one, on the other connection,
+    is never refused (it was, now and then, when the answer went first)."""
+    d = make_daemon(**{**BIG, "max_block_bytes": "1MiB", "peer_in_flight_bytes": "1MiB",
+                       "peer_connection_in_flight_bytes": "1MiB"})
+    address = d.peer_addresses()["tcp"]
+    clients = [TcpPeerClient(), TcpPeerClient()]
+    try:
+        for i in range(60):
+            data = blob(i, MiB)
+            [(result, _)] = clients[i % 2].write(address, "m", [(b"w%d" % i, data, BlockMeta(MiB, checksum(data)))],
+                                                 Deadline.after(30))
+            assert result.status is WriteStatus.STORED, result
+            assert d.peer_server.in_flight_bytes == 0
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_an_idle_connection_is_closed_and_the_pool_does_not_reuse_it(make_daemon):
     d = make_daemon(peer_listen="127.0.0.1:0", peer_idle_seconds=0.2)
     put(d, "m", {b"x": b"v"})

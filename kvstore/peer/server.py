@@ -412,15 +412,18 @@ class PeerServer:
             )
             try:
                 self._reply(conn, rid, wire.OK, [g.present for g in grants])
-                self._receive(conn, link, caller, rid, namespace, blocks, grants)
+                out = self._receive(conn, link, caller, rid, namespace, blocks, grants)
             finally:
                 open_slots = [g.slot_id for g in grants if not g.present]
                 if open_slots:  # what was not committed (a broken connection, a refused frame); committed ids are skipped
                     self._store.abort(open_slots, caller.owner)
         finally:
             self._budget.give(total)
+        # Answered only now: a writer that has its answer finds the budget and the slots given back.
+        self._reply(conn, rid, wire.OK, out)
 
-    def _receive(self, conn, link: wire.Wire, caller: Caller, rid: int, namespace: str, blocks, grants) -> None:
+    def _receive(self, conn, link: wire.Wire, caller: Caller, rid: int, namespace: str, blocks, grants) -> list:
+        """The Data frame's bytes into the granted slots, each committed; the per-block answers."""
         meta, payload = link.read_meta()
         if not isinstance(meta, list) or len(meta) != 3 or meta[0] != wire.DATA or meta[1] != rid:
             raise InvalidArgument("a peer Put must be followed by its Data frame")
@@ -446,5 +449,5 @@ class PeerServer:
                 out.append([stored, int(tier)])
             except StrataError as err:
                 out.append([None, wire.error_result(err)])
-        self._reply(conn, rid, wire.OK, out)
+        return out
 
