@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import select
 import socket
@@ -43,11 +44,17 @@ from kvstore.peer import wire
 from kvstore.peer.base import PeerAddress, PeerStats, PeerTransport
 from kvstore.remote.base import MISS, PRESENT, STORED, Place, ReadResult, ReadStatus, WriteResult
 from kvstore.transport.base import Deadline
-from kvstore.transport.unix import set_kernel_timeouts
+from kvstore.transport.unix import set_kernel_timeouts, set_receive_timeout
 
 CONNECT_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
 MAX_IDLE_PER_PEER = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(address: str) -> PeerAddress:
+    """A peer address, parsed once per distinct string (urlsplit costs more than a small read's syscalls)."""
+    return PeerAddress.parse(address)
 
 
 def _timeout_ms(deadline: Deadline) -> int:
@@ -131,8 +138,12 @@ class _Connection:
         deadline.check()
         self._set_timeout(deadline.remaining())
 
-    def _set_timeout(self, seconds: float | None) -> None:
-        set_kernel_timeouts(self.sock, seconds)
+    def _set_timeout(self, seconds: float | None, *, send: bool = True) -> None:
+        """The kernel's wait limits; ``send=False`` only the receive one (one system call, not two)."""
+        if send:
+            set_kernel_timeouts(self.sock, seconds)
+        else:
+            set_receive_timeout(self.sock, seconds)
 
     def _io_error(self, err: BaseException) -> _Broken:
         """What a failed socket operation means for the call: cancelled, past its deadline, or a lost peer."""
@@ -188,8 +199,10 @@ class _Connection:
             raise _Broken(err) from None
 
     def _rebound(self) -> None:
+        """Between a block's chunks: only receives follow, so only their limit is set again."""
         if self._deadline.at is not None or self._deadline.cancelled:
-            self.bound(self._deadline)
+            self._deadline.check()
+            self._set_timeout(self._deadline.remaining(), send=False)
 
     def skip(self) -> None:
         try:
@@ -287,7 +300,7 @@ class TcpPeerClient:
 
     def _call(self, address: str, deadline: Deadline, fn):
         deadline.check()
-        peer = PeerAddress.parse(address)
+        peer = _parse(address)
         if peer.scheme != self.scheme:
             raise InvalidArgument(f"peer address {address!r} is not {self.scheme}://host:port")
         conn = self._take(peer, deadline)
