@@ -13,9 +13,11 @@ Failure, per key (see :mod:`kvstore.peer.base`): a connection that breaks
 or a peer that dies while a block is arriving fails that key and every key
 after it with ``TierUnavailable`` (blocks already verified stay hits), and
 the connection is thrown away. A deadline is kept in the kernel
-(``SO_RCVTIMEO``, set again before each chunk to what is left) and checked
-between chunks; a cancellation shuts the socket down, which wakes a
-``recv`` at once. A connection used by a call that did not finish cleanly
+(``SO_RCVTIMEO``, set to what is left at the start of a call and again
+between a block's chunks once the last setting is :data:`REBOUND_S` old: a
+wait may end that much later than with a fresh limit) and checked between
+chunks; a cancellation shuts the socket down, which wakes a ``recv`` at
+once. A connection used by a call that did not finish cleanly
 is never reused: the stream may be out of step.
 
 Limits: ``max_connections`` open at once over all peers (one more call
@@ -47,6 +49,9 @@ from kvstore.transport.base import Deadline
 from kvstore.transport.unix import set_kernel_timeouts, set_receive_timeout
 
 CONNECT_TIMEOUT_S = 5.0
+# How stale the kernel's wait limit may get before it is set again (each
+# setsockopt between 256 KiB chunks cost a third as much as hashing them).
+REBOUND_S = 0.005
 MAX_CONNECTIONS = 64
 MAX_IDLE_PER_PEER = 4
 
@@ -136,6 +141,7 @@ class _Connection:
         """Keep the next waits within what is left of ``deadline`` (raises when nothing is left)."""
         self._deadline = deadline
         deadline.check()
+        self._bound_at = time.monotonic()
         self._set_timeout(deadline.remaining())
 
     def _set_timeout(self, seconds: float | None, *, send: bool = True) -> None:
@@ -199,10 +205,15 @@ class _Connection:
             raise _Broken(err) from None
 
     def _rebound(self) -> None:
-        """Between a block's chunks: only receives follow, so only their limit is set again."""
-        if self._deadline.at is not None or self._deadline.cancelled:
-            self._deadline.check()
-            self._set_timeout(self._deadline.remaining(), send=False)
+        """Between a block's chunks: the deadline checked, and the receive limit set again to what
+        is left once the last one is :data:`REBOUND_S` old (only receives follow)."""
+        deadline = self._deadline
+        if deadline.at is not None or deadline.cancelled:
+            deadline.check()
+            now = time.monotonic()
+            if now - self._bound_at >= REBOUND_S:
+                self._bound_at = now
+                self._set_timeout(deadline.remaining(), send=False)
 
     def skip(self) -> None:
         try:
