@@ -113,6 +113,39 @@ def test_reads_land_verified_in_placed_views_big_blocks_and_batches(peer):
     wait_until(lambda: holds_nothing(peer), what="every read lease on the peer to be released")
 
 
+def test_a_read_ends_whatever_its_last_key_is_and_the_connection_goes_on(peer):
+    """Each block leaves in one sendmsg and the OK after it: a miss, a failed key or a block last
+    (or a block before a failed last key) still ends the read, the holder has given back the lease
+    and the byte budget before the reader sees the OK, and the next read on the same connection
+    lines up."""
+    values = {b"a": blob(1, 3 * MiB + 5), b"b": blob(2, 70_000)}
+    put(peer, "m", values)
+    client = TcpPeerClient(max_idle_per_peer=1)
+    address = peer.peer_addresses()["tcp"]
+    buffers = [bytearray(4 * MiB) for _ in range(3)]
+    place = lambda i, meta: memoryview(buffers[i])[: meta.size]  # noqa: E731
+    try:
+        [got] = client.read(address, "m", [b"b"], place, Deadline.after(10))
+        assert got.result.is_hit
+        [first] = client._idle[PeerAddress.parse(address)]
+        for keys, want in [
+            ([b"a", b""], [ReadStatus.HIT, ReadStatus.FAILED]),
+            ([b"a", b"absent"], [ReadStatus.HIT, ReadStatus.MISS]),
+            ([b"", b"a", b"b"], [ReadStatus.FAILED, ReadStatus.HIT, ReadStatus.HIT]),
+            ([b"b"], [ReadStatus.HIT]),
+        ]:
+            got = client.read(address, "m", keys, place, Deadline.after(10))
+            assert [g.result.status for g in got] == want
+            assert holds_nothing(peer) and peer.peer_server.in_flight_bytes == 0
+            for i, key in enumerate(keys):
+                if want[i] is ReadStatus.HIT:
+                    assert bytes(buffers[i][: len(values[key])]) == values[key]
+        assert client._idle[PeerAddress.parse(address)] == [first]  # never thrown away: every reply ended in step
+    finally:
+        client.close()
+    wait_until(lambda: holds_nothing(peer), what="every read lease on the peer to be released")
+
+
 def test_writes_go_into_the_peers_arena_verified_and_idempotent(peer):
     data = blob(9, 16 * MiB)
     meta = BlockMeta(len(data), checksum(data), b"parent", "bf16[8]")
@@ -295,6 +328,26 @@ def test_bytes_in_flight_over_every_connection_are_bounded(make_daemon):
     assert got.result.is_hit
     slow.close()
     other.close()
+
+
+def test_a_write_gives_back_its_byte_budget_before_it_answers(make_daemon):
+    """Writes that each take the whole in-flight budget, one after another over two connections:
+    each is answered only once its bytes are given back, so the next one, on the other connection,
+    is never refused (it was, now and then, when the answer went first)."""
+    d = make_daemon(**{**BIG, "max_block_bytes": "1MiB", "peer_in_flight_bytes": "1MiB",
+                       "peer_connection_in_flight_bytes": "1MiB"})
+    address = d.peer_addresses()["tcp"]
+    clients = [TcpPeerClient(), TcpPeerClient()]
+    try:
+        for i in range(60):
+            data = blob(i, MiB)
+            [(result, _)] = clients[i % 2].write(address, "m", [(b"w%d" % i, data, BlockMeta(MiB, checksum(data)))],
+                                                 Deadline.after(30))
+            assert result.status is WriteStatus.STORED, result
+            assert d.peer_server.in_flight_bytes == 0
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_an_idle_connection_is_closed_and_the_pool_does_not_reuse_it(make_daemon):

@@ -2,12 +2,15 @@
 
 The protocol is :mod:`kvstore.peer.wire`. A read leases each block in place
 in its arena (:meth:`~kvstore.store.group.StoreGroup.lookup`, as a same-host
-client does) and streams it to the socket straight out of the mapping, a
-chunk at a time, hashing each chunk just before it goes; the lease is given
-back as soon as the block is sent. A block the store could not bring into
-RAM (the head is full of pinned blocks) goes out of the store's verified
-copy (:meth:`get`). The reader verifies every block it receives; the
-sender does not hash what it sends (that pass cost as much as the copy
+client does) and hands it to the socket straight out of the mapping, with
+its frame head, in one ``sendmsg``; the lease is given back as soon as the
+kernel has taken the bytes. The kernel copies them into the socket's
+buffers, so a slot reused after that cannot change what is in flight; why
+not ``sendfile``, which would pass the arena's pages by reference (and on
+loopback cost both sides more CPU, not less). A block the store could not
+bring into RAM (the head is full of pinned blocks) goes out of the store's
+verified copy (:meth:`get`). The reader verifies every block it receives;
+the sender does not hash what it sends (that pass cost as much as the copy
 into the socket). A reader whose bytes failed their checksum sends CHECK
 for those keys: the store reads each through its verifying path, which
 drops a corrupt copy, so the next read finds a sound copy or a miss (bytes
@@ -257,8 +260,10 @@ class PeerServer:
         return Caller(identity, f"peer:{identity.principal}:{host}:{port}:{next(self._ids)}")
 
     def _loop(self, conn: socket.socket, link: wire.Wire, caller: Caller) -> None:
-        ops = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify, wire.HOLD: self._hold,
-               wire.RELEASE: self._release}
+        handlers = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify, wire.HOLD: self._hold,
+                    wire.RELEASE: self._release}
+        latency = self._metrics.op_latency
+        ops = {op: (fn, latency.labels(wire.OP_NAMES[op])) for op, fn in handlers.items()}  # labels looked up once
         while True:
             try:
                 meta, payload = link.read_meta()
@@ -271,14 +276,14 @@ class PeerServer:
                 op, rid, args = _fields(meta, 3, "request")
                 if not isinstance(rid, int) or rid <= 0:
                     raise InvalidArgument("malformed peer request: its id is not a positive integer")
-                handler = ops.get(op)
+                handler, timer = ops.get(op, (None, None))
                 name = wire.OP_NAMES.get(op, name)
                 if handler is None:
                     raise InvalidArgument(f"unknown peer operation {op!r}: run the same Strata release on both nodes")
                 if payload:
                     raise InvalidArgument(f"a {name} request carries no payload; {payload} bytes came")
                 handler(conn, link, caller, rid, args)
-                self._metrics.op_latency.labels(name).observe(time.perf_counter() - t0)
+                timer.observe(time.perf_counter() - t0)
             except _Refused as refused:
                 self._failed(conn, rid, name, refused.err)
             except StrataError as err:
@@ -297,7 +302,7 @@ class PeerServer:
 
     @staticmethod
     def _send_block(conn: socket.socket, head: bytes, data: memoryview) -> None:
-        """A BLOCK reply's head and bytes (over TCP a chunk at a time; a subclass sends it its own way)."""
+        """A BLOCK reply's head and bytes (over TCP in one ``sendmsg``; a subclass sends it its own way)."""
         wire.send_block(conn, head, data)
 
     def _check(self, identity: Identity, namespace, action: str) -> str:
@@ -431,15 +436,18 @@ class PeerServer:
             )
             try:
                 self._reply(conn, rid, wire.OK, [g.present for g in grants])
-                self._receive(conn, link, caller, rid, namespace, blocks, grants)
+                out = self._receive(conn, link, caller, rid, namespace, blocks, grants)
             finally:
                 open_slots = [g.slot_id for g in grants if not g.present]
                 if open_slots:  # what was not committed (a broken connection, a refused frame); committed ids are skipped
                     self._store.abort(open_slots, caller.owner)
         finally:
             self._budget.give(total)
+        # Answered only now: a writer that has its answer finds the budget and the slots given back.
+        self._reply(conn, rid, wire.OK, out)
 
-    def _receive(self, conn, link: wire.Wire, caller: Caller, rid: int, namespace: str, blocks, grants) -> None:
+    def _receive(self, conn, link: wire.Wire, caller: Caller, rid: int, namespace: str, blocks, grants) -> list:
+        """The Data frame's bytes into the granted slots, each committed; the per-block answers."""
         meta, payload = link.read_meta()
         if not isinstance(meta, list) or len(meta) != 3 or meta[0] != wire.DATA or meta[1] != rid:
             raise InvalidArgument("a peer Put must be followed by its Data frame")
@@ -465,7 +473,7 @@ class PeerServer:
                 out.append([stored, int(tier)])
             except StrataError as err:
                 out.append([None, wire.error_result(err)])
-        self._reply(conn, rid, wire.OK, out)
+        return out
 
     # ---- HOLD / RELEASE ------------------------------------------------------------
 

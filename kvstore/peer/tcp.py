@@ -13,9 +13,11 @@ Failure, per key (see :mod:`kvstore.peer.base`): a connection that breaks
 or a peer that dies while a block is arriving fails that key and every key
 after it with ``TierUnavailable`` (blocks already verified stay hits), and
 the connection is thrown away. A deadline is kept in the kernel
-(``SO_RCVTIMEO``, set again before each chunk to what is left) and checked
-between chunks; a cancellation shuts the socket down, which wakes a
-``recv`` at once. A connection used by a call that did not finish cleanly
+(``SO_RCVTIMEO``, set to what is left at the start of a call and again
+between a block's chunks once the last setting is :data:`REBOUND_S` old: a
+wait may end that much later than with a fresh limit) and checked between
+chunks; a cancellation shuts the socket down, which wakes a ``recv`` at
+once. A connection used by a call that did not finish cleanly
 is never reused: the stream may be out of step.
 
 Limits: ``max_connections`` open at once over all peers (one more call
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import select
 import socket
@@ -43,11 +46,20 @@ from kvstore.peer import wire
 from kvstore.peer.base import Held, PeerAddress, PeerStats, PeerTransport
 from kvstore.remote.base import MISS, PRESENT, STORED, Place, ReadResult, ReadStatus, WriteResult
 from kvstore.transport.base import Deadline
-from kvstore.transport.unix import set_kernel_timeouts
+from kvstore.transport.unix import set_kernel_timeouts, set_receive_timeout
 
 CONNECT_TIMEOUT_S = 5.0
+# How stale the kernel's wait limit may get before it is set again (each
+# setsockopt between 256 KiB chunks cost a third as much as hashing them).
+REBOUND_S = 0.005
 MAX_CONNECTIONS = 64
 MAX_IDLE_PER_PEER = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(address: str) -> PeerAddress:
+    """A peer address, parsed once per distinct string (urlsplit costs more than a small read's syscalls)."""
+    return PeerAddress.parse(address)
 
 
 def _timeout_ms(deadline: Deadline) -> int:
@@ -129,10 +141,15 @@ class _Connection:
         """Keep the next waits within what is left of ``deadline`` (raises when nothing is left)."""
         self._deadline = deadline
         deadline.check()
+        self._bound_at = time.monotonic()
         self._set_timeout(deadline.remaining())
 
-    def _set_timeout(self, seconds: float | None) -> None:
-        set_kernel_timeouts(self.sock, seconds)
+    def _set_timeout(self, seconds: float | None, *, send: bool = True) -> None:
+        """The kernel's wait limits; ``send=False`` only the receive one (one system call, not two)."""
+        if send:
+            set_kernel_timeouts(self.sock, seconds)
+        else:
+            set_receive_timeout(self.sock, seconds)
 
     def _io_error(self, err: BaseException) -> _Broken:
         """What a failed socket operation means for the call: cancelled, past its deadline, or a lost peer."""
@@ -188,8 +205,15 @@ class _Connection:
             raise _Broken(err) from None
 
     def _rebound(self) -> None:
-        if self._deadline.at is not None or self._deadline.cancelled:
-            self.bound(self._deadline)
+        """Between a block's chunks: the deadline checked, and the receive limit set again to what
+        is left once the last one is :data:`REBOUND_S` old (only receives follow)."""
+        deadline = self._deadline
+        if deadline.at is not None or deadline.cancelled:
+            deadline.check()
+            now = time.monotonic()
+            if now - self._bound_at >= REBOUND_S:
+                self._bound_at = now
+                self._set_timeout(deadline.remaining(), send=False)
 
     def skip(self) -> None:
         try:
@@ -287,7 +311,7 @@ class TcpPeerClient:
 
     def _call(self, address: str, deadline: Deadline, fn):
         deadline.check()
-        peer = PeerAddress.parse(address)
+        peer = _parse(address)
         if peer.scheme != self.scheme:
             raise InvalidArgument(f"peer address {address!r} is not {self.scheme}://host:port")
         conn = self._take(peer, deadline)

@@ -51,7 +51,7 @@ class _UcxConnection(_Connection):
         link = UcxLink(runtime, ep)
         return link, link
 
-    def _set_timeout(self, seconds: float | None) -> None:
+    def _set_timeout(self, seconds: float | None, *, send: bool = True) -> None:
         self.sock.settimeout(seconds)
 
     def stale(self) -> bool:

@@ -72,10 +72,18 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
     call per operation, and an expired wait raises BlockingIOError (EAGAIN).
     ``None`` waits for ever.
     """
-    if seconds is None:
-        tv = struct.pack("ll", 0, 0)
-    else:
-        seconds = max(seconds, 0.001)  # 0 would mean "for ever"
-        tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    tv = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def set_receive_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Only the receive half of :func:`set_kernel_timeouts` (a reader between chunks sends nothing)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def _timeval(seconds: float | None) -> bytes:
+    if seconds is None:
+        return struct.pack("ll", 0, 0)
+    seconds = max(seconds, 0.001)  # 0 would mean "for ever"
+    return struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
