@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
                 bench.add(compare(s, f"get {L} peer-tcp", f"plain socket {L}", target_ratio=TARGET, note=(
                     "one block per read: request, header, bytes received into a preallocated buffer and "
-                    "verified (xxh3-64, on both sides); the baseline sends the same bytes per request, unframed, "
+                    "verified by the reader (xxh3-64); the baseline sends the same bytes per request, unframed, "
                     "unverified")))
                 bench.add(compare(s, f"get {L} peer-tcp x{BATCH} batch", f"plain socket {L} x{BATCH}",
                                   target_ratio=TARGET, note=f"{BATCH} blocks per read, one request"))
