@@ -39,8 +39,12 @@ def test_no_kvstore_source_imports_weightcache():
 def test_importing_all_of_kvstore_loads_no_weightcache():
     script = (
         "import importlib, pkgutil, sys, kvstore\n"
-        "for m in pkgutil.walk_packages(kvstore.__path__, 'kvstore.'):\n"
-        "    importlib.import_module(m.name)\n"
+        "for m in pkgutil.walk_packages(kvstore.__path__, 'kvstore.', onerror=lambda name: None):\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ModuleNotFoundError as err:\n"  # an integration whose host project (lmcache, vllm) is absent
+        "        if not m.name.startswith('kvstore.integrations.') or (err.name or '').startswith('kvstore'):\n"
+        "            raise\n"
         "loaded = sorted(n for n in sys.modules if n.split('.')[0] == 'weightcache')\n"
         "print(loaded)\n"
     )
