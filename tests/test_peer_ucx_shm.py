@@ -187,6 +187,8 @@ def test_a_holder_that_dies_while_a_reader_waits_on_it_ends_the_wait_through_the
         client = UcxShmPeerClient()
         client.write(address, "m", [(b"w", b"v" * 100, BlockMeta(100, checksum(b"v" * 100)))], Deadline.after(60))
         d.proc.send_signal(signal.SIGSTOP)  # the pooled connection, Hello done, stays open
+        # kill(2) returns before the stop lands: read only once every thread of the holder is stopped.
+        wait_until(lambda: _stopped(d.proc.pid), what="the holder to be stopped")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             reading = pool.submit(client.read, address, "m", [b"w"], lambda i, m: bytearray(m.size),
                                   Deadline.after(90))
@@ -204,6 +206,11 @@ def test_a_holder_that_dies_while_a_reader_waits_on_it_ends_the_wait_through_the
         if d.proc.poll() is None:
             d.proc.send_signal(signal.SIGCONT)
             d.kill()
+
+
+def _stopped(pid: int) -> bool:
+    return all(open(f"/proc/{pid}/task/{tid}/stat").read().rpartition(")")[2].split()[0] == "T"
+               for tid in os.listdir(f"/proc/{pid}/task"))
 
 
 def _cpu_seconds(pid: int) -> float:
