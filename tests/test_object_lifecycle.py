@@ -32,7 +32,7 @@ from kvstore.remote.object.lease import SweepLease
 from kvstore.remote.object.lifecycle import LifecyclePolicy, ReadMarks, SharedQuota, Sweeper
 from kvstore.remote.object.metrics import ObjectMetrics
 from kvstore.remote.object.source import ObjectSource
-from kvstore.store import StoreLimits, TieredStore
+from kvstore.store import EdgePolicy, StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.object import ObjectTier
 from kvstore.tiers.ram import HostRamTier
@@ -200,15 +200,15 @@ def test_the_quota_is_learned_from_the_lease_by_other_daemons(s3, prefix):
 def store(tmp_path, s3, prefix):
     made: list[TieredStore] = []
 
-    def make(**options):
+    def make(disk_bytes: int = 3 * MiB, edges=(), **options):
         environ = {"AWS_ACCESS_KEY_ID": s3_servers.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": s3_servers.SECRET_KEY,
                    "HOME": str(tmp_path)}
         n = len(made)
         tier = ObjectTier.open(bucket=s3.bucket, prefix=prefix, endpoint=s3.endpoint, environ=environ,
                                retries=0, backoff_s=0.01, **options)
         tiers = [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name=f"life{n}"),
-                 DiskTier(tmp_path / f"disk{n}", 3 * MiB), tier]
-        made.append(TieredStore(tiers,
+                 DiskTier(tmp_path / f"disk{n}", disk_bytes), tier]
+        made.append(TieredStore(tiers, edges=edges,
                                 limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0)))
         return made[-1], tier
 
@@ -226,22 +226,21 @@ def put(store: TieredStore, i: int, ns: str = "q") -> BlockKey:
 
 
 def test_a_full_quota_keeps_blocks_local_and_loses_none(store, s3, prefix):
-    """Blocks past the namespace's quota stay in RAM and on disk; once those are full too, a put is
-    refused with TierFull (a clear error), and every block a put accepted is still served."""
-    st, tier = store(namespace_quota_bytes={"q": 2 * MiB})
-    accepted: dict[int, BlockKey] = {}
-    for i in range(12):
-        try:
-            accepted[i] = put(st, i)
-        except TierFull:
-            pass
+    """Blocks written through to the bucket past their namespace's quota are refused before upload
+    (TierFull, naming the namespace) and stay on disk; every block is still served."""
+    st, tier = store(disk_bytes=16 * MiB, edges=[EdgePolicy(), EdgePolicy(write_through=True)],
+                     namespace_quota_bytes={"q": 2 * MiB})
+    keys = [put(st, i) for i in range(6)]
     wait_until(lambda: tier.writeback.queued_blocks == 0, what="uploads")
     assert tier._metrics.refused._value.get() > 0
-    for i, k in accepted.items():
+    for i, k in enumerate(keys):
         got = st.get(k)
         assert got is not None and got[0] == value(i), k
-    stored = sum(len(s3.raw_get(k)) for k in s3.keys(f"{prefix}/q/"))
-    assert 0 < stored <= 2 * MiB + 4096
+    assert 0 < len(s3.keys(f"{prefix}/q/")) <= 2  # 2 MiB of 1 MiB blocks (the headers aside)
+    data = value(99)
+    with pytest.raises(TierFull, match="object quota of namespace 'q' is full"):
+        tier.put(BlockKey("q", b"more"), data, BlockMeta(len(data), checksum(data)))
+    tier.put(BlockKey("other", b"free"), data, BlockMeta(len(data), checksum(data)))  # other namespaces: no bound
 
 
 def test_a_swept_block_leaves_the_store_and_its_index_holding(store, s3, prefix):

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 class ObjectTier(RemoteTier):
     answers_exists = True  # a fresh node's Exists asks the bucket past its local misses (bounded)
+    evicts_to_fit = False  # full means a namespace's quota: TTL sweeps make room, not this node's LRU
     def __init__(self, bridge: RemoteBridge, call_s: float, writeback: WriteBackLimits = WriteBackLimits(),
                  metrics: ObjectMetrics | None = None, quota: SharedQuota | None = None) -> None:
         super().__init__(bridge, call_s)
