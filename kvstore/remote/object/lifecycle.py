@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 TOUCH_SEGMENT = "~touch"
 DELETE_BATCH = 1000  # S3's DeleteObjects takes at most 1000 keys
 MAX_MARKS_REMEMBERED = 100_000
+MAX_GONE_KEYS = 100_000  # deleted keys a sweep hands the store; past it, a read's miss forgets the rest
 FULL_RETRY_S = 30.0
 
 
@@ -227,6 +228,7 @@ class Sweeper:
         ttl, now = self._policy.ttl(namespace), self._wall()
         renew_at = time.monotonic() + self._lease.lease_s / 2
         doomed: list[str] = []
+        complete = True
         async for page in self._client.list(self._layout.namespace_root(namespace), deadline):
             for m in page:
                 parsed = self._layout.parse(m["path"])
@@ -241,7 +243,7 @@ class Sweeper:
                         doomed.append(mark[0])
                     report.expired += 1
                     report.expired_bytes += m["size"]
-                    if parsed[1] is not None:
+                    if parsed[1] is not None and len(report.deleted_keys) < MAX_GONE_KEYS:
                         report.deleted_keys.append(BlockKey(namespace, parsed[1]))
                 else:
                     report.kept += 1
@@ -254,6 +256,8 @@ class Sweeper:
             if time.monotonic() >= renew_at:  # a long sweep keeps its lease
                 if await self._lease.acquire(namespace, deadline) is None:
                     log.warning("lost the sweep lease of %r mid-sweep; leaving the rest to its holder", namespace)
+                    marks.clear()  # blocks not listed yet: their markers are not stale
+                    complete = False
                     break
                 renew_at = time.monotonic() + self._lease.lease_s / 2
         stale = [path for path, _ in marks.values()]  # markers of blocks no longer there
@@ -261,9 +265,10 @@ class Sweeper:
         for i in range(0, len(doomed), DELETE_BATCH):
             await self._client.delete(doomed[i:i + DELETE_BATCH], deadline)
         report.markers = len(stale)
-        await self._lease.release(namespace, deadline, (report.kept_bytes, report.kept))
-        if self._quota is not None:
-            self._quota.observe(namespace, report.kept_bytes)
+        if complete:  # a partial listing is no usage figure
+            await self._lease.release(namespace, deadline, (report.kept_bytes, report.kept))
+            if self._quota is not None:
+                self._quota.observe(namespace, report.kept_bytes)
         self._count(report)
         if report.deleted_keys and self._on_deleted is not None:
             self._on_deleted(report.deleted_keys)
