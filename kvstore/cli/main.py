@@ -11,6 +11,7 @@
     strata index holders NS KEY...   who holds each block of a chain
     strata peers                     the fleet's nodes: epochs, liveness, transports, bytes served
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
+    strata object ls|du|gc [NS]      the object tier's bucket: namespaces, usage, a lifecycle sweep now
     strata weights ...               model weights: publish, ls, fetch, evict (runs python -m weightcache)
     strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
 """

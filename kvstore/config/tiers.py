@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import xxhash
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, TypeAdapter, field_validator, model_validator
 
 from kvstore.config.section import Section, setting
 from kvstore.config.values import split_commas
@@ -206,6 +206,8 @@ class PeerTierSettings(LowerTierSettings):
             "schemes": tuple(self.transports), "token_file": self.token_file, "tls_ca": self.tls_ca,
         }
 
+_SIZE = TypeAdapter(ByteSize)
+
 
 class ObjectTierSettings(LowerTierSettings):
     flag_prefix = "object_"
@@ -256,6 +258,53 @@ class ObjectTierSettings(LowerTierSettings):
         "sent again",
     )
     drain_seconds: float = setting(10.0, "at a graceful stop, wait this long for queued uploads", ge=0, le=600)
+    ttl_seconds: float = setting(
+        0.0, "blocks neither written nor read for this long are deleted by the lifecycle sweep (every "
+        "namespace without its own namespace_ttl); 0: never", ge=0,
+    )
+    namespace_ttl: Annotated[list[str], Field(max_length=1024)] = setting(
+        default_factory=list, description="a namespace's own TTL, NAMESPACE=SECONDS (once per namespace)",
+        repeatable=True,
+    )
+    namespace_quota: Annotated[list[str], Field(max_length=1024)] = setting(
+        default_factory=list, description="a namespace's bound on object bytes in the bucket, NAMESPACE=BYTES "
+        "(e.g. chat=500GiB; once per namespace): a block beyond it is refused before upload and stays local",
+        repeatable=True,
+    )
+    sweep_seconds: float = setting(
+        600.0, "with a TTL or a quota: run a lifecycle sweep (expire, collect, measure usage) this often; one "
+        "daemon per namespace at a time, by a lease object in the bucket; 0: this daemon never sweeps", ge=0,
+    )
+    lease_seconds: float = setting(300.0, "how long a sweep lease lasts unless renewed (a dead sweeper's lease "
+                                          "expires after it)", gt=0, le=86400)
+
+    @field_validator("namespace_ttl")
+    @classmethod
+    def _ttls(cls, value: list[str]) -> list[str]:
+        from kvstore.errors import InvalidArgument
+        from kvstore.remote.object.lifecycle import parse_ttls
+
+        try:
+            parse_ttls(value)
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        return value
+
+    @field_validator("namespace_quota")
+    @classmethod
+    def _quotas(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            ns, sep, size = entry.rpartition("=")
+            if not sep or not ns:
+                raise ValueError(f"object_namespace_quota {entry!r}: write NAMESPACE=BYTES, e.g. chat=500GiB")
+            try:
+                _SIZE.validate_python(size)
+            except ValueError:
+                raise ValueError(f"object_namespace_quota {entry!r}: {size!r} is not a size (e.g. 500GiB)") from None
+        return value
+
+    def quotas(self) -> dict[str, int]:
+        return {e.rpartition("=")[0]: int(_SIZE.validate_python(e.rpartition("=")[2])) for e in self.namespace_quota}
 
     @field_validator("part_bytes")
     @classmethod
@@ -289,7 +338,15 @@ class ObjectTierSettings(LowerTierSettings):
             "check_before_put": self.check_before_put, "queue_blocks": self.queue_blocks,
             "queue_bytes": int(self.queue_bytes), "max_uploads": self.max_uploads,
             "upload_s": self.upload_seconds, "drain_s": self.drain_seconds,
+            "ttl_s": self.ttl_seconds, "namespace_ttl_s": self._ttl_map(), "namespace_quota_bytes": self.quotas(),
+            "sweep_s": self.sweep_seconds if (self.ttl_seconds or self.namespace_ttl or self.namespace_quota) else 0.0,
+            "lease_s": self.lease_seconds,
         }
+
+    def _ttl_map(self) -> dict[str, float]:
+        from kvstore.remote.object.lifecycle import parse_ttls
+
+        return parse_ttls(self.namespace_ttl)
 
 
 class TierSettings(Section):

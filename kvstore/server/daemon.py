@@ -441,7 +441,7 @@ class Daemon:
             from kvstore.remote.object.metrics import ObjectMetrics
 
             runtime["object"] = {"environ": dict(os.environ), "metrics": ObjectMetrics(self.metrics.registry),
-                                 "max_block_bytes": int(s.store.max_block_bytes)}
+                                 "max_block_bytes": int(s.store.max_block_bytes), "node_id": self.node.node_id}
         if "peer" not in s.tiers.chain:
             return runtime
         from kvstore.remote.peer import PeerMetrics

@@ -146,8 +146,8 @@ class CopyDown(StorePart):
                     raise
                 refused_by_filesystem = True
                 continue
-            except TierFull:
-                if not self._evict_one_below(dst, may_drop):
+            except TierFull:  # a tier whose room is not this node's to make (a bucket's quota) is just full
+                if not getattr(tier, "evicts_to_fit", True) or not self._evict_one_below(dst, may_drop):
                     raise
                 continue
             self._s.metrics.bytes_in.labels(dst.label).inc(meta.size)

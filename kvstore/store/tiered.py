@@ -72,6 +72,7 @@ from kvstore.errors import (
     InvalidArgument,
     LeaseError,
     LeaseOwnedElsewhere,
+    StrataError,
     TierUnavailable,
 )
 from kvstore.metrics import StoreMetrics
@@ -93,6 +94,7 @@ from kvstore.tiers.base import Tier, TierStats
 log = logging.getLogger(__name__)
 
 DEFAULT_LIST_PAGE = 1000
+EXISTS_THROUGH_KEYS = 64  # keys past a local miss that Exists asks a remote tier about, in one lookup
 MAX_LIST_PAGE = 10000
 
 __all__ = ["Located", "Listed", "SlotGrant", "StoreLimits", "StoreStats", "TieredStore"]
@@ -175,6 +177,9 @@ class TieredStore(StorePart):
         self._was_degraded: dict = {lvl.name: bool(lvl.tier.stats().degraded) for lvl in chain}
         if watch_tiers:
             self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
+        for level in chain.remote():
+            if hasattr(level.tier, "on_gone"):
+                level.tier.on_gone(lambda keys, name=level.name: self.forget_remote(keys, name))
         self._reaper = threading.Thread(target=self._reap_loop, name="strata-lease-reaper", daemon=True)
         self._reaper.start()
 
@@ -378,7 +383,12 @@ class TieredStore(StorePart):
         return out
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[TierName]:
-        """Tiers of the leading present keys of a chain (stops at the first miss)."""
+        """Tiers of the leading present keys of a chain (stops at the first miss).
+
+        Keys past the first local miss are asked of the remote tiers that answer existence
+        (``answers_exists``: the object tier, whose bucket a fresh node has not read yet), at
+        most ``EXISTS_THROUGH_KEYS`` of them in one lookup within the tier's call deadline; a
+        tier that fails or is slow answers nothing more. Nothing is read or cached by this."""
         self.check_batch(keys)
         keys = [validate_key(k) for k in keys]
         with self._cond:
@@ -389,7 +399,33 @@ class TieredStore(StorePart):
                 if entry is None or not entry.tiers:
                     break
                 tiers.append(self._s.best(entry))
-            return tiers
+        rest = [BlockKey(namespace, k) for k in keys[len(tiers):len(tiers) + EXISTS_THROUGH_KEYS]]
+        for level in self._chain.remote() if rest else ():
+            if not getattr(level.tier, "answers_exists", False):
+                continue
+            try:
+                found = level.tier.lookup_many(rest)
+            except StrataError as err:
+                log.warning("the %s tier could not answer exists: %s", level.name.label, err)
+                continue
+            for meta in found:
+                if meta is None:
+                    break
+                tiers.append(level.name)
+            break
+        return tiers
+
+    def forget_remote(self, keys: Iterable[BlockKey], tier: TierName) -> int:
+        """Forget copies a remote tier says it no longer has (a lifecycle sweep deleted them), so
+        this store, and the index through its events, stop offering them. Returns how many."""
+        forgotten = 0
+        with self._s.locked():
+            for key in keys:
+                entry = self._catalog.get(key)
+                if entry is not None and tier in entry.tiers:
+                    self._s.forget_copy_locked(key, entry, tier)
+                    forgotten += 1
+        return forgotten
 
     def touch(self, namespace: str, keys: list[bytes]) -> int:
         """Mark blocks used (a client read them without asking); returns how many are present."""

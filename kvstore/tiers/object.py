@@ -16,6 +16,13 @@ policy. A block the store still lists here but the bucket no longer has (a
 dropped upload, another node's delete, a lifecycle rule) reads as a miss,
 and the store then forgets its copy here.
 
+Lifecycle (:mod:`kvstore.remote.object.lifecycle`): with a TTL or a quota,
+reads refresh a block's read marker, every daemon sweeps the namespaces
+whose sweep lease it wins (``sweep_s``), a namespace's quota refuses a
+block before it is queued (``TierFull``: the store keeps it above), and
+blocks a sweep here deleted are forgotten by this store (``on_gone``), so
+its index entries as holder ``object`` go with them.
+
 How blocks get here is the edge's policy (``[tiers.object] write_policy``):
 ``back`` when evicted from the tier above, ``through`` as soon as stored
 there, ``off`` never (read-through only).
@@ -23,8 +30,11 @@ there, ``off`` never (read-through only).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import TierUnavailable
@@ -32,18 +42,28 @@ from kvstore.remote.bridge import BridgeLimits, RemoteBridge
 from kvstore.remote.object import credentials
 from kvstore.remote.object.client import S3Client, S3Options
 from kvstore.remote.object.layout import KeyLayout
+from kvstore.remote.object.lease import SweepLease
+from kvstore.remote.object.lifecycle import LifecyclePolicy, ReadMarks, SharedQuota, Sweeper, run_sweeps
 from kvstore.remote.object.metrics import ObjectMetrics
 from kvstore.remote.object.source import ObjectLimits, ObjectSource
 from kvstore.remote.object.writeback import WriteBack, WriteBackLimits, WriteBackStats
 from kvstore.tiers.base import TierStats
 from kvstore.tiers.remote import RemoteTier
 
+log = logging.getLogger(__name__)
+
 
 class ObjectTier(RemoteTier):
+    answers_exists = True  # a fresh node's Exists asks the bucket past its local misses (bounded)
+    evicts_to_fit = False  # full means a namespace's quota: TTL sweeps make room, not this node's LRU
     def __init__(self, bridge: RemoteBridge, call_s: float, writeback: WriteBackLimits = WriteBackLimits(),
-                 metrics: ObjectMetrics | None = None) -> None:
+                 metrics: ObjectMetrics | None = None, quota: SharedQuota | None = None) -> None:
         super().__init__(bridge, call_s)
         self._metrics = metrics
+        self._quota = quota
+        self._gone_lock = threading.Lock()
+        self._on_gone: list[Callable[[list[BlockKey]], None]] = []
+        self._sweeps = None
         self._writeback = WriteBack(bridge, writeback, metrics, bridge.name)
         if metrics is not None:
             metrics.watch_queue(self._writeback.depth)
@@ -57,10 +77,14 @@ class ObjectTier(RemoteTier):
         parts_in_flight: int = 4, multipart_bytes: int = 64 << 20, check_before_put: bool = True,
         queue_blocks: int = 1024, queue_bytes: int = 256 << 20, max_uploads: int = 8, upload_s: float = 30.0,
         drain_s: float = 10.0, max_block_bytes: int = 1 << 30, writeback: WriteBackLimits | None = None,
+        ttl_s: float = 0.0, namespace_ttl_s: Mapping[str, float] | None = None,
+        namespace_quota_bytes: Mapping[str, int] | None = None, sweep_s: float = 0.0, sweep_deadline_s: float = 600.0,
+        lease_s: float = 300.0, node_id: str = "",
     ) -> ObjectTier:
         """Resolve credentials (``environ``: the daemon's environment, read once here), then start the
         source on its bridge's loop and the write-back workers (``writeback``: every write-back limit,
-        in place of the queue_*, max_uploads, upload_s and drain_s values)."""
+        in place of the queue_*, max_uploads, upload_s and drain_s values). ``sweep_s`` > 0 runs a
+        lifecycle sweep that often, under a sweep lease held as ``node_id``."""
         writeback = writeback or WriteBackLimits(max_blocks=queue_blocks, max_bytes=queue_bytes,
                                                  uploads=max_uploads, upload_s=upload_s, drain_s=drain_s)
         found = credentials.resolve(os.environ if environ is None else environ, region=region, profile=profile)
@@ -73,22 +97,60 @@ class ObjectTier(RemoteTier):
         layout = KeyLayout(prefix)
         limits = ObjectLimits(multipart_bytes, check_before_put, max_block_bytes)
         metrics = metrics or ObjectMetrics()
-        bridge = RemoteBridge(
-            lambda: ObjectSource(S3Client(options, metrics), layout, limits=limits),
-            BridgeLimits(max_in_flight=max_requests, max_queued=4 * max_requests),
-        )
+        policy = LifecyclePolicy(ttl_s, dict(namespace_ttl_s or {}), dict(namespace_quota_bytes or {}))
+        quota = SharedQuota(policy.quota_bytes, metrics) if policy.quota_bytes else None
+
+        def source() -> ObjectSource:
+            client = S3Client(options, metrics)
+            ttls = policy.ttl_s > 0 or policy.namespace_ttl_s
+            return ObjectSource(client, layout, limits=limits, marks=ReadMarks(client, layout, policy) if ttls else None)
+
+        bridge = RemoteBridge(source, BridgeLimits(max_in_flight=max_requests, max_queued=4 * max_requests))
         try:
-            return cls(bridge, call_s, writeback, metrics)
+            tier = cls(bridge, call_s, writeback, metrics, quota)
+            if sweep_s > 0:
+                tier.start_sweeps(policy, node_id or f"{os.uname().nodename}-{os.getpid()}", sweep_s,
+                                  sweep_deadline_s, lease_s)
+            return tier
         except BaseException:
             bridge.close()
             raise
+
+    def start_sweeps(self, policy: LifecyclePolicy, holder: str, every_s: float, deadline_s: float,
+                     lease_s: float) -> None:
+        """Sweep the bucket's namespaces every ``every_s`` on the source's loop (cancelled at close)."""
+        async def sweeps(src: ObjectSource) -> None:
+            lease = SweepLease(src.client, src.layout, holder, lease_s)
+            sweeper = Sweeper(src.client, src.layout, policy, lease, self._quota, self._gone)
+            await run_sweeps(sweeper, every_s, deadline_s, asyncio.Event())
+
+        self._sweeps = self._bridge.background(sweeps)
+
+    def on_gone(self, callback: Callable[[list[BlockKey]], None]) -> None:
+        """Call ``callback(keys)`` (on the source's loop: be quick) for blocks a sweep here deleted."""
+        with self._gone_lock:
+            self._on_gone.append(callback)
+
+    def _gone(self, keys: list[BlockKey]) -> None:
+        """On the loop: the store's lock is taken on a thread of its own (a store thread holding it
+        may be waiting on this loop)."""
+        with self._gone_lock:
+            callbacks = list(self._on_gone)
+        if callbacks:
+            threading.Thread(target=lambda: [c(keys) for c in callbacks], name="strata-object-gone",
+                             daemon=True).start()
 
     @property
     def writeback(self) -> WriteBackStats:
         return self._writeback.stats()
 
     def put(self, key: BlockKey, data: bytes | bytearray | memoryview, meta: BlockMeta) -> bool:
-        """Queue the block for upload (True), or False when it is queued already; never waits on S3."""
+        """Queue the block for upload (True), or False when it is queued already; never waits on S3.
+        TierFull when its namespace's quota has no room (the store keeps it above)."""
+        if self._writeback.pending_meta(key) is not None:
+            return False
+        if self._quota is not None:
+            self._quota.admit(key, meta.size)
         return self._writeback.offer(key, data, meta)
 
     def fetch(self, key: BlockKey) -> tuple[bytearray, BlockMeta] | None:

@@ -69,6 +69,13 @@ class RemoteTier(Tier):
         except (DeadlineExceeded, Overloaded, TierUnavailable) as err:
             raise self._unavailable("lookup", err) from None
 
+    def lookup_many(self, keys: list[BlockKey]) -> list[BlockMeta | None]:
+        """Metadata of many blocks in one call within this tier's deadline (TierUnavailable otherwise)."""
+        try:
+            return self._bridge.lookup(keys, self._deadline())
+        except (DeadlineExceeded, Overloaded, TierUnavailable) as err:
+            raise self._unavailable("lookup", err) from None
+
     def fetch(self, key: BlockKey) -> tuple[bytearray, BlockMeta] | None:
         """A verified copy and its metadata, or None on a miss: how the store reads through."""
         bufs: list[bytearray] = []

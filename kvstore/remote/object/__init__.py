@@ -21,13 +21,14 @@ The modules, one job each:
   (:mod:`kvstore.tiers.object`) puts blocks into, so no put ever waits on S3.
 - :mod:`~kvstore.remote.object.metrics` — ``strata_object_*``.
 
-Where lifecycle work plugs in (not here yet): a TTL or GC sweep lists ``layout.namespace_root``
-(ObjectMeta gives ``last_modified`` = last write; the header's ``at`` says the same without a
-listing) and deletes through ``S3Client.delete``; last-read times are not in S3 and must come
-from the index or a lease record. A per-namespace quota implements
-:class:`~kvstore.remote.object.quota.Quota` (``reserve`` gets the key) and is passed to
-``ObjectSource(quota=...)``. The index learns of object-tier copies from the store's events
-(tier ``OBJECT``), like any tier.
+- :mod:`~kvstore.remote.object.lease` — :class:`SweepLease`: which daemon sweeps a namespace,
+  a conditional-write lease object ``<prefix>/~lease/<namespace>`` that also carries its usage.
+- :mod:`~kvstore.remote.object.lifecycle` — TTL from last write or read (read markers under
+  ``<prefix>/~touch/``), the :class:`Sweeper` (expiry, stale markers, usage), and
+  :class:`SharedQuota` (per-namespace bounds checked before a block is queued).
+
+The index learns of object-tier copies from the store's events (tier ``OBJECT``), like any
+tier; a sweep's deletes reach the store through ``ObjectTier.on_gone``.
 """
 
 from kvstore.remote.object.source import ObjectLimits, ObjectSource

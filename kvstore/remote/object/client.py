@@ -200,6 +200,41 @@ class S3Client:
         self.metrics.bytes.labels("sent").inc(len(data))
         return True
 
+    async def get_small(self, path: str, deadline: float, limit: int = 64 << 10) -> tuple[bytes, str] | None:
+        """A small control object (a lease) and its ETag, or None when absent; longer than ``limit``
+        is InvalidArgument (it is not one of ours)."""
+        async def attempt():
+            result = await obstore.get_async(self.store, path)
+            if result.meta["size"] > limit:
+                raise InvalidArgument(f"{self.name}: {path} is {result.meta['size']} bytes, not a control object")
+            return bytes(await result.bytes_async()), result.meta.get("e_tag") or ""
+
+        async with self._turns:
+            got = await self._retried("lease", deadline, attempt)
+        return None if got is MISSING else got
+
+    async def put_control(self, path: str, data: bytes, deadline: float, *, etag: str | None = None,
+                          overwrite: bool = False) -> str | None:
+        """Write a small control object (a lease, a read marker) in one PUT: ``overwrite``, or only if
+        absent (``etag`` None: If-None-Match), or only if still the version ``etag`` names (If-Match).
+        Its new ETag, or None when the condition failed (another writer won)."""
+        mode = "overwrite" if overwrite else "create" if etag is None else {"e_tag": etag}
+        async with self._turns:
+            done = await self._retried("lease", deadline, lambda: obstore.put_async(self.store, path, data, mode=mode))
+        if done is False or done is MISSING:
+            return None
+        return done.get("e_tag") or ""
+
+    async def list_segments(self, prefix: str, deadline: float, limit: int = 100_000) -> list[str]:
+        """The next path segments under ``prefix`` (a listing with delimiter ``/``), at most ``limit``."""
+        async with self._turns:
+            got = await self._retried(
+                "list", deadline, lambda: obstore.list_with_delimiter_async(self.store, prefix=prefix or None)
+            )
+        if got is MISSING:
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in got["common_prefixes"][:limit]]
+
     async def delete(self, paths: list[str], deadline: float) -> None:
         """Remove objects (absent ones are no error)."""
         if paths:
@@ -236,7 +271,7 @@ class S3Client:
             self._observe(op, failure.code, started)
             if failure.status == 404 and failure.code in ("NoSuchKey", "HTTP404"):
                 return MISSING
-            if failure.code == "PreconditionFailed" and op == "put":
+            if failure.code == "PreconditionFailed" and op in ("put", "lease"):
                 return False
             if failure.status == 416 and op == "probe":  # a range of an empty object: it has no bytes
                 return b""

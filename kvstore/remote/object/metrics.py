@@ -16,11 +16,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-OPS = ("get", "probe", "put", "put_multipart", "delete", "list")
+OPS = ("get", "probe", "put", "put_multipart", "delete", "list", "lease")
 CODES = (
     "ok", "NoSuchKey", "PreconditionFailed", "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
     "AccessDenied", "NoSuchBucket", "ConditionalRequestConflict", "timeout", "connection", "other",
 )
+GC_OUTCOMES = ("expired", "marker", "kept")  # objects a sweep deleted (by why) or kept
+SWEEP_RESULTS = ("done", "leased_elsewhere", "failed")
 WRITEBACK_OUTCOMES = ("uploaded", "present", "dropped", "failed", "refused", "corrupt", "closed")
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -61,6 +63,30 @@ class ObjectMetrics:
             "a limit), corrupt (bytes did not match), closed (still queued when the daemon stopped)",
             ["outcome"], registry=r,
         )
+        self.gc_objects = Counter(
+            "strata_object_gc_objects_total",
+            "Objects a lifecycle sweep looked at, by outcome: expired (past the namespace's TTL: deleted), marker "
+            "(a read marker whose block is gone: deleted), kept", ["outcome"], registry=r,
+        )
+        self.gc_bytes = Counter(
+            "strata_object_gc_bytes_total", "Object bytes a lifecycle sweep deleted or kept, by outcome",
+            ["outcome"], registry=r,
+        )
+        self.sweeps = Counter(
+            "strata_object_gc_sweeps_total",
+            "Lifecycle sweeps of one namespace, by result: done, leased_elsewhere (another daemon holds the "
+            "namespace's sweep lease: no work done twice), failed (S3 failed; the next interval tries again)",
+            ["result"], registry=r,
+        )
+        self.refused = Counter(
+            "strata_object_quota_refusals_total",
+            "Blocks kept local because their namespace's object quota had no room", registry=r,
+        )
+        for outcome in GC_OUTCOMES:
+            self.gc_objects.labels(outcome)
+            self.gc_bytes.labels(outcome)
+        for result in SWEEP_RESULTS:
+            self.sweeps.labels(result)
         for op in OPS:
             self.retries.labels(op)
         for outcome in WRITEBACK_OUTCOMES:

@@ -10,9 +10,10 @@ saw deleted (a delete, a corrupt copy dropped).
 :class:`ByteQuota` is the bound the remote-source contract asks for
 (``capacity_bytes``): block bytes this source stored under its prefix,
 counted by this source. It does not see other daemons' uploads or a GC's
-deletes; a shared bound is the job of a quota that reads a ledger (in the
-index, or in S3) — per namespace, before upload — and it plugs in here: it
-gets the key in ``reserve``, so it can decide by namespace.
+deletes; the fleet-wide per-namespace bound is
+:class:`~kvstore.remote.object.lifecycle.SharedQuota`, which the object tier
+checks before a block is queued (usage from the sweep lease, plus this
+daemon's uploads since).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from kvstore.remote.object.format import (
     FIXED_BYTES, PROBE_BYTES, Header, UnknownFormat, decode_header, encode, header_length,
 )
 from kvstore.remote.object.layout import KeyLayout
+from kvstore.remote.object.lifecycle import ReadMarks
 from kvstore.remote.object.metrics import ObjectMetrics
 from kvstore.remote.object.quota import ByteQuota, Quota
 
@@ -83,9 +84,11 @@ class ObjectSource(RemoteSource):
 
     def __init__(
         self, client: S3Client, layout: KeyLayout, *, limits: ObjectLimits = ObjectLimits(),
-        quota: Quota | None = None, wall_clock: Callable[[], float] = time.time,
+        quota: Quota | None = None, wall_clock: Callable[[], float] = time.time, marks: ReadMarks | None = None,
     ) -> None:
+        """``marks``: writes read markers for a TTL counted from last use (kvstore.remote.object.lifecycle)."""
         self._client = client
+        self._marks = marks
         self._layout = layout
         self._limits = limits
         self._quota = quota
@@ -117,6 +120,14 @@ class ObjectSource(RemoteSource):
                 raise InvalidArgument(f"capacity_bytes is {capacity_bytes}: give a positive number of bytes")
             source._quota = ByteQuota(capacity_bytes, source.name)
         return source
+
+    @property
+    def layout(self) -> KeyLayout:
+        return self._layout
+
+    @property
+    def client(self) -> S3Client:
+        return self._client
 
     @property
     def layout(self) -> KeyLayout:
@@ -245,6 +256,8 @@ class ObjectSource(RemoteSource):
             return await self._drop_corrupt(key, path, header, err, deadline)
         self._hits += 1
         self._read_bytes += header.meta.size
+        if self._marks is not None:
+            await self._marks.read(key, header.written_at, deadline)
         return ReadResult.hit(header.meta)
 
     async def _write_one(self, key: BlockKey, data, meta: BlockMeta, deadline: float) -> WriteResult:

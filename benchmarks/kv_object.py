@@ -1,0 +1,236 @@
+"""Object tier: read-through and write-back against an S3-compatible server, and a fleet's cold restart.
+
+Run as ``python -m benchmarks.kv_object [--quick]``. moto's S3 server runs
+in a child process on loopback (the tests' ``tests/s3_servers.py``); every
+case and its baseline talk to that same server, in the same rounds, so the
+ratios measure what Strata adds over a bare client, not S3.
+
+- **read-through** (1, 4, 16 MiB): :meth:`ObjectTier.fetch`, what a store's
+  local miss does: a request through the tier's bridge, one streamed GET,
+  header parsed, the payload received into the block's buffer and verified
+  (xxh3-64). Baseline: ``obstore.get`` of the same object, its bytes read,
+  nothing checked. Target ≥ 0.8×.
+- **write-back** (1, 4, 16 MiB): :meth:`ObjectTier.put` of a round's blocks
+  (copied into the write-back queue), timed until the queue has uploaded
+  them all (a ranged GET to ask first, then a conditional PUT each).
+  Baseline: ``obstore.put`` of objects of the same size, as many at once as
+  the tier's uploads. Target ≥ 0.8×.
+- **S3 requests per MiB** stored and read, from the tier's own request
+  counters over the cases above (no baseline).
+- **hit rate after a cold restart**: two stores (RAM, disk, object; write
+  policy through) store a namespace's blocks; both are closed and their
+  RAM and disk directories removed; two fresh stores read every block
+  (each half of them). Target: every block served (1.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import obstore
+
+from benchmarks.harness import MiB, Case, UnitBenchmark, compare, interleave, size_label
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.remote.object.metrics import ObjectMetrics
+
+NAME = "kv_object"
+TARGET = 0.8
+SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
+QUICK = {"rounds": 5, "warmup": 1, "round_bytes": 16 * MiB, "restart_blocks": 24}
+FULL = {"rounds": 9, "warmup": 2, "round_bytes": 64 * MiB, "restart_blocks": 96}
+UPLOADS = 8
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def _environ(home: str) -> dict[str, str]:
+    import s3_servers
+
+    return {"AWS_ACCESS_KEY_ID": s3_servers.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": s3_servers.SECRET_KEY, "HOME": home}
+
+
+def _tier(env, prefix: str, home: str, metrics: ObjectMetrics, **options):
+    from kvstore.tiers.object import ObjectTier
+
+    return ObjectTier.open(bucket=env.bucket, prefix=prefix, endpoint=env.endpoint, environ=_environ(home),
+                           metrics=metrics, max_uploads=UPLOADS, queue_bytes=512 * MiB, **options)
+
+
+def _raw_store(env):
+    import s3_servers
+    from obstore.store import S3Store
+
+    return S3Store(env.bucket, endpoint=env.endpoint, region="us-east-1", access_key_id=s3_servers.ACCESS_KEY,
+                   secret_access_key=s3_servers.SECRET_KEY, client_options={"allow_http": True})
+
+
+def read_round(tier, keys: list[BlockKey], size: int):
+    def run() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for k in keys:
+            found = tier.fetch(k)
+            if found is None or found[1].size != size:
+                raise SystemExit(f"read-through of {k} missed")
+        return size * len(keys), time.perf_counter() - t0
+    return run
+
+
+def raw_read_round(store, paths: list[str], size: int):
+    def run() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for p in paths:
+            got = obstore.get(store, p).bytes()
+            if len(got) < size:
+                raise SystemExit(f"raw GET of {p} was short")
+        return size * len(paths), time.perf_counter() - t0
+    return run
+
+
+def write_round(tier, data: bytes, n: int, tag: str):
+    meta = BlockMeta(len(data), checksum(data))
+    counter = iter(range(1 << 30))
+
+    def run() -> tuple[int, float]:
+        r = next(counter)
+        t0 = time.perf_counter()
+        for i in range(n):
+            tier.put(BlockKey("wb", b"%s-%d-%d" % (tag.encode(), r, i)), data, meta)
+        while tier.writeback.queued_blocks:
+            time.sleep(0.002)
+        return len(data) * n, time.perf_counter() - t0
+    return run
+
+
+def raw_write_round(store, prefix: str, data: bytes, n: int, tag: str):
+    import asyncio
+
+    counter = iter(range(1 << 30))
+
+    async def puts(r: int) -> None:
+        turns = asyncio.Semaphore(UPLOADS)
+
+        async def one(i: int) -> None:
+            async with turns:
+                await obstore.put_async(store, f"{prefix}/raw/{tag}-{r}-{i}", data, mode="create")
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+    def run() -> tuple[int, float]:
+        r = next(counter)
+        t0 = time.perf_counter()
+        asyncio.run(puts(r))
+        return len(data) * n, time.perf_counter() - t0
+    return run
+
+
+def requests_of(metrics: ObjectMetrics, ops: tuple[str, ...]) -> int:
+    total = 0
+    for metric in metrics.requests.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and sample.labels["op"] in ops:
+                total += int(sample.value)
+    return total
+
+
+def cold_restart(env, prefix: str, plan: dict) -> Case:
+    """Store blocks through two stores, throw away their RAM and disk, read them all through two fresh ones."""
+    from kvstore.store import EdgePolicy, StoreLimits, TieredStore
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.ram import HostRamTier
+
+    n = plan["restart_blocks"]
+    with tempfile.TemporaryDirectory(prefix="strata-object-bench-") as home:
+        def fleet(gen: int) -> list[TieredStore]:
+            stores = []
+            for node in range(2):
+                tiers = [HostRamTier(64 * MiB, shm_dir=home, arena_name=f"objbench{gen}{node}"),
+                         DiskTier(Path(home) / f"disk{gen}{node}", 64 * MiB),
+                         _tier(env, prefix, home, ObjectMetrics())]
+                stores.append(TieredStore(tiers, edges=[EdgePolicy(write_through=True), EdgePolicy(write_through=True)],
+                                          limits=StoreLimits.from_settings(max_block_bytes=4 * MiB)))
+            return stores
+
+        data = [os.urandom(MiB) for _ in range(n)]
+        keys = [BlockKey("fleet", b"block-%d" % i) for i in range(n)]
+        first = fleet(0)
+        for i, (k, d) in enumerate(zip(keys, data)):
+            first[i % 2].put(k, d, BlockMeta(len(d), checksum(d)))
+        for s in first:
+            s.flush_demotions()
+            s.close()  # drains the write-back queues
+        fresh = fleet(1)
+        try:
+            hits = 0
+            for i, k in enumerate(keys):
+                got = fresh[(i + 1) % 2].get(k)  # the other node reads it: nothing local anywhere
+                hits += got is not None and got[0] == data[i] and got[2] is TierName.OBJECT
+        finally:
+            for s in fresh:
+                s.close()
+    return Case(case=f"hit rate after a cold restart ({n} x 1MiB)", value=hits / n, baseline="every block",
+                baseline_value=1.0, target_ratio=1.0, metric="hit_rate", unit="ratio", note=(
+                    "two stores (ram, disk, object; write-through to the bucket) store the blocks, close, and "
+                    "their RAM and disk are thrown away; two fresh stores read every block, each the blocks the "
+                    "other wrote; a hit is the block's own bytes, served from the object tier"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import s3_servers
+
+    bench = UnitBenchmark(NAME, __doc__.splitlines()[0], argv)
+    bench.baseline_width = 30
+    plan = QUICK if bench.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="strata-moto-") as moto_home, contextlib.ExitStack() as stack:
+        env = s3_servers.S3Env(s3_servers.start_moto(Path(moto_home)))
+        stack.callback(env.close)
+        prefix = f"bench-{os.getpid()}"
+        metrics = ObjectMetrics()
+        tier = _tier(env, prefix, moto_home, metrics)
+        stack.callback(tier.close)
+        raw = _raw_store(env)
+        read_mib = write_mib = 0.0
+        for size in SIZES:
+            L = size_label(size)
+            n = max(2, plan["round_bytes"] // size)
+            data = os.urandom(size)
+            keys = [BlockKey("rt", b"%s-%d" % (L.encode(), i)) for i in range(n)]
+            for k in keys:
+                tier.put(k, data, BlockMeta(size, checksum(data)))
+            while tier.writeback.queued_blocks:
+                time.sleep(0.01)
+            from kvstore.remote.object.layout import KeyLayout
+
+            paths = [KeyLayout(prefix).path(k) for k in keys]
+            s = interleave({f"read-through {L}": read_round(tier, keys, size),
+                            f"obstore GET {L}": raw_read_round(raw, paths, size),
+                            f"write-back {L}": write_round(tier, data, n, L),
+                            f"obstore PUT {L}": raw_write_round(raw, prefix, data, n, L)},
+                           rounds=plan["rounds"], warmup=plan["warmup"])
+            runs = plan["rounds"] + plan["warmup"]
+            read_mib += runs * n * size / MiB
+            write_mib += (runs * n + n) * size / MiB
+            for case, base, note in (
+                (f"read-through {L}", f"obstore GET {L}", "ObjectTier.fetch: bridge, streamed GET, header, "
+                 "payload into the block's buffer, verified; baseline: the same object's bytes, unchecked"),
+                (f"write-back {L}", f"obstore PUT {L}", f"ObjectTier.put of {n} blocks until uploaded ({UPLOADS} "
+                 "at once; a ranged GET first, then a conditional PUT); baseline: as many conditional PUTs"),
+            ):
+                c = compare(s, case, base, target_ratio=TARGET, note=note)
+                bench.add(Case(c.case, c.value, c.baseline, c.baseline_value, TARGET, note=note))
+        reads = requests_of(metrics, ("get",))
+        writes = requests_of(metrics, ("probe", "put", "put_multipart"))
+        bench.add(Case("S3 requests per MiB read", reads / read_mib, "", None, metric="requests_per_mib",
+                       unit="req/MiB", note="GETs of the read-through cases over the MiB they read"))
+        bench.add(Case("S3 requests per MiB stored", writes / write_mib, "", None, metric="requests_per_mib",
+                       unit="req/MiB", note="probes (ranged GETs) and PUTs of the write-back cases over the MiB "
+                       "stored: two per block"))
+        bench.add(cold_restart(env, prefix + "-fleet", plan))
+    bench.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
