@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -12,7 +11,6 @@ import pytest
 
 import s3_servers
 from kvstore.block import BlockKey, BlockMeta, checksum
-from kvstore.cli import objects
 from kvstore.remote.object.client import S3Client, S3Options
 from kvstore.remote.object.credentials import StaticCredentials
 from kvstore.remote.object.layout import KeyLayout
@@ -33,8 +31,9 @@ def aws(monkeypatch, tmp_path):
 
 
 def strata_object(s3, prefix, *argv) -> object:
-    parser = argparse.ArgumentParser()
-    objects.add_parser(parser.add_subparsers(dest="command"))
+    from kvstore.cli.main import build_parser
+
+    parser = build_parser()  # the strata command's own parser: `strata object` is registered there
     args = parser.parse_args(["object", argv[0], "--bucket", s3.bucket, "--prefix", prefix,
                               "--endpoint", s3.endpoint, "--json", *argv[1:]])
     return args

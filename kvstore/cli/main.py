@@ -481,9 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=cmd_stats)
 
     sub.add_parser("weights", add_help=False, help="model weights: publish, ls, fetch, evict (strata weights --help)")
-    from kvstore.cli import doctor
+    from kvstore.cli import doctor, objects
 
     doctor.add_parser(sub, _add_settings_flags)
+    objects.add_parser(sub)
     return parser
 
 

@@ -129,10 +129,6 @@ class ObjectSource(RemoteSource):
     def client(self) -> S3Client:
         return self._client
 
-    @property
-    def layout(self) -> KeyLayout:
-        return self._layout
-
     # The contract.
 
     async def lookup(self, keys: Sequence[BlockKey], deadline: float) -> list[BlockMeta | None]:
