@@ -40,11 +40,13 @@ REPO = Path(__file__).resolve().parent.parent
 class PeerNode:
     """``strata serve`` with a peer tier, as a child process (in ``netns`` when given).
 
-    ``advertise``: its --advertise-address; ``{port}`` in it is replaced by its own port."""
+    ``advertise``: its --advertise-address; ``{port}`` in it is replaced by its own port. ``env``:
+    variables added to the daemon's environment (the object tier's AWS credentials)."""
 
     def __init__(self, home: Path, name: str, index_url: str, *extra: str, host: str = "127.0.0.1",
-                 port: int | None = None, advertise: str = "", netns: str = "") -> None:
+                 port: int | None = None, advertise: str = "", netns: str = "", env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.env = dict(env or {})
         self.home = home / name
         self.home.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -64,7 +66,8 @@ class PeerNode:
 
     def start(self) -> PeerNode:
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, **self.env,
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "kvstore.cli.main", "serve", *self.args],
