@@ -379,3 +379,25 @@ def test_the_disruption_budget_covers_the_daemonset():
             pdbs = [o for o in rendered if o["kind"] == "PodDisruptionBudget"
                     and o["spec"]["selector"]["matchLabels"].items() <= labels.items()]
             assert pdbs and pdbs[0]["spec"]["maxUnavailable"] == 1, overlay
+
+
+def test_the_podmonitor_scrapes_every_pod_with_a_metrics_port():
+    """The daemons' and the weight nodes' (overlays/weights-prefetch) ``metrics`` ports: the one
+    PodMonitor selects them by labels, in its own namespace, so a pod without them goes unscraped."""
+    monitors = [o for _, o in objects({"PodMonitor"})]
+    assert monitors, "no overlay renders the PodMonitor (components/monitoring)"
+    monitor = monitors[0]  # every overlay with components/monitoring renders the same one
+    wanted = monitor["spec"]["selector"]["matchLabels"].items()
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    scraped = set()
+    for overlay, obj in objects(WORKLOADS):
+        template = obj["spec"]["template"]
+        named = {p.get("name") for c in containers(template["spec"]) for p in c.get("ports", [])}
+        if "metrics" not in named:
+            continue
+        assert named & ports, f"{where(overlay, obj)}: its metrics port is not one the PodMonitor scrapes ({ports})"
+        assert wanted <= template["metadata"].get("labels", {}).items(), (
+            f"{where(overlay, obj)}: its pods lack the PodMonitor's labels {dict(wanted)}")
+        assert obj["metadata"].get("namespace") == monitor["metadata"].get("namespace"), where(overlay, obj)
+        scraped.add(template["metadata"]["labels"].get("app.kubernetes.io/component"))
+    assert "weight-node" in scraped, "the weight node's metrics port is not scraped"
