@@ -77,7 +77,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    if args.cache:
+    if args.cache or args.ram_dir:
         return _ls_cache(args)
     if not args.location:
         raise SystemExit("strata weights ls: give a LOCATION, or --cache DIR")
@@ -108,6 +108,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _ls_cache(args: argparse.Namespace) -> int:
     from weightcache.cache import NodeCache
 
+    if args.ram_dir:
+        return _ls_ram(args)
     cache = NodeCache(args.cache, 1 << 62)
     try:
         entries = cache.entries()
@@ -122,6 +124,22 @@ def _ls_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ls_ram(args: argparse.Namespace) -> int:
+    from weightcache.ram_copy import RamCopy
+
+    copy = RamCopy(args.ram_dir)
+    try:
+        entries = copy.entries()
+    finally:
+        copy.close()
+    for e in entries:
+        if args.json:
+            print(json.dumps(e.__dict__))
+        else:
+            print(f"{e.digest}  {e.files} files  {e.bytes} bytes in RAM  {'in use' if e.in_use else 'idle'}")
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from weightcache.fetch import FetchLimits
     from weightcache.reader import open_model
@@ -129,7 +147,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
     with open_model(args.location, args.digest, cache_dir=args.cache, cache_bytes=args.cache_bytes,
                     revision=args.revision, files=args.files, names=args.names, include=args.include,
-                    limits=limits, s3=_s3(args)) as model:
+                    limits=limits, s3=_s3(args), ram_dir=args.ram_dir) as model:
         stats = model.wait()
         print(json.dumps({
             "digest": model.digest, "planned": stats.planned, "cached": stats.cached,
@@ -144,6 +162,16 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
     cache = NodeCache(args.cache, 1 << 62)
     try:
+        if args.ram_dir:  # the RAM copy first: it is the one engines map
+            from weightcache.ram_copy import RamCopy
+
+            copy = RamCopy(args.ram_dir)
+            try:
+                if not copy.evict(args.digest) and any(e.digest == args.digest and e.bytes for e in copy.entries()):
+                    print(f"strata weights evict: {args.digest} is open in the RAM copy {args.ram_dir}", file=sys.stderr)
+                    return 3
+            finally:
+                copy.close()
         if cache.evict(args.digest):
             return 0
         print(f"strata weights evict: {args.digest} is not cached in {args.cache}, or a process is using it",
@@ -167,8 +195,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     me = args.advertise or args.listen
     swarm = Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait) if args.peer else None
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
+    ram = None
+    if args.ram_dir:
+        from weightcache.ram_copy import RamCopy
+
+        if not args.ram_bytes:
+            raise SystemExit("strata weights serve: --ram-dir needs --ram-bytes (the RAM copy's bound, e.g. 64GiB)")
+        ram = RamCopy(args.ram_dir, args.ram_bytes)
+        metrics.ram_bytes.set(ram.used_bytes())
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
-                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait)
+                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
     server, port = serve(prefetcher, args.listen)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -242,7 +278,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
                 if s.state == pb.PREFETCH_STATE_COMPLETE:
                     if args.json:
                         print(json.dumps({"digest": args.digest, "bytes": s.total_bytes,
-                                          "bytes_by_source": dict(s.bytes_by_source)}))
+                                          "bytes_by_source": dict(s.bytes_by_source), "ram_bytes": s.ram_bytes}))
                     return 0
                 if s.state == pb.PREFETCH_STATE_FAILED:
                     print(f"strata weights wait: the prefetch of {args.digest} failed: {s.error}", file=sys.stderr)
@@ -311,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", parents=[s3], help="published manifests at a location, or a node cache's models")
     ls.add_argument("location", nargs="?")
     ls.add_argument("--cache", metavar="DIR", help="list this node cache instead")
+    ls.add_argument("--ram-dir", metavar="DIR", help="list this host-RAM copy instead")
     ls.set_defaults(func=cmd_ls)
 
     fetch = sub.add_parser("fetch", parents=[s3], help="fill a node cache with a model (or a subset)",
@@ -324,11 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--names", help="only the tensors matching this glob")
     fetch.add_argument("--include", default="*.json", help="other files to fetch whole (a glob) [*.json]")
     fetch.add_argument("--concurrency", type=int, default=8, help="chunks in flight [8]")
+    fetch.add_argument("--ram-dir", metavar="DIR", help="the node's host-RAM copy: files there are not fetched")
     fetch.set_defaults(func=cmd_fetch)
 
     evict = sub.add_parser("evict", help="remove a cached model no process is using")
     evict.add_argument("digest")
     evict.add_argument("--cache", required=True, metavar="DIR")
+    evict.add_argument("--ram-dir", metavar="DIR", help="remove the model's host-RAM copy too")
     evict.set_defaults(func=cmd_evict)
 
     srv = sub.add_parser("serve", parents=[s3], help="a weight node: prefetch into a node cache, serve peers",
@@ -348,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
     srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
     srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.add_argument("--ram-dir", metavar="DIR",
+                     help="keep one host-RAM copy of each complete model here (a tmpfs, e.g. /dev/shm/strata-weights) "
+                     "for every engine on the node to map")
+    srv.add_argument("--ram-bytes", type=_size, help="the RAM copy's bound (with --ram-dir)")
     srv.set_defaults(func=cmd_serve)
 
     node = argparse.ArgumentParser(add_help=False)

@@ -48,6 +48,7 @@ class Progress:
     verified_chunks: int = 0
     error: str = ""
     bytes_by_source: dict = field(default_factory=dict)
+    ram_bytes: int = 0  # of this model in the node's host-RAM copy
 
 
 class _Job:
@@ -62,7 +63,7 @@ class _Job:
 class Prefetcher:
     def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
                  s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
-                 max_uploads: int = 8, join_wait_s: float = 5.0) -> None:
+                 max_uploads: int = 8, join_wait_s: float = 5.0, ram=None) -> None:
         if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024):
             raise ValueError("max_jobs and max_uploads must be 1..1024")
         if not 0 <= join_wait_s <= MAX_WAIT_S:
@@ -74,6 +75,7 @@ class Prefetcher:
         self.s3 = s3
         self.swarm = swarm
         self.metrics = metrics
+        self.ram = ram  # a RamCopy with a capacity: complete models are copied there before COMPLETE
         self.max_jobs = max_jobs
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -100,7 +102,7 @@ class Prefetcher:
         route = self.swarm.route if self.swarm is not None else None
         reader = open_model(location, digest or None, cache_dir=self.cache_dir, cache_bytes=self.cache_bytes,
                             revision=revision or None, limits=self.limits, s3=self.s3, metrics=self.metrics,
-                            include="*", route=route)
+                            include="*", route=route, ram_dir=self.ram.root if self.ram is not None else None)
         with self._lock:
             if reader.digest in self._jobs and self._jobs[reader.digest].error is None:
                 reader.close()
@@ -112,6 +114,10 @@ class Prefetcher:
     def _drive(self, job: _Job) -> None:
         try:
             job.reader.wait()
+            if self.ram is not None:  # before COMPLETE: an engine told "warm" finds the RAM copy
+                self.ram.admit(job.reader.model)
+                if self.metrics is not None:
+                    self.metrics.ram_bytes.set(self.ram.used_bytes())
         except StrataError as err:
             job.error = err
             log.error("prefetch of %s failed: %s", job.manifest.digest, err)
@@ -143,8 +149,9 @@ class Prefetcher:
         else:
             state = COMPLETE if whole and job.error is None else FAILED
         by_source = dict(job.stats.fetched_bytes) if job is not None else {}
+        ram_bytes = self.ram.model_bytes(digest) if self.ram is not None else 0
         return Progress(state, manifest.model, manifest.total_bytes, verified, manifest.total_chunks, chunks,
-                        str(job.error) if job is not None and job.error else "", by_source)
+                        str(job.error) if job is not None and job.error else "", by_source, ram_bytes)
 
     # ---- the peer data plane -----------------------------------------------------------
 
@@ -201,3 +208,5 @@ class Prefetcher:
         for model in serving:
             model.close()
         self._cache.close()
+        if self.ram is not None:
+            self.ram.close()

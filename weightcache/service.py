@@ -53,7 +53,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return pb.StatusResponse(
                 state=STATES[p.state], model=p.model, total_bytes=p.total_bytes, verified_bytes=p.verified_bytes,
                 total_chunks=p.total_chunks, verified_chunks=p.verified_chunks, error=p.error,
-                bytes_by_source=p.bytes_by_source,
+                bytes_by_source=p.bytes_by_source, ram_bytes=p.ram_bytes,
             )
 
     def ReadChunk(self, request: pb.ReadChunkRequest, context) -> pb.ReadChunkResponse:
