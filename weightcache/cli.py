@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
@@ -191,9 +192,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from weightcache.prefetch import Prefetcher
     from weightcache.service import serve
 
+    from kvstore.auth import Authority
+    from weightcache.access import server_credentials
+
     metrics = WeightMetrics()
     me = args.advertise or args.listen
-    swarm = Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait) if args.peer else None
+    authority = Authority(args.auth_file or "", mtls=bool(args.tls_client_ca), reload_s=args.auth_reload_seconds)
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    # What this node presents to its peers: its token, and its own certificate for their mTLS.
+    security = _security(args, client_cert=(args.tls_cert, args.tls_key) if args.tls_client_ca else None)
+    swarm = (Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait, security=security)
+             if args.peer else None)
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
     ram = None
     if args.ram_dir:
@@ -205,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics.ram_bytes.set(ram.used_bytes())
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
                             metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
-    server, port = serve(prefetcher, args.listen)
+    server, port = serve(prefetcher, args.listen, authority=authority, credentials=credentials)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -214,19 +223,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: authority.reload())
     stop.wait()
     server.stop(5).wait()
     prefetcher.close()
     return 0
 
 
-def _stub(address: str):
-    import grpc
+def _security(args: argparse.Namespace, client_cert: tuple[str, str] | None = None):
+    """The token and TLS this command presents to weight nodes (kvstore's client credentials)."""
+    from kvstore.auth.credentials import ChannelSecurity
 
+    token = os.environ.get("STRATA_TOKEN") if not args.token_file else None
+    cert, key = client_cert if client_cert else (getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
+    return ChannelSecurity.build(token=token or None, token_file=args.token_file, tls_ca=args.tls_ca,
+                                 tls_cert=cert, tls_key=key, tls_server_name=args.tls_server_name)
+
+
+def _stub(args: argparse.Namespace):
     from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
     from weightcache.peers import CHANNEL_OPTIONS
 
-    return pb_grpc.WeightServiceStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    return pb_grpc.WeightServiceStub(_security(args).channel(args.node, options=CHANNEL_OPTIONS))
 
 
 def _call(method, request, timeout: float):
@@ -243,7 +261,7 @@ def _call(method, request, timeout: float):
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from weightcache.api.v1 import weights_pb2 as pb
 
-    reply = _call(_stub(args.node).Prefetch, pb.PrefetchRequest(
+    reply = _call(_stub(args).Prefetch, pb.PrefetchRequest(
         location=args.location, digest=args.digest or "", revision=args.revision or ""), timeout=args.timeout)
     print(reply.digest)
     if args.wait is not None:
@@ -260,7 +278,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
     from weightcache.api.v1 import weights_pb2 as pb
 
-    stub = _stub(args.node)
+    stub = _stub(args)
     end = time.monotonic() + args.deadline
     bar = None
     try:
@@ -370,7 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--ram-dir", metavar="DIR", help="remove the model's host-RAM copy too")
     evict.set_defaults(func=cmd_evict)
 
-    srv = sub.add_parser("serve", parents=[s3], help="a weight node: prefetch into a node cache, serve peers",
+    creds = argparse.ArgumentParser(add_help=False)
+    creds.add_argument("--token-file", default=os.environ.get("STRATA_TOKEN_FILE"), metavar="FILE",
+                       help="bearer token to present to weight nodes, first line of FILE "
+                       "[env STRATA_TOKEN_FILE; or the token itself in STRATA_TOKEN]")
+    creds.add_argument("--tls-ca", default=os.environ.get("STRATA_TLS_CA"), metavar="PEM",
+                       help="verify weight nodes' TLS certificates with this CA [env STRATA_TLS_CA]")
+    creds.add_argument("--tls-server-name", default=os.environ.get("STRATA_TLS_SERVER_NAME"), metavar="NAME",
+                       help="name to verify in a weight node's certificate")
+
+    srv = sub.add_parser("serve", parents=[s3, creds], help="a weight node: prefetch into a node cache, serve peers",
                          description="Serve WeightService: Prefetch and Status for init containers, ReadChunk for "
                          "peers. With --peer, the listed nodes (the same list on each) form a swarm: each chunk "
                          "is fetched from the origin by one of them and read from it by the rest.")
@@ -391,9 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep one host-RAM copy of each complete model here (a tmpfs, e.g. /dev/shm/strata-weights) "
                      "for every engine on the node to map")
     srv.add_argument("--ram-bytes", type=_size, help="the RAM copy's bound (with --ram-dir)")
+    srv.add_argument("--auth-file", metavar="TOML", help="the daemon's auth policy: tokens and certificate subjects "
+                     "allowed on namespace 'weights' (read: Status, ReadChunk; write: Prefetch)")
+    srv.add_argument("--auth-reload-seconds", type=float, default=2.0, help="how often to look for a changed policy [2]")
+    srv.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (and --tls-key)")
+    srv.add_argument("--tls-key", metavar="PEM")
+    srv.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates this CA signed (mTLS); "
+                     "the node presents --tls-cert to its peers")
     srv.set_defaults(func=cmd_serve)
 
-    node = argparse.ArgumentParser(add_help=False)
+    node = argparse.ArgumentParser(add_help=False, parents=[creds])
+    node.add_argument("--tls-cert", default=os.environ.get("STRATA_TLS_CERT"), metavar="PEM",
+                      help="client certificate, for a weight node with --tls-client-ca [env STRATA_TLS_CERT]")
+    node.add_argument("--tls-key", default=os.environ.get("STRATA_TLS_KEY"), metavar="PEM",
+                      help="private key of --tls-cert [env STRATA_TLS_KEY]")
     node.add_argument("--node", default="127.0.0.1:7460", metavar="HOST:PORT", help="the weight node [127.0.0.1:7460]")
     node.add_argument("--no-progress", action="store_true", help="no progress bar")
     node.add_argument("--interval", type=_seconds, default=1.0, help="how often to ask for progress [1s]")
