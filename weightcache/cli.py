@@ -201,8 +201,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     # What this node presents to its peers: its token, and its own certificate for their mTLS.
     security = _security(args, client_cert=(args.tls_cert, args.tls_key) if args.tls_client_ca else None)
+    if args.peer and args.index:
+        raise SystemExit("strata weights serve: give --peer (a fixed swarm) or --index (members from the index), not both")
     swarm = (Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait, security=security)
              if args.peer else None)
+    if args.index:
+        from kvstore.index import open_index
+        from weightcache.index_swarm import IndexSwarm
+
+        swarm = IndexSwarm(open_index(args.index), args.node_id or me, me, ttl_s=args.index_ttl,
+                           wait_s=args.peer_wait, security=security)
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
     ram = None
     if args.ram_dir:
@@ -214,6 +222,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics.ram_bytes.set(ram.used_bytes())
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
                             metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
+    if args.index:
+        swarm.attach(prefetcher.verified)
     server, port = serve(prefetcher, args.listen, authority=authority, credentials=credentials)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -227,6 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop.wait()
     server.stop(5).wait()
     prefetcher.close()
+    if args.index:
+        swarm.close()  # leaves the index: its peers stop asking it at once
     return 0
 
 
@@ -407,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--advertise", metavar="HOST:PORT", help="this node's address in --peer lists [--listen]")
     srv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                      help="a swarm member (repeat; may include this node)")
+    srv.add_argument("--index", metavar="URL",
+                     help="find the swarm in the prefix index (redis://HOST:PORT, redis+cluster://..., memory://): "
+                     "members, chunk holders and liveness, instead of --peer")
+    srv.add_argument("--node-id", help="this node's id in the index [--advertise]")
+    srv.add_argument("--index-ttl", type=_seconds, default=10.0,
+                     help="how long the index counts this node alive without a heartbeat [10s]")
     srv.add_argument("--peer-wait", type=_seconds, default=120.0,
                      help="how long to wait for a chunk's owner to have it before the origin [120s]")
     srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,

@@ -165,6 +165,15 @@ class Prefetcher:
                 model = self._serving[digest] = self._cache.open(manifest)
             return model
 
+    def verified(self, digest: str) -> list[tuple[int, int]]:
+        """(file, chunk) of every verified chunk of the model here: what an index swarm announces."""
+        model = self._served(digest)
+        if model is None:
+            return []
+        model.refresh()
+        return [(f, c) for f, entry in enumerate(model.manifest.files) for c in range(len(entry.chunks))
+                if model.is_present(f, c)]
+
     def read_chunk(self, digest: str, file: int, chunk: int, wait_s: float = 0.0) -> bytes | None:
         """A verified chunk's bytes, None when this node does not hold it (after waiting up to
         ``wait_s`` while a prefetch here may still bring it)."""
