@@ -392,13 +392,7 @@ class ModelReader:
         read = self.model.read
         if self._ram is not None and self._ram.has(file):
             where = f"{entry.path} (RAM copy, manifest {self.digest})"
-            if file not in self._maps:
-                self._maps[file] = self._ram.map(file)
-            mapping = self._maps[file]
-
-            def read(f: int, start: int, end: int) -> bytes:
-                return bytes(mapping[start:end])
-
+            read = self._read_ram
         first = read(file, 0, LENGTH_BYTES)
         n = header_length(first, entry.size, where)
         found = parse_header(read(file, LENGTH_BYTES, LENGTH_BYTES + n), entry.size, where)
@@ -408,6 +402,11 @@ class ModelReader:
                 "other bytes, or edited): publish the model again and open the new digest"
             )
         self._checked[file] = found
+
+    def _read_ram(self, file: int, start: int, end: int) -> bytes:
+        if file not in self._maps:
+            self._maps[file] = self._ram.map(file)
+        return bytes(self._maps[file][start:end])
 
     # ---- closing -------------------------------------------------------------------
 
