@@ -45,7 +45,7 @@ def start_node(cache: Path, address: str, index: str, endpoint: str) -> subproce
     env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     args = [sys.executable, "-m", "weightcache", "serve", "--cache", str(cache), "--listen", address,
             "--s3-endpoint", endpoint, "--s3-allow-http", "--s3-region", "us-east-1", "--concurrency", "4",
-            "--peer-wait", "60s", "--index", index, "--index-ttl", "3s"]
+            "--peer-wait", "60s", "--index-url", index, "--index-ttl", "3s"]
     return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

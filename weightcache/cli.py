@@ -202,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # What this node presents to its peers: its token, and its own certificate for their mTLS.
     security = _security(args, client_cert=(args.tls_cert, args.tls_key) if args.tls_client_ca else None)
     if args.peer and args.index:
-        raise SystemExit("strata weights serve: give --peer (a fixed swarm) or --index (members from the index), not both")
+        raise SystemExit("strata weights serve: give --peer (a fixed swarm) or --index-url (members from the index), not both")
     swarm = (Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait, security=security)
              if args.peer else None)
     if args.index:
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--advertise", metavar="HOST:PORT", help="this node's address in --peer lists [--listen]")
     srv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                      help="a swarm member (repeat; may include this node)")
-    srv.add_argument("--index", metavar="URL",
+    srv.add_argument("--index-url", dest="index", metavar="URL",
                      help="find the swarm in the prefix index (redis://HOST:PORT, redis+cluster://..., memory://): "
                      "members, chunk holders and liveness, instead of --peer")
     srv.add_argument("--node-id", help="this node's id in the index [--advertise]")

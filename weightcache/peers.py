@@ -17,7 +17,8 @@ first, from the origin, and asks each other chunk's owner for it, waiting
 when the owner is gone, slow past the wait, or gives bad bytes. So the
 origin serves each chunk about once however many nodes start together.
 Members are listed explicitly (``--peer``): a static swarm, the same list on
-every node.
+every node. :mod:`weightcache.index_swarm` finds them, and each chunk's
+holders, in the prefix index instead.
 """
 
 from __future__ import annotations
