@@ -248,3 +248,33 @@ def test_serve_with_a_ram_dir_reports_the_copy_in_status_and_wait(tmp_path, mode
                               "--ram-dir", str(shm_dir)], capture_output=True, text=True, env=env, timeout=60)
     assert evicted.returncode == 0, evicted.stderr
     assert allocated(shm_dir) == 0
+
+
+def test_a_reader_writes_nothing_and_a_copy_never_made_reads_from_disk(tmp_path, model, shm_dir):
+    folder, m, tensors = model
+    prefetched(tmp_path, model, shm_dir).close()
+    before = sorted(p.relative_to(shm_dir) for p in shm_dir.rglob("*"))
+    empty = shm_dir / "never-filled"
+    with weightcache.open_model(folder, m.digest, cache_dir=tmp_path / "cache", ram_dir=empty) as r:
+        got = dict(r)
+        assert set(r.stats.fetched_bytes) == {"disk"}
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert not empty.exists()  # a reader creates nothing
+    with weightcache.open_model(folder, m.digest, cache_dir=tmp_path / "cache", ram_dir=shm_dir) as r:
+        dict(r)
+    after = sorted(p.relative_to(shm_dir) for p in shm_dir.rglob("*"))
+    assert after == before
+
+
+def test_the_weight_node_drops_what_a_crashed_copy_left(tmp_path, model, shm_dir):
+    folder, m, _ = model
+    prefetched(tmp_path, model, shm_dir).close()
+    left = shm_dir / "models" / m.digest / ".0123456789ab.copying"
+    left.write_bytes(b"\0" * 4096)  # a copy a SIGKILL interrupted: never visible to readers
+    copy = RamCopy(shm_dir, 64 << 20)
+    try:
+        assert copy.used_bytes() == m.total_bytes + 4096
+        assert copy.drop_stale_copies() == 1 and copy.used_bytes() == m.total_bytes
+    finally:
+        copy.close()

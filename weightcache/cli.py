@@ -166,7 +166,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         if args.ram_dir:  # the RAM copy first: it is the one engines map
             from weightcache.ram_copy import RamCopy
 
-            copy = RamCopy(args.ram_dir)
+            copy = RamCopy(args.ram_dir, writable=True)
             try:
                 if not copy.evict(args.digest) and any(e.digest == args.digest and e.bytes for e in copy.entries()):
                     print(f"strata weights evict: {args.digest} is open in the RAM copy {args.ram_dir}", file=sys.stderr)
@@ -219,7 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not args.ram_bytes:
             raise SystemExit("strata weights serve: --ram-dir needs --ram-bytes (the RAM copy's bound, e.g. 64GiB)")
         ram = RamCopy(args.ram_dir, args.ram_bytes)
-        metrics.ram_bytes.set(ram.used_bytes())
+        ram.drop_stale_copies()
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
                             metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
     if args.index:

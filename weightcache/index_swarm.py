@@ -93,7 +93,7 @@ class IndexSwarm:
             raise InvalidArgument("the index swarm's ttl_s must be 0.5..3600 s and refresh_s 0.01 s..ttl_s")
         self.index = index
         self.node_id = node_id
-        self.me = node_id
+        self.me = node_id  # members are node ids
         self.address = address
         self.epoch = time.time_ns()  # grows at every start: the index drops this node's older entries
         self.ttl_s = ttl_s
@@ -212,8 +212,9 @@ class IndexSwarm:
                     await self._heartbeat()
                     beat = self._clock() + self.ttl_s / 3
                 for model in list(self._models.values()):
-                    await self._announce(model)
-                    await self._refresh(model)
+                    whole = await self._announce(model)
+                    if not whole or not model.refreshed.is_set():  # a node holding it all asks no one
+                        await self._refresh(model)
             except IndexUnavailable as err:
                 log.warning("the prefix index cannot be reached; the swarm keeps its last view: %s", err)
             except StrataError as err:
@@ -234,7 +235,8 @@ class IndexSwarm:
                 model.announced.clear()
                 model.joined = False
 
-    async def _announce(self, model: _Model) -> None:
+    async def _announce(self, model: _Model) -> bool:
+        """Write what this node verified since the last time; True when it holds every chunk."""
         ns = namespace_of(model.manifest.digest)
         if not model.joined:
             await self.index.add(ns, self.node_id, self.epoch, [(MEMBER_KEY, TierName.DISK)])
@@ -245,6 +247,7 @@ class IndexSwarm:
             batch = new[i:i + MAX_CHAIN_BLOCKS]
             await self.index.add(ns, self.node_id, self.epoch, [(chunk_key(*item), TierName.DISK) for item in batch])
             model.announced.update(batch)
+        return len(held) == len(model.items)
 
     async def _refresh(self, model: _Model) -> None:
         ns = namespace_of(model.manifest.digest)

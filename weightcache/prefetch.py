@@ -76,6 +76,8 @@ class Prefetcher:
         self.swarm = swarm
         self.metrics = metrics
         self.ram = ram  # a RamCopy with a capacity: complete models are copied there before COMPLETE
+        if ram is not None and metrics is not None:
+            metrics.ram_bytes.set_function(ram.used_bytes)
         self.max_jobs = max_jobs
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -115,9 +117,10 @@ class Prefetcher:
         try:
             job.reader.wait()
             if self.ram is not None:  # before COMPLETE: an engine told "warm" finds the RAM copy
-                self.ram.admit(job.reader.model)
-                if self.metrics is not None:
-                    self.metrics.ram_bytes.set(self.ram.used_bytes())
+                try:
+                    self.ram.admit(job.reader.model)
+                except StrataError as err:  # the copy is optional: engines read the disk cache instead
+                    log.error("the RAM copy of %s failed; engines read it from disk: %s", job.manifest.digest, err)
         except StrataError as err:
             job.error = err
             log.error("prefetch of %s failed: %s", job.manifest.digest, err)

@@ -116,14 +116,29 @@ class RamModel:
 
 
 class RamCopy:
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int = 0) -> None:
-        """``capacity_bytes`` bounds what :meth:`admit` copies in; readers (who never copy) pass 0."""
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int = 0, *, writable: bool = False) -> None:
+        """``capacity_bytes`` bounds what :meth:`admit` copies in. Readers (who never copy) pass 0 and
+        write nothing: an engine running as another user than the weight node needs only read
+        access, and a directory the weight node never filled reads as an empty copy. ``writable``
+        without a capacity: evict only (``strata weights evict``)."""
         if capacity_bytes and capacity_bytes < MIN_CAPACITY_BYTES:
             raise InvalidArgument(f"the RAM copy's capacity is {capacity_bytes} bytes; give it at least 1 MiB")
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.models_dir = self.root / "models"
         self.trash_dir = self.root / "trash"
+        self._thread_lock = threading.RLock()
+        self._lock_fd = -1
+        self.writable = writable or bool(capacity_bytes)
+        if not self.writable:
+            try:
+                self._lock_fd = os.open(self.root / "lock", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                log.warning("no RAM copy at %s (is the weight node running with --ram-dir?): reading from disk",
+                            self.root)
+            except OSError as err:
+                raise TierUnavailable(f"RAM copy {self.root}: {err.strerror}: give this process read access") from None
+            return
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
             self.trash_dir.mkdir(exist_ok=True)
@@ -132,17 +147,25 @@ class RamCopy:
             raise TierUnavailable(
                 f"RAM copy {self.root}: {err.strerror}: point --ram-dir at a writable tmpfs directory"
             ) from None
-        self._thread_lock = threading.RLock()
         with self.locked():
             for leftover in self.trash_dir.iterdir():
                 shutil.rmtree(leftover, ignore_errors=True)
-            if capacity_bytes:  # the one writer (the weight node): copies a crash of its left behind
-                for stale in self.models_dir.glob(f"*/.*{_COPYING}"):
-                    stale.unlink(missing_ok=True)
+
+    def drop_stale_copies(self) -> int:
+        """Remove files a crashed copier left half-copied; only the one copier (the weight node, at
+        its start) may call this. Returns how many."""
+        with self.locked():
+            stale = list(self.models_dir.glob(f"*/.*{_COPYING}"))
+            for path in stale:
+                path.unlink(missing_ok=True)
+        return len(stale)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         with self._thread_lock:
+            if self._lock_fd < 0:  # a reader of a copy that does not exist: nothing to agree on
+                yield
+                return
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
                 yield
@@ -155,10 +178,19 @@ class RamCopy:
         """The model's resident files, leased until :meth:`RamModel.close`."""
         folder = self.models_dir / manifest.digest
         with self.locked():
-            folder.mkdir(exist_ok=True)
-            lease = os.open(folder / "lease", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if self.writable:
+                folder.mkdir(exist_ok=True)
+                lease = os.open(folder / "lease", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            else:
+                try:
+                    lease = os.open(folder / "lease", os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:  # never copied here: nothing to lease, every file from disk
+                    return RamModel(manifest, folder, -1)
             fcntl.flock(lease, fcntl.LOCK_SH)
-            (folder / "used").touch()
+            try:
+                (folder / "used").touch()
+            except OSError:
+                pass  # a reader without write access: the weight node's own opens keep the LRU order
             return RamModel(manifest, folder, lease)
 
     # ---- the weight node: copying in ------------------------------------------------
@@ -239,6 +271,8 @@ class RamCopy:
     def used_bytes(self) -> int:
         """Bytes of every file in the copy, those being copied at their full size."""
         total = 0
+        if not self.models_dir.is_dir():
+            return 0
         for dirpath, _, names in os.walk(self.models_dir):
             for name in names:
                 if name in ("lease", "used"):
@@ -265,6 +299,8 @@ class RamCopy:
     def evict(self, digest: str) -> bool:
         """Remove a model's RAM copy if no process has it open; False if in use or absent. Processes
         that still map its files keep their pages until they unmap them."""
+        if not self.writable:
+            raise InvalidArgument("evicting from the RAM copy needs it opened writable (RamCopy(root, writable=True))")
         with self.locked():
             folder = self.models_dir / digest
             return folder.is_dir() and self._evict_folder(folder)
@@ -289,6 +325,8 @@ class RamCopy:
 
     def entries(self) -> list[RamEntry]:
         out = []
+        if not self.models_dir.is_dir():
+            return out
         for folder in sorted(p for p in self.models_dir.iterdir() if p.is_dir()):
             files = [p for p in (folder / "files").rglob("*") if p.is_file()] if (folder / "files").is_dir() else []
             out.append(RamEntry(folder.name, len(files), sum(p.stat().st_size for p in files), _in_use(folder)))
@@ -319,7 +357,10 @@ def _folder_bytes(folder: Path, resident_only: bool = False) -> int:
 
 
 def _in_use(folder: Path) -> bool:
-    fd = os.open(folder / "lease", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(folder / "lease", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
