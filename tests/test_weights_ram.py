@@ -241,6 +241,10 @@ def test_serve_with_a_ram_dir_reports_the_copy_in_status_and_wait(tmp_path, mode
         listed = subprocess.run([sys.executable, "-m", "weightcache", "ls", "--ram-dir", str(shm_dir), "--json"],
                                 capture_output=True, text=True, env=env, timeout=60)
         assert json.loads(listed.stdout.splitlines()[0])["bytes"] == m.total_bytes
+        both = subprocess.run([sys.executable, "-m", "weightcache", "ls", "--cache", str(tmp_path / "cache"),
+                               "--ram-dir", str(shm_dir), "--json"], capture_output=True, text=True, env=env, timeout=60)
+        row = json.loads(both.stdout.splitlines()[0])
+        assert row["ram_bytes"] == m.total_bytes and row["verified_chunks"] == m.total_chunks
     finally:
         server.stop(0).wait()
         prefetcher.close()

@@ -107,38 +107,41 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _ls_cache(args: argparse.Namespace) -> int:
+    """The node cache's models (with --ram-dir too: each one's bytes in the RAM copy), or the RAM copy's."""
     from weightcache.cache import NodeCache
 
-    if args.ram_dir:
-        return _ls_ram(args)
+    ram = _ram_entries(args.ram_dir) if args.ram_dir else None
+    if not args.cache:
+        for e in ram.values():
+            if args.json:
+                print(json.dumps(e.__dict__))
+            else:
+                print(f"{e.digest}  {e.files} files  {e.bytes} bytes in RAM  {'in use' if e.in_use else 'idle'}")
+        return 0
     cache = NodeCache(args.cache, 1 << 62)
     try:
         entries = cache.entries()
     finally:
         cache.close()
     for e in entries:
+        in_ram = ram[e.digest].bytes if ram is not None and e.digest in ram else 0
         if args.json:
-            print(json.dumps(e.__dict__))
+            print(json.dumps({**e.__dict__, **({"ram_bytes": in_ram} if ram is not None else {})}))
         else:
             print(f"{e.digest}  {e.model} @ {e.revision}  {e.verified_chunks}/{e.total_chunks} chunks  "
-                  f"{e.allocated_bytes}/{e.total_bytes} bytes  {'in use' if e.in_use else 'idle'}")
+                  f"{e.allocated_bytes}/{e.total_bytes} bytes  {'in use' if e.in_use else 'idle'}"
+                  + (f"  {in_ram} bytes in RAM" if ram is not None else ""))
     return 0
 
 
-def _ls_ram(args: argparse.Namespace) -> int:
+def _ram_entries(ram_dir: str) -> dict:
     from weightcache.ram_copy import RamCopy
 
-    copy = RamCopy(args.ram_dir)
+    copy = RamCopy(ram_dir)
     try:
-        entries = copy.entries()
+        return {e.digest: e for e in copy.entries() if e.bytes}
     finally:
         copy.close()
-    for e in entries:
-        if args.json:
-            print(json.dumps(e.__dict__))
-        else:
-            print(f"{e.digest}  {e.files} files  {e.bytes} bytes in RAM  {'in use' if e.in_use else 'idle'}")
-    return 0
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -377,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", parents=[s3], help="published manifests at a location, or a node cache's models")
     ls.add_argument("location", nargs="?")
     ls.add_argument("--cache", metavar="DIR", help="list this node cache instead")
-    ls.add_argument("--ram-dir", metavar="DIR", help="list this host-RAM copy instead")
+    ls.add_argument("--ram-dir", metavar="DIR", help="list this host-RAM copy (with --cache: each model's bytes in it)")
     ls.set_defaults(func=cmd_ls)
 
     fetch = sub.add_parser("fetch", parents=[s3], help="fill a node cache with a model (or a subset)",
