@@ -189,10 +189,6 @@ class IndexSwarm:
         await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(add, self._loop)), self.ttl_s)
         model.announced.add((ref.file, ref.chunk))
 
-    def members(self, digest: str) -> tuple[str, ...]:
-        model = self._models.get(digest)
-        return model.members if model is not None else ()
-
     # ---- the index (this object's loop thread) ----------------------------------------
 
     def _track(self, manifest: Manifest) -> _Model:
@@ -241,7 +237,7 @@ class IndexSwarm:
         if not model.joined:
             await self.index.add(ns, self.node_id, self.epoch, [(MEMBER_KEY, TierName.DISK)])
             model.joined = True
-        held = set(self._holdings(model.manifest.digest))
+        held = set(await asyncio.to_thread(self._holdings, model.manifest.digest))  # reads the node cache
         new = sorted(held - model.announced)
         for i in range(0, len(new), MAX_CHAIN_BLOCKS):
             batch = new[i:i + MAX_CHAIN_BLOCKS]
