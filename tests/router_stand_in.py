@@ -258,6 +258,25 @@ class RouterThread:
         self.loop.close()
 
 
+class ReferenceEngine(StandIn):
+    """The benchmark's reference engine (benchmarks/e2e/engine.py, a tiny real model) as a process."""
+
+    def __init__(self, name: str, log_dir: Path, model_dir: str, *extra: str, kv_events_port: int = 0) -> None:
+        super().__init__(name, log_dir, kv_events_port=kv_events_port, model_dir=model_dir)
+        self.extra = extra
+
+    def start(self) -> ReferenceEngine:
+        cmd = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", self.model_dir, "--port", str(self.port),
+               "--engine-id", f"engine-{self.name}", "--block-size", str(BLOCK), "--hash-seed", HASH_SEED,
+               "--threads", "1", *self.extra]
+        if self.kv_events_port:
+            cmd += ["--kv-events", self.kv_events]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        wait_for(self._up, f"reference engine {self.name} to serve (log {self.log})", timeout=120)
+        return self
+
+
 def build_tokenizer(out: Path) -> Path:
     """A word-level tokenizer with a chat template, saved as a local model directory (no hub)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -267,7 +286,9 @@ def build_tokenizer(out: Path) -> Path:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    fast.chat_template = ("{% for m in messages %}{% if m['role'] is not defined %}"
+                          "{{ raise_exception('every message needs a role') }}{% endif %}"
+                          "{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
                           "{% if add_generation_prompt %}assistant : {% endif %}")
     fast.save_pretrained(str(out))
     return out

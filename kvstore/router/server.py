@@ -179,6 +179,8 @@ class Router:
     async def _hits(self, api: str, body: dict[str, Any]) -> dict[Endpoint, float] | None:
         """Each endpoint's cached fraction of the prompt (0..1); None when the index did not answer."""
         assert self._scorer is not None and self._tokenizer is not None
+        if self._scorer.resting():
+            return None
         keys = self._scorer.keys(await self._tokenizer.tokens(api, body))
         if not keys:  # shorter than one block: nothing can be cached
             return {}
