@@ -6,7 +6,8 @@ same body gives the same bytes, streamed or not), names itself in each
 response (``served_by``), and when given ``--kv-events-port`` publishes a
 vLLM ``BlockStored`` event for every full block of each prompt it serves,
 as an engine with prefix caching does. Test-only controls: a request with
-``"x_hold": TAG`` waits until ``POST /admin/release?tag=TAG``;
+``"x_hold": TAG`` waits until ``POST /admin/release?tag=TAG`` (``"x_hold_mid_stream"``:
+the same after the first event of a stream);
 ``/admin/health?status=N`` sets what GET /health answers;
 ``/admin/queue?n=N`` sets its ``vllm:num_requests_waiting`` gauge.
 
@@ -105,7 +106,9 @@ def engine_main(argv: list[str]) -> None:
             return web.Response(body=json.dumps(out, ensure_ascii=False).encode(), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
+            if i == 1 and body.get("x_hold_mid_stream"):  # the response has begun: wait here
+                await state["held"].setdefault(body["x_hold_mid_stream"], asyncio.Event()).wait()
             delta = {"delta": {"content": piece}} if api == "chat" else {"text": piece}
             chunk = {"id": rid, "object": obj + ".chunk" if api == "chat" else obj, "created": 0,
                      "served_by": args.name, "choices": [{"index": 0, **delta}]}

@@ -7,6 +7,7 @@ where the same request must give the same bytes, and the benchmark's reference e
 
 from __future__ import annotations
 
+import http.client as http_client
 import json
 import re
 import signal
@@ -88,6 +89,32 @@ def test_models_and_health_and_metrics(engines, routers):
     text = http("GET", r.url + "/metrics")[2].decode()
     assert 'strata_router_endpoint_healthy{endpoint="0"} 1.0' in text
     assert f'strata_router_endpoint_info{{endpoint="0",ids="",url="{a.url}"}} 1.0' in text
+
+
+def test_a_stream_broken_midway_is_cut_and_never_retried(engines, routers):
+    a, b = engines("a"), engines("b")
+    r = routers(endpoint=[a.url, b.url], policy="round-robin", health_interval_seconds=3600)
+    body = {"prompt": "w1", "stream": True, "x_hold_mid_stream": "cut"}
+    with ThreadPoolExecutor(1) as pool:
+        routed = pool.submit(r.post, "/v1/completions", body)
+        wait_for(lambda: r.metric("strata_router_time_to_first_byte_seconds_count", endpoint="0",
+                                  policy="round-robin", stream="true") == 1, "the stream's first event")
+        a.kill()
+        with pytest.raises(http_client.IncompleteRead):  # a broken chunked body, not one that looks whole
+            routed.result(timeout=30)
+    assert b.admin("queue", n=0)["served"] == 0  # not sent again
+    assert r.metric("strata_router_upstream_errors_total", endpoint="0", kind="disconnect") == 1
+    assert r.metric("strata_router_endpoint_healthy", endpoint="0") == 0
+
+
+def test_an_engine_silent_past_the_upstream_timeout_is_504_and_stays_in_rotation(engines, routers):
+    a = engines("a")
+    r = routers(endpoint=[a.url], policy="round-robin", upstream_timeout_seconds=0.5, health_interval_seconds=3600)
+    status, _, raw = r.post("/v1/completions", {"prompt": "w1", "x_hold": "never"})
+    assert status == 504 and "upstream timeout" in json.loads(raw)["error"]["message"]
+    assert r.metric("strata_router_endpoint_healthy", endpoint="0") == 1
+    a.admin("release", tag="never")
+    assert r.post("/v1/completions", {"prompt": "w2"})[0] == 200
 
 
 # ---- limits and bad input ----------------------------------------------------------------

@@ -143,7 +143,7 @@ class Router:
         except RequestRefused as err:
             status = err.status
             self.metrics.refused.labels(str(err.status)).inc()
-            log.info("%s refused with %d: %s", request.path, err.status, err)
+            log.debug("%s refused with %d: %s", request.path, err.status, err)
             return error_body(err)
         finally:
             self.metrics.latency.labels(api, self.settings.policy, f"{status // 100}xx").observe(
