@@ -143,6 +143,7 @@ def test_beyond_max_in_flight_is_429_with_retry_after(engines, routers):
     ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
     ("/v1/completions", b'{"model": "m"}', 400, "'prompt' must be"),
     ("/v1/completions", b'{"prompt": [true, 2]}', 400, "'prompt' must be"),
+    ("/v1/completions", b'{"prompt": [3, -1]}', 400, "'prompt' must be"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages' must be"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "'messages' must be"),
     ("/v1/completions", b'{"prompt": "' + b"w1 " * 400 + b'"}', 413, "--max-body-bytes"),

@@ -44,6 +44,7 @@ from kvstore.router.scorer import PrefixScorer
 
 log = logging.getLogger(__name__)
 
+OFF_LOOP_TOKENS = 2048
 APIS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
@@ -181,7 +182,10 @@ class Router:
         assert self._scorer is not None and self._tokenizer is not None
         if self._scorer.resting():
             return None
-        keys = self._scorer.keys(await self._tokenizer.tokens(api, body))
+        tokens = await self._tokenizer.tokens(api, body)
+        # Hashing is a SHA-256 per block: a long prompt's chain is hashed off the event loop.
+        keys = (self._scorer.keys(tokens) if len(tokens) <= OFF_LOOP_TOKENS
+                else await asyncio.to_thread(self._scorer.keys, tokens))
         if not keys:  # shorter than one block: nothing can be cached
             return {}
         ids = sorted({i for e in self.endpoints for i in e.ids})
@@ -217,8 +221,9 @@ class Router:
         tried: set[Endpoint] = set()
         while True:
             e = decision.endpoint
-            self.metrics.decisions.labels(self.settings.policy, decision.reason).inc()
             tried.add(e)
+            if method == "POST":  # a routed request, not /v1/models
+                self.metrics.decisions.labels(self.settings.policy, decision.reason).inc()
             e.in_flight += 1
             self.metrics.endpoint_in_flight.labels(e.label).inc()
             try:
