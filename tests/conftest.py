@@ -136,9 +136,9 @@ def daemon_process(tmp_path):
 def _shm_clean_module(request, tmp_path_factory):
     import shm_guard
 
-    before = shm_guard.entries()
+    before, since = shm_guard.entries(), shm_guard.now()
     yield
-    leak = shm_guard.check(before, [tmp_path_factory.getbasetemp()], request.node.nodeid)
+    leak = shm_guard.check(before, lambda: shm_guard.recent(tmp_path_factory.getbasetemp(), since), request.node.nodeid)
     if leak:
         pytest.fail(leak, pytrace=False)
 
@@ -147,9 +147,9 @@ def _shm_clean_module(request, tmp_path_factory):
 def _shm_clean(request, tmp_path_factory):
     import shm_guard
 
-    before = shm_guard.entries()
+    before, since = shm_guard.entries(), shm_guard.now()
     yield
-    leak = shm_guard.check(before, [tmp_path_factory.getbasetemp()], request.node.nodeid)
+    leak = shm_guard.check(before, lambda: shm_guard.recent(tmp_path_factory.getbasetemp(), since), request.node.nodeid)
     if leak:
         pytest.fail(leak, pytrace=False)
 

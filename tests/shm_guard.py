@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvstore.config.tiers import arena_name
@@ -27,6 +28,8 @@ from kvstore.config.tiers import arena_name
 SHM = Path("/dev/shm")
 _ENTRY = re.compile(r"^(?:samehost-)?(strata-[0-9a-f]{16})(?:-[^/]*)?(?:\.table|\.sock)?$")
 _WALK_DEPTH = 6  # tmp_path/<daemon>/<cache>/...: state directories sit a few levels down
+_FAN_OUT = re.compile(r"^[0-9a-f]{2}$")  # a disk tier's 256 block folders: never a state directory
+_CLOCK_SLACK_S = 5.0
 
 
 def entries() -> set[str]:
@@ -37,11 +40,35 @@ def entries() -> set[str]:
         return set()
 
 
+def recent(root: Path, since: float) -> list[Path]:
+    """The directories directly under ``root`` made (or changed) since ``since`` (``time.time()``):
+    a test's tmp_path, a module fixture's mktemp. Only these are walked, so a check costs a few
+    directories, not the whole run's."""
+    out = []
+    try:
+        with os.scandir(root) as it:
+            for entry in it:
+                try:
+                    if entry.is_dir(follow_symlinks=False) and entry.stat().st_ctime >= since - _CLOCK_SLACK_S:
+                        out.append(Path(entry.path))
+                except OSError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def now() -> float:
+    """The clock :func:`recent` compares with (directories' ctimes are wall-clock times)."""
+    return time.time()
+
+
 def _directories(root: Path) -> Iterable[Path]:
     base = len(root.parts)
     for here, subdirs, _ in os.walk(root):
         if len(Path(here).parts) - base >= _WALK_DEPTH:
             subdirs.clear()
+        subdirs[:] = [d for d in subdirs if not _FAN_OUT.match(d)]
         yield Path(here)
 
 
@@ -54,13 +81,14 @@ def _arena_names(roots: Iterable[Path]) -> set[str]:
     return names
 
 
-def check(before: set[str], roots: Iterable[Path], who: str) -> str | None:
+def check(before: set[str], roots: Iterable[Path] | Callable[[], Iterable[Path]], who: str) -> str | None:
     """Entries new since ``before``: ours are removed and described (the failure message);
-    others are warned about. ``None`` when nothing of ours was left."""
+    others are warned about. ``None`` when nothing of ours was left. ``roots``: the directories
+    whose state directories count as ours (or a function giving them, called only when needed)."""
     new = {n for n in entries() - before if _ENTRY.match(n)}  # a daemon's names, not a test's own arena
     if not new:
         return None
-    ours_names = _arena_names(roots)
+    ours_names = _arena_names(roots() if callable(roots) else roots)
     ours, others = [], []
     for name in sorted(new):
         (ours if _ENTRY.match(name).group(1) in ours_names else others).append(name)

@@ -50,3 +50,16 @@ def test_nothing_new_and_a_tests_own_named_arena_are_not_leaks(tmp_path):
         assert shm_guard.check(before, [tmp_path], "t") is None
     finally:
         own.unlink()
+
+
+def test_only_directories_made_since_the_test_began_are_walked(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    os.utime(old, (0, 0))  # mtime only: ctime cannot be set back, so compare against a later start
+    since = shm_guard.now() + 3600
+    assert shm_guard.recent(tmp_path, since) == []
+    new.mkdir()
+    assert set(shm_guard.recent(tmp_path, shm_guard.now() - 1)) == {old, new}
+    # a disk tier's fan-out folders are not walked
+    (new / "disk" / "ab" / "deeper").mkdir(parents=True)
+    assert new / "disk" / "ab" not in set(shm_guard._directories(new))
