@@ -315,7 +315,10 @@ class PeerServer:
         self._reply(conn, rid, wire.OK, len(keys))
 
     def _read_one(self, conn, caller: Caller, rid: int, i: int, namespace: str, key, deadline, with_bytes: bool) -> None:
-        [loc] = self._store.lookup(namespace, [key], None, deadline, caller.owner)
+        # A peer's read is answered from this node's own tiers, as a gRPC peer Get (local_only) is:
+        # a block only a remote tier has here (the peer tier: a third node; the object tier) is a
+        # miss, which the asker repairs or fetches itself, never a fetch made for it.
+        [loc] = self._store.lookup(namespace, [key], None, deadline, caller.owner, local_only=True)
         if loc is not None and not with_bytes:  # the metadata only
             if loc.lease_id:
                 self._store.release([loc.lease_id], caller.owner)
@@ -355,7 +358,7 @@ class PeerServer:
             self._store.release([loc.lease_id], caller.owner)
 
     def _send_copy(self, conn, rid: int, head: list, loc) -> None:
-        found = self._store.get(loc.key)  # verified
+        found = self._store.get(loc.key, local_only=True)  # verified
         if found is None:  # gone since the lookup
             self._reply(conn, rid, wire.MISS, head[0])
             return
@@ -379,7 +382,7 @@ class PeerServer:
         sound = []
         for key in keys:
             try:
-                found = self._store.get(BlockKey.checked(namespace, key))
+                found = self._store.get(BlockKey.checked(namespace, key), local_only=True)
             except StrataError:  # CorruptBlock: no sound copy was left, and it is gone now
                 found = None
             if found is None:
