@@ -292,6 +292,19 @@ class S3Client:
             delay = max(delay, gate)
         return delay
 
+    def hold_off(self, seconds: float) -> None:
+        """Close the slow-down gate for at least ``seconds`` (a server's ``Retry-After``, read where a
+        request's headers can be seen: the control path of :mod:`~kvstore.remote.object.uploads`)."""
+        self._calm_until = max(self._calm_until, time.monotonic() + seconds)
+
+    async def calm(self, deadline: float) -> None:
+        """Wait for the slow-down gate to open (never past ``deadline``)."""
+        await self._calm(deadline)
+
+    def observe(self, op: str, code: str, started: float) -> None:
+        """Count one attempt of ``op`` answered ``code`` (a request sent outside this client)."""
+        self._observe(op, code, started)
+
     async def _calm(self, deadline: float) -> None:
         wait = self._calm_until - time.monotonic()
         if wait > 0:

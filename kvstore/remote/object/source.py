@@ -85,9 +85,12 @@ class ObjectSource(RemoteSource):
     def __init__(
         self, client: S3Client, layout: KeyLayout, *, limits: ObjectLimits = ObjectLimits(),
         quota: Quota | None = None, wall_clock: Callable[[], float] = time.time, marks: ReadMarks | None = None,
+        on_dropped: Callable[[list[BlockKey]], None] | None = None,
     ) -> None:
-        """``marks``: writes read markers for a TTL counted from last use (kvstore.remote.object.lifecycle)."""
+        """``marks``: writes read markers for a TTL counted from last use (kvstore.remote.object.lifecycle);
+        ``on_dropped(keys)``: called on this loop when a corrupt object was deleted (be quick)."""
         self._client = client
+        self._on_dropped = on_dropped
         self._marks = marks
         self._layout = layout
         self._limits = limits
@@ -300,6 +303,8 @@ class ObjectSource(RemoteSource):
         else:
             if header is not None and self._quota is not None:
                 self._quota.forget(key, header.meta.size)
+            if self._on_dropped is not None:
+                self._on_dropped([key])
         return ReadResult.failed(CorruptBlock(
             f"{self.name}: block {key} failed its check when read ({err}); the object was deleted: "
             "read it from another tier or write it again"
