@@ -36,13 +36,13 @@ def daemons(s3, tmp_path, monkeypatch, request):
     prefix = "daemon-" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=6).hexdigest()
     started: list[DaemonProcess] = []
 
-    def start() -> DaemonProcess:
+    def start(*extra: str) -> DaemonProcess:
         home = tmp_path / f"node{len(started)}"
         home.mkdir()
         d = DaemonProcess(
             home, "--tiers", "ram,disk,object", "--ram-bytes", "16MiB", "--disk-bytes", "8MiB",
             "--max-block-bytes", "2MiB", "--object-bucket", s3.bucket, "--object-prefix", prefix,
-            "--object-endpoint", s3.endpoint, "--object-read-seconds", "10", "--log-level", "DEBUG",
+            "--object-endpoint", s3.endpoint, "--object-read-seconds", "10", "--log-level", "DEBUG", *extra,
         )
         started.append(d.start())
         return d
@@ -85,3 +85,28 @@ def test_blocks_evicted_from_disk_land_in_s3_and_a_new_daemon_serves_them_verifi
     assert s3.raw_get(path) is None, "the damaged object was deleted"
     for d in (first, second):
         assert s3_servers.SECRET_KEY not in d.log.read_text(), "a credential was logged"
+
+
+def test_a_sweep_removes_every_nodes_object_holding_of_the_blocks_it_expired(s3, daemons, redis_url):
+    """Two daemons share a Redis index and a bucket; both wrote the same blocks, evicted to the bucket
+    (holder tier ``object`` on each). Whichever sweeps expires them and removes both nodes' entries
+    at once: neither node ever reads them again, so nothing else would."""
+    args = ("--index-url", redis_url, "--object-ttl-seconds", "10", "--object-sweep-seconds", "1")
+    a, b = daemons("--node-id", "sweep-a", *args), daemons("--node-id", "sweep-b", *args)
+    ns = "swept-" + daemons.prefix
+    keys = [b"k%d" % i for i in range(BLOCKS)]
+    with Client(a.target, use_shm=False) as ca, Client(b.target, use_shm=False) as cb:
+        for i, k in enumerate(keys):
+            ca.put(ns, k, value(i))
+            cb.put(ns, k, value(i))
+
+        def object_holders() -> dict[bytes, set[str]]:
+            return {k: {h.node_id for h in hs if h.tier is TierName.OBJECT}
+                    for k, hs in zip(keys, ca.holders(ns, keys=keys))}
+
+        wait_until(lambda: any(v == {"sweep-a", "sweep-b"} for v in object_holders().values()),
+                   what="a block whose best copy is the bucket's on both nodes")
+        wait_until(lambda: not s3.keys(f"{daemons.prefix}/{ns}/"), timeout=60, what="the sweep to expire the blocks")
+        wait_until(lambda: not any(object_holders().values()), timeout=15,
+                   what="every node's object holding of the expired blocks to leave the index")
+        assert all(s.tier is not TierName.OBJECT for e in cb.holders(ns, keys=keys) for s in e)
