@@ -192,6 +192,21 @@ def test_a_full_quota_keeps_blocks_local_and_loses_none(store, s3, prefix):
     tier.put(BlockKey("other", b"free"), data, BlockMeta(len(data), checksum(data)))  # other namespaces: no bound
 
 
+def test_a_full_quota_pauses_uploads_of_its_namespace_only(store, s3, prefix):
+    """Blocks evicted from disk (write-back) of a namespace past its quota stay local; blocks of
+    another namespace written after keep going up to the bucket, and every block is served."""
+    st, tier = store(disk_bytes=6 * MiB, namespace_quota_bytes={"q": 2 * MiB})
+    full = [put(st, i, "q") for i in range(5)]  # 5 MiB through 4 MiB of RAM and 6 MiB of disk: 2 go up
+    free = [put(st, 100 + i, "p") for i in range(12)]  # 12 MiB more: they must leave for the bucket
+    wait_until(lambda: tier.writeback.queued_blocks == 0, what="uploads")
+    assert tier._metrics.refused._value.get() > 0
+    assert 0 < len(s3.keys(f"{prefix}/q/")) <= 2
+    assert len(s3.keys(f"{prefix}/p/")) >= 12 - 7, "the other namespace's uploads paused too"  # 7 local slots left
+    for i, k in list(enumerate(full)) + [(100 + i, k) for i, k in enumerate(free)]:
+        got = st.get(k)
+        assert got is not None and got[0] == value(i), k
+
+
 def test_a_swept_block_leaves_the_store_and_its_index_holding(store, s3, prefix):
     st, tier = store(ttl_s=1.0, sweep_s=0.5)
     keys = [put(st, i, "t") for i in range(8)]

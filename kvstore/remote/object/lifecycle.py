@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvstore.block import BlockKey
-from kvstore.errors import InvalidArgument, StrataError, TierFull
+from kvstore.errors import InvalidArgument, NamespaceFull, StrataError
 from kvstore.remote.object.client import S3Client
 from kvstore.remote.object.layout import KeyLayout, escape_namespace, key_name, unescape_namespace
 from kvstore.remote.object.lease import SweepLease
@@ -173,11 +173,11 @@ class SharedQuota:
                 return
         if self._metrics is not None:
             self._metrics.refused.inc()
-        raise TierFull(
+        raise NamespaceFull(
             f"object quota of namespace {key.namespace!r} is full: {used} of {cap} bytes used, block {key} needs "
             f"{size}; it stays in the local tiers. Raise [tiers.object] namespace_quota, lower its TTL, or run "
             "strata object gc",
-            retry_after_s=FULL_RETRY_S,
+            retry_after_s=FULL_RETRY_S, namespace=key.namespace,
         )
 
     def observe(self, namespace: str, usage_bytes: int) -> None:
