@@ -110,3 +110,25 @@ def test_a_sweep_removes_every_nodes_object_holding_of_the_blocks_it_expired(s3,
         wait_until(lambda: not any(object_holders().values()), timeout=15,
                    what="every node's object holding of the expired blocks to leave the index")
         assert all(s.tier is not TierName.OBJECT for e in cb.holders(ns, keys=keys) for s in e)
+
+
+def test_a_new_daemon_with_empty_disks_serves_every_block_its_namespace_has_in_the_bucket(s3, daemons):
+    """A fleet of two daemons writes a namespace through to the bucket and is SIGKILLed; a new daemon
+    (empty RAM, empty disk) serves every block the bucket lists for that namespace, byte for byte."""
+    fleet = [daemons("--disk-write-policy", "through", "--object-write-policy", "through") for _ in range(2)]
+    n = 24
+    for j, d in enumerate(fleet):
+        with Client(d.target, use_shm=False) as c:
+            for i in range(j, n, 2):
+                c.put("warm", b"k%d" % i, value(i))
+    layout = KeyLayout(daemons.prefix)
+    wait_until(lambda: len(s3.keys(f"{daemons.prefix}/warm/")) == n, timeout=60, what="every block in the bucket")
+    for d in fleet:
+        d.kill()
+    listed = [layout.parse(name) for name in s3.keys(f"{daemons.prefix}/warm/")]
+    assert len(listed) == n and all(p is not None and p[0] == "warm" for p in listed)
+    fresh = daemons()
+    with Client(fresh.target, use_shm=False) as c:
+        assert c.stats().blocks == 0, "the new daemon has blocks of its own"
+        for _, key in listed:
+            assert c.get("warm", key) == value(int(key[1:])), key
