@@ -37,7 +37,7 @@ from pathlib import Path
 import obstore
 
 from benchmarks.harness import MiB, Case, UnitBenchmark, compare, interleave, size_label
-from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.block import BlockKey, BlockMeta, checksum
 from kvstore.remote.object.metrics import ObjectMetrics
 
 NAME = "kv_object"

@@ -12,11 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest

@@ -115,13 +115,14 @@ class ObjectTier(RemoteTier):
         metrics = metrics or ObjectMetrics()
         policy = LifecyclePolicy(ttl_s, dict(namespace_ttl_s or {}), dict(namespace_quota_bytes or {}), upload_age_s)
         holders = ObjectHolders(index, index_loop) if index is not None and index_loop is not None else None
-        tier_ref: list[ObjectTier] = []  # the tier, once made: a corrupt object found by a read goes as a sweep's do
+        tier_ref: list[ObjectTier] = []  # the tier, once made: a corrupt object's block goes as a swept one
         quota = SharedQuota(policy.quota_bytes, metrics) if policy.quota_bytes else None
 
         def source() -> ObjectSource:
             client = S3Client(options, metrics)
             ttls = policy.ttl_s > 0 or policy.namespace_ttl_s
-            return ObjectSource(client, layout, limits=limits, marks=ReadMarks(client, layout, policy) if ttls else None,
+            marks = ReadMarks(client, layout, policy) if ttls else None
+            return ObjectSource(client, layout, limits=limits, marks=marks,
                                 on_dropped=lambda keys: tier_ref[0]._gone(keys) if tier_ref else None)
 
         bridge = RemoteBridge(source, BridgeLimits(max_in_flight=max_requests, max_queued=4 * max_requests))

@@ -14,10 +14,12 @@ boto3's throughput, multipart uploads, conditional create (``If-None-Match:
   every request of this client for the back-off, so one node stops
   hammering a prefix S3 is re-partitioning instead of each request backing
   off alone; the gate's wait doubles with every SlowDown in a row and
-  resets on the first success. S3 sends no ``Retry-After`` with SlowDown,
-  and obstore 0.12 exposes no response headers, so a server's
-  ``Retry-After`` cannot be read here: the gate is what honours it, with
-  ``max_backoff_s`` as its ceiling.
+  resets on the first success. obstore 0.12 (``object_store`` 0.14) turns
+  a failed response into its status and body, without headers, so a
+  server's ``Retry-After`` cannot be read here; the control path of
+  :mod:`~kvstore.remote.object.uploads` (botocore) reads it and closes this
+  gate for that long (:meth:`S3Client.hold_off`). AWS S3 sends none with
+  SlowDown.
 - **Bounded concurrency.** At most ``max_requests`` requests at once (a
   streamed GET holds its turn until its body is read).
 - **Answers are not errors.** A missing object is ``None``; a conditional
