@@ -42,10 +42,11 @@ import threading
 from collections.abc import Callable, Mapping
 
 from kvstore.block import BlockKey, BlockMeta, TierName
-from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, TierUnavailable
 from kvstore.remote.bridge import BridgeLimits, RemoteBridge
 from kvstore.remote.object import credentials
 from kvstore.remote.object.client import S3Client, S3Options
+from kvstore.remote.object.format import frame
 from kvstore.remote.object.holders import ObjectHolders
 from kvstore.remote.object.layout import KeyLayout
 from kvstore.remote.object.lease import SweepLease
@@ -73,7 +74,7 @@ class ObjectTier(RemoteTier):
         self._gone_lock = threading.Lock()
         self._on_gone: list[Callable[[list[BlockKey]], None]] = []
         self._sweeps = None
-        self._writeback = WriteBack(bridge, writeback, metrics, bridge.name)
+        self._writeback = WriteBack(bridge, writeback, metrics, bridge.name, frame=frame)
         if metrics is not None:
             metrics.watch_queue(self._writeback.depth)
 
@@ -178,11 +179,16 @@ class ObjectTier(RemoteTier):
             self._quota.admit(key, meta.size)
         return self._writeback.offer(key, data, meta)
 
-    def fetch(self, key: BlockKey) -> tuple[bytearray, BlockMeta] | None:
+    def fetch(self, key: BlockKey) -> tuple[bytearray | memoryview, BlockMeta] | None:
+        """A verified copy: from the queue while the block waits for upload, else the object read whole
+        and verified in place (a read-only view of the response, no copy here: the store copies it)."""
         waiting = self._writeback.pending(key)
         if waiting is not None:
             return bytearray(waiting[0]), waiting[1]
-        return super().fetch(key)
+        try:
+            return self._bridge.call("read", lambda source, deadline: source.fetch(key, deadline), self._deadline())
+        except (DeadlineExceeded, Overloaded, TierUnavailable) as err:
+            raise self._unavailable("read", err) from None
 
     def meta(self, key: BlockKey) -> BlockMeta | None:
         waiting = self._writeback.pending_meta(key)
