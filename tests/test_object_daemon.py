@@ -16,6 +16,7 @@ import s3_servers
 from conftest import DaemonProcess, wait_until
 from kvstore import Client, TierName
 from kvstore.block import BlockKey
+from kvstore.errors import CorruptBlock
 from kvstore.remote.object.format import header_length
 from kvstore.remote.object.layout import KeyLayout
 
@@ -132,3 +133,29 @@ def test_a_new_daemon_with_empty_disks_serves_every_block_its_namespace_has_in_t
         assert c.stats().blocks == 0, "the new daemon has blocks of its own"
         for _, key in listed:
             assert c.get("warm", key) == value(int(key[1:])), key
+
+
+def test_a_corrupt_object_found_by_one_node_leaves_the_index_for_every_node(s3, daemons, redis_url):
+    """Both daemons' best copy of a block is the bucket's; one reads it, finds it damaged and deletes it:
+    the other node's ``object`` entry leaves the shared index too, though that node never reads it."""
+    a, b = (daemons("--node-id", f"corrupt-{n}", "--index-url", redis_url) for n in "ab")
+    ns = "corrupt-" + daemons.prefix
+    keys = [b"k%d" % i for i in range(BLOCKS)]
+    with Client(a.target, use_shm=False) as ca, Client(b.target, use_shm=False) as cb:
+        for i, k in enumerate(keys):
+            ca.put(ns, k, value(i))
+            cb.put(ns, k, value(i))
+
+        def object_holders(k: bytes) -> set[str]:
+            return {h.node_id for h in ca.holders(ns, keys=[k])[0] if h.tier is TierName.OBJECT}
+
+        victim = wait_until(lambda: next((k for k in keys if object_holders(k) == {"corrupt-a", "corrupt-b"}), None),
+                            what="a block whose best copy is the bucket's on both nodes")
+        path = KeyLayout(daemons.prefix).path(BlockKey(ns, victim))
+        obj = bytearray(s3.raw_get(path))
+        obj[header_length(obj) + 100] ^= 0x01
+        s3.raw_put(path, bytes(obj))
+        with pytest.raises(CorruptBlock):  # its one copy was damaged: the reader learns why it is gone
+            ca.get(ns, victim)
+        wait_until(lambda: object_holders(victim) == set(), timeout=15, what="both nodes' entries to leave the index")
+        assert s3.raw_get(path) is None

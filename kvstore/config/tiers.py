@@ -278,8 +278,9 @@ class ObjectTierSettings(LowerTierSettings):
     lease_seconds: float = setting(300.0, "how long a sweep lease lasts unless renewed (a dead sweeper's lease "
                                           "expires after it)", gt=0, le=86400)
     abandoned_upload_seconds: float = setting(
-        3600.0, "the sweep aborts multipart uploads under the prefix initiated longer ago than this (a daemon "
-        "killed mid-upload leaves its parts); keep it well above upload_seconds, so a live upload is never cut",
+        3600.0, "the sweep aborts multipart uploads under the prefix older than this (a daemon killed "
+        "mid-upload leaves its parts), counted from the later of S3's Initiated and the first sweep that saw "
+        "it; it must exceed upload_seconds, so a live upload is never cut",
         gt=0, le=30 * 86400,
     )
 

@@ -40,9 +40,11 @@ class ObjectHolders:
     def forget(self, keys: Sequence[BlockKey]):
         """Schedule the removal of every node's ``object`` holding of ``keys`` (from any thread);
         the returned future completes with how many entries went."""
-        return asyncio.run_coroutine_threadsafe(
+        future = asyncio.run_coroutine_threadsafe(
             asyncio.wait_for(self.remove(list(keys)), self._timeout_s), self._loop
         )
+        future.add_done_callback(_log_failure)
+        return future
 
     async def remove(self, keys: list[BlockKey]) -> int:
         """On the index's loop: remove the ``object`` holders of ``keys``; how many entries went."""
@@ -69,3 +71,11 @@ class ObjectHolders:
         for (node_id, epoch), names in per_node.items():
             await self._index.remove(namespace, node_id, epoch, names)
         return sum(len(v) for v in per_node.values())
+
+
+def _log_failure(future) -> None:
+    err = None if future.cancelled() else future.exception()
+    if isinstance(err, TimeoutError):
+        log.warning("removing swept blocks from the index took too long; their entries go at the next read")
+    elif err is not None:
+        log.error("removing swept blocks from the index failed: %r", err)
