@@ -146,8 +146,8 @@ def test_a_slowdown_with_retry_after_is_waited_out_before_the_next_attempt(s3, p
         c = client(proxy.endpoint, s3.bucket)
         uploads = PendingUploads(c, KeyLayout(prefix))
 
-        async def data_path_read():  # obstore's request, sent while the gate is closed
-            while proxy.refused == 0:
+        async def data_path_read():  # obstore's request, sent once the SlowDown closed the gate
+            while c.metrics.requests.labels("list_uploads", "SlowDown")._value.get() == 0:
                 await asyncio.sleep(0.01)
             return await c.get_range(f"{prefix}/ns/absent", 0, 16, later())
 
