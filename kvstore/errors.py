@@ -27,6 +27,7 @@ says what was wrong and what to do about it.
     │   └── HandoffEnded            a handoff already completed or expired
     ├── ResourceExhausted           RESOURCE_EXHAUSTED, carries retry_after_s
     │   ├── TierFull                no space even after eviction
+    │   │   ├── NamespaceFull       full for one namespace only (an object quota): others still fit
     │   │   └── DiskFull            the disk tier's filesystem is full (a full tier, not a failing one)
     │   └── Overloaded              too many requests in flight
     ├── CorruptBlock                checksum mismatch (DATA_LOSS)
@@ -151,6 +152,14 @@ class ResourceExhausted(StrataError):
 
 class TierFull(ResourceExhausted):
     pass
+
+
+class NamespaceFull(TierFull):
+    """A tier is full for one namespace only (its quota): blocks of other namespaces still fit."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.1, namespace: str = "") -> None:
+        super().__init__(message, retry_after_s)
+        self.namespace = namespace
 
 
 class Overloaded(ResourceExhausted):

@@ -14,7 +14,9 @@ and on request answers the way a real S3 does when it is unwell:
 
 It counts what it saw (``seen``: method and path of each request that
 reached it) so a test can tell an upload that happened from one that did
-not. It buffers each request and answer whole: keep objects small in tests
+not, and when (``attempts``: the monotonic time, method, path and whether
+it was refused, of every request, refused ones included), so a test can
+check the spacing the server saw between a refusal and the next try. It buffers each request and answer whole: keep objects small in tests
 (moto also re-reads a whole object for every ranged GET).
 """
 
@@ -127,6 +129,7 @@ class FaultProxy:
         self.down = False
         self.delay_s = 0.0
         self.seen: list[tuple[str, str]] = []
+        self.attempts: list[tuple[float, str, str, bool]] = []  # (monotonic time, method, path, refused)
         self.refused = 0  # requests answered SlowDown or cut off
         self._lock = threading.Lock()
         proxy = self
@@ -156,6 +159,7 @@ class FaultProxy:
         with self._lock:
             self.slowdown, self.retry_after, self.down, self.delay_s = 0, None, False, 0.0
             self.seen.clear()
+            self.attempts.clear()
             self.refused = 0
 
     def count(self, method: str, contains: str = "") -> int:
@@ -190,6 +194,7 @@ class FaultProxy:
                 self.refused += 1
             else:
                 self.seen.append((handler.command, handler.path))
+            self.attempts.append((time.monotonic(), handler.command, handler.path, down or slow))
         if down:
             handler.close_connection = True
             try:

@@ -277,6 +277,12 @@ class ObjectTierSettings(LowerTierSettings):
     )
     lease_seconds: float = setting(300.0, "how long a sweep lease lasts unless renewed (a dead sweeper's lease "
                                           "expires after it)", gt=0, le=86400)
+    abandoned_upload_seconds: float = setting(
+        3600.0, "the sweep aborts multipart uploads under the prefix older than this (a daemon killed "
+        "mid-upload leaves its parts), counted from the later of S3's Initiated and the first sweep that saw "
+        "it; it must exceed upload_seconds, so a live upload is never cut",
+        gt=0, le=30 * 86400,
+    )
 
     @field_validator("namespace_ttl")
     @classmethod
@@ -322,6 +328,11 @@ class ObjectTierSettings(LowerTierSettings):
             )
         if self.multipart_bytes < self.part_bytes:
             raise ValueError("object_multipart_bytes must be at least object_part_bytes")
+        if self.abandoned_upload_seconds <= self.upload_seconds:
+            raise ValueError(
+                f"object_abandoned_upload_seconds ({self.abandoned_upload_seconds:g}) must exceed "
+                f"object_upload_seconds ({self.upload_seconds:g}): a live upload would be aborted"
+            )
         return self
 
     @property
@@ -339,8 +350,10 @@ class ObjectTierSettings(LowerTierSettings):
             "queue_bytes": int(self.queue_bytes), "max_uploads": self.max_uploads,
             "upload_s": self.upload_seconds, "drain_s": self.drain_seconds,
             "ttl_s": self.ttl_seconds, "namespace_ttl_s": self._ttl_map(), "namespace_quota_bytes": self.quotas(),
-            "sweep_s": self.sweep_seconds if (self.ttl_seconds or self.namespace_ttl or self.namespace_quota) else 0.0,
-            "lease_s": self.lease_seconds,
+            # Abandoned multipart uploads are collected whenever this daemon writes to the bucket.
+            "sweep_s": self.sweep_seconds if (self.ttl_seconds or self.namespace_ttl or self.namespace_quota
+                                              or self.write_policy != "off") else 0.0,
+            "lease_s": self.lease_seconds, "upload_age_s": self.abandoned_upload_seconds,
         }
 
     def _ttl_map(self) -> dict[str, float]:

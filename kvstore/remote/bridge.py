@@ -146,6 +146,11 @@ class RemoteBridge:
     def delete(self, keys: Sequence[BlockKey], deadline: float) -> int:
         return self._call("delete", lambda call: self._source.delete(keys, call.deadline), deadline)
 
+    def call(self, op: str, make: Callable[[RemoteSource, float], Awaitable], deadline: float):
+        """A call of the source's own, beyond the contract (``make(source, deadline)``), under the same
+        admission, turns, deadline and cancellation as the contract's calls; its answer."""
+        return self._call(op, lambda call: make(self._source, call.deadline), deadline)
+
     def background(self, make: Callable[[RemoteSource], Awaitable]) -> concurrent.futures.Future:
         """Run ``make(source)`` on the loop, outside the call limits (it bounds itself); close()
         cancels it if it still runs then."""

@@ -434,14 +434,16 @@ class Daemon:
     def _tier_runtime(self, index) -> dict[str, dict]:
         """What tiers get from the running daemon: the peer tier asks this node's index (on the
         index agent's loop) for holders, and must know which node it is not to fetch from; the
-        object tier reads its credentials from the daemon's environment, once, here."""
+        object tier reads its credentials from the daemon's environment, once, here, and removes every
+        node's holding of the blocks whose object goes from the index."""
         s = self.settings
         runtime: dict[str, dict] = {}
         if "object" in s.tiers.chain:
             from kvstore.remote.object.metrics import ObjectMetrics
 
             runtime["object"] = {"environ": dict(os.environ), "metrics": ObjectMetrics(self.metrics.registry),
-                                 "max_block_bytes": int(s.store.max_block_bytes), "node_id": self.node.node_id}
+                                 "max_block_bytes": int(s.store.max_block_bytes), "node_id": self.node.node_id,
+                                 "index": index, "index_loop": self.index_agent.loop}
         if "peer" not in s.tiers.chain:
             return runtime
         from kvstore.remote.peer import PeerMetrics

@@ -13,6 +13,9 @@ What a failed copy means for the lower tier, by outcome:
 - ``failed`` (its device failed: ``TierUnavailable``, an I/O error): the
   tier is skipped for ``tier_retry_s``; meanwhile eviction above drops
   instead of demoting;
+- ``full`` for one namespace (``NamespaceFull``: an object tier's quota):
+  only that namespace's blocks stay above for ``tier_retry_s``, neither
+  demoted nor dropped; other namespaces keep going down;
 - ``full`` (no room even after evicting there, or a full filesystem:
   ``TierFull``, ``DiskFull``): the tier is healthy, only full. It is left
   alone for ``tier_retry_s`` (or until its filesystem has room again) and
@@ -29,7 +32,9 @@ import logging
 from collections.abc import Callable
 
 from kvstore.block import BlockKey, BlockMeta, TierName
-from kvstore.errors import BlockTooLarge, CorruptBlock, DiskFull, InvalidArgument, TierFull, TierUnavailable
+from kvstore.errors import (
+    BlockTooLarge, CorruptBlock, DiskFull, InvalidArgument, NamespaceFull, TierFull, TierUnavailable,
+)
 from kvstore.store.demotion import Copy
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
@@ -54,14 +59,20 @@ class CopyDown(StorePart):
             if entry.deleted or job.src not in entry.tiers:
                 self._s.end_copy_locked(job.key, entry)
                 return
-        outcome, reason = "failed", "the copy raised unexpectedly"
+        outcome, reason, one_namespace = "failed", "the copy raised unexpectedly", False
         try:
             outcome, reason = self._write_copy(job, entry)
+        except NamespaceFull as err:  # only this namespace waits; the rest of the tier takes copies
+            log.info("the %s tier is full for namespace %r, keeping its blocks above: %s", job.dst.label,
+                     err.namespace, err)
+            with self._s.locked():
+                self._s.namespace_full_until[(job.dst, err.namespace)] = self._clock() + self._s.limits.tier_retry_s
+            outcome, reason, one_namespace = "full", str(err), True
         finally:  # whatever happened, the mark ends: a copy in flight forever would pin the block above
             self._s.metrics.demotions.labels(outcome).inc()
-            self._finish(job, entry, outcome, reason)
+            self._finish(job, entry, outcome, reason, one_namespace)
 
-    def _finish(self, job: Copy, entry: Entry, outcome: str, reason: str) -> None:
+    def _finish(self, job: Copy, entry: Entry, outcome: str, reason: str, one_namespace: bool = False) -> None:
         with self._s.locked():
             if outcome == "ok":
                 self._s.copies_landed += 1
@@ -79,6 +90,8 @@ class CopyDown(StorePart):
             elif outcome == "failed":  # the tier itself failed: evict above by dropping for a while
                 self._s.unhealthy_until[job.dst] = self._clock() + self._s.limits.tier_retry_s
                 self._s.unhealthy_reason[job.dst] = reason
+            elif outcome == "full" and one_namespace:  # recorded for its namespace where it was raised
+                pass
             elif outcome == "full":  # it could make no room: keep blocks above for a while
                 until = self._clock() + self._s.limits.tier_retry_s
                 if job.may_drop:
@@ -111,6 +124,8 @@ class CopyDown(StorePart):
             log.error("block %s failed its checksum in the %s tier while being copied down: dropped", job.key, job.src.label)
             self._s.metrics.corrupt.labels(job.src.label).inc()
             return "corrupt", ""
+        except NamespaceFull:
+            raise
         except TierFull as err:  # full of blocks that cannot leave now: try this one again later
             log.info("no room in the %s tier for %s now, keeping it above: %s", job.dst.label, job.key, err)
             return "full", str(err)
@@ -146,6 +161,8 @@ class CopyDown(StorePart):
                     raise
                 refused_by_filesystem = True
                 continue
+            except NamespaceFull:  # a quota: nothing evicted there makes room for this namespace
+                raise
             except TierFull:  # a tier whose room is not this node's to make (a bucket's quota) is just full
                 if not getattr(tier, "evicts_to_fit", True) or not self._evict_one_below(dst, may_drop):
                     raise
@@ -177,6 +194,7 @@ class CopyDown(StorePart):
             plan = plan_eviction(
                 tier, 1, self._catalog, self._recency, can_demote=below is not None, max_victims=1,
                 can_drop=may_drop and self._s.full_below(tier) is None,
+                held_namespaces=self._s.full_namespaces_below(tier),
             )
             marked = self._s.apply_plan_locked(tier, plan, below)
             if not (plan.frees_now or marked):

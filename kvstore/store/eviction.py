@@ -13,6 +13,10 @@ The rules, in order, for each block of the tier from least recently used on
    (``can_drop=False``: the tier below is full, not absent, and a block
    that could not go down is kept, not lost; the writer is refused instead).
 
+A block of a namespace the tier below is full for (``held_namespaces``: an
+object tier's per-namespace quota) is neither demoted nor dropped: it
+stays, and blocks of other namespaces leave in its place.
+
 Background headroom (``background=True``) only demotes: it never drops
 what a reader may ask for next. The scan decides first and the store acts
 after, so it never mutates the order it walks.
@@ -40,7 +44,7 @@ class EvictionPlan:
 
 def plan_eviction(
     tier: TierName, need: int, catalog: Catalog, recency: Recency, *, can_demote: bool, background: bool = False,
-    max_victims: int | None = None, can_drop: bool = True,
+    max_victims: int | None = None, can_drop: bool = True, held_namespaces: frozenset[str] = frozenset(),
 ) -> EvictionPlan:
     """Blocks of ``tier`` to evict for ``need`` bytes (or ``max_victims`` blocks)."""
     plan = EvictionPlan()
@@ -60,6 +64,8 @@ def plan_eviction(
             if background:
                 continue
             plan.drop_copy.append(key)
+        elif key.namespace in held_namespaces:
+            continue
         elif can_demote and not entry.stays_above and catalog.has_child_in(key, tier):
             later.append(key)
             continue

@@ -173,7 +173,7 @@ class HeadPlacement(StorePart):
         below = self._s.usable_below(head)
         plan = plan_eviction(
             head, need, self._catalog, self._recency, can_demote=below is not None, background=background,
-            can_drop=self._s.full_below(head) is None,
+            can_drop=self._s.full_below(head) is None, held_namespaces=self._s.full_namespaces_below(head),
         )
         self._s.apply_plan_locked(head, plan, below, self._demoter.offer, may_drop=not background)
         return plan.frees_now, self._s.demoting > 0

@@ -91,6 +91,9 @@ class StoreState:
         # blocks rather than drop them; a writer that finds no room is refused, with a retry delay.
         self.full_until: dict[TierName, float] = {}
         self.no_headroom_until: dict[TierName, float] = {}  # a headroom copy found no room there: none until then
+        # A lower tier full for one namespace (an object tier's quota): until then that namespace's
+        # blocks stay in the tier above (neither demoted nor dropped); other namespaces go down.
+        self.namespace_full_until: dict[tuple[TierName, str], float] = {}
         self.demoting = 0  # blocks marked for a copy down, queued or being written
         self.copies_ended = 0  # marked copies that ended, however: a writer waiting for room watches it
         self.copies_landed = 0  # of them, those whose block now has its copy below
@@ -158,6 +161,8 @@ class StoreState:
             return
         now = self.clock()
         if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
+            return
+        if now < self.namespace_full_until.get((below.name, key.namespace), 0.0):
             return
         if self.mark_copy_locked(key, below.name) and not offer(Copy(key, tier, below.name, evict=False)):
             self.unmark_copy_locked(key)
@@ -246,6 +251,18 @@ class StoreState:
         if now < self.unhealthy_until.get(below.name, 0.0) or now < self.full_until.get(below.name, 0.0):
             return None
         return below
+
+    def full_namespaces_below(self, tier: TierName) -> frozenset[str]:
+        """The namespaces the tier below ``tier`` is full for now (their blocks stay above)."""
+        if not self.namespace_full_until:
+            return frozenset()
+        below = self.chain.target_below(tier)
+        now = self.clock()
+        for k in [k for k, until in self.namespace_full_until.items() if until <= now]:
+            del self.namespace_full_until[k]
+        if below is None:
+            return frozenset()
+        return frozenset(ns for (t, ns) in self.namespace_full_until if t == below.name)
 
     def full_below(self, tier: TierName) -> TierName | None:
         """The tier copies go down to, when it is in its full period: the tier above then drops nothing of its own."""

@@ -20,6 +20,11 @@ The modules, one job each:
 - :mod:`~kvstore.remote.object.writeback` — the bounded upload queue the object tier
   (:mod:`kvstore.tiers.object`) puts blocks into, so no put ever waits on S3.
 - :mod:`~kvstore.remote.object.metrics` — ``strata_object_*``.
+- :mod:`~kvstore.remote.object.uploads` — :class:`PendingUploads`: multipart uploads in progress,
+  listed and the abandoned ones aborted by the sweep (botocore: obstore has no such request),
+  honouring ``Retry-After``.
+- :mod:`~kvstore.remote.object.holders` — :class:`ObjectHolders`: a block whose object went
+  leaves the shared index for every node that held it as ``object``.
 
 - :mod:`~kvstore.remote.object.lease` — :class:`SweepLease`: which daemon sweeps a namespace,
   a conditional-write lease object ``<prefix>/~lease/<namespace>`` that also carries its usage.
@@ -28,7 +33,8 @@ The modules, one job each:
   :class:`SharedQuota` (per-namespace bounds checked before a block is queued).
 
 The index learns of object-tier copies from the store's events (tier ``OBJECT``), like any
-tier; a sweep's deletes reach the store through ``ObjectTier.on_gone``.
+tier; a sweep's deletes reach the store through ``ObjectTier.on_gone``, and every node's
+``object`` entries through :class:`~kvstore.remote.object.holders.ObjectHolders`.
 """
 
 from kvstore.remote.object.source import ObjectLimits, ObjectSource

@@ -14,10 +14,12 @@ boto3's throughput, multipart uploads, conditional create (``If-None-Match:
   every request of this client for the back-off, so one node stops
   hammering a prefix S3 is re-partitioning instead of each request backing
   off alone; the gate's wait doubles with every SlowDown in a row and
-  resets on the first success. S3 sends no ``Retry-After`` with SlowDown,
-  and obstore 0.12 exposes no response headers, so a server's
-  ``Retry-After`` cannot be read here: the gate is what honours it, with
-  ``max_backoff_s`` as its ceiling.
+  resets on the first success. obstore 0.12 (``object_store`` 0.14) turns
+  a failed response into its status and body, without headers, so a
+  server's ``Retry-After`` cannot be read here; the control path of
+  :mod:`~kvstore.remote.object.uploads` (botocore) reads it and closes this
+  gate for that long (:meth:`S3Client.hold_off`). AWS S3 sends none with
+  SlowDown.
 - **Bounded concurrency.** At most ``max_requests`` requests at once (a
   streamed GET holds its turn until its body is read).
 - **Answers are not errors.** A missing object is ``None``; a conditional
@@ -292,6 +294,19 @@ class S3Client:
             delay = max(delay, gate)
         return delay
 
+    def hold_off(self, seconds: float) -> None:
+        """Close the slow-down gate for at least ``seconds`` (a server's ``Retry-After``, read where a
+        request's headers can be seen: the control path of :mod:`~kvstore.remote.object.uploads`)."""
+        self._calm_until = max(self._calm_until, time.monotonic() + seconds)
+
+    async def calm(self, deadline: float) -> None:
+        """Wait for the slow-down gate to open (never past ``deadline``)."""
+        await self._calm(deadline)
+
+    def observe(self, op: str, code: str, started: float) -> None:
+        """Count one attempt of ``op`` answered ``code`` (a request sent outside this client)."""
+        self._observe(op, code, started)
+
     async def _calm(self, deadline: float) -> None:
         wait = self._calm_until - time.monotonic()
         if wait > 0:
@@ -328,6 +343,18 @@ class _Body:
         self._client = client
         self._result = result
         self.size: int = result.meta["size"]
+
+    async def whole(self):
+        """The whole body in one buffer (obstore's, read-only; no copy): one wake-up of this loop
+        instead of one per chunk."""
+        try:
+            data = await self._result.bytes_async()
+        except obx.BaseError as err:
+            failure = classify(err)
+            self._client._observe("get", failure.code, time.monotonic())
+            raise TierUnavailable(f"{self._client.name}: a read broke off mid-object ({failure.code})") from None
+        self._client.metrics.bytes.labels("received").inc(len(data))
+        return data
 
     async def chunks(self) -> AsyncIterator[bytes]:
         stream = self._result.stream(min_chunk_size=READ_CHUNK_BYTES)

@@ -36,6 +36,7 @@ wrote it), a broken header as :class:`~kvstore.errors.CorruptBlock`.
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -136,3 +137,22 @@ def decode_header(head: bytes | bytearray | memoryview, expect: BlockKey) -> Hea
     if key != expect:
         raise CorruptBlock(f"object at the name of {expect} holds block {key}")
     return Header(key, BlockMeta(size, digest, parent, layout), at, end)
+
+
+class Framed:
+    """A block already encoded as its object (header, then payload): what the write-back queue holds
+    and :class:`~kvstore.remote.object.source.ObjectSource` uploads as it is, without encoding again."""
+
+    __slots__ = ("obj", "start")
+
+    def __init__(self, obj: bytearray, start: int) -> None:
+        self.obj, self.start = obj, start
+
+
+def frame(key: BlockKey, data: bytes | bytearray | memoryview, meta: BlockMeta,
+          written_at: float | None = None) -> tuple[Framed, memoryview]:
+    """The block's object, copied once and checked in that pass (see :func:`encode`), and a view of
+    the block's bytes in it."""
+    obj = encode(key, data, meta, time.time() if written_at is None else written_at)
+    start = len(obj) - meta.size
+    return Framed(obj, start), memoryview(obj)[start:]

@@ -20,11 +20,12 @@ others read it. Names it cannot parse are not Strata's and are left.
 
 **Multipart uploads.** Blocks of at least ``multipart_bytes`` go up in
 parts; a daemon killed mid-upload leaves the uploaded parts in S3, billed
-and invisible to a listing. obstore (0.12) can abort only an upload it
-holds and cannot list a bucket's pending uploads (object_store has no such
-request), and its presigned URLs cannot carry ``?uploads``: the sweep
-cannot find them. The README asks for a bucket lifecycle rule on the
-prefix, ``AbortIncompleteMultipartUpload`` after one day.
+and invisible to an object listing. The sweep lists the uploads in
+progress under the prefix (:class:`~kvstore.remote.object.uploads.PendingUploads`,
+S3's ListMultipartUploads) and, for each namespace whose lease it holds,
+aborts those initiated more than ``upload_age_s`` ago (an hour by
+default: past any upload's deadline, so a live one is never aborted). A
+namespace that has nothing but abandoned uploads is swept too.
 
 **Quota** (:class:`SharedQuota`): per namespace, the bytes the last sweep
 listed (read from the lease by every daemon) plus what this daemon queued
@@ -47,11 +48,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvstore.block import BlockKey
-from kvstore.errors import InvalidArgument, StrataError, TierFull
+from kvstore.errors import InvalidArgument, NamespaceFull, StrataError
 from kvstore.remote.object.client import S3Client
 from kvstore.remote.object.layout import KeyLayout, escape_namespace, key_name, unescape_namespace
 from kvstore.remote.object.lease import SweepLease
 from kvstore.remote.object.metrics import ObjectMetrics
+from kvstore.remote.object.uploads import PendingUploads, Upload
 
 log = logging.getLogger(__name__)
 TOUCH_SEGMENT = "~touch"
@@ -83,6 +85,12 @@ class LifecyclePolicy:
     ttl_s: float = 0.0  # every namespace's TTL; 0: blocks never expire
     namespace_ttl_s: Mapping[str, float] = field(default_factory=dict)  # overrides ttl_s
     quota_bytes: Mapping[str, int] = field(default_factory=dict)  # per namespace; absent: no bound
+    upload_age_s: float = 3600.0  # multipart uploads initiated longer ago are abandoned: aborted
+
+    @property
+    def has_blocks_work(self) -> bool:
+        """Whether a daemon's sweep has blocks to look at (a TTL, or usage to measure), not only uploads."""
+        return bool(self.ttl_s > 0 or self.namespace_ttl_s or self.quota_bytes)
 
     def ttl(self, namespace: str) -> float:
         return self.namespace_ttl_s.get(namespace, self.ttl_s)
@@ -97,6 +105,7 @@ class SweepReport:
     markers: int = 0  # markers deleted
     kept: int = 0
     kept_bytes: int = 0
+    uploads: int = 0  # abandoned multipart uploads aborted
     deleted_keys: list[BlockKey] = field(default_factory=list)
 
 
@@ -164,11 +173,11 @@ class SharedQuota:
                 return
         if self._metrics is not None:
             self._metrics.refused.inc()
-        raise TierFull(
+        raise NamespaceFull(
             f"object quota of namespace {key.namespace!r} is full: {used} of {cap} bytes used, block {key} needs "
             f"{size}; it stays in the local tiers. Raise [tiers.object] namespace_quota, lower its TTL, or run "
             "strata object gc",
-            retry_after_s=FULL_RETRY_S,
+            retry_after_s=FULL_RETRY_S, namespace=key.namespace,
         )
 
     def observe(self, namespace: str, usage_bytes: int) -> None:
@@ -183,9 +192,13 @@ class Sweeper:
 
     def __init__(self, client: S3Client, layout: KeyLayout, policy: LifecyclePolicy, lease: SweepLease,
                  quota: SharedQuota | None = None, on_deleted: Callable[[list[BlockKey]], None] | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, uploads: PendingUploads | None = None,
+                 blocks: bool = True) -> None:
+        """``uploads``: collect abandoned multipart uploads too (None: leave them to a bucket rule);
+        ``blocks``: list the blocks (expire, collect markers, measure usage), else uploads only."""
         self._client, self._layout, self._policy, self._lease = client, layout, policy, lease
         self._quota, self._on_deleted, self._wall = quota, on_deleted, wall
+        self._uploads, self._blocks = uploads, blocks
         self._metrics = self.metrics = client.metrics
 
     async def namespaces(self, deadline: float) -> list[str]:
@@ -198,10 +211,18 @@ class Sweeper:
         return out
 
     async def sweep_all(self, deadline: float, progress: Callable[[int], None] | None = None) -> list[SweepReport]:
+        by_ns: dict[str, list[Upload]] = {}
+        if self._uploads is not None:
+            for upload in await self._uploads.list(self._layout.root, deadline):
+                parsed = self._layout.parse(upload.path)
+                if parsed is not None:
+                    by_ns.setdefault(parsed[0], []).append(upload)
+        names = await self.namespaces(deadline) if self._blocks else []
+        names += [ns for ns in by_ns if ns not in names]
         reports = []
-        for ns in await self.namespaces(deadline):
+        for ns in names:
             try:
-                reports.append(await self.sweep(ns, deadline, progress))
+                reports.append(await self.sweep(ns, deadline, progress, uploads=by_ns.get(ns, [])))
             except StrataError as err:
                 self._metrics.sweeps.labels("failed").inc()
                 log.warning("lifecycle sweep of namespace %r failed: %s", ns, err)
@@ -213,14 +234,30 @@ class Sweeper:
         if self._quota is not None and state is not None and state.usage_bytes is not None:
             self._quota.observe(namespace, int(state.usage_bytes))
 
-    async def sweep(self, namespace: str, deadline: float,
-                    progress: Callable[[int], None] | None = None) -> SweepReport:
+    async def sweep(self, namespace: str, deadline: float, progress: Callable[[int], None] | None = None,
+                    uploads: list[Upload] | None = None) -> SweepReport:
+        """Sweep one namespace under its lease. ``uploads``: its pending multipart uploads as
+        :meth:`sweep_all` listed them (None: listed here)."""
         report = SweepReport(namespace)
-        if await self._lease.acquire(namespace, deadline) is None:
+        state = await self._lease.acquire(namespace, deadline)
+        if state is None:
             self._metrics.sweeps.labels("leased_elsewhere").inc()
             await self.refresh(namespace, deadline)
             return report
         report.swept = True
+        seen: dict[str, float] | None = None  # when each pending upload was first seen (None: not looked)
+        if self._uploads is not None:
+            if uploads is None:
+                uploads = await self._uploads.list(self._layout.namespace_root(namespace), deadline)
+            doomed_uploads, seen = self._uploads.abandoned(uploads, state.uploads)
+            for upload in doomed_uploads:
+                if await self._uploads.abort(upload, deadline):
+                    report.uploads += 1
+                    log.info("aborted the abandoned multipart upload of %s", upload.path)
+        if not self._blocks:
+            await self._lease.release(namespace, deadline, uploads=seen)
+            self._count(report)
+            return report
         marks: dict[str, tuple[str, float]] = {}
         async for page in self._client.list(touch_root(self._layout, namespace), deadline):
             for m in page:
@@ -266,7 +303,7 @@ class Sweeper:
             await self._client.delete(doomed[i:i + DELETE_BATCH], deadline)
         report.markers = len(stale)
         if complete:  # a partial listing is no usage figure
-            await self._lease.release(namespace, deadline, (report.kept_bytes, report.kept))
+            await self._lease.release(namespace, deadline, (report.kept_bytes, report.kept), uploads=seen)
             if self._quota is not None:
                 self._quota.observe(namespace, report.kept_bytes)
         self._count(report)
@@ -280,6 +317,7 @@ class Sweeper:
         m.gc_objects.labels("expired").inc(r.expired)
         m.gc_objects.labels("marker").inc(r.markers)
         m.gc_objects.labels("kept").inc(r.kept)
+        m.gc_objects.labels("upload").inc(r.uploads)
         m.gc_bytes.labels("expired").inc(r.expired_bytes)
         m.gc_bytes.labels("kept").inc(r.kept_bytes)
 

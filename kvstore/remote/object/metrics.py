@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-OPS = ("get", "probe", "put", "put_multipart", "delete", "list", "lease")
+OPS = ("get", "probe", "put", "put_multipart", "delete", "list", "lease", "list_uploads", "abort_upload")
 CODES = (
     "ok", "NoSuchKey", "PreconditionFailed", "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
-    "AccessDenied", "NoSuchBucket", "ConditionalRequestConflict", "timeout", "connection", "other",
+    "AccessDenied", "NoSuchBucket", "NoSuchUpload", "ConditionalRequestConflict", "timeout", "connection", "other",
 )
-GC_OUTCOMES = ("expired", "marker", "kept")  # objects a sweep deleted (by why) or kept
+GC_OUTCOMES = ("expired", "marker", "kept", "upload")  # objects a sweep deleted (by why) or kept
 SWEEP_RESULTS = ("done", "leased_elsewhere", "failed")
 WRITEBACK_OUTCOMES = ("uploaded", "present", "dropped", "failed", "refused", "corrupt", "closed")
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -66,7 +66,8 @@ class ObjectMetrics:
         self.gc_objects = Counter(
             "strata_object_gc_objects_total",
             "Objects a lifecycle sweep looked at, by outcome: expired (past the namespace's TTL: deleted), marker "
-            "(a read marker whose block is gone: deleted), kept", ["outcome"], registry=r,
+            "(a read marker whose block is gone: deleted), kept, upload (a multipart upload abandoned past its safe "
+            "age: aborted, its parts' bytes freed)", ["outcome"], registry=r,
         )
         self.gc_bytes = Counter(
             "strata_object_gc_bytes_total", "Object bytes a lifecycle sweep deleted or kept, by outcome",

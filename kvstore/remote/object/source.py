@@ -48,6 +48,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import xxhash
+
 from kvstore.block import BlockKey, BlockMeta, Checksummer, TierName
 from kvstore.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, StrataError, TierUnavailable
 from kvstore.remote.base import (
@@ -55,7 +57,7 @@ from kvstore.remote.base import (
 )
 from kvstore.remote.object.client import S3Client, S3Options
 from kvstore.remote.object.format import (
-    FIXED_BYTES, PROBE_BYTES, Header, UnknownFormat, decode_header, encode, header_length,
+    FIXED_BYTES, MAX_MAP_BYTES, PROBE_BYTES, Framed, Header, UnknownFormat, decode_header, encode, header_length,
 )
 from kvstore.remote.object.layout import KeyLayout
 from kvstore.remote.object.lifecycle import ReadMarks
@@ -85,9 +87,12 @@ class ObjectSource(RemoteSource):
     def __init__(
         self, client: S3Client, layout: KeyLayout, *, limits: ObjectLimits = ObjectLimits(),
         quota: Quota | None = None, wall_clock: Callable[[], float] = time.time, marks: ReadMarks | None = None,
+        on_dropped: Callable[[list[BlockKey]], None] | None = None,
     ) -> None:
-        """``marks``: writes read markers for a TTL counted from last use (kvstore.remote.object.lifecycle)."""
+        """``marks``: writes read markers for a TTL counted from last use (kvstore.remote.object.lifecycle);
+        ``on_dropped(keys)``: called on this loop when a corrupt object was deleted (be quick)."""
         self._client = client
+        self._on_dropped = on_dropped
         self._marks = marks
         self._layout = layout
         self._limits = limits
@@ -163,9 +168,18 @@ class ObjectSource(RemoteSource):
 
         return await self._per_key("read", len(keys), step, deadline, ReadResult.failed)
 
+    async def fetch(self, key: BlockKey, deadline: float) -> tuple[memoryview, BlockMeta] | None:
+        """One block whole, verified where it landed: a read-only view of its payload in the response
+        body, no copy and no buffer to zero, for a caller with none of its own (the object tier's
+        read-through: the store copies it where it goes). None on a miss; a damaged object is
+        deleted and raised as CorruptBlock."""
+        return await self._whole("read", 1, deadline, lambda: self._fetch_one(key, deadline))
+
     async def write(
         self, blocks: Sequence[tuple[BlockKey, bytes | bytearray | memoryview, BlockMeta]], deadline: float
     ) -> list[WriteResult]:
+        """Store blocks; a block's bytes may come as a :class:`~kvstore.remote.object.format.Framed`
+        object (the write-back queue's, checked when it was framed): uploaded as it is."""
         turns = _turns_by_key([b[0] for b in blocks])
 
         async def step(i: int) -> WriteResult:
@@ -256,9 +270,49 @@ class ObjectSource(RemoteSource):
             await self._marks.read(key, header.written_at, deadline)
         return ReadResult.hit(header.meta)
 
+    async def _fetch_one(self, key: BlockKey, deadline: float) -> tuple[memoryview, BlockMeta] | None:
+        path = self._layout.path(key)
+        damage: tuple[CorruptBlock, Header | None] | None = None
+        header: Header | None = None
+        async with self._client.reading(path, deadline) as body:
+            if body is None:
+                self._misses += 1
+                return None
+            if body.size > self._limits.max_block_bytes + FIXED_BYTES + MAX_MAP_BYTES:
+                log.warning("%s: the object of %s is %d bytes, over this daemon's blocks: read as a miss", self.name,
+                            key, body.size)
+                self._misses += 1
+                return None
+            view = memoryview(await body.whole())
+            try:
+                if len(view) < FIXED_BYTES or len(view) < header_length(view):
+                    raise CorruptBlock(f"object ends after {len(view)} bytes, inside its header")
+                header = decode_header(view[:header_length(view)], key)
+                if header.meta.size > self._limits.max_block_bytes:
+                    self._misses += 1
+                    return None
+                if len(view) != header.object_bytes:
+                    raise CorruptBlock(f"object is {len(view)} bytes; its header says {header.object_bytes}")
+                payload = view[header.header_bytes:]
+                if xxhash.xxh3_64_intdigest(payload) != header.meta.checksum:
+                    raise CorruptBlock("its bytes failed their xxh3-64 checksum")
+            except UnknownFormat:
+                self._misses += 1
+                return None
+            except CorruptBlock as err:
+                damage = (err, header)
+        if damage is not None:
+            failed = await self._drop_corrupt(key, path, damage[1], damage[0], deadline)
+            raise failed.error
+        self._hits += 1
+        self._read_bytes += header.meta.size
+        if self._marks is not None:
+            await self._marks.read(key, header.written_at, deadline)
+        return payload, header.meta
+
     async def _write_one(self, key: BlockKey, data, meta: BlockMeta, deadline: float) -> WriteResult:
         try:
-            obj = encode(key, data, meta, self._wall())
+            obj = data.obj if isinstance(data, Framed) else encode(key, data, meta, self._wall())
         except (CorruptBlock, InvalidArgument) as err:
             self._errors += 1
             return WriteResult.failed(err if isinstance(err, CorruptBlock) else InvalidArgument(f"{self.name}: {err}"))
@@ -300,6 +354,8 @@ class ObjectSource(RemoteSource):
         else:
             if header is not None and self._quota is not None:
                 self._quota.forget(key, header.meta.size)
+            if self._on_dropped is not None:
+                self._on_dropped([key])
         return ReadResult.failed(CorruptBlock(
             f"{self.name}: block {key} failed its check when read ({err}); the object was deleted: "
             "read it from another tier or write it again"

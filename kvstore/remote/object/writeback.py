@@ -27,6 +27,11 @@ object source's event loop, ``uploads`` at a time.
   their meta are ``corrupt``; neither is retried.
 - **Stop.** ``close`` waits up to ``drain_s`` for the queue to empty, then
   counts what is left ``closed``.
+- **One copy.** ``frame`` (given by the object tier:
+  :func:`~kvstore.remote.object.format.frame`) copies the block straight
+  into the object it will be uploaded as, header first, checking its
+  checksum in the same pass; the source sends that buffer as it is. Without
+  it (any other source), the queue holds a plain verified copy.
 
 Thread-safe: ``offer``, ``pending``, ``discard``, ``stats`` from any thread;
 the workers run on the bridge's loop.
@@ -39,6 +44,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, copy_and_checksum
@@ -81,7 +87,8 @@ class WriteBackStats:
 @dataclass(slots=True)
 class _Job:
     key: BlockKey
-    data: bytearray
+    data: object  # what the source's write is handed: the copy, or the framed object
+    view: memoryview  # the block's own bytes within it
     meta: BlockMeta
     attempts: int = 0
     discarded: bool = False  # deleted while uploading: the object goes again once it is up
@@ -89,8 +96,12 @@ class _Job:
 
 class WriteBack:
     def __init__(self, bridge, limits: WriteBackLimits = WriteBackLimits(), metrics: ObjectMetrics | None = None,
-                 name: str = "object") -> None:
-        """``bridge``: the RemoteBridge whose loop runs the uploads, on its source."""
+                 name: str = "object",
+                 frame: Callable[[BlockKey, memoryview, BlockMeta], tuple[object, memoryview]] | None = None) -> None:
+        """``bridge``: the RemoteBridge whose loop runs the uploads, on its source. ``frame(key, bytes,
+        meta)``: the one copy of a block to hold and hand the source, and the block's bytes within it
+        (CorruptBlock when they do not match ``meta``); None: a plain verified copy."""
+        self._frame = frame or _plain_copy
         self.limits = limits
         self.name = name
         self._bridge = bridge
@@ -126,10 +137,13 @@ class WriteBack:
             self._refuse_if_closed()
             if key in self._queued or key in self._uploading:
                 return False
-        copy = bytearray(meta.size)
-        if copy_and_checksum(memoryview(copy), src) != meta.checksum:
+        try:
+            data, view = self._frame(key, src, meta)
+        except CorruptBlock:
             self._count("corrupt")
-            raise CorruptBlock(f"{self.name}: block {key}'s bytes do not match its checksum: not queued for upload")
+            raise CorruptBlock(
+                f"{self.name}: block {key}'s bytes do not match its checksum: not queued for upload"
+            ) from None
         dropped = 0
         with self._lock:
             self._refuse_if_closed()
@@ -144,7 +158,7 @@ class WriteBack:
                 full = True
             else:
                 full = False
-                self._queued[key] = _Job(key, copy, meta)
+                self._queued[key] = _Job(key, data, view, meta)
                 self._bytes += meta.size
         if dropped:
             self._count("dropped", dropped)
@@ -164,7 +178,7 @@ class WriteBack:
             job = self._queued.get(key) or self._uploading.get(key)
             if job is None or job.discarded:
                 return None
-            return bytes(job.data), job.meta
+            return bytes(job.view), job.meta
 
     def pending_meta(self, key: BlockKey) -> BlockMeta | None:
         with self._lock:
@@ -298,3 +312,10 @@ class WriteBack:
             self._outcomes[outcome] += n
         if self._metrics is not None:
             self._metrics.writeback.labels(outcome).inc(n)
+
+
+def _plain_copy(key: BlockKey, src: memoryview, meta: BlockMeta) -> tuple[bytearray, memoryview]:
+    copy = bytearray(meta.size)
+    if copy_and_checksum(memoryview(copy), src) != meta.checksum:
+        raise CorruptBlock(f"block {key}'s bytes do not match its checksum")
+    return copy, memoryview(copy)
