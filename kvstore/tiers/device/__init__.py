@@ -14,7 +14,7 @@ import importlib
 from kvstore.errors import InvalidArgument
 from kvstore.tiers.device.base import AttachedMemory, DeviceMemory, MemoryHandle
 
-__all__ = ["AttachedMemory", "DeviceMemory", "MemoryHandle", "attach_memory", "known_kinds", "open_memory"]
+__all__ = ["AttachedMemory", "DeviceMemory", "MemoryHandle", "attach_memory", "known_kinds", "open_memory", "probe"]
 
 # kind -> (module, owner class, attached class); imported on use, so torch loads only for ``cuda``
 _KINDS: dict[str, tuple[str, str, str]] = {
@@ -44,3 +44,10 @@ def attach_memory(handle: MemoryHandle) -> AttachedMemory:
     """Map a region another process on this host owns (its handle came over the same-host control path)."""
     module, _, attached = _entry(handle.kind)
     return getattr(importlib.import_module(module), attached)(handle)
+
+
+def probe(kind: str, devices) -> None:
+    """Check at start that ``kind`` memory can be had on ``devices``, allocating nothing;
+    TierUnavailable naming the fix when it cannot (no CUDA, no such device)."""
+    module, _, _ = _entry(kind)
+    getattr(importlib.import_module(module), "probe")(list(devices))

@@ -65,6 +65,11 @@ def _torch_cuda(device: int):
     return torch
 
 
+def probe(devices: list[int]) -> None:
+    for device in devices:
+        _torch_cuda(device)
+
+
 class _Copier:
     """Chunked, overlapped copies between one device region and the host, in one direction each."""
 
