@@ -1,0 +1,308 @@
+"""The GPU tier beyond the shared tier contract (tests/test_tier_contract.py runs that on it).
+
+The mappable-tier protocol (reserve, write, commit, locate) over both
+mappable tiers; several device regions in one offset space; the same-host
+handle exchange read by a real second process under a store lease;
+demotion to RAM and promotion back with the bytes compared; tensors in
+and out; and the settings: absent unless sized, a clear start error
+without CUDA. Device memory here is the ``host`` stand-in; the device
+check (benchmarks/gpu_check.py) runs the cuda kind.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.client import Client
+from kvstore.config import SettingsError, load_settings
+from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierUnavailable
+from kvstore.store import StoreLimits, TieredStore
+from kvstore.tiers import open_tier
+from kvstore.tiers.device import attach_memory, known_kinds, open_memory
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.ram import HostRamTier
+from store_blocks import MiB, value
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_MEMORY = os.environ.get("STRATA_TEST_GPU_MEMORY", "host")
+
+
+def gpu(tmp_path, capacity=8 * MiB, devices=(0,)) -> GpuTier:
+    options = {"shm_dir": str(tmp_path)} if GPU_MEMORY == "host" else {}
+    return GpuTier(capacity, devices=devices, memory=GPU_MEMORY, **options)
+
+
+def meta_of(data: bytes) -> BlockMeta:
+    return BlockMeta(len(data), checksum(data))
+
+
+def key(name: str) -> BlockKey:
+    return BlockKey("m", name.encode())
+
+
+@pytest.fixture(params=["gpu", "ram"])
+def mappable(request, tmp_path):
+    tier = gpu(tmp_path) if request.param == "gpu" else HostRamTier(8 * MiB, shm_dir=str(tmp_path), arena_name="a")
+    yield tier
+    tier.close()
+
+
+# ---- the mappable protocol, on both mappable tiers ---------------------------------
+
+
+def test_reserve_write_commit_locate(mappable):
+    data = value(1, 100_000)
+    offset = mappable.reserve(len(data))
+    assert mappable.write_extent(offset, data) == checksum(data)
+    assert mappable.commit(key("a"), offset, meta_of(data)) is True
+    loc = mappable.locate(key("a"))
+    assert loc == (offset, meta_of(data))
+    with mappable.readable(loc[0], len(data)) as view:
+        assert bytes(view) == data
+    assert mappable.get(key("a")) == data
+
+
+def test_commit_of_wrong_bytes_frees_the_extent(mappable):
+    data = value(2, 50_000)
+    offset = mappable.reserve(len(data))
+    mappable.write_extent(offset, data)
+    used = mappable.used_bytes
+    with pytest.raises(CorruptBlock):
+        mappable.commit(key("a"), offset, BlockMeta(len(data), checksum(data) ^ 1))
+    assert mappable.used_bytes < used and not mappable.contains(key("a"))
+
+
+def test_commit_of_a_present_key_and_unreserve_free(mappable):
+    data = value(3, 8192)
+    assert mappable.put(key("a"), data, meta_of(data))
+    used = mappable.used_bytes
+    offset = mappable.reserve(len(data))
+    mappable.write_extent(offset, data)
+    assert mappable.commit(key("a"), offset, meta_of(data)) is False
+    assert mappable.used_bytes == used
+    offset = mappable.reserve(4096)
+    mappable.unreserve(offset)
+    assert mappable.used_bytes == used
+    with pytest.raises(ValueError, match="not a reserved extent"):
+        mappable.unreserve(offset)
+
+
+# ---- the GPU tier's own -------------------------------------------------------------
+
+
+def test_regions_of_several_devices_share_one_offset_space(tmp_path):
+    if GPU_MEMORY == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("one GPU here")
+    tier = gpu(tmp_path, capacity=2 * MiB, devices=(0, 1))
+    try:
+        assert tier.capacity_bytes == 4 * MiB and len(tier.handles()) == 2
+        with pytest.raises(BlockTooLarge, match="one device"):
+            tier.reserve(3 * MiB)
+        blocks = {f"k{i}": value(i, MiB) for i in range(4)}
+        for name, data in blocks.items():
+            assert tier.put(key(name), data, meta_of(data))
+        regions = {tier.handle_of(tier.locate(key(n))[0])[0] for n in blocks}
+        assert regions == {0, 1}, "new extents go to the device with the most room"
+        for name, data in blocks.items():
+            assert tier.get(key(name)) == data
+    finally:
+        tier.close()
+
+
+def test_a_block_deleted_while_read_is_freed_by_its_reader(tmp_path):
+    tier = gpu(tmp_path)
+    try:
+        data = value(4, MiB)
+        tier.put(key("a"), data, meta_of(data))
+        used = tier.used_bytes
+        with tier._reading(key("a"), touch=False) as entry:
+            assert tier.delete(key("a"))
+            assert tier.used_bytes == used, "the extent is not handed out while its bytes are copied out"
+            region, local = tier._region_of(entry[0])
+            assert region.read(local, len(data))[0] == data
+        assert tier.used_bytes == 0
+    finally:
+        tier.close()
+
+
+def test_read_into_buffers_and_tensors(tmp_path):
+    tier = gpu(tmp_path)
+    try:
+        data = value(5, 64 << 10)
+        tier.put(key("a"), torch.frombuffer(bytearray(data), dtype=torch.float16), meta_of(data))
+        out = bytearray(len(data))
+        assert tier.read_into(key("a"), out) == meta_of(data) and out == data
+        tensor = torch.empty(len(data) // 2, dtype=torch.float16)
+        tier.read_into(key("a"), tensor)
+        assert tensor.numpy().tobytes() == data
+        with pytest.raises(InvalidArgument, match="the buffer holds"):
+            tier.read_into(key("a"), bytearray(len(data) - 1))
+        with pytest.raises(InvalidArgument, match="not contiguous"):
+            tier.put(key("b"), torch.zeros(64, 64)[:, ::2], BlockMeta(8192, 0))
+        assert tier.read_into(key("missing"), out) is None
+    finally:
+        tier.close()
+
+
+def test_memory_kinds_registry_and_bounds(tmp_path):
+    assert known_kinds() == ["cuda", "host"]
+    with pytest.raises(InvalidArgument, match="known kinds are cuda, host"):
+        open_memory("tpu", MiB)
+    region = open_memory("host", MiB, shm_dir=str(tmp_path))
+    try:
+        with pytest.raises(InvalidArgument, match="leave the"):
+            region.write(MiB - 10, b"x" * 11)
+        with pytest.raises(InvalidArgument, match="leave the"):
+            region.read_into(-1, bytearray(4))
+    finally:
+        region.close()
+    assert not list(tmp_path.iterdir()), "a closed region leaves no file"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_memory_without_cuda_names_the_fix():
+    with pytest.raises(TierUnavailable, match=r"CUDA is not available.*--gpu-bytes 0"):
+        open_memory("cuda", MiB)
+    with pytest.raises(TierUnavailable, match="CUDA is not available"):
+        open_tier("gpu", capacity_bytes=MiB, devices=(0,), memory="cuda")
+
+
+# ---- the same-host exchange: a second process reads under the store's lease ----------
+
+READER = """
+import pickle, sys
+from kvstore.tiers.device import attach_memory
+handle, offset, size = pickle.loads(bytes.fromhex(sys.stdin.read()))
+region = attach_memory(handle)
+data, got = region.read(offset, size)
+region.close()
+sys.stdout.write(f"{got} {data.hex()}")
+"""
+
+
+def test_another_process_reads_a_leased_block_through_the_handle(tmp_path):
+    tier = gpu(tmp_path, capacity=4 * MiB)
+    store = TieredStore([tier, HostRamTier(16 * MiB, shm_dir=str(tmp_path), arena_name="r")],
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    try:
+        data = value(6, 256 << 10)
+        assert store.put(key("a"), data, meta_of(data)) == (True, TierName.GPU)
+        [loc] = store.lookup("m", [b"a"], lease_s=30)
+        assert loc.tier is TierName.GPU and loc.lease_id
+        for i in range(8):  # pressure: unleased blocks go down to RAM, the leased one stays where it was
+            store.put(key(f"k{i}"), value(i, MiB), meta_of(value(i, MiB)))
+        store.flush_demotions()
+        assert tier.locate(key("a"))[0] == loc.offset
+        index, local = tier.handle_of(loc.offset)
+        ticket = pickle.dumps((tier.handles()[index], local, loc.meta.size)).hex()
+        out = subprocess.run([sys.executable, "-c", READER], input=ticket, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, timeout=120).stdout
+        got, hexdata = out.split()
+        assert int(got) == loc.meta.checksum and bytes.fromhex(hexdata) == data
+        assert store.release([loc.lease_id]) == [True]
+    finally:
+        store.close()
+
+
+def test_attached_region_is_refused_after_the_owner_restarts(tmp_path):
+    if GPU_MEMORY != "host":
+        pytest.skip("the host stand-in's token check")
+    first = open_memory("host", MiB, shm_dir=str(tmp_path), name="strata-gpu-x")
+    handle = first.handle()
+    first.close()
+    second = open_memory("host", MiB, shm_dir=str(tmp_path), name="strata-gpu-x")
+    try:
+        with pytest.raises(Exception, match="token"):
+            attach_memory(handle)
+    finally:
+        second.close()
+
+
+# ---- demotion to RAM and promotion back, bytes compared -------------------------------
+
+
+def test_demotion_to_ram_and_promotion_back_keep_every_byte(tmp_path):
+    tier = gpu(tmp_path, capacity=4 * MiB)
+    store = TieredStore([tier, HostRamTier(32 * MiB, shm_dir=str(tmp_path), arena_name="r")],
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    try:
+        blocks = {f"k{i}": value(i, MiB) for i in range(12)}
+        for name, data in blocks.items():
+            assert store.put(key(name), data, meta_of(data))[1] is TierName.GPU
+        store.flush_demotions()
+        assert tier.stats().blocks <= 4
+        assert store.exists("m", [b"k0"]) == [TierName.HOST], "the oldest went down to RAM"
+        data, _, found = store.get(key("k0"))
+        assert data == blocks["k0"] and found is TierName.HOST
+        assert tier.contains(key("k0")), "a read from RAM is promoted into the gpu tier"
+        for name, data in blocks.items():
+            assert store.get(key(name))[0] == data
+            store.flush_demotions()
+    finally:
+        store.close()
+
+
+# ---- settings and the daemon ------------------------------------------------------------
+
+
+def test_gpu_tier_is_absent_unless_sized():
+    s = load_settings(environ={})
+    assert not s.tiers.gpu.enabled and s.tiers.effective_chain() == ["ram", "disk"]
+    s = load_settings(environ={}, gpu_bytes="1GiB", gpu_devices="0,1")
+    assert s.tiers.effective_chain() == ["gpu", "ram", "disk"]
+    assert s.tiers.gpu.tier_options(Path(".")) == {"capacity_bytes": 1 << 30, "devices": (0, 1), "memory": "cuda"}
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"tiers": "gpu,ram"}, "set --gpu-bytes"),
+    ({"gpu_bytes": "512KiB"}, "at least 1MiB"),
+    ({"gpu_devices": "0,0"}, "each listed once"),
+    ({"gpu_memory": "tpu"}, "cuda"),
+])
+def test_gpu_settings_refuse_what_cannot_work(bad, says):
+    with pytest.raises(SettingsError, match=says):
+        load_settings(environ={}, **bad)
+
+
+def test_daemon_without_the_gpu_tier_is_unchanged(daemon):
+    assert [t.tier for t in daemon.store.tier_stats()] == [TierName.HOST, TierName.DISK]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_daemon_with_gpu_bytes_and_no_cuda_stops_with_the_fix(make_daemon, tmp_path):
+    with pytest.raises(TierUnavailable, match=r"CUDA is not available.*--gpu-bytes 0"):
+        make_daemon(gpu_bytes="64MiB")
+    with pytest.raises(TierUnavailable, match="does not serve the gpu tier yet"):
+        make_daemon(gpu_bytes="64MiB", gpu_memory="host")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "serve", "--gpu-bytes", "64MiB", "--listen", "127.0.0.1:0",
+         "--metrics-listen", "", "--disk-dir", str(tmp_path / "cli"), "--shm-dir", str(tmp_path),
+         "--ram-bytes", "32MiB", "--disk-bytes", "64MiB"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "CUDA is not available" in proc.stderr and "--gpu-bytes 0" in proc.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("strata-")], "nothing left in the shm dir"
+
+
+# ---- the client: tensors in and out ------------------------------------------------------
+
+
+def test_client_puts_from_and_reads_into_tensors(daemon):
+    src = torch.arange(4096, dtype=torch.float16)
+    with Client(daemon.target) as c:
+        assert c.put("m", b"t", src, layout="f16[4096]")
+        dst = torch.zeros(4096, dtype=torch.float16)
+        [block] = c.get_into("m", [b"t"], [dst])
+        assert torch.equal(dst, src) and block.layout == "f16[4096]"
+        placed = torch.zeros(4096, dtype=torch.float16)
+        [block] = c.get_into("m", [b"t"], lambda i, info: placed)
+        assert torch.equal(placed, src)
