@@ -3,10 +3,11 @@
 The mappable-tier protocol (reserve, write, commit, locate) over both
 mappable tiers; several device regions in one offset space; the same-host
 handle exchange read by a real second process under a store lease;
-demotion to RAM and promotion back with the bytes compared; tensors in
-and out; and the settings: absent unless sized, a clear start error
-without CUDA. Device memory here is the ``host`` stand-in; the device
-check (benchmarks/gpu_check.py) runs the cuda kind.
+demotion to RAM and promotion back with the bytes compared; tensors in and out. Device
+memory here is the ``host`` stand-in; the device check
+(benchmarks/gpu_check.py) runs this module with the cuda kind, so it
+imports nothing beyond the tiers and the store (tests/test_gpu_settings.py
+has the settings, the daemon and the client).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import pytest
 import torch
 
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum
-from kvstore.client import Client
-from kvstore.config import SettingsError, load_settings
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierUnavailable
 from kvstore.store import StoreLimits, TieredStore
 from kvstore.tiers import open_tier
@@ -248,61 +247,3 @@ def test_demotion_to_ram_and_promotion_back_keep_every_byte(tmp_path):
             store.flush_demotions()
     finally:
         store.close()
-
-
-# ---- settings and the daemon ------------------------------------------------------------
-
-
-def test_gpu_tier_is_absent_unless_sized():
-    s = load_settings(environ={})
-    assert not s.tiers.gpu.enabled and s.tiers.effective_chain() == ["ram", "disk"]
-    s = load_settings(environ={}, gpu_bytes="1GiB", gpu_devices="0,1")
-    assert s.tiers.effective_chain() == ["gpu", "ram", "disk"]
-    assert s.tiers.gpu.tier_options(Path(".")) == {"capacity_bytes": 1 << 30, "devices": (0, 1), "memory": "cuda"}
-
-
-@pytest.mark.parametrize("bad, says", [
-    ({"tiers": "gpu,ram"}, "set --gpu-bytes"),
-    ({"gpu_bytes": "512KiB"}, "at least 1MiB"),
-    ({"gpu_devices": "0,0"}, "each listed once"),
-    ({"gpu_memory": "tpu"}, "cuda"),
-])
-def test_gpu_settings_refuse_what_cannot_work(bad, says):
-    with pytest.raises(SettingsError, match=says):
-        load_settings(environ={}, **bad)
-
-
-def test_daemon_without_the_gpu_tier_is_unchanged(daemon):
-    assert [t.tier for t in daemon.store.tier_stats()] == [TierName.HOST, TierName.DISK]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_daemon_with_gpu_bytes_and_no_cuda_stops_with_the_fix(make_daemon, tmp_path):
-    with pytest.raises(TierUnavailable, match=r"CUDA is not available.*--gpu-bytes 0"):
-        make_daemon(gpu_bytes="64MiB")
-    with pytest.raises(TierUnavailable, match="does not serve the gpu tier yet"):
-        make_daemon(gpu_bytes="64MiB", gpu_memory="host")
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli.main", "serve", "--gpu-bytes", "64MiB", "--listen", "127.0.0.1:0",
-         "--metrics-listen", "", "--disk-dir", str(tmp_path / "cli"), "--shm-dir", str(tmp_path),
-         "--ram-bytes", "32MiB", "--disk-bytes", "64MiB"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
-    )
-    assert proc.returncode == 1
-    assert "CUDA is not available" in proc.stderr and "--gpu-bytes 0" in proc.stderr
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("strata-")], "nothing left in the shm dir"
-
-
-# ---- the client: tensors in and out ------------------------------------------------------
-
-
-def test_client_puts_from_and_reads_into_tensors(daemon):
-    src = torch.arange(4096, dtype=torch.float16)
-    with Client(daemon.target) as c:
-        assert c.put("m", b"t", src, layout="f16[4096]")
-        dst = torch.zeros(4096, dtype=torch.float16)
-        [block] = c.get_into("m", [b"t"], [dst])
-        assert torch.equal(dst, src) and block.layout == "f16[4096]"
-        placed = torch.zeros(4096, dtype=torch.float16)
-        [block] = c.get_into("m", [b"t"], lambda i, info: placed)
-        assert torch.equal(placed, src)

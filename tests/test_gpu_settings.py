@@ -1,0 +1,81 @@
+"""The GPU tier's settings, the daemon's start with and without it, and the client's tensors.
+
+Absent unless sized (nothing else changes); a clear start error naming the
+fix without CUDA; ``put`` from and ``get_into`` torch tensors through a
+real daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.block import TierName
+from kvstore.client import Client
+from kvstore.config import SettingsError, load_settings
+from kvstore.errors import TierUnavailable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- settings and the daemon ------------------------------------------------------------
+
+
+def test_gpu_tier_is_absent_unless_sized():
+    s = load_settings(environ={})
+    assert not s.tiers.gpu.enabled and s.tiers.effective_chain() == ["ram", "disk"]
+    s = load_settings(environ={}, gpu_bytes="1GiB", gpu_devices="0,1")
+    assert s.tiers.effective_chain() == ["gpu", "ram", "disk"]
+    assert s.tiers.gpu.tier_options(Path(".")) == {"capacity_bytes": 1 << 30, "devices": (0, 1), "memory": "cuda"}
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"tiers": "gpu,ram"}, "set --gpu-bytes"),
+    ({"gpu_bytes": "512KiB"}, "at least 1MiB"),
+    ({"gpu_devices": "0,0"}, "each listed once"),
+    ({"gpu_memory": "tpu"}, "cuda"),
+])
+def test_gpu_settings_refuse_what_cannot_work(bad, says):
+    with pytest.raises(SettingsError, match=says):
+        load_settings(environ={}, **bad)
+
+
+def test_daemon_without_the_gpu_tier_is_unchanged(daemon):
+    assert [t.tier for t in daemon.store.tier_stats()] == [TierName.HOST, TierName.DISK]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_daemon_with_gpu_bytes_and_no_cuda_stops_with_the_fix(make_daemon, tmp_path):
+    with pytest.raises(TierUnavailable, match=r"CUDA is not available.*--gpu-bytes 0"):
+        make_daemon(gpu_bytes="64MiB")
+    with pytest.raises(TierUnavailable, match="does not serve the gpu tier yet"):
+        make_daemon(gpu_bytes="64MiB", gpu_memory="host")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "serve", "--gpu-bytes", "64MiB", "--listen", "127.0.0.1:0",
+         "--metrics-listen", "", "--disk-dir", str(tmp_path / "cli"), "--shm-dir", str(tmp_path),
+         "--ram-bytes", "32MiB", "--disk-bytes", "64MiB"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "CUDA is not available" in proc.stderr and "--gpu-bytes 0" in proc.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("strata-")], "nothing left in the shm dir"
+
+
+# ---- the client: tensors in and out ------------------------------------------------------
+
+
+def test_client_puts_from_and_reads_into_tensors(daemon):
+    src = torch.arange(4096, dtype=torch.float16)
+    with Client(daemon.target) as c:
+        assert c.put("m", b"t", src, layout="f16[4096]")
+        dst = torch.zeros(4096, dtype=torch.float16)
+        [block] = c.get_into("m", [b"t"], [dst])
+        assert torch.equal(dst, src) and block.layout == "f16[4096]"
+        placed = torch.zeros(4096, dtype=torch.float16)
+        [block] = c.get_into("m", [b"t"], lambda i, info: placed)
+        assert torch.equal(placed, src)
