@@ -79,3 +79,19 @@ def test_client_puts_from_and_reads_into_tensors(daemon):
         placed = torch.zeros(4096, dtype=torch.float16)
         [block] = c.get_into("m", [b"t"], lambda i, info: placed)
         assert torch.equal(placed, src)
+
+
+# ---- the device check is not dead on arrival ------------------------------------------
+
+
+def test_device_check_dry_run_passes_on_the_host_stand_in(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["dry_run"] and result["ipc"]["verified"]
+    assert result["round_trip"]["mismatched_blocks"] == 0 and result["round_trip"]["reads_from"]["host"] > 0
+    assert [row["block_bytes"] for row in result["copies"]] == [1 << 20, 4 << 20]

@@ -151,6 +151,28 @@ def test_read_into_buffers_and_tensors(tmp_path):
         tier.close()
 
 
+@pytest.mark.skipif(GPU_MEMORY != "cuda", reason="device tensors need the cuda kind")
+def test_device_and_pinned_tensors_in_and_out(tmp_path):
+    tier = gpu(tmp_path)
+    try:
+        data = value(7, 3 * MiB + 4096)
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
+        assert tier.put(key("dev"), src, meta_of(data))
+        dst = torch.zeros_like(src)
+        assert tier.read_into(key("dev"), dst) == meta_of(data)
+        assert torch.equal(dst, src)
+        pinned = torch.empty(len(data), dtype=torch.uint8).pin_memory()
+        tier.read_into(key("dev"), pinned)
+        assert pinned.numpy().tobytes() == data
+        assert tier.put(key("pinned"), pinned, meta_of(data))
+        assert tier.get(key("pinned")) == data
+        with pytest.raises(CorruptBlock):
+            tier.put(key("bad"), src, BlockMeta(len(data), checksum(data) ^ 1))
+        assert not tier.contains(key("bad"))
+    finally:
+        tier.close()
+
+
 def test_memory_kinds_registry_and_bounds(tmp_path):
     assert known_kinds() == ["cuda", "host"]
     with pytest.raises(InvalidArgument, match="known kinds are cuda, host"):

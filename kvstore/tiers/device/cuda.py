@@ -11,7 +11,11 @@ buffers lets the host-side work (the memcpy into staging and the checksum of
 the bytes, which is where a block is verified as it crosses) of chunk *i*
 overlap the DMA of chunk *i−1* on a side stream. ``STAGING_BUFFERS``
 buffers of ``STAGING_BYTES`` per direction, each with an event that says
-when the DMA using it is done, bound the memory pinned.
+when the DMA using it is done, bound the memory pinned. A caller whose
+buffer is already page-locked (a pinned torch tensor: an engine's or
+LMCache's host buffers) skips staging: one DMA straight from it, hashed on
+the host while the DMA runs, and chunked DMAs straight into it on the way
+out, each chunk hashed as soon as it lands.
 
 Checksums are computed on the host side of each copy (xxh3, as on every
 other hop). A copy that stays in device memory (into or out of a caller's
@@ -134,6 +138,39 @@ class _Copier:
                     events[lane].record(stream)
         return h.intdigest()
 
+    def write_pinned(self, offset: int, src) -> int:
+        """From a page-locked host tensor: one DMA straight from it, hashed on the host while it runs."""
+        lock, stream, _, _, _ = self._lanes["in"]
+        h = xxhash.xxh3_64()
+        with lock, self._torch.cuda.stream(stream):
+            self._region[offset:offset + src.numel()].copy_(src, non_blocking=True)
+            view = memoryview(src.numpy())
+            for at in range(0, len(view), COPY_CHUNK):
+                h.update(view[at:at + COPY_CHUNK])
+            stream.synchronize()
+        return h.intdigest()
+
+    def read_pinned(self, offset: int, dst) -> int:
+        """Into a page-locked host tensor: DMA chunk by chunk straight into it, hashing each landed chunk
+        while the next one is copied."""
+        lock, stream, _, _, events = self._lanes["out"]
+        h = xxhash.xxh3_64()
+        view = memoryview(dst.numpy())
+        size = dst.numel()
+        chunks = [(at, min(self._chunk, size - at)) for at in range(0, size, self._chunk)]
+        with lock, self._torch.cuda.stream(stream):
+            for i, (at, n) in enumerate(chunks):
+                dst[at:at + n].copy_(self._region[offset + at:offset + at + n], non_blocking=True)
+                events[i % len(events)].record(stream)
+                if i >= len(events) - 1:  # keep len(events) DMAs in flight, hash the oldest landed
+                    j = i - len(events) + 1
+                    events[j % len(events)].synchronize()
+                    h.update(view[chunks[j][0]:chunks[j][0] + chunks[j][1]])
+            for j in range(max(len(chunks) - len(events) + 1, 0), len(chunks)):
+                events[j % len(events)].synchronize()
+                h.update(view[chunks[j][0]:chunks[j][0] + chunks[j][1]])
+        return h.intdigest()
+
     def device_copy(self, dst, src, direction: str) -> None:
         """A copy between the region and a caller's CUDA tensor, ordered after the caller's pending work."""
         _, stream, _, _, _ = self._lanes[direction]
@@ -141,6 +178,10 @@ class _Copier:
         with self._torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         stream.synchronize()
+
+
+def _pinned_tensor(buf) -> bool:
+    return is_tensor(buf) and buf.device.type == "cpu" and buf.is_pinned() and buf.is_contiguous()
 
 
 def _device_tensor(buf, device) -> bool:
@@ -174,6 +215,10 @@ class _CudaRegion:
             self._check(offset, out.numel())
             self._copier.device_copy(out, self._region[offset:offset + out.numel()], "out")
             return None  # stayed in device memory: verified when it came in
+        if _pinned_tensor(dst):
+            out = tensor_bytes(dst)
+            self._check(offset, out.numel())
+            return self._copier.read_pinned(offset, out)
         out = host_view(dst, writable=True)
         self._check(offset, len(out))
         return self._copier.read_host(offset, len(out), out)
@@ -206,6 +251,10 @@ class CudaMemory(_CudaRegion, DeviceMemory):
             dst = self._region[offset:offset + data.numel()]
             self._copier.device_copy(dst, data, "in")
             return self._copier.read_host(offset, data.numel(), None)  # new bytes: hashed on the host side
+        if _pinned_tensor(src):
+            data = tensor_bytes(src)
+            self._check(offset, data.numel())
+            return self._copier.write_pinned(offset, data)
         data = host_view(src)
         self._check(offset, len(data))
         return self._copier.write_host(offset, data)
