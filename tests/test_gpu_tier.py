@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum
-from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierUnavailable
+from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
 from kvstore.store import StoreLimits, TieredStore
 from kvstore.tiers import open_tier
 from kvstore.tiers.device import attach_memory, known_kinds, open_memory
@@ -169,6 +169,65 @@ def test_device_and_pinned_tensors_in_and_out(tmp_path):
         with pytest.raises(CorruptBlock):
             tier.put(key("bad"), src, BlockMeta(len(data), checksum(data) ^ 1))
         assert not tier.contains(key("bad"))
+    finally:
+        tier.close()
+
+
+def test_a_corrupted_byte_in_device_memory_is_never_handed_out(tmp_path):
+    tier = gpu(tmp_path)
+    store = TieredStore([tier, HostRamTier(16 * MiB, shm_dir=str(tmp_path), arena_name="r")],
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    try:
+        for name in ("a", "b"):
+            data = value(ord(name), MiB)
+            store.put(key(name), data, meta_of(data))
+        for name in ("a", "b"):
+            region, local = tier._region_of(tier.locate(key(name))[0])
+            region.write(local + 4096, b"\xff" * 16)  # a bit flip the tier did not make
+        with pytest.raises(CorruptBlock):
+            tier.get(key("a"))
+        assert not tier.contains(key("a")), "the corrupt block was dropped"
+        with pytest.raises(CorruptBlock):
+            store.get(key("b"))
+        assert store.get(key("b")) is None and not tier.contains(key("b"))
+        assert tier.used_bytes == 0
+    finally:
+        store.close()
+
+
+def test_concurrent_puts_reads_and_deletes_keep_accounting(tmp_path):
+    import threading
+
+    tier = gpu(tmp_path, capacity=8 * MiB)
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(40):
+                name, data = f"w{n}-{i % 5}", value(n * 100 + i % 5, 256 << 10)
+                try:
+                    tier.put(key(name), data, meta_of(data))
+                except TierFull:  # under contention an answer, not a fault
+                    pass
+                got = tier.get(key(name))
+                assert got is None or got == data
+                if i % 3 == 0:
+                    tier.delete(key(name))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        stats = tier.stats()
+        assert stats.used_bytes == stats.blocks * (256 << 10) and tier.held_bytes == 0
+        for name in list(tier.lru()):
+            tier.delete(name)
+        assert tier.used_bytes == 0
     finally:
         tier.close()
 

@@ -237,6 +237,12 @@ class GpuTier(MappableTier):
         with self._lock:
             return self._blocks.get(key)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of deleted blocks whose extents wait for a copy out in progress before they are reused."""
+        with self._lock:
+            return sum(self._size_of_locked(offset) for offset in self._doomed)
+
     # ---- the same-host exchange ----------------------------------------------
 
     def handles(self) -> list[MemoryHandle]:
