@@ -65,6 +65,12 @@ def _random(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this repository first on the path, what was there kept."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def key(name: str) -> BlockKey:
     return BlockKey("gpu-check", name.encode())
 
@@ -122,7 +128,7 @@ class Check:
     def contract(self) -> None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
                "tests/test_tier_contract.py", "tests/test_gpu_tier.py", "-k", "gpu or test_gpu_tier"]
-        env = {**os.environ, "STRATA_TEST_GPU_MEMORY": self.memory, "PYTHONPATH": str(REPO)}
+        env = child_env(STRATA_TEST_GPU_MEMORY=self.memory)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
@@ -145,7 +151,7 @@ class Check:
             index, local = tier.handle_of(loc.offset)
             ticket = pickle.dumps((tier.handles()[index], local, size, loc.meta.checksum, self.repeats))
             proc = subprocess.run([sys.executable, str(Path(__file__)), "--ipc-reader"], input=ticket,
-                                  capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                                  capture_output=True, timeout=300, env=child_env())
             store.release([loc.lease_id])
         finally:
             store.close()
@@ -188,20 +194,23 @@ class Check:
                 self.fail("round_trip", f"{mismatched} blocks came back with other bytes")
             if out["after_puts"]["host"] == 0 or found["host"] == 0:
                 self.fail("round_trip", f"nothing was demoted and read back from RAM: {out}")
-            if self.memory == "cuda":
-                import torch
-
-                data = blocks["b0"]
-                src = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
-                tier.delete(key("t"))
-                tier.put(key("t"), src, BlockMeta(size, checksum(data)))
-                dst = torch.empty_like(src)
-                tier.read_into(key("t"), dst)
-                out["cuda_tensor_round_trip"] = bool(torch.equal(src, dst))
-                if not out["cuda_tensor_round_trip"]:
-                    self.fail("round_trip", "a CUDA tensor put and read back differs")
         finally:
             store.close()
+        if self.memory == "cuda":
+            import torch
+
+            data = blocks["b0"]
+            src = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
+            tensors = self.tier(2 * size)
+            try:
+                tensors.put(key("t"), src, BlockMeta(size, checksum(data)))
+                dst = torch.empty_like(src)
+                tensors.read_into(key("t"), dst)
+                out["cuda_tensor_round_trip"] = bool(torch.equal(src, dst))
+            finally:
+                tensors.close()
+            if not out["cuda_tensor_round_trip"]:
+                self.fail("round_trip", "a CUDA tensor put and read back differs")
         self.result["round_trip"] = out
 
     # ---- 4. copies host <-> device against torch pinned copies ------------------------
@@ -221,7 +230,7 @@ class Check:
         data = _random(size, size)
         meta = BlockMeta(size, checksum(data))
         k = key("copy")
-        repeats = max(self.repeats * 16 // max(size // MiB, 1), 3)
+        repeats = max(self.repeats * 16 // max(size // MiB, 1), 5)
 
         def put() -> None:
             tier.delete(k)

@@ -21,6 +21,8 @@ from kvstore.config import SettingsError, load_settings
 from kvstore.errors import TierUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
+# a child process imports this tree first, and keeps whatever else was on the path
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 # ---- settings and the daemon ------------------------------------------------------------
@@ -59,7 +61,7 @@ def test_daemon_with_gpu_bytes_and_no_cuda_stops_with_the_fix(make_daemon, tmp_p
         [sys.executable, "-m", "kvstore.cli.main", "serve", "--gpu-bytes", "64MiB", "--listen", "127.0.0.1:0",
          "--metrics-listen", "", "--disk-dir", str(tmp_path / "cli"), "--shm-dir", str(tmp_path),
          "--ram-bytes", "32MiB", "--disk-bytes", "64MiB"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        capture_output=True, text=True, env=CHILD_ENV, timeout=120,
     )
     assert proc.returncode == 1
     assert "CUDA is not available" in proc.stderr and "--gpu-bytes 0" in proc.stderr

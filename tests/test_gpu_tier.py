@@ -31,6 +31,8 @@ from kvstore.tiers.ram import HostRamTier
 from store_blocks import MiB, value
 
 REPO = Path(__file__).resolve().parents[1]
+# a child process imports this tree first, and keeps whatever else was on the path
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 GPU_MEMORY = os.environ.get("STRATA_TEST_GPU_MEMORY", "host")
 
 
@@ -284,7 +286,7 @@ def test_another_process_reads_a_leased_block_through_the_handle(tmp_path):
         index, local = tier.handle_of(loc.offset)
         ticket = pickle.dumps((tier.handles()[index], local, loc.meta.size)).hex()
         out = subprocess.run([sys.executable, "-c", READER], input=ticket, capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, timeout=120).stdout
+                             env=CHILD_ENV, check=True, timeout=120).stdout
         got, hexdata = out.split()
         assert int(got) == loc.meta.checksum and bytes.fromhex(hexdata) == data
         assert store.release([loc.lease_id]) == [True]
