@@ -83,6 +83,24 @@ def test_client_puts_from_and_reads_into_tensors(daemon):
         assert torch.equal(placed, src)
 
 
+@pytest.mark.parametrize("use_shm", [True, False], ids=["same-host", "grpc"])
+def test_async_client_puts_from_and_reads_into_tensors(daemon, use_shm):
+    import asyncio
+
+    from kvstore.client import AsyncClient
+
+    src = torch.randn(2, 512, dtype=torch.float32)
+
+    async def main():
+        async with AsyncClient(daemon.target, use_shm=use_shm) as c:
+            assert await c.put("m", b"a", src)
+            dst = torch.empty_like(src)
+            [block] = await c.get_into("m", [b"a"], [dst])
+            assert block is not None and torch.equal(dst, src)
+
+    asyncio.run(main())
+
+
 # ---- the device check is not dead on arrival ------------------------------------------
 
 

@@ -14,6 +14,7 @@ torch is imported only when a tensor is passed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -39,6 +40,13 @@ def staged(tensor) -> memoryview:
 def host_puts(items: Sequence[BlockPut]) -> list[BlockPut]:
     """``items`` with every tensor value replaced by its bytes on the host."""
     return [replace(item, value=staged(item.value)) if is_tensor(item.value) else item for item in items]
+
+
+async def host_puts_async(items: Sequence[BlockPut]) -> list[BlockPut]:
+    """:func:`host_puts` for the event loop: device-to-host copies run in a worker thread."""
+    if any(_on_device(item.value) for item in items):
+        return await asyncio.to_thread(host_puts, items)
+    return host_puts(items)
 
 
 class StagedBuffers:
@@ -68,6 +76,12 @@ class StagedBuffers:
         pinned = torch.empty(nbytes(buf), dtype=torch.uint8, pin_memory=True)
         self._device[i] = (buf, pinned)
         return memoryview(pinned.numpy())
+
+    async def finish_async(self, blocks: list[Block | None]) -> list[Block | None]:
+        """:meth:`finish` for the event loop: host-to-device copies run in a worker thread."""
+        if self._device:
+            return await asyncio.to_thread(self.finish, blocks)
+        return blocks
 
     def finish(self, blocks: list[Block | None]) -> list[Block | None]:
         out = list(blocks)
