@@ -234,6 +234,36 @@ def test_concurrent_puts_reads_and_deletes_keep_accounting(tmp_path):
         tier.close()
 
 
+def test_a_head_without_host_view_takes_streamed_writes_and_slots(tmp_path):
+    """Device memory has no host view: streamed writes are buffered and copied in, slots are verified
+    through the tier (the host stand-in refuses views here, as cuda memory does)."""
+    options = {"shm_dir": str(tmp_path), "addressable": False} if GPU_MEMORY == "host" else {}
+    tier = GpuTier(4 * MiB, memory=GPU_MEMORY, **options)
+    store = TieredStore([tier, HostRamTier(16 * MiB, shm_dir=str(tmp_path), arena_name="r")],
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    try:
+        assert not tier.host_addressable
+        with pytest.raises(TierUnavailable, match="not addressable from the host"):
+            tier.view(0, 4096)
+        data = value(8, MiB + 100)
+        writer = store.open_write(key("streamed"), meta_of(data))
+        assert not writer.in_place
+        for at in range(0, len(data), 64 << 10):
+            writer.write(data[at:at + (64 << 10)])
+        assert writer.commit(None) == (True, TierName.GPU)
+        assert store.get(key("streamed"))[0] == data
+        slot_data = value(9, 300_000)
+        [good, bad] = store.allocate("m", [(b"slot", len(slot_data), None, ""), (b"bad", len(slot_data), None, "")])
+        tier.write_extent(good.offset, slot_data)
+        tier.write_extent(bad.offset, slot_data)
+        assert [r[1] for r in store.commit([(good.slot_id, checksum(slot_data))])] == [True]
+        with pytest.raises(CorruptBlock):
+            store.commit([(bad.slot_id, checksum(slot_data) ^ 1)])
+        assert store.get(key("slot"))[0] == slot_data and store.get(key("bad")) is None
+    finally:
+        store.close()
+
+
 def test_memory_kinds_registry_and_bounds(tmp_path):
     assert known_kinds() == ["cuda", "host"]
     with pytest.raises(InvalidArgument, match="known kinds are cuda, host"):

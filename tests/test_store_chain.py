@@ -55,7 +55,15 @@ def gpu_ram_disk(tmp_path, n):
     return [GpuTier(4 * MiB, memory="host", shm_dir=str(tmp_path))] + ram_disk(tmp_path, n)
 
 
-CHAINS = {"gpu+ram+disk": gpu_ram_disk, "ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote, "ram+disk+object": ram_disk_object}
+def device_ram(tmp_path, n):
+    """The GPU tier's stand-in refusing host views, as device memory does: the store copies in and out."""
+    from kvstore.tiers.gpu import GpuTier
+
+    ram = HostRamTier(16 * MiB, shm_dir=str(tmp_path), arena_name=f"a{n}")
+    return [GpuTier(4 * MiB, memory="host", shm_dir=str(tmp_path), addressable=False), ram]
+
+
+CHAINS = {"gpu+ram+disk": gpu_ram_disk, "gpu-unmapped+ram": device_ram, "ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote, "ram+disk+object": ram_disk_object}
 NEEDS = {"ram+disk+object": "s3"}  # a session fixture a chain's row needs
 
 

@@ -41,7 +41,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvstore.block import BlockKey, BlockMeta, TierName, copy_and_checksum
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +150,8 @@ class MappableTier(Tier):
     def view(self, offset: int, size: int) -> memoryview:
         """A writable view of ``size`` bytes at ``offset``; the caller releases it."""
 
+    host_addressable: bool = True  # view() works; device memory says False and is copied in and out instead
+
     def write_extent(self, offset: int, src) -> int:
         """Copy ``src`` into the reserved extent at ``offset``; the checksum of the bytes as they crossed.
         The store writes through this, not :meth:`view`, so a tier whose memory the host cannot address
@@ -158,6 +160,14 @@ class MappableTier(Tier):
         view = self.view(offset, size)
         try:
             return copy_and_checksum(view, src)
+        finally:
+            view.release()
+
+    def checksum_extent(self, offset: int, size: int) -> int:
+        """The checksum of ``size`` bytes at ``offset`` (a slot its writer filled through its own mapping)."""
+        view = self.view(offset, size)
+        try:
+            return checksum(view)
         finally:
             view.release()
 

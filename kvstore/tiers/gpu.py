@@ -203,6 +203,14 @@ class GpuTier(MappableTier):
         region, local = self._region_of(offset)
         return region.view(local, size)
 
+    @property
+    def host_addressable(self) -> bool:
+        return all(region.addressable for region in self._regions)
+
+    def checksum_extent(self, offset: int, size: int) -> int:
+        region, local = self._region_of(offset)
+        return region.checksum(local, size)
+
     def write_extent(self, offset: int, src) -> int:
         region, local = self._region_of(offset)
         return region.write(local, src)

@@ -83,6 +83,8 @@ class RegionAccess(abc.ABC):
 class DeviceMemory(RegionAccess):
     """One region of device memory owned by this process."""
 
+    addressable: bool = False  # view() gives host access in place (only a host stand-in can)
+
     @abc.abstractmethod
     def write(self, offset: int, src) -> int:
         """Copy ``src`` (bytes-like, or a tensor on any device) into the region at ``offset``;

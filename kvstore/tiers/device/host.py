@@ -27,8 +27,12 @@ def probe(devices: list[int]) -> None:
 class HostMemory(DeviceMemory):
     kind = "host"
 
-    def __init__(self, size: int, device: int = 0, *, shm_dir: str = "/dev/shm", name: str = "") -> None:
+    def __init__(self, size: int, device: int = 0, *, shm_dir: str = "/dev/shm", name: str = "",
+                 addressable: bool = True) -> None:
+        """``addressable`` False refuses :meth:`view` as device memory does, so a store over it takes
+        the paths it takes on a GPU (copies through ``write``/``read_into``, buffered streamed writes)."""
         self.device = f"host:{device}"
+        self.addressable = addressable
         name = name or f"strata-gpu-{device}-{secrets.token_hex(4)}"
         self._arena = ShmArena.create(size, shm_dir, name)
 
@@ -57,6 +61,8 @@ class HostMemory(DeviceMemory):
             view.release()
 
     def view(self, offset: int, size: int) -> memoryview:
+        if not self.addressable:
+            return super().view(offset, size)
         self._check(offset, size)
         return self._arena.view(offset, size)
 
