@@ -113,12 +113,12 @@ def test_invalid_settings_say_what_to_change(overrides, message):
 
 
 def test_unknown_key_in_a_config_file_is_named_with_the_known_ones(tmp_path):
-    cfg = write(tmp_path, '[tiers.ram]\nbyts = "1GiB"\n[tiers.gpu]\nbytes = "8GiB"\n[sever]\nlisten = ":1"\n')
+    cfg = write(tmp_path, '[tiers.ram]\nbyts = "1GiB"\n[tiers.tape]\nbytes = "8GiB"\n[sever]\nlisten = ":1"\n')
     with pytest.raises(SettingsError) as info:
         load_settings(cfg, environ={})
     text = str(info.value)
     assert "tiers.ram.byts: unknown section or key; known in [tiers.ram]: bytes, shm_dir" in text
-    assert "tiers.gpu: unknown section or key; known in [tiers]: chain, ram, disk" in text
+    assert "tiers.tape: unknown section or key; known in [tiers]: chain, ram, disk" in text
     assert "sever: unknown section or key; known at the top level: node, server, tiers, store, index, auth, logging" in text
 
 
@@ -258,21 +258,21 @@ def test_config_imports_no_index_module():
 def test_a_new_section_gets_its_names_from_its_fields():
     """Adding a component is a Section subclass and a field on its parent; names follow."""
 
-    class GpuSettings(Section):
-        flag_prefix = "gpu_"
-        bytes: ByteSize = setting(ByteSize(0), "GPU tier size")
+    class TapeSettings(Section):
+        flag_prefix = "tape_"
+        bytes: ByteSize = setting(ByteSize(0), "tape tier size")
 
     class Tiers(TierSettings):
-        gpu: GpuSettings = setting(default_factory=GpuSettings)
+        tape: TapeSettings = setting(default_factory=TapeSettings)
 
-    class WithGpu(Settings):
+    class WithTape(Settings):
         tiers: Tiers = setting(default_factory=Tiers)
 
-    names = {s.flag: s for s in iter_settings(WithGpu)}
-    gpu = names["gpu_bytes"]
-    assert (gpu.option, gpu.env, gpu.nested_env, gpu.toml) == (
-        "--gpu-bytes", "STRATA_GPU_BYTES", "STRATA_TIERS__GPU__BYTES", "[tiers.gpu] bytes")
-    assert set(names) == {s.flag for s in SETTINGS} | {"gpu_bytes"}
+    names = {s.flag: s for s in iter_settings(WithTape)}
+    tape = names["tape_bytes"]
+    assert (tape.option, tape.env, tape.nested_env, tape.toml) == (
+        "--tape-bytes", "STRATA_TAPE_BYTES", "STRATA_TIERS__TAPE__BYTES", "[tiers.tape] bytes")
+    assert set(names) == {s.flag for s in SETTINGS} | {"tape_bytes"}
 
 
 def test_the_chain_and_its_edges_come_from_config(make_daemon):

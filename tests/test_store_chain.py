@@ -48,7 +48,22 @@ def ram_disk_object(tmp_path, n, s3):
     return ram_disk(tmp_path, n) + [tier]
 
 
-CHAINS = {"ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote, "ram+disk+object": ram_disk_object}
+def gpu_ram_disk(tmp_path, n):
+    """The GPU tier at the head on the host stand-in for device memory (the device check runs it on CUDA)."""
+    from kvstore.tiers.gpu import GpuTier
+
+    return [GpuTier(4 * MiB, memory="host", shm_dir=str(tmp_path))] + ram_disk(tmp_path, n)
+
+
+def device_ram(tmp_path, n):
+    """The GPU tier's stand-in refusing host views, as device memory does: the store copies in and out."""
+    from kvstore.tiers.gpu import GpuTier
+
+    ram = HostRamTier(16 * MiB, shm_dir=str(tmp_path), arena_name=f"a{n}")
+    return [GpuTier(4 * MiB, memory="host", shm_dir=str(tmp_path), addressable=False), ram]
+
+
+CHAINS = {"gpu+ram+disk": gpu_ram_disk, "gpu-unmapped+ram": device_ram, "ram": ram_only, "ram+disk": ram_disk, "ram+disk+remote": ram_disk_remote, "ram+disk+object": ram_disk_object}
 NEEDS = {"ram+disk+object": "s3"}  # a session fixture a chain's row needs
 
 
@@ -77,10 +92,10 @@ def store(request, tmp_path, clock, stores):
 
 
 def test_round_trip_and_repeat(store):
-    assert put(store, b"a", value(1)) == (True, HOST)
+    assert put(store, b"a", value(1)) == (True, store.head.name)
     assert put(store, b"a", value(1))[0] is False
     data, meta, tier = store.get(BlockKey("m", b"a"))
-    assert data == value(1) and tier is HOST
+    assert data == value(1) and tier is store.head.name
 
 
 def test_pressure_loses_only_what_the_chain_cannot_hold(store):
@@ -112,11 +127,8 @@ def test_pin_protects_under_pressure(store):
 def test_lookup_in_place_then_release(store):
     put(store, b"a", value(7))
     [loc] = store.lookup("m", [b"a"])
-    view = store.head.view(loc.offset, loc.meta.size)
-    try:
+    with store.head.readable(loc.offset, loc.meta.size) as view:
         assert bytes(view) == value(7)
-    finally:
-        view.release()
     assert store.release([loc.lease_id]) == [True]
 
 
@@ -130,7 +142,7 @@ def test_delete_and_listing(store):
 
 def test_holdings_name_best_tiers(store):
     put(store, b"a", value(1))
-    assert list(store.holdings()) == [(BlockKey("m", b"a"), HOST)]
+    assert list(store.holdings()) == [(BlockKey("m", b"a"), store.head.name)]
 
 
 # ---- chain construction and the tier registry ------------------------------------
@@ -160,7 +172,7 @@ def test_tier_registry_builds_by_name_and_lists_known(tmp_path):
     remote = open_tier("remote", url=f"memory://registry-{tmp_path.name}")
     assert remote.name is TierName.OBJECT and remote.remote
     remote.close()
-    with pytest.raises(InvalidArgument, match="known tiers are disk, object, peer, ram, remote"):
+    with pytest.raises(InvalidArgument, match="known tiers are disk, gpu, object, peer, ram, remote"):
         open_tier("tape")
 
 

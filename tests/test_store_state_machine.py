@@ -269,3 +269,18 @@ TestRemoteStoreMachine = RemoteStoreMachine.TestCase
 TestRemoteStoreMachine.settings = settings(
     max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+class GpuStoreMachine(StoreMachine):
+    """The same rules with the GPU tier at the head (on the host stand-in for device memory), above RAM and disk."""
+
+    def make_tiers(self) -> list:
+        from kvstore.tiers.gpu import GpuTier
+
+        return [GpuTier(2 << 20, memory="host", shm_dir=self.dir), *super().make_tiers()]
+
+
+TestGpuStoreMachine = GpuStoreMachine.TestCase
+TestGpuStoreMachine.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -8,6 +8,7 @@ pages, the disk tier adds a header), so they hold for every implementation.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,19 @@ def make_disk(tmp_path: Path, capacity: int) -> Tier:
     return DiskTier(tmp_path / "disk", capacity)
 
 
-FACTORIES: dict[str, Callable[[Path, int], Tier]] = {"host": make_host, "disk": make_disk}
+# The GPU tier runs on the ``host`` stand-in for device memory here; the device check
+# (benchmarks/gpu_check.py) runs this suite again with STRATA_TEST_GPU_MEMORY=cuda.
+GPU_MEMORY = os.environ.get("STRATA_TEST_GPU_MEMORY", "host")
+
+
+def make_gpu(tmp_path: Path, capacity: int) -> Tier:
+    from kvstore.tiers.gpu import GpuTier
+
+    options = {"shm_dir": str(tmp_path)} if GPU_MEMORY == "host" else {}
+    return GpuTier(capacity, devices=(0,), memory=GPU_MEMORY, **options)
+
+
+FACTORIES: dict[str, Callable[[Path, int], Tier]] = {"host": make_host, "disk": make_disk, "gpu": make_gpu}
 
 
 @pytest.fixture(params=sorted(FACTORIES))

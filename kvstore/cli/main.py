@@ -66,7 +66,7 @@ def _show(value) -> str:
     if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
         return f"{value >> 20}MiB" if value < 1 << 30 else f"{value >> 30}GiB"
     if isinstance(value, list):
-        return ",".join(value) or "none"
+        return ",".join(map(str, value)) or "none"
     if isinstance(value, dict):
         return ",".join(f"{k}:{v}" for k, v in value.items()) or "none"
     return str(value) if value != "" else "off"

@@ -41,7 +41,7 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
-from kvstore.client import codec
+from kvstore.client import codec, tensors
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import ArenaUnusable, DaemonUnavailable, StaleAttachment, StrataError
 from kvstore.shm.arena import ShmArena
@@ -266,8 +266,9 @@ class AsyncClient:
         return (await self.put_many(namespace, [BlockPut(key, value, parent, layout)]))[0]
 
     async def put_many(self, namespace: str, items: Sequence[BlockPut]) -> list[bool]:
-        """Store blocks in one batch; per block, whether it was newly stored."""
-        checked = codec.check_puts(namespace, items)
+        """Store blocks in one batch; per block, whether it was newly stored. A value may be a torch
+        tensor (see :mod:`kvstore.client.tensors`)."""
+        checked = codec.check_puts(namespace, await tensors.host_puts_async(items))
         if not checked:
             return []
         return await self._retrying("Put", lambda: self._put_once(namespace, checked))
@@ -357,7 +358,8 @@ class AsyncClient:
         ``local_only`` as for :meth:`get_many`.
         """
         keys = codec.check_gets(namespace, keys)
-        return await self._get(namespace, keys, codec.placement(keys, buffers), local_only)
+        staging = tensors.StagedBuffers(buffers)
+        return await staging.finish_async(await self._get(namespace, keys, codec.placement(keys, staging.buffers), local_only))
 
     async def _get(self, namespace: str, keys: Sequence[bytes], place, local_only: bool = False) -> list[Block | None]:
         keys = codec.check_gets(namespace, keys)

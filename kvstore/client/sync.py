@@ -28,6 +28,7 @@ from kvstore.api.v1 import handoff_pb2 as hpb
 from kvstore.api.v1 import handoff_pb2_grpc, index_pb2, index_pb2_grpc, kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
+from kvstore.client import tensors
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import StrataError
@@ -188,7 +189,7 @@ class Client:
 
     def put_many(self, namespace: str, items: Sequence[BlockPut]) -> list[bool]:
         """Store blocks in one batch; per block, whether it was newly stored."""
-        checked = codec.check_puts(namespace, items)
+        checked = codec.check_puts(namespace, tensors.host_puts(items))
         if not checked:
             return []
         items = [item for item, _, _ in checked]
@@ -206,8 +207,9 @@ class Client:
     def get_into(self, namespace: str, keys: Sequence[bytes], buffers: Sequence | codec.Placement) -> list[Block | None]:
         """Read blocks straight into caller-owned memory: no buffer allocated per block.
 
-        ``buffers`` is one writable buffer per key, each at least its block's
-        size, or a placement function ``place(i, info) -> buffer | None``
+        ``buffers`` is one writable buffer (or torch tensor: a CUDA tensor is
+        filled through host staging, see :mod:`kvstore.client.tensors`) per key,
+        each at least its block's size, or a placement function ``place(i, info) -> buffer | None``
         called with each found block's :class:`BlockInfo` (size, layout)
         before its bytes are read: return a buffer of at least ``info.size``
         bytes, or None to skip the block (it reads as a miss). An engine
@@ -218,7 +220,8 @@ class Client:
         may be placed again: return the same buffer for the same index.
         """
         keys = codec.check_gets(namespace, keys)
-        return self._get(keys, namespace, codec.placement(keys, buffers))
+        staging = tensors.StagedBuffers(buffers)
+        return staging.finish(self._get(keys, namespace, codec.placement(keys, staging.buffers)))
 
     def _get(self, keys: list[bytes], namespace: str, place) -> list[Block | None]:
         if not keys:

@@ -3,11 +3,10 @@
 ``chain`` orders the tiers, fastest first; each name is a section here and a
 tier in :mod:`kvstore.tiers`' registry. Every tier below the head says how
 blocks reach it (``write_policy``) and whether reads from it are copied up
-(``promote``): the policy of the edge above it. The GPU tier gets its
-section here when it exists: a
-:class:`~kvstore.config.section.Section` subclass (a
-:class:`LowerTierSettings` for a tier below the head) and a field of
-:class:`TierSettings`.
+(``promote``): the policy of the edge above it. The GPU tier
+(``[tiers.gpu]``) is not listed in ``chain``: a size (``--gpu-bytes``)
+puts it at the head, above RAM; 0 (the default) leaves it out and nothing
+else changes.
 """
 
 from __future__ import annotations
@@ -362,6 +361,49 @@ class ObjectTierSettings(LowerTierSettings):
         return parse_ttls(self.namespace_ttl)
 
 
+class GpuSettings(Section):
+    flag_prefix = "gpu_"
+    title = ("GPU tier: KV blocks in device memory (one region per device, allocated at start) at the head of "
+             "the chain, demoted to RAM over pinned buffers; needs CUDA (torch). The daemon refuses it for now "
+             "(README: GPU tier): it runs embedded")
+
+    bytes: ByteSize = setting(ByteSize(0), "device memory per GPU for the gpu tier; 0 (the default) leaves it out")
+    devices: Annotated[list[int], Field(min_length=1, max_length=16)] = setting(
+        default_factory=lambda: [0], description="CUDA device indices the gpu tier allocates on, comma-separated",
+    )
+    memory: Literal["cuda", "host"] = setting(
+        "cuda", "what stands behind the gpu tier: cuda (device memory) or host (a shared-memory stand-in, for "
+        "tests and dry runs on machines without a GPU)",
+    )
+
+    _split = field_validator("devices", mode="before")(split_commas)
+
+    @field_validator("devices")
+    @classmethod
+    def _distinct(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value) or min(value) < 0:
+            raise ValueError(f"gpu_devices {value}: device indices are 0 or more, each listed once")
+        return value
+
+    @field_validator("bytes")
+    @classmethod
+    def _zero_or_a_region(cls, value: ByteSize) -> ByteSize:
+        if 0 < value < 1 << 20:
+            raise ValueError(f"gpu_bytes is {value.human_readable()}; give the gpu tier at least 1MiB, or 0")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.bytes > 0
+
+    def tier_options(self, state_dir: Path) -> dict[str, Any]:
+        return {"capacity_bytes": int(self.bytes), "devices": tuple(self.devices), "memory": self.memory}
+
+    def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
+        """The gpu tier belongs to the default arena only: device memory is not split by namespace."""
+        return options if arena["default"] else None
+
+
 class TierSettings(Section):
     title = "the tiers, fastest first"
 
@@ -374,12 +416,15 @@ class TierSettings(Section):
     disk: DiskSettings = setting(default_factory=DiskSettings)
     peer: PeerTierSettings = setting(default_factory=PeerTierSettings)
     object: ObjectTierSettings = setting(default_factory=ObjectTierSettings)
+    gpu: GpuSettings = setting(default_factory=GpuSettings)
 
     _split = field_validator("chain", mode="before")(split_commas)
 
     @model_validator(mode="after")
     def _known_chain(self) -> TierSettings:
-        known = [name for name in type(self).model_fields if name != "chain"]
+        known = [name for name in type(self).model_fields if name not in ("chain", "gpu")]
+        if "gpu" in self.chain:
+            raise ValueError("gpu is not listed in the chain: set --gpu-bytes and it joins the head, above ram")
         for name in self.chain:
             if name not in known:
                 raise ValueError(f"tier {name!r} in the chain is not a tier; the known tiers are {', '.join(known)}")
@@ -394,3 +439,7 @@ class TierSettings(Section):
 
     def section(self, name: str) -> Section:
         return getattr(self, name)
+
+    def effective_chain(self) -> list[str]:
+        """The chain the daemon builds: ``gpu`` first when it has a size, then ``chain``."""
+        return (["gpu"] if self.gpu.enabled else []) + list(self.chain)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import Settings
+from kvstore.errors import TierUnavailable
 from kvstore.metrics import StoreMetrics
 from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
 from kvstore.store.group import StoreArena, StoreGroup, watch_group
@@ -35,6 +36,7 @@ def open_stores(
 
     ``runtime``: per tier name, options only the running daemon has (the peer tier's index,
     node identity and metrics), added to what the tier's settings give."""
+    _check_gpu(settings)
     plan = settings.arena_plan()
     rules = NamespaceRules([(a["name"], a["namespaces"]) for a in plan[1:]], plan[0]["name"])
     limits = StoreLimits.from_settings(settings.store)
@@ -79,7 +81,7 @@ def _chain(settings: Settings, arena: dict, state_dir: Path, runtime: Mapping[st
     tiers: list = []
     edges: list[EdgePolicy] = []
     try:
-        for name in settings.tiers.chain:
+        for name in settings.tiers.effective_chain():
             options = settings.arena_tier_options(arena, name, state_dir)
             if options is None:
                 continue
@@ -91,3 +93,22 @@ def _chain(settings: Settings, arena: dict, state_dir: Path, runtime: Mapping[st
             tier.close()
         raise
     return TierChain(tiers, edges)
+
+
+def _check_gpu(settings: Settings) -> None:
+    """With ``--gpu-bytes``: CUDA must be there (else a message naming the fix), and the daemon must serve it.
+
+    It does not yet: same-host clients read the head in place through the RAM arena they map,
+    and the control path does not yet hand out the gpu tier's IPC handles instead. The tier
+    runs embedded (a ``TieredStore`` over ``[GpuTier, HostRamTier, ...]``) meanwhile."""
+    gpu = settings.tiers.gpu
+    if not gpu.enabled:
+        return
+    from kvstore.tiers.device import probe
+
+    probe(gpu.memory, gpu.devices)
+    raise TierUnavailable(
+        "the daemon does not serve the gpu tier yet: same-host clients map the RAM arena, and the control "
+        "path does not hand out device memory handles; set --gpu-bytes 0 (the gpu tier runs embedded in a "
+        "TieredStore meanwhile)"
+    )

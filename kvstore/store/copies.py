@@ -109,11 +109,8 @@ class CopyDown(StorePart):
                 loc = self._head.locate(job.key)
                 if loc is None:
                     return "gone", ""
-                view = self._head.view(loc[0], entry.meta.size)
-                try:
+                with self._head.readable(loc[0], entry.meta.size) as view:
                     self._put_below(job.dst, job.key, view, entry.meta, job.may_drop)
-                finally:
-                    view.release()
             else:
                 data = self._chain.tier(job.src).get(job.key)
                 if data is None:

@@ -141,9 +141,13 @@ class HeadPlacement(StorePart):
             offset = self.reserve(meta.size, deadline)
         except TierFull:
             return False
-        view = self._head.view(offset, meta.size)
-        view[:] = data
-        view.release()
+        try:
+            self._head.write_extent(offset, data)
+        except BaseException:
+            with self._cond:
+                self._head.unreserve(offset)
+                self._cond.notify_all()
+            raise
         with self._cond:
             entry = self._catalog.live(key)
             if entry is None or head in entry.tiers:

@@ -107,11 +107,8 @@ class ChainReader(StorePart):
                 loc = self._head.locate(key)
                 if loc is None:
                     return None
-                view = self._head.view(loc[0], meta.size)
-                try:
+                with self._head.readable(loc[0], meta.size) as view:
                     data = bytes(view)
-                finally:
-                    view.release()
                 if checksum(data) != meta.checksum:
                     raise CorruptBlock(f"block {key} failed its checksum in the {tier.label} tier")
                 return data

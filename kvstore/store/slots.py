@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.block import BlockKey, BlockMeta, TierName, checksum, validate_key
+from kvstore.block import BlockKey, BlockMeta, TierName, validate_key
 from kvstore.errors import CorruptBlock, InvalidArgument, LeaseError
 from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.placement import HeadPlacement
@@ -120,12 +120,8 @@ class SlotProtocol(StorePart):
         metas, bad = [], []
         for lease, (_, declared) in zip(taken, items):
             if self._s.limits.verify_commits:
-                view = self._head.view(lease.offset, lease.meta.size)
-                try:
-                    if checksum(view) != declared:
-                        bad.append(lease.block)
-                finally:
-                    view.release()
+                if self._head.checksum_extent(lease.offset, lease.meta.size) != declared:
+                    bad.append(lease.block)
             metas.append(BlockMeta(lease.meta.size, declared, lease.meta.parent, lease.meta.layout))
         if bad:
             with self._s.locked():

@@ -63,7 +63,6 @@ from kvstore.block import (
     BlockKey,
     BlockMeta,
     TierName,
-    copy_and_checksum,
     validate_key,
     validate_namespace,
 )
@@ -223,15 +222,12 @@ class TieredStore(StorePart):
 
     def _put_new(self, key: BlockKey, data: memoryview, meta: BlockMeta, deadline: float | None) -> tuple[bool, TierName]:
         offset = self._place.reserve(meta.size, deadline)
-        view = self._head.view(offset, meta.size)
         try:
-            got = copy_and_checksum(view, data)
+            got = self._head.write_extent(offset, data)
         except BaseException:
-            view.release()
             with self._cond:
                 self._head.unreserve(offset)
             raise
-        view.release()
         if got != meta.checksum:
             with self._cond:
                 self._head.unreserve(offset)

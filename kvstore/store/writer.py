@@ -18,7 +18,8 @@ When the head has no room at once (what is there is pinned, leased or still
 being demoted), the writer does not wait at the header: it buffers the bytes
 and stores them at commit as a plain :meth:`TieredStore.put`, which waits for
 room until its deadline, as every streamed put did before. The server's byte
-budget bounds what such buffers hold.
+budget bounds what such buffers hold. A head the host cannot address in
+place (device memory) is always written that way.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class StreamedWrites(StorePart):
                 self._s.touch_locked(key, entry)
                 return BlockWriter(self, key, meta, present=self._s.best(entry))
             parent = self._s.pin_parent_locked(key, meta)
+        if not self._head.host_addressable:  # device memory: buffered, then copied in by put
+            self._unpin(parent)
+            return BlockWriter(self, key, meta, buffer=bytearray(meta.size))
         try:
             offset = self._place.reserve(meta.size, deadline=self._clock())  # room now, or none: no wait
         except TierFull:

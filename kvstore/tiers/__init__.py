@@ -2,7 +2,7 @@
 
 The daemon builds its chain from names (``ram``, ``disk``, ``remote`` for a
 remote source by URL such as ``memory://fleet``, ``peer`` for other daemons' blocks, ``object`` for an
-S3 bucket the fleet shares; later ``gpu``) with
+S3 bucket the fleet shares, ``gpu`` for device memory at the head) with
 :func:`open_tier`; a new tier is one module plus one entry in
 ``_REGISTRY`` (and a row in the tier contract suite), never an ``if`` on a
 name somewhere else.
@@ -53,8 +53,15 @@ def _object(**options) -> Tier:
     return ObjectTier.open(**options)
 
 
+def _gpu(**options) -> Tier:
+    """The GPU tier: one region per device (``kvstore.tiers.device``); TierUnavailable without CUDA."""
+    from kvstore.tiers.gpu import GpuTier
+
+    return GpuTier(**options)
+
+
 _REGISTRY: dict[str, Callable[..., Tier]] = {
-    "ram": _ram, "disk": _disk, "remote": _remote, "peer": _peer, "object": _object,
+    "ram": _ram, "disk": _disk, "remote": _remote, "peer": _peer, "object": _object, "gpu": _gpu,
 }
 
 

@@ -6,8 +6,8 @@ ordered chain of them and owns every policy (placement, eviction, demotion,
 promotion, recency). Three kinds, from the top of the chain down:
 
 - :class:`MappableTier`: bytes addressable in place, so a same-host client
-  reads and writes them through its own mapping (the host-RAM arena; later
-  device memory). The head of every chain is one.
+  reads and writes them through its own mapping (the host-RAM arena; device
+  memory, :mod:`kvstore.tiers.gpu`). The head of every chain is one.
 - :class:`Tier` (a *local* tier): bounded latency, bytes copied in and out
   (local NVMe).
 - a *remote source* (:mod:`kvstore.remote`): asynchronous, deadline-bound,
@@ -37,10 +37,11 @@ New tiers join by a factory in :mod:`kvstore.tiers`' registry and a row in
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvstore.block import BlockKey, BlockMeta, TierName
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,37 @@ class MappableTier(Tier):
     @abc.abstractmethod
     def view(self, offset: int, size: int) -> memoryview:
         """A writable view of ``size`` bytes at ``offset``; the caller releases it."""
+
+    host_addressable: bool = True  # view() works; device memory says False and is copied in and out instead
+
+    def write_extent(self, offset: int, src) -> int:
+        """Copy ``src`` into the reserved extent at ``offset``; the checksum of the bytes as they crossed.
+        The store writes through this, not :meth:`view`, so a tier whose memory the host cannot address
+        (device memory) copies its own way."""
+        size = memoryview(src).nbytes
+        view = self.view(offset, size)
+        try:
+            return copy_and_checksum(view, src)
+        finally:
+            view.release()
+
+    def checksum_extent(self, offset: int, size: int) -> int:
+        """The checksum of ``size`` bytes at ``offset`` (a slot its writer filled through its own mapping)."""
+        view = self.view(offset, size)
+        try:
+            return checksum(view)
+        finally:
+            view.release()
+
+    @contextlib.contextmanager
+    def readable(self, offset: int, size: int) -> Iterator[memoryview]:
+        """The ``size`` bytes at ``offset`` for the length of a ``with``: a view in place where the host
+        addresses the memory, a copy where it does not."""
+        view = self.view(offset, size)
+        try:
+            yield view
+        finally:
+            view.release()
 
     @abc.abstractmethod
     def commit(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool = True) -> bool:
