@@ -23,6 +23,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.errors import DiskFull, TierUnavailable
@@ -100,8 +101,10 @@ class CachedModel:
             self._fds[file] = fd
             return fd
 
-    def store(self, file: int, chunk: int, data: memoryview) -> bool:
-        """Verify one chunk and make it present; False (nothing written) if it fails its digest."""
+    def store(self, file: int, chunk: int, data: memoryview, on_written: Callable[[], None] | None = None) -> bool:
+        """Verify one chunk and make it present; False (nothing written) if it fails its digest.
+        ``on_written`` is called once the verified bytes are in the file (readable through the page
+        cache) and before they are made durable: a reader in this process need not wait on the flush."""
         if digest_of(data) != self.manifest.files[file].chunks[chunk]:
             return False
         fd = self.prepare(file)
@@ -116,6 +119,8 @@ class CachedModel:
         # Present here first, then durable: the bytes are verified and in the page cache, so this
         # process may serve them now; and refresh() never mistakes our own entry for another's.
         self._present[file][chunk] = 1
+        if on_written is not None:
+            on_written()
         self.record.commit(fd, [(file, chunk)])
         return True
 

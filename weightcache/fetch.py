@@ -32,7 +32,9 @@ run: nothing more can be stored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import mmap
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -79,6 +81,14 @@ class FetchStats:
     unavailable: int = 0
     corrupt: int = 0
     failed: int = 0
+
+
+def _chunk_buffer(nbytes: int) -> mmap.mmap:
+    """A reusable chunk buffer: an anonymous mapping, so its pages are given (zeroed by the kernel)
+    only when a read first lands in them. A ``bytearray`` would be zero-filled here, on the loop,
+    for every in-flight slot before the first request could go out, and for an origin that hands
+    back buffers of its own (S3) that memory would never be used at all."""
+    return mmap.mmap(-1, nbytes)
 
 
 class _Miss(Exception):
@@ -152,7 +162,7 @@ class Planner:
             self._present(item)
 
     async def _worker(self) -> None:
-        buffer = bytearray(self.model.manifest.chunk_bytes)
+        buffer = _chunk_buffer(self.model.manifest.chunk_bytes)
         while True:
             if self._queue:
                 item = self._queue.popleft()
@@ -217,7 +227,7 @@ class Planner:
                     continue
                 except (OriginUnavailable, TimeoutError) as err:
                     if isinstance(err, TimeoutError):
-                        buffer = bytearray(len(buffer))  # the abandoned read may still land in the old one
+                        buffer = _chunk_buffer(len(buffer))  # the abandoned read may still land in the old one
                         err = OriginUnavailable(f"{source.name}: {ref.path} chunk {ref.chunk} timed out")
                     self.stats.unavailable += 1
                     self._count("unavailable", source)
@@ -232,12 +242,11 @@ class Planner:
                     excluded[source] = _Miss(f"{source.name} does not hold it")
                     self._count("miss", source)
                     continue
-                # Verify and store off the loop; an error here (disk full) ends the run.
-                if await loop.run_in_executor(self._executor, self.model.store, ref.file, ref.chunk, view):
-                    source.limit.succeeded()
-                    self.stats.fetched[source.kind] += 1
-                    self.stats.fetched_bytes[source.kind] += ref.length
-                    self._count("ok", source, ref.length)
+                # Verify and store off the loop; an error here (disk full) ends the run. The chunk is
+                # counted and the reader told once its verified bytes are in the file, not after the
+                # flush that makes them durable (which runs on, before this await returns).
+                written = functools.partial(loop.call_soon_threadsafe, self._stored, ref, source)
+                if await loop.run_in_executor(self._executor, self.model.store, ref.file, ref.chunk, view, written):
                     return buffer
                 self.stats.corrupt += 1
                 corrupt[source] += 1
@@ -260,6 +269,13 @@ class Planner:
         if isinstance(last, ManifestMismatch):
             raise last
         raise OriginUnavailable(f"{where}: no source gave it after {self.limits.max_attempts} tries (last: {last})")
+
+    def _stored(self, ref: ChunkRef, source: ChunkSource) -> None:
+        source.limit.succeeded()
+        self.stats.fetched[source.kind] += 1
+        self.stats.fetched_bytes[source.kind] += ref.length
+        self._count("ok", source, ref.length)
+        self._present((ref.file, ref.chunk))
 
     def _backoff(self, attempt: int) -> float:
         ceiling = min(self.limits.backoff_max_s, self.limits.backoff_base_s * 2 ** (attempt - 1))

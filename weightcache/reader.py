@@ -34,6 +34,7 @@ Tensors are zero-copy views of private mappings of the cache files (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import sys
 import threading
@@ -366,7 +367,11 @@ class ModelReader:
             if self._closed:
                 return
             self._closed = True
+            settled = not self._waiters  # every chunk here or failed: only flushes may be left
             self._cond.notify_all()
+        if settled:  # let them finish (durable and counted) instead of cancelling them
+            with contextlib.suppress(Exception):  # its failures are already the reader's to report
+                self._run.result(timeout=60)
         self._loop.call(self._halt(), 60)
         self._loop.call(self._origin.close(), 30)
         self._loop.stop()

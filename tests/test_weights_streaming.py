@@ -1,0 +1,93 @@
+"""The first tensor waits on its own chunks only: not on the flush that makes them durable, and not on
+buffers set up for every other chunk in flight."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import tracemalloc
+
+import numpy as np
+
+import weightcache
+from weightcache.cache import NodeCache
+from weightcache.fetch import FetchLimits
+from weightcache.record import HEADER_BYTES, ChunkRecord
+from weightcache.sources import AdaptiveLimit, ChunkRef, ChunkSource
+from weights_models import layered_tensors, write_numpy_model
+
+CHUNK = 64 << 10
+
+
+def test_a_tensor_is_served_before_its_chunks_are_flushed(tmp_path, monkeypatch):
+    t = layered_tensors(seed=3, layers=2)
+    folder = write_numpy_model(tmp_path / "m", [t])
+    m = weightcache.publish_model(str(folder), chunk_bytes=CHUNK)
+    flush = threading.Event()
+    real_commit = ChunkRecord.commit
+
+    def slow_disk(self, fd, chunks):  # a disk whose fdatasync takes until the test says so
+        assert flush.wait(60), "the flush was never let through"
+        real_commit(self, fd, chunks)
+
+    monkeypatch.setattr(ChunkRecord, "commit", slow_disk)
+    try:
+        with weightcache.open_model(str(folder), m.digest, cache_dir=tmp_path / "c", deadline_s=10) as r:
+            tensors = iter(r)
+            name, first = next(tensors)  # verified and in the file; nothing recorded yet
+            np.testing.assert_array_equal(first, t[name])
+            assert os.path.getsize(r.model.record.path) == HEADER_BYTES
+            flush.set()
+            got = {name: first, **dict(tensors)}
+            r.wait()  # returns once every chunk is durable
+        for k, v in t.items():
+            np.testing.assert_array_equal(got[k], v)
+    finally:
+        flush.set()
+    # what was served before its flush is recorded now: a warm open needs no origin
+    for p in folder.glob("*.safetensors"):
+        p.unlink()
+    with weightcache.open_model(str(folder), m.digest, cache_dir=tmp_path / "c") as r:
+        assert {k for k, _ in r} == set(t)
+        assert r.stats.cached == r.stats.planned
+
+
+class MappedSource(ChunkSource):
+    """A source that hands back buffers of its own, as S3 (obstore) does: views of a file mapping."""
+
+    kind = "peer"
+    name = "mapped"
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+        self.limit = AdaptiveLimit(8)
+
+    async def read(self, ref: ChunkRef, into: memoryview):
+        with open(self.folder / ref.path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        return memoryview(mapping)[ref.start: ref.start + ref.length]
+
+
+def test_a_source_with_its_own_buffers_costs_no_chunk_buffers(tmp_path):
+    rng = np.random.default_rng(5)
+    t = {f"w{i}": rng.standard_normal((1024, 256)).astype(np.float32) for i in range(4)}  # 1 MiB each
+    folder = write_numpy_model(tmp_path / "m", [t])
+    chunk = 1 << 20
+    m = weightcache.publish_model(str(folder), chunk_bytes=chunk)
+    limits = FetchLimits(max_in_flight=8, origin_concurrency=8)
+    cache = NodeCache(tmp_path / "c", 1 << 30)
+    cache.open(m).close()  # the manifest is on the node already: the origin is not asked for it
+    cache.close()
+    tracemalloc.start()
+    try:
+        with weightcache.open_model(str(folder), m.digest, cache_dir=tmp_path / "c", sources=[MappedSource(folder)],
+                                    limits=limits) as r:
+            names = [k for k, _ in r]
+            stats = r.wait()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sorted(names) == sorted(t) and stats.fetched["peer"] == stats.planned
+    # eight in-flight slots of 1 MiB: none is zero-filled on the heap when no read lands in it
+    assert peak < 2 * chunk, f"{peak} bytes allocated on the heap"
