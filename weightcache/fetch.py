@@ -14,10 +14,13 @@ own that is reused chunk after chunk) and for each one:
    order (today the origin; later peers first), each under its own adaptive
    concurrency limit;
 4. verifies the bytes against the manifest before anything is written
-   (:meth:`CachedModel.store`); a chunk that fails is fetched again, up to
+   (:meth:`CachedModel.write`); a chunk that fails is fetched again, up to
    ``corrupt_retries`` more times per source, then from the next source;
    when every source has failed it the chunk fails with
-   :class:`~weightcache.errors.CorruptChunk`.
+   :class:`~weightcache.errors.CorruptChunk`;
+5. hands a written chunk to the reader at once, and to one flushing
+   thread that makes written chunks durable and recorded in groups while
+   the workers fetch on (its claim is held until it is recorded).
 
 A throttled source (S3 ``503 SlowDown``) halves its concurrency and the
 chunk waits an exponential, jittered back-off before its next try; an
@@ -32,7 +35,6 @@ run: nothing more can be stored.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import mmap
 import random
@@ -118,6 +120,10 @@ class Planner:
         self._deferred: dict[tuple[int, int], None] = {}  # claimed by another process: watched
         self._done: set[tuple[int, int]] = set()
         self._executor = ThreadPoolExecutor(max_workers=limits.max_in_flight, thread_name_prefix="weights-store")
+        # One thread makes written chunks durable, in groups, while the workers fetch on.
+        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-flush")
+        self._flushing: set[asyncio.Future] = set()
+        self._fatal: BaseException | None = None
 
     async def run(self, plan: Iterable[tuple[int, int]]) -> None:
         """Fetch every chunk of the plan; returns when each is present or has failed (reported
@@ -140,11 +146,16 @@ class Planner:
         try:
             if workers:
                 await asyncio.gather(*workers)
+            if self._flushing:
+                await asyncio.gather(*self._flushing)
+            if self._fatal is not None:
+                raise self._fatal
         finally:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             self._executor.shutdown(wait=True)
+            self._flusher.shutdown(wait=True)
 
     def _length(self, item: tuple[int, int]) -> int:
         start, end = self.model.manifest.files[item[0]].chunk_span(item[1], self.model.manifest.chunk_bytes)
@@ -164,6 +175,8 @@ class Planner:
     async def _worker(self) -> None:
         buffer = _chunk_buffer(self.model.manifest.chunk_bytes)
         while True:
+            if self._fatal is not None:
+                raise self._fatal  # a flush failed (disk full): nothing more can be stored
             if self._queue:
                 item = self._queue.popleft()
                 buffer = await self._one(item, buffer)
@@ -183,6 +196,7 @@ class Planner:
         if not self.model.claims.try_claim(index):
             self._deferred[item] = None
             return buffer
+        flushing = False
         try:
             self._refresh()  # it may have been recorded just before its claim was let go
             if item in self._done:
@@ -197,9 +211,31 @@ class Planner:
                 self._on_failed(*item, err)
                 return buffer
             self._present(item)
+            self._flush_later(index)
+            flushing = True
             return buffer
         finally:
-            self.model.claims.release(index)
+            if not flushing:
+                self.model.claims.release(index)
+
+    def _flush_later(self, index: int) -> None:
+        """Make a written chunk durable off the worker's path (the worker fetches on); its claim is
+        let go once it is recorded. A failed flush ends the run, as a failed write does."""
+
+        def flush() -> None:
+            try:
+                self.model.flush()
+            finally:
+                self.model.claims.release(index)
+
+        def done(future: asyncio.Future) -> None:
+            self._flushing.discard(future)
+            if not future.cancelled() and future.exception() is not None and self._fatal is None:
+                self._fatal = future.exception()
+
+        future = asyncio.get_running_loop().run_in_executor(self._flusher, flush)
+        self._flushing.add(future)
+        future.add_done_callback(done)
 
     async def _fetch(self, ref: ChunkRef, buffer: bytearray) -> bytearray:
         """Get, verify and store one chunk; returns the buffer to use next (a new one when a timed-out
@@ -242,11 +278,14 @@ class Planner:
                     excluded[source] = _Miss(f"{source.name} does not hold it")
                     self._count("miss", source)
                     continue
-                # Verify and store off the loop; an error here (disk full) ends the run. The chunk is
-                # counted and the reader told once its verified bytes are in the file, not after the
-                # flush that makes them durable (which runs on, before this await returns).
-                written = functools.partial(loop.call_soon_threadsafe, self._stored, ref, source)
-                if await loop.run_in_executor(self._executor, self.model.store, ref.file, ref.chunk, view, written):
+                # Verify and write off the loop; an error here (disk full) ends the run. The reader has
+                # the chunk once its verified bytes are in the file; the flush that makes them durable
+                # follows on its own thread (_flush_later), not in this worker's way.
+                if await loop.run_in_executor(self._executor, self.model.write, ref.file, ref.chunk, view):
+                    source.limit.succeeded()
+                    self.stats.fetched[source.kind] += 1
+                    self.stats.fetched_bytes[source.kind] += ref.length
+                    self._count("ok", source, ref.length)
                     return buffer
                 self.stats.corrupt += 1
                 corrupt[source] += 1
@@ -269,13 +308,6 @@ class Planner:
         if isinstance(last, ManifestMismatch):
             raise last
         raise OriginUnavailable(f"{where}: no source gave it after {self.limits.max_attempts} tries (last: {last})")
-
-    def _stored(self, ref: ChunkRef, source: ChunkSource) -> None:
-        source.limit.succeeded()
-        self.stats.fetched[source.kind] += 1
-        self.stats.fetched_bytes[source.kind] += ref.length
-        self._count("ok", source, ref.length)
-        self._present((ref.file, ref.chunk))
 
     def _backoff(self, attempt: int) -> float:
         ceiling = min(self.limits.backoff_max_s, self.limits.backoff_base_s * 2 ** (attempt - 1))
