@@ -3,6 +3,7 @@ buffers set up for every other chunk in flight; and fetching does not wait on fl
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import threading
@@ -94,3 +95,40 @@ def test_a_source_with_its_own_buffers_costs_no_chunk_buffers(tmp_path):
     assert sorted(names) == sorted(t) and stats.fetched["peer"] == stats.planned
     # eight in-flight slots of 1 MiB: none is zero-filled on the heap when no read lands in it
     assert peak < 2 * chunk, f"{peak} bytes allocated on the heap"
+
+
+class SlowFirstSource(MappedSource):
+    """Serves every chunk; the chunks of ``slow`` take a while, and each request notes what was back by then."""
+
+    def __init__(self, folder, slow: set) -> None:
+        super().__init__(folder)
+        self.slow = slow
+        self.back: set = set()
+        self.early: list = []  # other chunks asked for before every slow one was back
+
+    async def read(self, ref: ChunkRef, into: memoryview):
+        item = (ref.file, ref.chunk)
+        if item in self.slow:
+            await asyncio.sleep(0.2)
+        elif not self.slow <= self.back:
+            self.early.append(item)
+        view = await super().read(ref, into)
+        self.back.add(item)
+        return view
+
+
+def test_the_first_tensors_chunks_are_fetched_before_any_other(tmp_path):
+    t = layered_tensors(seed=4, layers=3)
+    folder = write_numpy_model(tmp_path / "m", [t])
+    m = weightcache.publish_model(str(folder), chunk_bytes=CHUNK)
+    limits = FetchLimits(max_in_flight=8, origin_concurrency=8)
+    with weightcache.open_model(str(folder), m.digest, cache_dir=tmp_path / "probe", names=["embed.weight"]) as r:
+        lead = set(r.plan)  # the header's chunks and the first tensor's (the embedding is first in the table)
+    assert 0 < len(lead) < len(m.files[-1].chunks) - limits.max_in_flight
+    source = SlowFirstSource(folder, lead)
+    with weightcache.open_model(str(folder), m.digest, cache_dir=tmp_path / "c", sources=[source], limits=limits) as r:
+        first, _ = next(iter(r))
+        got = r.wait()
+    assert first == "embed.weight" and got.fetched["peer"] == got.planned
+    # nothing else shared the source (or this host) with the first tensor's chunks
+    assert source.early == []

@@ -119,20 +119,26 @@ class Planner:
         self._queue: deque[tuple[int, int]] = deque()
         self._deferred: dict[tuple[int, int], None] = {}  # claimed by another process: watched
         self._done: set[tuple[int, int]] = set()
+        self._leading: set[tuple[int, int]] = set()  # the first tensor's chunks, still coming
+        self._led = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=limits.max_in_flight, thread_name_prefix="weights-store")
         # One thread makes written chunks durable, in groups, while the workers fetch on.
         self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-flush")
         self._flushing: set[asyncio.Future] = set()
         self._fatal: BaseException | None = None
 
-    async def run(self, plan: Iterable[tuple[int, int]]) -> None:
+    async def run(self, plan: Iterable[tuple[int, int]], lead: int = 0) -> None:
         """Fetch every chunk of the plan; returns when each is present or has failed (reported
-        through ``on_failed``). Raises only what stops all storing (DiskFull, CacheFull, ...)."""
-        seen = set()
+        through ``on_failed``). Raises only what stops all storing (DiskFull, CacheFull, ...).
+
+        The plan's first ``lead`` chunks (what a reader's first tensor needs) are fetched on their
+        own, so they do not share the source and this host with the rest; the other slots open
+        once those are present or failed."""
+        seen: dict[tuple[int, int], None] = {}
         for item in plan:
             if item in seen:
                 continue
-            seen.add(item)
+            seen[item] = None
             self.stats.planned += 1
             if self.model.is_present(*item):
                 self.stats.cached += 1
@@ -142,8 +148,16 @@ class Planner:
                 self._present(item)
             else:
                 self._queue.append(item)
-        workers = [asyncio.ensure_future(self._worker()) for _ in range(min(self.limits.max_in_flight, len(self._queue)))]
+        self._leading = {i for i in list(seen)[:lead] if i not in self._done}
+        slots = min(self.limits.max_in_flight, len(self._queue))
+        first = min(slots, len(self._leading)) if self._leading else slots
+        workers = [asyncio.ensure_future(self._worker()) for _ in range(first)]
         try:
+            if first < slots:
+                led = asyncio.ensure_future(self._led.wait())
+                await asyncio.wait([led, *workers], return_when=asyncio.FIRST_COMPLETED)
+                led.cancel()
+                workers += [asyncio.ensure_future(self._worker()) for _ in range(slots - first)]
             if workers:
                 await asyncio.gather(*workers)
             if self._flushing:
@@ -165,6 +179,12 @@ class Planner:
         if item not in self._done:
             self._done.add(item)
             self._on_present(*item)
+            self._settle(item)
+
+    def _settle(self, item: tuple[int, int]) -> None:
+        self._leading.discard(item)
+        if not self._leading:
+            self._led.set()
 
     def _refresh(self) -> None:
         for item in self.model.refresh():
@@ -209,6 +229,7 @@ class Planner:
                 log.error("chunk %d of %s failed: %s", ref.chunk, ref.path, err)
                 self._done.add(item)
                 self._on_failed(*item, err)
+                self._settle(item)
                 return buffer
             self._present(item)
             self._flush_later(index)

@@ -155,6 +155,7 @@ class ModelReader:
         if order is not None:
             self._plan = sorted(self._plan, key=order)  # stable: the reader's order within each rank
             self.plan = tuple(dict.fromkeys(self._plan))
+            self._lead = 0
         self.model = cache.open(manifest)
         self._planner = Planner(
             self.model, chooser, limits=limits, stats=self.stats,
@@ -166,7 +167,7 @@ class ModelReader:
 
     async def _drive(self) -> None:
         self._task = asyncio.current_task()
-        await self._planner.run(self._plan)
+        await self._planner.run(self._plan, lead=self._lead)
 
     async def _halt(self) -> None:
         """Cancel the planner and wait until it has really stopped (no store still writing)."""
@@ -221,9 +222,12 @@ class ModelReader:
 
         for path, item in self._whole.items():
             need(item, *items[item])
+        self._lead = 0  # the chunks the first tensor needs, fetched before the rest (none: whole files first)
         for item, (f, t) in enumerate(self.tensors):
             need(item, f, 0, m.files[f].header.data_start)  # the header is checked before any tensor
             need(item, *items[item])
+            if item == 0 and not self._whole:
+                self._lead = len(dict.fromkeys(plan))
         self._plan = plan
         self.plan: tuple[tuple[int, int], ...] = tuple(dict.fromkeys(plan))  # (file, chunk), fetch order
         for item, n in enumerate(self._missing):
