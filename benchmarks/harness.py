@@ -319,12 +319,17 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
     names of ``strata serve`` (``ram_bytes="1GiB"``; sizes as strings) or a
     config section as a dict (``store={"demotion_threads": 2}``). The daemon stops when its stdin closes, so
     it cannot outlive a benchmark killed with SIGKILL. Its arena goes with it (``ram_keep_on_exit`` off):
-    a benchmark's cache is not worth keeping in the shared-memory directory.
+    a benchmark's cache is not worth keeping in the shared-memory directory, which is a scratch
+    directory of its own unless ``shm_dir`` names one (never the host's /dev/shm by default: a
+    daemon that has to be killed would leave its arena there).
     """
     scratch = None
-    if "disk_dir" not in settings:  # never the default ~/.cache/strata: another daemon may be using it
+    if "disk_dir" not in settings or "shm_dir" not in settings:
         scratch = tempfile.TemporaryDirectory(prefix="strata-bench-")
-        settings["disk_dir"] = scratch.name
+    if "disk_dir" not in settings:  # never the default ~/.cache/strata: another daemon may be using it
+        settings["disk_dir"] = f"{scratch.name}/disk"
+    if "shm_dir" not in settings:
+        settings["shm_dir"] = scratch.name
     settings = {"listen": "127.0.0.1:0", "metrics_listen": "", "ram_keep_on_exit": False, **settings}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     log = tempfile.TemporaryFile()

@@ -128,6 +128,32 @@ def daemon_process(tmp_path):
         p.stop()
 
 
+# ---- nothing left in /dev/shm (tests/shm_guard.py) ---------------------------------
+# Per module (module-scoped daemons stop at its end) and per test (to name the test).
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shm_clean_module(request, tmp_path_factory):
+    import shm_guard
+
+    before, since = shm_guard.entries(), shm_guard.now()
+    yield
+    leak = shm_guard.check(before, lambda: shm_guard.recent(tmp_path_factory.getbasetemp(), since), request.node.nodeid)
+    if leak:
+        pytest.fail(leak, pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _shm_clean(request, tmp_path_factory):
+    import shm_guard
+
+    before, since = shm_guard.entries(), shm_guard.now()
+    yield
+    leak = shm_guard.check(before, lambda: shm_guard.recent(tmp_path_factory.getbasetemp(), since), request.node.nodeid)
+    if leak:
+        pytest.fail(leak, pytrace=False)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_proxy():
     # gRPC honours http_proxy; tests talk to loopback only.

@@ -27,7 +27,7 @@ import grpc
 import pytest
 
 import redis_servers
-from conftest import wait_until
+from conftest import free_port, wait_until
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
@@ -207,8 +207,12 @@ def _add_entry(url: str, node: str, epoch: int, key: bytes) -> None:
     asyncio.run(main())
 
 
-def test_a_stale_entry_is_repaired_at_once_and_never_tried_twice(nodes, index_url):
-    a = nodes("a")
+@pytest.mark.parametrize("a_serves", ["grpc", "tcp"])
+def test_a_stale_entry_is_repaired_at_once_and_never_tried_twice(nodes, index_url, a_serves):
+    # Over either data plane a answers from its own tiers: a TCP listener that read the block
+    # through from c (its own peer tier) would serve it, the entry would stay, c would count
+    # a's fetch as bytes it served, and b's counters would not show the stale entry at all.
+    a = nodes("a", *(["--peer-listen", f"127.0.0.1:{free_port()}"] if a_serves == "tcp" else []))
     c = nodes("c", advertise="localhost:{port}")  # tried after a
     b = nodes("b")
     held, gone = keys_of("stale", 2)
@@ -226,6 +230,8 @@ def test_a_stale_entry_is_repaired_at_once_and_never_tried_twice(nodes, index_ur
         assert b.fallbacks()["miss"] == 1
         assert b.metric("strata_peer_index_repairs_total", outcome="removed") == 1
         assert "a" not in holders_of(cb, [held])[0]
+        assert c.metric("strata_peer_served_bytes_total", transport="grpc") == 1 << 18  # b's fetch alone
+        assert a.metric("strata_peer_reads_total", outcome="hit") == 0  # a fetched nothing for b
 
         assert cb.get(NS, gone) is None  # a alone names it: asked once, repaired
         assert cb.get(NS, gone) is None  # and not asked again

@@ -344,12 +344,13 @@ def test_second_daemon_on_the_same_directory_is_refused(daemon_process, tmp_path
 
 
 def test_serve_starts_with_embedded_defaults(tmp_path):
-    """`strata serve` with no flags: only the ports move, so tests never collide with a real daemon."""
+    """`strata serve` with no flags: only the ports and the arena's directory move (by environment),
+    so tests never collide with a real daemon nor leave an arena in the host's /dev/shm."""
     from conftest import free_port
 
     port, metrics_port = free_port(), free_port()
     env = dict(os.environ, HOME=str(tmp_path), STRATA_LISTEN=f"127.0.0.1:{port}",
-               STRATA_METRICS_LISTEN=f"127.0.0.1:{metrics_port}")
+               STRATA_METRICS_LISTEN=f"127.0.0.1:{metrics_port}", STRATA_SHM_DIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", "serve"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -365,15 +366,12 @@ def test_serve_starts_with_embedded_defaults(tmp_path):
         assert stats.tiers["host"]["capacity_bytes"] == 1 << 30
         assert stats.tiers["disk"]["capacity_bytes"] == 10 << 30
         assert (tmp_path / ".cache" / "strata" / "epoch").exists()
+        assert (tmp_path / arena_name((tmp_path / ".cache" / "strata").resolve())).exists()  # STRATA_SHM_DIR
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
         assert 'strata_tier_capacity_bytes{tier="host"} 1.073741824e+09' in metrics
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-        # The arena stays for the next start (keep_on_exit); this test's daemon has none.
-        arena = Path("/dev/shm") / arena_name((tmp_path / ".cache" / "strata").resolve())
-        for leftover in (arena, Path(f"{arena}.table")):
-            leftover.unlink(missing_ok=True)
     assert proc.returncode == 0, out
     line = next(l for l in out.splitlines() if "strata serving" in l)
     assert json.loads(line)["level"] == "INFO"  # structured logs by default

@@ -13,6 +13,11 @@
 - :mod:`weightcache.prefetch`, :mod:`weightcache.service`, :mod:`weightcache.peers`: the weight
   node (``strata weights serve``): prefetch jobs, ``WeightService`` over gRPC, peer chunk reads
   and the swarm that asks the origin for each chunk about once.
+- :mod:`weightcache.index_swarm`: that swarm found through the prefix index (members, chunk
+  holders, liveness) instead of a fixed list.
+- :mod:`weightcache.ram_copy`: one host-RAM copy of each model per node, mapped read-only by
+  every engine process.
+- :mod:`weightcache.access`: the daemon's authentication and policy on ``WeightService``.
 - :mod:`weightcache.vllm_loader`: vLLM's ``--load-format strata`` (imported only by vLLM).
 
 ``weightcache`` imports ``kvstore``; ``kvstore`` never imports ``weightcache``.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
@@ -77,7 +78,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    if args.cache:
+    if args.cache or args.ram_dir:
         return _ls_cache(args)
     if not args.location:
         raise SystemExit("strata weights ls: give a LOCATION, or --cache DIR")
@@ -106,20 +107,41 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _ls_cache(args: argparse.Namespace) -> int:
+    """The node cache's models (with --ram-dir too: each one's bytes in the RAM copy), or the RAM copy's."""
     from weightcache.cache import NodeCache
 
+    ram = _ram_entries(args.ram_dir) if args.ram_dir else None
+    if not args.cache:
+        for e in ram.values():
+            if args.json:
+                print(json.dumps(e.__dict__))
+            else:
+                print(f"{e.digest}  {e.files} files  {e.bytes} bytes in RAM  {'in use' if e.in_use else 'idle'}")
+        return 0
     cache = NodeCache(args.cache, 1 << 62)
     try:
         entries = cache.entries()
     finally:
         cache.close()
     for e in entries:
+        in_ram = ram[e.digest].bytes if ram is not None and e.digest in ram else 0
         if args.json:
-            print(json.dumps(e.__dict__))
+            print(json.dumps({**e.__dict__, **({"ram_bytes": in_ram} if ram is not None else {})}))
         else:
             print(f"{e.digest}  {e.model} @ {e.revision}  {e.verified_chunks}/{e.total_chunks} chunks  "
-                  f"{e.allocated_bytes}/{e.total_bytes} bytes  {'in use' if e.in_use else 'idle'}")
+                  f"{e.allocated_bytes}/{e.total_bytes} bytes  {'in use' if e.in_use else 'idle'}"
+                  + (f"  {in_ram} bytes in RAM" if ram is not None else ""))
     return 0
+
+
+def _ram_entries(ram_dir: str) -> dict:
+    from weightcache.ram_copy import RamCopy
+
+    copy = RamCopy(ram_dir)
+    try:
+        return {e.digest: e for e in copy.entries() if e.bytes}
+    finally:
+        copy.close()
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -129,7 +151,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
     with open_model(args.location, args.digest, cache_dir=args.cache, cache_bytes=args.cache_bytes,
                     revision=args.revision, files=args.files, names=args.names, include=args.include,
-                    limits=limits, s3=_s3(args)) as model:
+                    limits=limits, s3=_s3(args), ram_dir=args.ram_dir) as model:
         stats = model.wait()
         print(json.dumps({
             "digest": model.digest, "planned": stats.planned, "cached": stats.cached,
@@ -144,6 +166,16 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
     cache = NodeCache(args.cache, 1 << 62)
     try:
+        if args.ram_dir:  # the RAM copy first: it is the one engines map
+            from weightcache.ram_copy import RamCopy
+
+            copy = RamCopy(args.ram_dir, writable=True)
+            try:
+                if not copy.evict(args.digest) and any(e.digest == args.digest and e.bytes for e in copy.entries()):
+                    print(f"strata weights evict: {args.digest} is open in the RAM copy {args.ram_dir}", file=sys.stderr)
+                    return 3
+            finally:
+                copy.close()
         if cache.evict(args.digest):
             return 0
         print(f"strata weights evict: {args.digest} is not cached in {args.cache}, or a process is using it",
@@ -163,13 +195,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from weightcache.prefetch import Prefetcher
     from weightcache.service import serve
 
+    from kvstore.auth import Authority
+    from weightcache.access import server_credentials
+
     metrics = WeightMetrics()
     me = args.advertise or args.listen
-    swarm = Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait) if args.peer else None
+    authority = Authority(args.auth_file or "", mtls=bool(args.tls_client_ca), reload_s=args.auth_reload_seconds)
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    # What this node presents to its peers: its token, and its own certificate for their mTLS.
+    security = _security(args, client_cert=(args.tls_cert, args.tls_key) if args.tls_client_ca else None)
+    if args.peer and args.index:
+        raise SystemExit("strata weights serve: give --peer (a fixed swarm) or --index-url (members from the index), not both")
+    swarm = (Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait, security=security)
+             if args.peer else None)
+    if args.index:
+        from kvstore.index import open_index
+        from weightcache.index_swarm import IndexSwarm
+
+        swarm = IndexSwarm(open_index(args.index), args.node_id or me, me, ttl_s=args.index_ttl,
+                           wait_s=args.peer_wait, security=security)
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
+    ram = None
+    if args.ram_dir:
+        from weightcache.ram_copy import RamCopy
+
+        if not args.ram_bytes:
+            raise SystemExit("strata weights serve: --ram-dir needs --ram-bytes (the RAM copy's bound, e.g. 64GiB)")
+        ram = RamCopy(args.ram_dir, args.ram_bytes)
+        ram.drop_stale_copies()
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
-                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait)
-    server, port = serve(prefetcher, args.listen)
+                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
+    if args.index:
+        swarm.attach(prefetcher.verified)
+    server, port = serve(prefetcher, args.listen, authority=authority, credentials=credentials)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -178,19 +236,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: authority.reload())
     stop.wait()
     server.stop(5).wait()
     prefetcher.close()
+    if args.index:
+        swarm.close()  # leaves the index: its peers stop asking it at once
     return 0
 
 
-def _stub(address: str):
-    import grpc
+def _security(args: argparse.Namespace, client_cert: tuple[str, str] | None = None):
+    """The token and TLS this command presents to weight nodes (kvstore's client credentials)."""
+    from kvstore.auth.credentials import ChannelSecurity
 
+    token = os.environ.get("STRATA_TOKEN") if not args.token_file else None
+    cert, key = client_cert if client_cert else (getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
+    return ChannelSecurity.build(token=token or None, token_file=args.token_file, tls_ca=args.tls_ca,
+                                 tls_cert=cert, tls_key=key, tls_server_name=args.tls_server_name)
+
+
+def _stub(args: argparse.Namespace):
     from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
     from weightcache.peers import CHANNEL_OPTIONS
 
-    return pb_grpc.WeightServiceStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    return pb_grpc.WeightServiceStub(_security(args).channel(args.node, options=CHANNEL_OPTIONS))
 
 
 def _call(method, request, timeout: float):
@@ -207,7 +276,7 @@ def _call(method, request, timeout: float):
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from weightcache.api.v1 import weights_pb2 as pb
 
-    reply = _call(_stub(args.node).Prefetch, pb.PrefetchRequest(
+    reply = _call(_stub(args).Prefetch, pb.PrefetchRequest(
         location=args.location, digest=args.digest or "", revision=args.revision or ""), timeout=args.timeout)
     print(reply.digest)
     if args.wait is not None:
@@ -224,7 +293,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
     from weightcache.api.v1 import weights_pb2 as pb
 
-    stub = _stub(args.node)
+    stub = _stub(args)
     end = time.monotonic() + args.deadline
     bar = None
     try:
@@ -242,7 +311,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
                 if s.state == pb.PREFETCH_STATE_COMPLETE:
                     if args.json:
                         print(json.dumps({"digest": args.digest, "bytes": s.total_bytes,
-                                          "bytes_by_source": dict(s.bytes_by_source)}))
+                                          "bytes_by_source": dict(s.bytes_by_source), "ram_bytes": s.ram_bytes}))
                     return 0
                 if s.state == pb.PREFETCH_STATE_FAILED:
                     print(f"strata weights wait: the prefetch of {args.digest} failed: {s.error}", file=sys.stderr)
@@ -311,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", parents=[s3], help="published manifests at a location, or a node cache's models")
     ls.add_argument("location", nargs="?")
     ls.add_argument("--cache", metavar="DIR", help="list this node cache instead")
+    ls.add_argument("--ram-dir", metavar="DIR", help="list this host-RAM copy (with --cache: each model's bytes in it)")
     ls.set_defaults(func=cmd_ls)
 
     fetch = sub.add_parser("fetch", parents=[s3], help="fill a node cache with a model (or a subset)",
@@ -324,14 +394,25 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--names", help="only the tensors matching this glob")
     fetch.add_argument("--include", default="*.json", help="other files to fetch whole (a glob) [*.json]")
     fetch.add_argument("--concurrency", type=int, default=8, help="chunks in flight [8]")
+    fetch.add_argument("--ram-dir", metavar="DIR", help="the node's host-RAM copy: files there are not fetched")
     fetch.set_defaults(func=cmd_fetch)
 
     evict = sub.add_parser("evict", help="remove a cached model no process is using")
     evict.add_argument("digest")
     evict.add_argument("--cache", required=True, metavar="DIR")
+    evict.add_argument("--ram-dir", metavar="DIR", help="remove the model's host-RAM copy too")
     evict.set_defaults(func=cmd_evict)
 
-    srv = sub.add_parser("serve", parents=[s3], help="a weight node: prefetch into a node cache, serve peers",
+    creds = argparse.ArgumentParser(add_help=False)
+    creds.add_argument("--token-file", default=os.environ.get("STRATA_TOKEN_FILE"), metavar="FILE",
+                       help="bearer token to present to weight nodes, first line of FILE "
+                       "[env STRATA_TOKEN_FILE; or the token itself in STRATA_TOKEN]")
+    creds.add_argument("--tls-ca", default=os.environ.get("STRATA_TLS_CA"), metavar="PEM",
+                       help="verify weight nodes' TLS certificates with this CA [env STRATA_TLS_CA]")
+    creds.add_argument("--tls-server-name", default=os.environ.get("STRATA_TLS_SERVER_NAME"), metavar="NAME",
+                       help="name to verify in a weight node's certificate")
+
+    srv = sub.add_parser("serve", parents=[s3, creds], help="a weight node: prefetch into a node cache, serve peers",
                          description="Serve WeightService: Prefetch and Status for init containers, ReadChunk for "
                          "peers. With --peer, the listed nodes (the same list on each) form a swarm: each chunk "
                          "is fetched from the origin by one of them and read from it by the rest.")
@@ -341,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--advertise", metavar="HOST:PORT", help="this node's address in --peer lists [--listen]")
     srv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                      help="a swarm member (repeat; may include this node)")
+    srv.add_argument("--index-url", dest="index", metavar="URL",
+                     help="find the swarm in the prefix index (redis://HOST:PORT, redis+cluster://..., memory://): "
+                     "members, chunk holders and liveness, instead of --peer")
+    srv.add_argument("--node-id", help="this node's id in the index [--advertise]")
+    srv.add_argument("--index-ttl", type=_seconds, default=10.0,
+                     help="how long the index counts this node alive without a heartbeat [10s]")
     srv.add_argument("--peer-wait", type=_seconds, default=120.0,
                      help="how long to wait for a chunk's owner to have it before the origin [120s]")
     srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,
@@ -348,9 +435,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
     srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
     srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.add_argument("--ram-dir", metavar="DIR",
+                     help="keep one host-RAM copy of each complete model here (a tmpfs, e.g. /dev/shm/strata-weights) "
+                     "for every engine on the node to map")
+    srv.add_argument("--ram-bytes", type=_size, help="the RAM copy's bound (with --ram-dir)")
+    srv.add_argument("--auth-file", metavar="TOML", help="the daemon's auth policy: tokens and certificate subjects "
+                     "allowed on namespace 'weights' (read: Status, ReadChunk; write: Prefetch)")
+    srv.add_argument("--auth-reload-seconds", type=float, default=2.0, help="how often to look for a changed policy [2]")
+    srv.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (and --tls-key)")
+    srv.add_argument("--tls-key", metavar="PEM")
+    srv.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates this CA signed (mTLS); "
+                     "the node presents --tls-cert to its peers")
     srv.set_defaults(func=cmd_serve)
 
-    node = argparse.ArgumentParser(add_help=False)
+    node = argparse.ArgumentParser(add_help=False, parents=[creds])
+    node.add_argument("--tls-cert", default=os.environ.get("STRATA_TLS_CERT"), metavar="PEM",
+                      help="client certificate, for a weight node with --tls-client-ca [env STRATA_TLS_CERT]")
+    node.add_argument("--tls-key", default=os.environ.get("STRATA_TLS_KEY"), metavar="PEM",
+                      help="private key of --tls-cert [env STRATA_TLS_KEY]")
     node.add_argument("--node", default="127.0.0.1:7460", metavar="HOST:PORT", help="the weight node [127.0.0.1:7460]")
     node.add_argument("--no-progress", action="store_true", help="no progress bar")
     node.add_argument("--interval", type=_seconds, default=1.0, help="how often to ask for progress [1s]")

@@ -17,13 +17,15 @@ first, from the origin, and asks each other chunk's owner for it, waiting
 when the owner is gone, slow past the wait, or gives bad bytes. So the
 origin serves each chunk about once however many nodes start together.
 Members are listed explicitly (``--peer``): a static swarm, the same list on
-every node.
+every node. :mod:`weightcache.index_swarm` finds them, and each chunk's
+holders, in the prefix index instead.
 """
 
 from __future__ import annotations
 
 import grpc
 
+from kvstore.auth.credentials import NONE, ChannelSecurity
 from kvstore.errors import ResourceExhausted
 from kvstore.rpc.status import from_rpc_error
 from weightcache.api.v1 import weights_pb2 as pb
@@ -42,17 +44,19 @@ CHANNEL_OPTIONS = [
 class PeerSource(ChunkSource):
     kind = "peer"
 
-    def __init__(self, address: str, digest: str, *, concurrency: int = 4, wait_s: float = 0.0) -> None:
+    def __init__(self, address: str, digest: str, *, concurrency: int = 4, wait_s: float = 0.0,
+                 security: ChannelSecurity = NONE) -> None:
         self.name = f"peer {address}"
         self.address = address
         self.digest = digest
         self.wait_ms = int(wait_s * 1000)
         self.limit = AdaptiveLimit(concurrency)
+        self.security = security  # the token or certificate this node presents (weightcache.access)
         self._channel: grpc.aio.Channel | None = None  # made on the planner's loop, where it is used
 
     async def read(self, ref: ChunkRef, into: memoryview) -> memoryview | None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = self.security.aio_channel(self.address, options=CHANNEL_OPTIONS)
         stub = pb_grpc.WeightServiceStub(self._channel)
         request = pb.ReadChunkRequest(digest=self.digest, file=ref.file, chunk=ref.chunk, wait_ms=self.wait_ms)
         try:
@@ -77,7 +81,8 @@ class PeerSource(ChunkSource):
 class Swarm:
     """The members fetching one model together (this node's address among them) and who owns what."""
 
-    def __init__(self, members: list[str], me: str, *, wait_s: float = 120.0, concurrency: int = 4) -> None:
+    def __init__(self, members: list[str], me: str, *, wait_s: float = 120.0, concurrency: int = 4,
+                 security: ChannelSecurity = NONE) -> None:
         if me not in members:
             raise ValueError(f"this node's address {me!r} must be one of the swarm's members {members}")
         if len(set(members)) != len(members):
@@ -86,6 +91,7 @@ class Swarm:
         self.me = me
         self.wait_s = wait_s
         self.concurrency = concurrency
+        self.security = security
 
     def owner(self, digest: bytes) -> str:
         return self.members[int.from_bytes(digest[:8], "little") % len(self.members)]
@@ -94,7 +100,7 @@ class Swarm:
         """(sources for a chunk, a plan sort key putting this node's chunks first) for one model:
         what :func:`open_model`'s ``route`` asks for."""
         peers = {
-            m: PeerSource(m, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s)
+            m: PeerSource(m, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s, security=self.security)
             for m in self.members if m != self.me
         }
 

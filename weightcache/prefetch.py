@@ -48,6 +48,7 @@ class Progress:
     verified_chunks: int = 0
     error: str = ""
     bytes_by_source: dict = field(default_factory=dict)
+    ram_bytes: int = 0  # of this model in the node's host-RAM copy
 
 
 class _Job:
@@ -62,7 +63,7 @@ class _Job:
 class Prefetcher:
     def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
                  s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
-                 max_uploads: int = 8, join_wait_s: float = 5.0) -> None:
+                 max_uploads: int = 8, join_wait_s: float = 5.0, ram=None) -> None:
         if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024):
             raise ValueError("max_jobs and max_uploads must be 1..1024")
         if not 0 <= join_wait_s <= MAX_WAIT_S:
@@ -74,6 +75,9 @@ class Prefetcher:
         self.s3 = s3
         self.swarm = swarm
         self.metrics = metrics
+        self.ram = ram  # a RamCopy with a capacity: complete models are copied there before COMPLETE
+        if ram is not None and metrics is not None:
+            metrics.ram_bytes.set_function(ram.used_bytes)
         self.max_jobs = max_jobs
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -100,7 +104,7 @@ class Prefetcher:
         route = self.swarm.route if self.swarm is not None else None
         reader = open_model(location, digest or None, cache_dir=self.cache_dir, cache_bytes=self.cache_bytes,
                             revision=revision or None, limits=self.limits, s3=self.s3, metrics=self.metrics,
-                            include="*", route=route)
+                            include="*", route=route, ram_dir=self.ram.root if self.ram is not None else None)
         with self._lock:
             if reader.digest in self._jobs and self._jobs[reader.digest].error is None:
                 reader.close()
@@ -112,6 +116,11 @@ class Prefetcher:
     def _drive(self, job: _Job) -> None:
         try:
             job.reader.wait()
+            if self.ram is not None:  # before COMPLETE: an engine told "warm" finds the RAM copy
+                try:
+                    self.ram.admit(job.reader.model)
+                except StrataError as err:  # the copy is optional: engines read the disk cache instead
+                    log.error("the RAM copy of %s failed; engines read it from disk: %s", job.manifest.digest, err)
         except StrataError as err:
             job.error = err
             log.error("prefetch of %s failed: %s", job.manifest.digest, err)
@@ -143,8 +152,9 @@ class Prefetcher:
         else:
             state = COMPLETE if whole and job.error is None else FAILED
         by_source = dict(job.stats.fetched_bytes) if job is not None else {}
+        ram_bytes = self.ram.model_bytes(digest) if self.ram is not None else 0
         return Progress(state, manifest.model, manifest.total_bytes, verified, manifest.total_chunks, chunks,
-                        str(job.error) if job is not None and job.error else "", by_source)
+                        str(job.error) if job is not None and job.error else "", by_source, ram_bytes)
 
     # ---- the peer data plane -----------------------------------------------------------
 
@@ -157,6 +167,15 @@ class Prefetcher:
                     return None
                 model = self._serving[digest] = self._cache.open(manifest)
             return model
+
+    def verified(self, digest: str) -> list[tuple[int, int]]:
+        """(file, chunk) of every verified chunk of the model here: what an index swarm announces."""
+        model = self._served(digest)
+        if model is None:
+            return []
+        model.refresh()
+        return [(f, c) for f, entry in enumerate(model.manifest.files) for c in range(len(entry.chunks))
+                if model.is_present(f, c)]
 
     def read_chunk(self, digest: str, file: int, chunk: int, wait_s: float = 0.0) -> bytes | None:
         """A verified chunk's bytes, None when this node does not hold it (after waiting up to
@@ -201,3 +220,5 @@ class Prefetcher:
         for model in serving:
             model.close()
         self._cache.close()
+        if self.ram is not None:
+            self.ram.close()

@@ -50,6 +50,7 @@ from weightcache.errors import ManifestMismatch
 from weightcache.fetch import FetchLimits, FetchStats, Planner
 from weightcache.manifest import Manifest
 from weightcache.origin import S3Options, open_origin
+from weightcache.ram_copy import RamCopy
 from weightcache.safetensors_header import LENGTH_BYTES, Header, TensorEntry, header_length, parse_header
 from weightcache.sources import ChunkRef, ChunkSource, OriginSource
 from weightcache.tensors import converter
@@ -76,6 +77,7 @@ def open_model(
     route: Callable[[Manifest], tuple[Callable, Callable]] | None = None,
     deadline_s: float | None = None,
     metrics=None,
+    ram_dir: str | Path | None = None,
 ) -> ModelReader:
     """Open a published model revision for streaming (see the module docstring).
 
@@ -86,14 +88,16 @@ def open_model(
     owner of it). ``order`` (a sort key of (file, chunk)) reorders the fetch plan (a swarm
     node fetches the chunks it owns first). ``route``, a function of the resolved manifest,
     gives both (:meth:`weightcache.peers.Swarm.route`). ``cache_bytes`` bounds the node cache
-    (default: what its disk holds).
+    (default: what its disk holds). ``ram_dir`` is the node's host-RAM copy
+    (:mod:`weightcache.ram_copy`, ``strata weights serve --ram-dir``): files the weight node
+    copied there are mapped read-only from it, one copy for every process on the node.
     """
     if sys.byteorder != "little":
         raise InvalidArgument("weightcache reads safetensors (little-endian) in place; this host is big-endian")
     make = converter(framework)
     origin = open_origin(location, revision=revision, s3=s3)
     loop = _LoopThread()
-    cache = None
+    cache = ram = None
     try:
         cache = NodeCache(cache_dir, cache_bytes if cache_bytes is not None else _disk_size(cache_dir))
         manifest = cache.stored_manifest(catalog.check_digest(digest)) if digest else None
@@ -117,11 +121,20 @@ def open_model(
 
             def chooser(ref):
                 return chosen
+        if ram_dir is not None:
+            copy = RamCopy(ram_dir)
+            try:
+                ram = copy.open(manifest)
+            finally:
+                copy.close()
         return ModelReader(
             manifest, cache, loop, origin, chooser, make, limits,
             files=files, names=names, include=include, deadline_s=deadline_s, metrics=metrics, order=order,
+            ram=ram,
         )
     except BaseException:
+        if ram is not None:
+            ram.close()
         loop.call(origin.close(), 30)
         loop.stop()
         if cache is not None:
@@ -131,7 +144,7 @@ def open_model(
 
 class ModelReader:
     def __init__(self, manifest, cache, loop, origin, chooser, make, limits, *, files, names, include, deadline_s,
-                 metrics, order=None):
+                 metrics, order=None, ram=None):
         self.manifest: Manifest = manifest
         self.digest: str = manifest.digest
         self.stats = FetchStats()
@@ -152,6 +165,9 @@ class ModelReader:
         self._metrics = metrics
         self._opened = time.monotonic()
         self._select(files, names, include)
+        self._ram = ram
+        if ram is not None:
+            self._from_ram(ram)
         if order is not None:
             self._plan = sorted(self._plan, key=order)  # stable: the reader's order within each rank
             self.plan = tuple(dict.fromkeys(self._plan))
@@ -234,6 +250,25 @@ class ModelReader:
             if n == 0:
                 self._ready.append(item)
 
+    def _from_ram(self, ram) -> None:
+        """Chunks of files resident in the node's RAM copy are present already: not planned."""
+        resident = [item for item in self.plan if ram.has(item[0])]
+        if not resident:
+            return
+        for item in resident:
+            self._on_present(*item)
+        self._plan = [item for item in self._plan if not ram.has(item[0])]
+        self.plan = tuple(dict.fromkeys(self._plan))
+        nbytes = 0
+        for f, c in resident:
+            start, end = self.manifest.files[f].chunk_span(c, self.manifest.chunk_bytes)
+            nbytes += end - start
+        self.stats.planned += len(resident)
+        self.stats.fetched["ram"] += len(resident)
+        self.stats.fetched_bytes["ram"] += nbytes
+        if self._metrics is not None:
+            self._metrics.bytes.labels("ram").inc(nbytes)
+
     # ---- planner callbacks (loop thread) ------------------------------------------
 
     def _on_present(self, file: int, chunk: int) -> None:
@@ -284,7 +319,10 @@ class ModelReader:
         self._wait(lambda: self._missing[item] == 0 or item in self._failed)
         if item in self._failed:
             raise self._failed[item]
-        return self.model.path(self.manifest.file_index(file_path))
+        index = self.manifest.file_index(file_path)
+        if self._ram is not None and self._ram.has(index):
+            return self._ram.files[index]
+        return self.model.path(index)
 
     def wait(self) -> FetchStats:
         """Block until every planned chunk is present or failed; raise the first failure."""
@@ -340,6 +378,10 @@ class ModelReader:
         start = self.manifest.files[file].header.data_start
         if t.nbytes == 0:
             return self._make(t, b"", 0)
+        if self._ram is not None and self._ram.has(file):
+            if file not in self._maps:
+                self._maps[file] = self._ram.map(file)  # read-only, shared by every process on the node
+            return self._make(t, self._maps[file], start + t.begin)
         if file in self._maps or self.model.file_complete(file):
             if file not in self._maps:
                 self._maps[file], _ = self.model.map(file, 0, self.manifest.files[file].size)
@@ -352,15 +394,24 @@ class ModelReader:
             return
         entry = self.manifest.files[file]
         where = f"{entry.path} (cached, manifest {self.digest})"
-        first = self.model.read(file, 0, LENGTH_BYTES)
+        read = self.model.read
+        if self._ram is not None and self._ram.has(file):
+            where = f"{entry.path} (RAM copy, manifest {self.digest})"
+            read = self._read_ram
+        first = read(file, 0, LENGTH_BYTES)
         n = header_length(first, entry.size, where)
-        found = parse_header(self.model.read(file, LENGTH_BYTES, LENGTH_BYTES + n), entry.size, where)
+        found = parse_header(read(file, LENGTH_BYTES, LENGTH_BYTES + n), entry.size, where)
         if found != entry.header:
             raise ManifestMismatch(
                 f"{where}: the manifest's tensor table is not this file's header (the manifest was built from "
                 "other bytes, or edited): publish the model again and open the new digest"
             )
         self._checked[file] = found
+
+    def _read_ram(self, file: int, start: int, end: int) -> bytes:
+        if file not in self._maps:
+            self._maps[file] = self._ram.map(file)
+        return bytes(self._maps[file][start:end])
 
     # ---- closing -------------------------------------------------------------------
 
@@ -381,6 +432,8 @@ class ModelReader:
         self._loop.stop()
         self.model.close()
         self._cache.close()
+        if self._ram is not None:
+            self._ram.close()
 
     def __enter__(self) -> ModelReader:
         return self

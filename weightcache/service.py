@@ -53,7 +53,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return pb.StatusResponse(
                 state=STATES[p.state], model=p.model, total_bytes=p.total_bytes, verified_bytes=p.verified_bytes,
                 total_chunks=p.total_chunks, verified_chunks=p.verified_chunks, error=p.error,
-                bytes_by_source=p.bytes_by_source,
+                bytes_by_source=p.bytes_by_source, ram_bytes=p.ram_bytes,
             )
 
     def ReadChunk(self, request: pb.ReadChunkRequest, context) -> pb.ReadChunkResponse:
@@ -81,14 +81,24 @@ class _mapped:
         return False
 
 
-def serve(prefetcher: Prefetcher, address: str, *, max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """A started server for the prefetcher on ``address`` (host:port; port 0 picks one); (server, port)."""
+def serve(prefetcher: Prefetcher, address: str, *, max_workers: int = 64, authority=None,
+          credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+    """A started server for the prefetcher on ``address`` (host:port; port 0 picks one); (server, port).
+    ``authority`` (a :class:`kvstore.auth.Authority` that requires credentials) checks every call
+    (:mod:`weightcache.access`); ``credentials`` serve TLS."""
+    from weightcache.access import WeightsAuthInterceptor, warn_if_exposed
+
+    warn_if_exposed(address, authority)
+    interceptors = [WeightsAuthInterceptor(authority)] if authority is not None and authority.required else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weights-rpc"),
-        options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_workers * 4,
+        options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_workers * 4, interceptors=interceptors,
     )
     pb_grpc.add_WeightServiceServicer_to_server(WeightServicer(prefetcher), server)
-    port = server.add_insecure_port(address)
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}: the address is in use or not this host's")
     server.start()

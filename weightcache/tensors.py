@@ -5,7 +5,10 @@ A view is built over a private mapping of the cache file
 writes to the tensor, at which point that page is copied for this process
 only. The numpy array holds the mapping alive (it is the array's base), and
 the torch tensor is made from the numpy array, so it holds it too: a tensor
-outlives the reader that made it.
+outlives the reader that made it. Tensors of the node's RAM copy
+(:mod:`weightcache.ram_copy`) are views of a read-only shared mapping:
+numpy marks them not writeable, and an engine that scales one in place
+must copy it first (vLLM's loaders copy every weight into its parameter).
 
 Dtypes numpy lacks (BF16, the float8s, F4, F6) come as their raw storage in
 numpy (see :mod:`weightcache.dtypes`); torch reinterprets that storage as
@@ -16,6 +19,7 @@ same bytes. Converters are a registry keyed by framework name, as in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -44,7 +48,13 @@ def torch_tensor(entry: TensorEntry, buffer, offset: int):
         target = torch.uint8
     if entry.nbytes == 0:
         return torch.empty(shape, dtype=target)
-    raw = torch.from_numpy(np.ndarray((entry.nbytes,), dtype=np.uint8, buffer=buffer, offset=offset))
+    array = np.ndarray((entry.nbytes,), dtype=np.uint8, buffer=buffer, offset=offset)
+    if not array.flags.writeable:  # the node's RAM copy, mapped read-only: torch warns, the view is what we want
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            raw = torch.from_numpy(array)
+    else:
+        raw = torch.from_numpy(array)
     return raw.view(target).reshape(shape)
 
 

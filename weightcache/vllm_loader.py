@@ -46,6 +46,7 @@ class StrataLoadOptions:
     names: str | None = None  # a glob: only these tensors
     concurrency: int = 8  # chunks in flight
     deadline_s: float | None = None  # fail the load if the weights are not here by then
+    ram_dir: str | None = None  # the weight node's host-RAM copy (--ram-dir): one copy for every rank
 
     @classmethod
     def take(cls, extra: dict) -> tuple[StrataLoadOptions, dict]:
@@ -83,7 +84,8 @@ class StrataModelLoader(DefaultModelLoader):
         limits = FetchLimits(max_in_flight=o.concurrency, origin_concurrency=o.concurrency)
         return open_model(
             o.location or model_config.model, o.digest, cache_dir=o.cache_dir, cache_bytes=o.cache_bytes,
-            revision=o.revision, files=o.files, names=o.names, limits=limits, deadline_s=o.deadline_s, **kw,
+            revision=o.revision, files=o.files, names=o.names, limits=limits, deadline_s=o.deadline_s,
+            ram_dir=o.ram_dir, **kw,
         )
 
     def download_model(self, model_config) -> None:

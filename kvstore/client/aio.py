@@ -20,7 +20,10 @@ refusal as INTERNAL instead of the server's status (see
 
 As in the blocking client, the path is picked per arena: a namespace's
 first block call attaches its arena (once per arena, not per namespace);
-an arena the client may not map is streamed.
+an arena the client may not map is streamed. A same-host connection the
+daemon closed is opened again on the next call; when the daemon refuses the
+token it gave (it restarted since), the client drops that arena and attaches
+again, once per call, as the blocking client does (``codec.Retries``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
-from kvstore.errors import ArenaUnusable, DaemonUnavailable, StrataError
+from kvstore.errors import ArenaUnusable, DaemonUnavailable, StaleAttachment, StrataError
 from kvstore.shm.arena import ShmArena
 from kvstore.transport.samehost_aio import AsyncSameHostTransport
 
@@ -109,6 +112,7 @@ class AsyncClient:
         self._put_streams = asyncio.Semaphore(MAX_PUT_STREAMS)
         self._put_channel: grpc.Channel | None = None
         self._put_stub: kv_pb2_grpc.KVServiceStub | None = None
+        self._retired: list[ShmArena] = []  # arenas of a previous daemon run, unmapped once no copy uses them
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -129,6 +133,8 @@ class AsyncClient:
         for one in attached.values():
             if one is not None:
                 one.arena.close()
+        for arena in self._retired:
+            arena.close()
         if self._put_channel is not None:
             self._put_channel.close()
         await self._channel.close()
@@ -136,19 +142,17 @@ class AsyncClient:
     # ---- calls ---------------------------------------------------------------
 
     async def _retrying(self, method: str, attempt_once: Callable[[], Any]):
-        attempt = 0
+        tries = codec.Retries(method, self.retries)
         while True:
             try:
                 return await attempt_once()
-            except grpc.RpcError as rpc_err:
-                err = codec.translate(rpc_err)
-            except StrataError as transport_err:  # the same-host transport raises Strata errors already
-                err = transport_err
-            delay = codec.retry_delay(err, method, attempt, self.retries)
+            except (grpc.RpcError, StrataError) as failed:  # the same-host transport raises Strata errors already
+                err, delay = tries.after(failed)
             if delay is None:
                 raise err
+            if delay == codec.REATTACH:  # the daemon restarted; _attached_for dropped the stale arena
+                continue
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def _call(self, method: str, request):
         fn = getattr(self._stub, method)
@@ -179,26 +183,33 @@ class AsyncClient:
 
     async def uses_shared_memory(self, namespace: str = "") -> bool:
         """Whether block bytes of ``namespace`` (default: the default arena's) move through shared memory."""
-        return await self._attached_for(namespace) is not None
+        return await self._retrying("Attach", lambda: self._attached_for(namespace)) is not None
 
     async def transport_name(self, namespace: str = "") -> str:
         """The transport block bytes of ``namespace``'s arena take: "same-host", "grpc-arena" or "grpc"."""
-        attached = await self._attached_for(namespace)
+        attached = await self._retrying("Attach", lambda: self._attached_for(namespace))
         if attached is None:
             return "grpc"
         return "grpc-arena" if attached.same_host is None else attached.same_host.name
 
     async def _attached_for(self, namespace: str) -> _Attached | None:
-        """The mapped arena of ``namespace``, attaching it on first use; None: stream its bytes."""
+        """The mapped arena of ``namespace``, attaching it on first use; None: stream its bytes.
+
+        Raises :class:`StaleAttachment` when the daemon restarted since it
+        attached: the arena is dropped, and the next call attaches again.
+        """
         if self._use_shm is False:
             return None
         name = self._arena_of.get(namespace)
-        if name is not None:
+        if name is not None and not _broken(self._attached[name]):
             return self._attached[name]
         async with self._attach_lock:
             name = self._arena_of.get(namespace)
             if name is not None:
-                return self._attached[name]
+                attached = self._attached[name]
+                if _broken(attached):
+                    await self._reconnect(attached)
+                return attached
             attach = await self._call("Attach", pb.AttachRequest(namespace=namespace))
             if attach.arena_name not in self._attached:
                 self._attached[attach.arena_name] = await self._map(attach)
@@ -206,6 +217,29 @@ class AsyncClient:
                 self._arena_of.clear()
             self._arena_of[namespace] = attach.arena_name
             return self._attached[attach.arena_name]
+
+    async def _reconnect(self, attached: _Attached) -> None:
+        """A new same-host connection for a closed one; the arena dropped when its token is refused."""
+        try:
+            attached.same_host = await attached.same_host.reopen()
+        except StaleAttachment:
+            self._drop(attached.name)
+            raise
+
+    def _drop(self, name: str) -> None:
+        """Forget one attached arena: its namespaces attach again on their next call."""
+        attached = self._attached.pop(name, None)
+        self._arena_of = {ns: arena for ns, arena in self._arena_of.items() if arena != name}
+        if attached is not None:
+            self._retired.append(attached.arena)
+        if not self._copies:  # no worker thread holds a view of an arena
+            kept = []
+            for arena in self._retired:
+                try:
+                    arena.close()
+                except BufferError:  # a call of this loop still reads it: at close()
+                    kept.append(arena)
+            self._retired = kept
 
     async def _map(self, attach: pb.AttachResponse) -> _Attached | None:
         try:
@@ -236,12 +270,15 @@ class AsyncClient:
         checked = codec.check_puts(namespace, items)
         if not checked:
             return []
+        return await self._retrying("Put", lambda: self._put_once(namespace, checked))
+
+    async def _put_once(self, namespace: str, checked) -> list[bool]:
         attached = await self._attached_for(namespace)
         if attached is None:
-            return codec.stream_put_results(checked, await self._call_put(namespace, checked))
+            async with self._put_streams:
+                return codec.stream_put_results(checked, await self._put_stream(namespace, checked))
         if attached.same_host is not None:
-            items = [item for item, _, _ in checked]
-            return await self._retrying("Put", lambda: attached.same_host.put(namespace, items, self.timeout))
+            return await attached.same_host.put(namespace, [item for item, _, _ in checked], self.timeout)
         results: list[bool] = []
         for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(attached.arena)):
             results += await self._put_shm(attached, namespace, group)
@@ -267,10 +304,6 @@ class AsyncClient:
                 pass  # the slots expire by themselves
             raise
         return codec.put_results(alloc, done)
-
-    async def _call_put(self, namespace: str, checked) -> pb.PutResponse:
-        async with self._put_streams:
-            return await self._retrying("Put", lambda: self._put_stream(namespace, checked))
 
     async def _put_stream(self, namespace: str, checked) -> pb.PutResponse:
         """One streamed Put, driven by the blocking stub's future.
@@ -332,11 +365,14 @@ class AsyncClient:
             return []
         if local_only:
             return await self._get_streamed(namespace, keys, place, local_only=True)
+        return await self._retrying("Get", lambda: self._get_once(namespace, keys, place))
+
+    async def _get_once(self, namespace: str, keys: list[bytes], place) -> list[Block | None]:
         attached = await self._attached_for(namespace)
         if attached is None:
-            return await self._get_streamed(namespace, keys, place)
+            return await self._get_stream_once(namespace, keys, place)
         if attached.same_host is not None:
-            return await self._retrying("Get", lambda: attached.same_host.get_into(namespace, keys, place, self.timeout))
+            return await attached.same_host.get_into(namespace, keys, place, self.timeout)
         arena = attached.arena
         response = await self._call(
             "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms, arena=attached.name)
@@ -373,22 +409,25 @@ class AsyncClient:
     async def _get_streamed(
         self, namespace: str, keys: list[bytes], place=None, indices=None, *, local_only: bool = False
     ) -> list[Block | None]:
+        return await self._retrying(
+            "Get", lambda: self._get_stream_once(namespace, keys, place, indices, local_only=local_only)
+        )
+
+    async def _get_stream_once(
+        self, namespace: str, keys: list[bytes], place=None, indices=None, *, local_only: bool = False
+    ) -> list[Block | None]:
         request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
-
-        async def once() -> list[Block | None]:
-            assembler = codec.GetAssembler(place, indices)
-            large = False
-            async for msg in self._stub.Get(request, timeout=self.timeout):
-                if msg.WhichOneof("part") == "header":  # on the loop: it may call the placement
-                    large = msg.header.block.size > OFF_LOOP_BYTES
-                    assembler.feed(msg)
-                elif large:  # the block's last chunk checksums all of it
-                    await asyncio.to_thread(assembler.feed, msg)
-                else:
-                    assembler.feed(msg)
-            return assembler.finish()
-
-        return await self._retrying("Get", once)
+        assembler = codec.GetAssembler(place, indices)
+        large = False
+        async for msg in self._stub.Get(request, timeout=self.timeout):
+            if msg.WhichOneof("part") == "header":  # on the loop: it may call the placement
+                large = msg.header.block.size > OFF_LOOP_BYTES
+                assembler.feed(msg)
+            elif large:  # the block's last chunk checksums all of it
+                await asyncio.to_thread(assembler.feed, msg)
+            else:
+                assembler.feed(msg)
+        return assembler.finish()
 
     # ---- control -------------------------------------------------------------
 
@@ -426,6 +465,10 @@ class AsyncClient:
 
     async def stats(self, namespace: str = "") -> Stats:
         return codec.parse_stats(await self._call("Stats", pb.StatsRequest(namespace=namespace)))
+
+
+def _broken(attached: _Attached | None) -> bool:
+    return attached is not None and attached.same_host is not None and attached.same_host.broken
 
 
 def _forget_release(task: asyncio.Future) -> None:

@@ -14,7 +14,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.block import TierName, validate_namespace
-from kvstore.errors import DaemonUnavailable, InvalidArgument, ResourceExhausted, StrataError
+from kvstore.errors import DaemonUnavailable, InvalidArgument, ResourceExhausted, StaleAttachment, StrataError
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.arena_io import LEASE_MARGIN_MS, MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms  # noqa: F401
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, Placement, fit, placement, writable  # noqa: F401
@@ -290,3 +290,34 @@ def retry_delay(err: StrataError, method: str, attempt: int, retries: int) -> fl
     if isinstance(err, DaemonUnavailable) and method in RETRY_ON_UNAVAILABLE:
         return min(0.05 * 2**attempt, 1.0)
     return None
+
+
+REATTACH = -1.0  # not a delay: forget what was attached, then try again at once
+
+
+class Retries:
+    """One call's retry decisions; the blocking and the asyncio client loop over the same ones.
+
+    :meth:`after` a failure answers :data:`REATTACH` once per call when the
+    daemon restarted since the client attached (:class:`StaleAttachment`),
+    whatever ``retries`` says (this is not the same failure again); else
+    :func:`retry_delay`'s answer.
+    """
+
+    __slots__ = ("method", "retries", "attempt", "attached_again")
+
+    def __init__(self, method: str, retries: int) -> None:
+        self.method, self.retries = method, retries
+        self.attempt = 0
+        self.attached_again = False
+
+    def after(self, err: BaseException) -> tuple[StrataError, float | None]:
+        """``err`` as a Strata error, and what to do: seconds to wait, :data:`REATTACH`, or None (raise it)."""
+        if isinstance(err, grpc.RpcError):
+            err = translate(err)
+        if isinstance(err, StaleAttachment) and not self.attached_again:
+            self.attached_again = True
+            return err, REATTACH
+        delay = retry_delay(err, self.method, self.attempt, self.retries)
+        self.attempt += 1
+        return err, delay

@@ -30,7 +30,7 @@ from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
-from kvstore.errors import StaleAttachment, StrataError
+from kvstore.errors import StrataError
 from kvstore.handoff.params import HandoffParams
 from kvstore.handoff.pull import PullResult
 from kvstore.shm.arena import ShmArena
@@ -109,26 +109,18 @@ class Client:
     # ---- calls ---------------------------------------------------------------
 
     def _retrying(self, method: str, attempt_once):
-        attempt = 0
-        attached_again = False
+        tries = codec.Retries(method, self.retries)
         while True:
             try:
                 return attempt_once()
-            except grpc.RpcError as rpc_err:
-                err = codec.translate(rpc_err)
-            except StrataError as transport_err:  # transports raise Strata errors already
-                err = transport_err
-            if isinstance(err, StaleAttachment) and not attached_again:
-                # The daemon restarted: attach its new arena and try once more, whatever
-                # ``retries`` says (this is not the same failure again).
-                self._forget_attachments()
-                attached_again = True
-                continue
-            delay = codec.retry_delay(err, method, attempt, self.retries)
+            except (grpc.RpcError, StrataError) as failed:  # transports raise Strata errors already
+                err, delay = tries.after(failed)
             if delay is None:
                 raise err
+            if delay == codec.REATTACH:  # the daemon restarted: attach its new arena
+                self._forget_attachments()
+                continue
             time.sleep(delay)
-            attempt += 1
 
     def _call(self, method: str, request):
         fn = getattr(self._stub, method)

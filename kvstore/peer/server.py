@@ -74,7 +74,7 @@ from kvstore.rpc.status import code_for
 from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreGroup
 from kvstore.store.leases import LeaseKind
-from kvstore.server.listeners import stop_listening
+from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.transport.unix import set_kernel_timeouts
 
 log = logging.getLogger(__name__)
@@ -131,9 +131,7 @@ class PeerServer:
         self._budget = ByteBudget(in_flight_bytes, "peer transfers", "--peer-in-flight-bytes")
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._connections: dict[socket.socket, threading.Thread] = {}
-        self._stopping = False
+        self._connections = ConnectionTable(max_connections)
         self._ids = itertools.count(1)
         self.port: int | None = None
         self.bytes_sent = 0
@@ -141,8 +139,7 @@ class PeerServer:
 
     @property
     def connections(self) -> int:
-        with self._lock:
-            return len(self._connections)
+        return len(self._connections)
 
     @property
     def in_flight_bytes(self) -> int:
@@ -170,31 +167,12 @@ class PeerServer:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            self._stopping = True
-            conns = list(self._connections.items())
-        stop_listening(self._listener, self._acceptor, conns, timeout)
+        stop_listening(self._listener, self._acceptor, self._connections.close(), timeout)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stopping
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if self._stopping:
-                    conn.close()
-                    return
-                full = len(self._connections) >= self._max_connections
-                if not full:
-                    thread = threading.Thread(target=self._serve, args=(conn, peer), name="strata-peer", daemon=True)
-                    self._connections[conn] = thread
-            if full:
-                self._refuse(conn)
-            else:
-                thread.start()
+        accept_loop(self._listener, self._connections, name="strata-peer", serve=self._serve, refuse=self._refuse,
+                    configure=lambda conn: conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
 
     def _refuse(self, conn: socket.socket) -> None:
         err = Overloaded(
@@ -226,8 +204,6 @@ class PeerServer:
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("peer connection closed after an unexpected error")
         finally:
-            with self._lock:
-                self._connections.pop(conn, None)
             conn.close()
 
     def _hello(self, conn: socket.socket, link: wire.Wire, peer) -> Caller | None:
@@ -339,7 +315,10 @@ class PeerServer:
         self._reply(conn, rid, wire.OK, len(keys))
 
     def _read_one(self, conn, caller: Caller, rid: int, i: int, namespace: str, key, deadline, with_bytes: bool) -> None:
-        [loc] = self._store.lookup(namespace, [key], None, deadline, caller.owner)
+        # A peer's read is answered from this node's own tiers, as a gRPC peer Get (local_only) is:
+        # a block only a remote tier has here (the peer tier: a third node; the object tier) is a
+        # miss, which the asker repairs or fetches itself, never a fetch made for it.
+        [loc] = self._store.lookup(namespace, [key], None, deadline, caller.owner, local_only=True)
         if loc is not None and not with_bytes:  # the metadata only
             if loc.lease_id:
                 self._store.release([loc.lease_id], caller.owner)
@@ -379,7 +358,7 @@ class PeerServer:
             self._store.release([loc.lease_id], caller.owner)
 
     def _send_copy(self, conn, rid: int, head: list, loc) -> None:
-        found = self._store.get(loc.key)  # verified
+        found = self._store.get(loc.key, local_only=True)  # verified
         if found is None:  # gone since the lookup
             self._reply(conn, rid, wire.MISS, head[0])
             return
@@ -403,7 +382,7 @@ class PeerServer:
         sound = []
         for key in keys:
             try:
-                found = self._store.get(BlockKey.checked(namespace, key))
+                found = self._store.get(BlockKey.checked(namespace, key), local_only=True)
             except StrataError:  # CorruptBlock: no sound copy was left, and it is gone now
                 found = None
             if found is None:

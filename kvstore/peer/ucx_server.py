@@ -25,6 +25,7 @@ import threading
 
 from kvstore.peer.server import PeerServer
 from kvstore.peer.ucx_link import UcxLink, UcxRuntime
+from kvstore.server.listeners import Admission
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,7 @@ class UcxPeerServer(PeerServer):
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            self._stopping = True
-            conns = list(self._connections.items())
+        conns = self._connections.close()
         if self._listener is not None:
             listener, self._listener = self._listener, None
 
@@ -72,20 +71,11 @@ class UcxPeerServer(PeerServer):
         """On the UCX thread: hand the endpoint to a serving thread (or a refusing one), never block here."""
         link = UcxLink(self._runtime, endpoint)
         peer = ("ucx", next(self._serial))
-        with self._lock:
-            if self._stopping:
-                full = None
-            else:
-                full = len(self._connections) >= self._max_connections
-                if not full:
-                    thread = threading.Thread(target=self._serve, args=(link, peer), name="strata-peer-ucx", daemon=True)
-                    self._connections[link] = thread
-        if full is None:
+        verdict = self._connections.admit(link, self._serve, (link, peer), "strata-peer-ucx")
+        if verdict is Admission.STOPPING:
             endpoint.abort()
-        elif full:
+        elif verdict is Admission.FULL:
             threading.Thread(target=self._refuse, args=(link,), name="strata-peer-ucx-refuse", daemon=True).start()
-        else:
-            thread.start()
 
     def _serve(self, conn: UcxLink, peer) -> None:
         """As over TCP, with the idle limit as the link's wait limit."""
@@ -99,8 +89,6 @@ class UcxPeerServer(PeerServer):
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("UCX peer connection closed after an unexpected error")
         finally:
-            with self._lock:
-                self._connections.pop(conn, None)
             conn.close()
 
     @staticmethod

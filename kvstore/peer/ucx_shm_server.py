@@ -36,7 +36,7 @@ from kvstore.peer.ucx_shm_link import (
     HANDSHAKE_VERSION, ShmLink, UcxShmRuntime, check_peer_uid, host_id, read_handshake, send_handshake, socket_name,
 )
 from kvstore.rpc.status import code_for
-from kvstore.server.listeners import stop_listening
+from kvstore.server.listeners import accept_loop, stop_listening
 
 log = logging.getLogger(__name__)
 
@@ -79,28 +79,12 @@ class UcxShmPeerServer(UcxPeerServer):
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            self._stopping = True
-            conns = list(self._connections.items())
-        stop_listening(self._listener, self._acceptor, conns, timeout)
+        stop_listening(self._listener, self._acceptor, self._connections.close(), timeout)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stopping
-            with self._lock:
-                if self._stopping:
-                    conn.close()
-                    return
-                full = len(self._connections) >= self._max_connections
-                target = self._refuse_handshake if full else self._connect
-                thread = threading.Thread(target=target, args=(conn,), name="strata-peer-ucx-shm", daemon=True)
-                if not full:
-                    self._connections[conn] = thread
-            thread.start()
+        accept_loop(self._listener, self._connections, name="strata-peer-ucx-shm",
+                    serve=lambda conn, _: self._connect(conn), refuse=self._refuse_handshake, refuse_on_thread=True)
 
     def _answer(self, conn: socket.socket, err: StrataError) -> None:
         self._metrics.rpc_errors.labels("PeerHello", code_for(err).name).inc()
@@ -129,20 +113,11 @@ class UcxShmPeerServer(UcxPeerServer):
         try:
             link = self._handshake(conn)
             if link is not None:
-                with self._lock:
-                    self._connections.pop(conn, None)
-                    if not self._stopping:
-                        self._connections[link] = threading.current_thread()
-                        stopping = False
-                    else:
-                        stopping = True
-                if stopping:
-                    link.close()
-                else:
+                if self._connections.swap(conn, link):
                     self._serve(link, ("ucx-shm", next(self._serial)))
+                else:
+                    link.close()  # stopping
         finally:
-            with self._lock:
-                self._connections.pop(conn, None)
             if link is None:
                 conn.close()
 

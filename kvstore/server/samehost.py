@@ -45,7 +45,7 @@ from kvstore.errors import InvalidArgument, LeaseOwnedElsewhere, Overloaded, Str
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
-from kvstore.server.listeners import stop_listening
+from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.transport import frames
 from kvstore.transport.locations import RemovalPage
 from kvstore.transport.unix import bind_unix, set_kernel_timeouts
@@ -109,9 +109,7 @@ class SameHostServer:
         self._listener: socket.socket | None = None
         self._removals: RemovalPage | None = None
         self._acceptor: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._connections: dict[socket.socket, threading.Thread] = {}
-        self._stopping = False
+        self._connections = ConnectionTable(max_connections)
         handlers = {
             frames.LOOKUP: self._lookup, frames.RELEASE: self._release, frames.PUT: self._put,
             frames.ALLOCATE: self._allocate, frames.COMMIT: self._commit, frames.ABORT: self._abort,
@@ -123,8 +121,7 @@ class SameHostServer:
 
     @property
     def connections(self) -> int:
-        with self._lock:
-            return len(self._connections)
+        return len(self._connections)
 
     def start(self) -> SameHostServer:
         self._removals = RemovalPage(self.path + ".removals", self._token)
@@ -138,10 +135,7 @@ class SameHostServer:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, remove the socket file and the removal page."""
         self.removed()  # clients stop trusting what they remember of this arena
-        with self._lock:
-            self._stopping = True
-            conns = list(self._connections.items())
-        stop_listening(self._listener, self._acceptor, conns, timeout)
+        stop_listening(self._listener, self._acceptor, self._connections.close(), timeout)
         if self._listener is not None:  # bound by us: ours to remove
             try:
                 os.unlink(self.path)
@@ -161,23 +155,8 @@ class SameHostServer:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stopping
-            with self._lock:
-                if self._stopping:
-                    conn.close()
-                    return
-                full = len(self._connections) >= self._max_connections
-                if not full:
-                    thread = threading.Thread(target=self._serve, args=(conn,), name="strata-samehost", daemon=True)
-                    self._connections[conn] = thread
-            if full:
-                self._refuse(conn)
-            else:
-                thread.start()
+        accept_loop(self._listener, self._connections, name="strata-samehost",
+                    serve=lambda conn, _: self._serve(conn), refuse=self._refuse)
 
     def _refuse(self, conn: socket.socket) -> None:
         err = Overloaded(
@@ -203,8 +182,6 @@ class SameHostServer:
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("same-host connection closed after an unexpected error")
         finally:
-            with self._lock:
-                self._connections.pop(conn, None)
             conn.close()
 
     def _hello(self, conn: socket.socket, reader: frames.FrameReader) -> bool:

@@ -203,8 +203,8 @@ class StoreGroup:
                 store.abort(ids, owner)
 
     def lookup(self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None,
-               owner: str = "") -> list[Located | None]:
-        return self.store_for(namespace).lookup(namespace, keys, lease_s, deadline, owner)
+               owner: str = "", *, local_only: bool = False) -> list[Located | None]:
+        return self.store_for(namespace).lookup(namespace, keys, lease_s, deadline, owner, local_only=local_only)
 
     def release(self, lease_ids: Iterable[int], owner: str = "") -> list[bool]:
         lease_ids = list(lease_ids)

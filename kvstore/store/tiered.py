@@ -299,12 +299,13 @@ class TieredStore(StorePart):
 
     def lookup(
         self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None,
-        owner: str = "",
+        owner: str = "", *, local_only: bool = False,
     ) -> list[Located | None]:
         """Lease each present block in place in the head (None for a miss).
 
         A block only below the head is promoted first; the reader then copies
         it out of the arena, verifies its checksum and releases the lease.
+        ``local_only`` as for :meth:`get` (a peer's read over the peer data plane).
         """
         self.check_batch(keys)
         lease_s = self._s.checks.lease_seconds(lease_s, self.limits.lease_s)
@@ -323,7 +324,7 @@ class TieredStore(StorePart):
                 if entry is not None:
                     entry.pins += 1
             if entry is None:
-                got = self._reader.read_through(key, deadline)
+                got = None if local_only else self._reader.read_through(key, deadline)
                 if got is None:
                     self.metrics.misses.inc()
                     out.append(None)
@@ -332,7 +333,7 @@ class TieredStore(StorePart):
                 out.append(located or Located(key, got[1], got[2]))
                 continue
             try:
-                found = self._reader.read_best(key, entry)
+                found = self._reader.read_best(key, entry, local_only=local_only)
             except CorruptBlock:
                 found = None  # dropped and counted; for a batch read it is a miss
             finally:

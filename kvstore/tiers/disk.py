@@ -58,9 +58,6 @@ unlink the new file after the index recorded it.
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
-import itertools
 import logging
 import os
 import sys
@@ -68,7 +65,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -77,7 +73,6 @@ from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import (
     BlockTooLarge,
     CorruptBlock,
-    DiskFull,
     InvalidArgument,
     TierFull,
     TierUnavailable,
@@ -90,38 +85,17 @@ from kvstore.tiers.block_file import (
     encode_header,
     header_checksum,
     header_matches,
-    read_header,
 )
+from kvstore.tiers.disk_entry import _IO_CHUNK, _BadPayload, _Entry
+from kvstore.tiers.disk_recovery import _Recovery
+from kvstore.tiers.disk_room import _Room
+from kvstore.tiers.disk_writes import _Writes
 from kvstore.tiers.fsops import REAL, FileOps
 
 log = logging.getLogger(__name__)
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_LOW_SPACE_BYTES = 1 << 20  # a filesystem with less free than this (and a tier below its size) is full
-_LOCK_FILE = "LOCK"
-_FOLDERS = [f"{i:02x}" for i in range(256)]  # fan-out by the name's first byte
-_IO_CHUNK = 1 << 20  # bytes per read or write: small enough that a chunk just hashed is still in cache
-_TEMP_ATTEMPTS = 100
-_temp_numbers = itertools.count()  # next() on a count is atomic under the GIL
 
-
-class _BadPayload(ValueError):
-    """A block file whose header is sound but whose payload is short, long or fails its checksum."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    key: BlockKey
-    meta: BlockMeta
-    header_len: int
-    header_sum: int  # lets a get recognise its own header without parsing it
-
-    @property
-    def disk_bytes(self) -> int:
-        return self.header_len + self.meta.size
-
-
-class DiskTier(Tier):
+class DiskTier(_Writes, _Room, _Recovery, Tier):
     """Blocks as files under ``directory``, at most ``capacity_bytes`` of them (headers included).
 
     One process owns a directory at a time (an exclusive ``flock`` on
@@ -327,17 +301,6 @@ class DiskTier(Tier):
             with self._lock:
                 self._reserved -= entry.disk_bytes
 
-    def _fits_locked(self, size: int) -> bool:
-        """Whether ``size`` more bytes fit now; below the configured size, asks the filesystem again first."""
-        if self._used + self._reserved + size <= self._limit:
-            return True
-        if self._limit < self._configured:
-            try:
-                self._refresh_locked(self._ops.free_bytes(self._root_str))
-            except OSError as e:
-                log.warning("disk tier %s: cannot read its filesystem's free space: %s", self._root, e.strerror)
-        return self._used + self._reserved + size <= self._limit
-
     def delete(self, key: BlockKey) -> bool:
         name = block_name(key)
         with self._lock:
@@ -363,78 +326,6 @@ class DiskTier(Tier):
         with self._lock:
             return TierStats(self.name, self._used, self._limit, len(self._index), self._degraded_locked())
 
-    @property
-    def degraded(self) -> str:
-        """Why the tier cannot take the blocks it was configured for (its filesystem is full); "" when it can."""
-        with self._lock:
-            return self._degraded_locked()
-
-    def _degraded_locked(self) -> str:
-        if not self._full:
-            return ""
-        return (
-            f"the filesystem of {self._root} is full ({self._full}): the disk tier holds {self._used} of its "
-            f"{self._configured} bytes and takes more only as it evicts; free space there or lower --disk-bytes"
-        )
-
-    def upkeep(self) -> None:
-        """Ask the filesystem again how much it holds (space may have come back, or gone to another
-        writer), and retry the unlinks of deleted blocks that failed. The store calls this about
-        once a second; it is how a tier degraded by a full filesystem recovers."""
-        with self._lock:
-            doomed = list(self._doomed.items())
-        for name, size in doomed:
-            try:
-                self._ops.unlink(self._path(name))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("disk tier: still cannot remove deleted block file %s: %s", self._path(name), e.strerror)
-                continue
-            with self._lock:
-                if self._doomed.get(name) == size:
-                    del self._doomed[name]
-                    self._used -= size
-        try:
-            free = self._ops.free_bytes(self._root_str)
-        except OSError as e:
-            log.warning("disk tier %s: cannot read its filesystem's free space: %s", self._root, e.strerror)
-            return
-        with self._lock:
-            self._refresh_locked(free)
-
-    def _refresh_locked(self, free: int) -> None:
-        """Bound the capacity by what the filesystem holds: what the tier has plus the free space, never
-        more than configured and never less than what it holds (those blocks are safe where they are)."""
-        self._limit = min(self._configured, self._used + free)  # never below what it holds: those blocks stay
-        was = self._full
-        if free >= _LOW_SPACE_BYTES or self._limit >= self._configured:
-            self._full = ""
-        elif not self._full:
-            self._full = f"{free} bytes free"
-        if was and not self._full:
-            log.warning(
-                "disk tier %s: its filesystem has room again (%d bytes free); capacity %d of %d configured bytes",
-                self._root, free, self._limit, self._configured,
-                extra={"disk_dir": self._root_str, "free_bytes": free, "capacity_bytes": self._limit},
-            )
-        elif self._full and not was:
-            self._log_degraded_locked()
-
-    def _filled_locked(self, e: OSError, pending: int) -> None:
-        """A write found the filesystem full: the tier now holds what it has (and the puts still in flight)."""
-        self._limit = min(self._limit, max(self._used + self._reserved - pending, self._used))
-        was, self._full = self._full, e.strerror or "no space left on device"
-        if not was:
-            self._log_degraded_locked()
-
-    def _log_degraded_locked(self) -> None:
-        log.warning(
-            "disk tier degraded: %s; blocks stay in RAM while it has room",
-            self._degraded_locked(),
-            extra={"disk_dir": self._root_str, "capacity_bytes": self._limit, "configured_bytes": self._configured},
-        )
-
     def namespaces(self) -> set[str]:
         """Namespaces with at least one block here; the daemon re-registers them after a restart."""
         with self._lock:
@@ -445,146 +336,6 @@ class DiskTier(Tier):
         if self._lock_fd is not None:
             self._ops.close(self._lock_fd)
             self._lock_fd = None
-
-    # -- writing ---------------------------------------------------------------
-
-    def _write(self, name: str, entry: _Entry, header: bytes, view: memoryview, stamp: int) -> bool:
-        """Write the block to a temp file and rename it into place; True once it is committed.
-
-        With ``fsync`` a block counts as on disk only once both the file and
-        its folder are synced. A failed fsync leaves the durability of what
-        it covered unknown (Linux may even drop the unwritten pages and
-        report the next fsync clean), so the block is not committed: before
-        the rename the temp file goes; after it, the file is unlinked and
-        the index forgets it, and the caller keeps its copy above.
-        """
-        folder = self._folder(name)
-        ops = self._ops
-        tmp = None
-        committed = False
-        try:
-            tmp, fd = self._create_temp(folder, name)
-            try:
-                self._write_verified(fd, entry, header, view)
-                if self._fsync:
-                    ops.fsync(fd)
-                ops.utime(fd, ns=(stamp, stamp))
-            finally:
-                ops.close(fd)
-            with self._lock:
-                if self._lookup(name, entry.key) is not None:
-                    return False  # a concurrent put of the same key committed first
-                ops.replace(tmp, self._path(name))
-                tmp = None
-                displaced = self._index.pop(name, None)  # a hash collision: the newer block wins
-                if displaced is not None:
-                    self._used -= displaced.disk_bytes
-                self._used -= self._doomed.pop(name, 0)  # the rename replaced a deleted block's file
-                self._index[name] = entry
-                self._used += entry.disk_bytes
-                committed = True
-            if self._fsync:
-                self._fsync_dir(folder)
-            return True
-        except OSError as e:
-            if committed:
-                self._uncommit(name, entry)
-            if e.errno in _FULL_ERRNOS:
-                with self._lock:
-                    self._filled_locked(e, entry.disk_bytes)
-                raise DiskFull(
-                    f"disk tier directory {self._root} is full ({e.strerror}) writing {entry.key}: "
-                    "free space on that filesystem or lower --disk-bytes below its free space"
-                ) from e
-            raise self._unavailable(tmp or folder, e) from e
-        finally:
-            if tmp is not None:
-                self._remove_quietly(tmp)
-
-    def _uncommit(self, name: str, entry: _Entry) -> None:
-        """Take back a renamed block whose folder fsync failed: it must not count as on disk."""
-        with self._lock:
-            if self._index.get(name) is entry:
-                self._unlink_locked(name, entry, quiet=True)
-
-    def _write_verified(self, fd: int, entry: _Entry, header: bytes, view: memoryview) -> None:
-        """Write header and payload to ``fd``, hashing each chunk right after it is written.
-
-        The write has just pulled the chunk into cache, so the hash reads it
-        from there, where hashing first would read it from memory. The
-        checksum is verified at the end, before the caller's rename: a
-        mismatch raises CorruptBlock and the temp file is never committed.
-        The header goes out with the first chunk, in one ``writev``.
-        """
-        h = xxhash.xxh3_64()
-        with view[:_IO_CHUNK] as chunk:
-            self._write_all(fd, [header, chunk])
-            h.update(chunk)
-        for pos in range(_IO_CHUNK, len(view), _IO_CHUNK):
-            with view[pos : pos + _IO_CHUNK] as chunk:
-                self._write_all(fd, [chunk])
-                h.update(chunk)
-        if h.intdigest() != entry.meta.checksum:
-            raise CorruptBlock(f"{entry.key}: payload checksum does not match the metadata; nothing stored")
-
-    def _write_all(self, fd: int, parts: list[bytes | memoryview]) -> None:
-        """``writev`` until every byte is written: a write may stop short (a signal, a nearly full disk)."""
-        ops = self._ops
-        written = ops.writev(fd, parts)
-        for part in parts:
-            if written >= len(part):
-                written -= len(part)
-                continue
-            with memoryview(part) as rest:
-                while written < len(rest):
-                    with rest[written:] as tail:
-                        n = ops.write(fd, tail)
-                    if n == 0:
-                        raise OSError(errno.EIO, "write made no progress")
-                    written += n
-            written = 0
-
-    def _fsync_dir(self, folder: str) -> None:
-        fd = self._ops.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            self._ops.fsync(fd)
-        finally:
-            self._ops.close(fd)
-
-    def _create_temp(self, folder: str, name: str) -> tuple[str, int]:
-        """Create a new, empty temp file for block ``name``; its path and an fd open for writing.
-
-        Names come from the pid and a counter, not from ``tempfile.mkstemp``'s
-        random names: cheaper, and just as unique, since the directory has one
-        owning process and each of its puts takes the next number. ``O_EXCL``
-        still refuses to reuse a name; a leftover under one moves to the next.
-        A fan-out folder that could not be made at start (a full filesystem)
-        is made here, on its first block.
-        """
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        for _ in range(_TEMP_ATTEMPTS):
-            tmp = f"{folder}/{name}.{os.getpid()}-{next(_temp_numbers)}.tmp"
-            try:
-                return tmp, self._ops.open(tmp, flags, 0o600)
-            except FileExistsError:
-                continue
-            except FileNotFoundError:
-                self._ops.mkdir(folder)
-                return tmp, self._ops.open(tmp, flags, 0o600)
-        raise FileExistsError(errno.EEXIST, f"no free temp file name after {_TEMP_ATTEMPTS} tries", folder)
-
-    def _remove_quietly(self, path: str | Path) -> None:
-        """Remove a temp or dropped file while another error, or recovery, is under way.
-
-        A failure here must not hide the error being raised; the file is garbage
-        that the next recovery removes, so it is logged rather than raised.
-        """
-        try:
-            self._ops.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("disk tier: could not remove %s: %s", path, e.strerror)
 
     # -- index helpers (call the *_locked ones, and _lookup, with the lock held) --
 
@@ -661,138 +412,6 @@ class DiskTier(Tier):
     def _unavailable(self, path: Path | str, e: OSError) -> TierUnavailable:
         reason = os.strerror(e.errno) if e.errno else str(e)
         return TierUnavailable(f"disk tier I/O failed on {path}: {reason} (errno {e.errno})")
-
-    # -- start-up ----------------------------------------------------------------
-
-    def _open_directory(self) -> int:
-        ops = self._ops
-        try:
-            _make_dirs(ops, self._root)
-            present = set(ops.listdir(self._root_str))
-            for folder in _FOLDERS:
-                if folder not in present:
-                    try:
-                        ops.mkdir(f"{self._root_str}/{folder}")
-                    except FileExistsError:
-                        pass
-                    except OSError as e:
-                        if e.errno not in _FULL_ERRNOS:
-                            raise
-                        # A full filesystem: the folder is made by the first put into it.
-            # Read-only: flock needs no more, and a file open for writing would
-            # keep the filesystem from being remounted read-only after errors.
-            fd = ops.open(f"{self._root_str}/{_LOCK_FILE}", os.O_RDONLY | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise TierUnavailable(
-                f"cannot use {self._root} as the disk tier directory: {os.strerror(e.errno or 0)}; "
-                "point --disk-dir at a writable directory"
-            ) from e
-        try:
-            ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            ops.close(fd)
-            raise TierUnavailable(
-                f"disk tier directory {self._root} is in use by another process; "
-                "stop it or give this one its own --disk-dir"
-            ) from e
-        return fd
-
-    def _bound_by_filesystem(self) -> None:
-        """At start: the capacity is at most what the tier holds plus the filesystem's free space."""
-        try:
-            free = self._ops.free_bytes(self._root_str)
-        except OSError as e:
-            log.warning("disk tier %s: cannot read its filesystem's free space: %s", self._root, e.strerror)
-            return
-        with self._lock:
-            self._refresh_locked(free)
-            if self._limit < self._configured:
-                log.warning(
-                    "disk tier %s: --disk-bytes is %d but its filesystem holds only %d more bytes beside the %d "
-                    "it has: the tier holds at most %d; lower --disk-bytes or free space there",
-                    self._root, self._configured, free, self._used, self._limit,
-                    extra={"disk_dir": self._root_str, "configured_bytes": self._configured,
-                           "capacity_bytes": self._limit, "free_bytes": free},
-                )
-
-    def _recover(self) -> None:
-        found: list[tuple[int, str, _Entry]] = []
-        for folder in _FOLDERS:
-            folder_path = f"{self._root_str}/{folder}"
-            try:
-                with self._ops.scandir(folder_path) as it:
-                    files = [(d.name, d.path) for d in it if d.is_file(follow_symlinks=False)]
-            except FileNotFoundError:
-                continue  # not made yet (the filesystem was full at the last start)
-            except OSError as e:
-                raise self._unavailable(folder_path, e) from e
-            for fname, path in files:
-                if fname.endswith(".tmp"):
-                    self._remove_quietly(path)  # an uncommitted write from a killed process
-                elif len(fname) == 32 and fname.startswith(folder):
-                    item = self._recover_file(fname, path)
-                    if item is None:
-                        self.dropped_on_recovery += 1
-                        self._remove_quietly(path)
-                    else:
-                        found.append(item)
-        found.sort(key=lambda item: (item[0], item[1]))
-        for mtime, name, entry in found:
-            self._index[name] = entry
-            self._used += entry.disk_bytes
-            self._clock_ns = max(self._clock_ns, mtime)
-        self.recovered_blocks = len(found)
-        log.info(
-            "disk tier %s: recovered %d blocks (%d bytes), dropped %d",
-            self._root, self.recovered_blocks, self._used, self.dropped_on_recovery,
-        )
-
-    def _recover_file(self, name: str, path: str) -> tuple[int, str, _Entry] | None:
-        """The (mtime, name, entry) of a sound block file, or None when it must be dropped."""
-        ops = self._ops
-        try:
-            fd = ops.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                st = ops.fstat(fd)
-                header = read_header(_FdReader(ops, fd))
-            finally:
-                ops.close(fd)
-        except BadHeader as e:
-            log.warning("disk tier: dropping %s at recovery: %s", path, e)
-            return None
-        except OSError as e:
-            raise self._unavailable(path, e) from e
-        if header.meta.size != st.st_size - header.length or block_name(header.key) != name:
-            log.warning("disk tier: dropping %s at recovery: size or name disagrees with its header", path)
-            return None
-        return st.st_mtime_ns, name, _Entry(header.key, header.meta, header.length, header.checksum)
-
-
-class _FdReader:
-    """``read(n)`` on an fd through the tier's FileOps: what :func:`read_header` reads from."""
-
-    __slots__ = ("_ops", "_fd")
-
-    def __init__(self, ops: FileOps, fd: int) -> None:
-        self._ops, self._fd = ops, fd
-
-    def read(self, n: int) -> bytes:
-        return self._ops.read(self._fd, n)
-
-
-def _make_dirs(ops: FileOps, path: Path) -> None:
-    """``mkdir -p`` through ``ops``."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for p in reversed(missing):
-        try:
-            ops.mkdir(os.fspath(p))
-        except FileExistsError:
-            pass
 
 
 def _uninitialized(size: int) -> bytearray:

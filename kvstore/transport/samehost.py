@@ -169,6 +169,12 @@ class _Connection:
             pass  # already closed
 
 
+def stale_attachment(refusal: InvalidArgument) -> StaleAttachment:
+    """What a client is told when the daemon refuses a token it accepted before (both transports)."""
+    return StaleAttachment(f"the daemon refused this client's arena token ({refusal}); it restarted since the "
+                           "client attached: attach again")
+
+
 class SameHostTransport(Transport):
     """See the module docstring. ``arena`` and ``fallback`` stay the caller's to close."""
 
@@ -219,8 +225,7 @@ class SameHostTransport(Transport):
         try:
             return _Connection(self._path, self._token)
         except InvalidArgument as err:
-            raise StaleAttachment(f"the daemon refused this client's arena token ({err}); it restarted since the "
-                                  "client attached: attach again") from None
+            raise stale_attachment(err) from None
 
     def _give(self, conn: _Connection) -> None:
         with self._lock:

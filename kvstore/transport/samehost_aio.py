@@ -23,12 +23,16 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgpack
 
 from kvstore.block import TierName, checksum
-from kvstore.errors import ArenaUnusable, DaemonUnavailable, DeadlineExceeded, LeaseExpired, StrataError
+from kvstore.errors import (
+    ArenaUnusable, DaemonUnavailable, DeadlineExceeded, InvalidArgument, LeaseExpired, StrataError,
+)
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io, frames
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
 from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
-from kvstore.transport.samehost import INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S
+from kvstore.transport.samehost import (
+    INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S, stale_attachment,
+)
 from kvstore.transport.unix import connect_unix
 
 CONNECT_TIMEOUT_S = 5.0
@@ -74,6 +78,31 @@ class AsyncSameHostTransport:
     @classmethod
     async def connect(cls, arena: ShmArena, path: str, token: bytes, *, locations: int = DEFAULT_CAPACITY,
                       **options) -> AsyncSameHostTransport:
+        self = await cls._connect(arena, path, token, locations, options)
+        self._path, self._token, self._options = path, bytes(token), {"locations": locations, **options}
+        return self
+
+    @property
+    def broken(self) -> bool:
+        """The connection failed (the daemon closed it: a restart, or idle too long); see :meth:`reopen`."""
+        return self._broken is not None
+
+    async def reopen(self) -> AsyncSameHostTransport:
+        """A new connection to the same socket with the same token, this one closed.
+
+        The daemon accepted this token at the first Hello, so refusing it now
+        means another daemon answers on the socket (a restart): raises
+        :class:`StaleAttachment`, and the client must attach again.
+        """
+        await self.close()
+        try:
+            return await self.connect(self._arena, self._path, self._token, **self._options)
+        except InvalidArgument as err:
+            raise stale_attachment(err) from None
+
+    @classmethod
+    async def _connect(cls, arena: ShmArena, path: str, token: bytes, locations: int,
+                       options: dict) -> AsyncSameHostTransport:
         loop = asyncio.get_running_loop()
         try:
             sock = await loop.run_in_executor(None, connect_unix, path, CONNECT_TIMEOUT_S)
@@ -83,14 +112,14 @@ class AsyncSameHostTransport:
             raise DaemonUnavailable(f"cannot connect to the daemon's same-host socket {path}: {err}") from None
         self = cls(arena, reader, writer, **options)
         self._reading = asyncio.ensure_future(self._read_loop())
-        limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], (), CONNECT_TIMEOUT_S)
-        _, self._max_payload, self._max_batch, removals = limits
-        if removals and locations:
-            try:
+        try:
+            limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], (), CONNECT_TIMEOUT_S)
+            _, self._max_payload, self._max_batch, removals = limits
+            if removals and locations:
                 self._locations = Locations(removals, bytes(token), locations)
-            except ArenaUnusable:
-                await self.close()
-                raise
+        except BaseException:  # refused (a token of another run), unreadable, cancelled: nothing stays open
+            await self.close()
+            raise
         return self
 
     async def close(self) -> None:
@@ -210,6 +239,10 @@ class AsyncSameHostTransport:
             future = self._send(op, args, payload)
             try:
                 await self._writer.drain()
+            except OSError as err:  # the daemon closed the socket (a restart) before its reader saw it
+                self._abandon(future, op)
+                self._fail(DaemonUnavailable(f"the daemon's same-host socket closed: {err}"))
+                raise DaemonUnavailable(f"the daemon's same-host socket closed: {err}") from None
             except BaseException:
                 self._abandon(future, op)
                 raise

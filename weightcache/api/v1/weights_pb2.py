@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n weightcache/api/v1/weights.proto\x12\x11strata.weights.v1\"E\n\x0fPrefetchRequest\x12\x10\n\x08location\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"3\n\x10PrefetchResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x01(\x08\"\x1f\n\rStatusRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"\xc0\x02\n\x0eStatusResponse\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .strata.weights.v1.PrefetchState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x16\n\x0everified_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\x17\n\x0fverified_chunks\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12M\n\x0f\x62ytes_by_source\x18\x08 \x03(\x0b\x32\x34.strata.weights.v1.StatusResponse.BytesBySourceEntry\x1a\x34\n\x12\x42ytesBySourceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"P\n\x10ReadChunkRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\r\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\x12\x0f\n\x07wait_ms\x18\x04 \x01(\r\"0\n\x11ReadChunkResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x9f\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFETCH_STATE_UNKNOWN\x10\x01\x12\x1a\n\x16PREFETCH_STATE_RUNNING\x10\x02\x12\x1b\n\x17PREFETCH_STATE_COMPLETE\x10\x03\x12\x19\n\x15PREFETCH_STATE_FAILED\x10\x04\x32\x8b\x02\n\rWeightService\x12S\n\x08Prefetch\x12\".strata.weights.v1.PrefetchRequest\x1a#.strata.weights.v1.PrefetchResponse\x12M\n\x06Status\x12 .strata.weights.v1.StatusRequest\x1a!.strata.weights.v1.StatusResponse\x12V\n\tReadChunk\x12#.strata.weights.v1.ReadChunkRequest\x1a$.strata.weights.v1.ReadChunkResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n weightcache/api/v1/weights.proto\x12\x11strata.weights.v1\"E\n\x0fPrefetchRequest\x12\x10\n\x08location\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"3\n\x10PrefetchResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x01(\x08\"\x1f\n\rStatusRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"\xd3\x02\n\x0eStatusResponse\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .strata.weights.v1.PrefetchState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x16\n\x0everified_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\x17\n\x0fverified_chunks\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12M\n\x0f\x62ytes_by_source\x18\x08 \x03(\x0b\x32\x34.strata.weights.v1.StatusResponse.BytesBySourceEntry\x12\x11\n\tram_bytes\x18\t \x01(\x04\x1a\x34\n\x12\x42ytesBySourceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"P\n\x10ReadChunkRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\r\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\x12\x0f\n\x07wait_ms\x18\x04 \x01(\r\"0\n\x11ReadChunkResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x9f\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFETCH_STATE_UNKNOWN\x10\x01\x12\x1a\n\x16PREFETCH_STATE_RUNNING\x10\x02\x12\x1b\n\x17PREFETCH_STATE_COMPLETE\x10\x03\x12\x19\n\x15PREFETCH_STATE_FAILED\x10\x04\x32\x8b\x02\n\rWeightService\x12S\n\x08Prefetch\x12\".strata.weights.v1.PrefetchRequest\x1a#.strata.weights.v1.PrefetchResponse\x12M\n\x06Status\x12 .strata.weights.v1.StatusRequest\x1a!.strata.weights.v1.StatusResponse\x12V\n\tReadChunk\x12#.strata.weights.v1.ReadChunkRequest\x1a$.strata.weights.v1.ReadChunkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUSRESPONSE_BYTESBYSOURCEENTRY']._loaded_options = None
   _globals['_STATUSRESPONSE_BYTESBYSOURCEENTRY']._serialized_options = b'8\001'
-  _globals['_PREFETCHSTATE']._serialized_start=668
-  _globals['_PREFETCHSTATE']._serialized_end=827
+  _globals['_PREFETCHSTATE']._serialized_start=687
+  _globals['_PREFETCHSTATE']._serialized_end=846
   _globals['_PREFETCHREQUEST']._serialized_start=55
   _globals['_PREFETCHREQUEST']._serialized_end=124
   _globals['_PREFETCHRESPONSE']._serialized_start=126
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=179
   _globals['_STATUSREQUEST']._serialized_end=210
   _globals['_STATUSRESPONSE']._serialized_start=213
-  _globals['_STATUSRESPONSE']._serialized_end=533
-  _globals['_STATUSRESPONSE_BYTESBYSOURCEENTRY']._serialized_start=481
-  _globals['_STATUSRESPONSE_BYTESBYSOURCEENTRY']._serialized_end=533
-  _globals['_READCHUNKREQUEST']._serialized_start=535
-  _globals['_READCHUNKREQUEST']._serialized_end=615
-  _globals['_READCHUNKRESPONSE']._serialized_start=617
-  _globals['_READCHUNKRESPONSE']._serialized_end=665
-  _globals['_WEIGHTSERVICE']._serialized_start=830
-  _globals['_WEIGHTSERVICE']._serialized_end=1097
+  _globals['_STATUSRESPONSE']._serialized_end=552
+  _globals['_STATUSRESPONSE_BYTESBYSOURCEENTRY']._serialized_start=500
+  _globals['_STATUSRESPONSE_BYTESBYSOURCEENTRY']._serialized_end=552
+  _globals['_READCHUNKREQUEST']._serialized_start=554
+  _globals['_READCHUNKREQUEST']._serialized_end=634
+  _globals['_READCHUNKRESPONSE']._serialized_start=636
+  _globals['_READCHUNKRESPONSE']._serialized_end=684
+  _globals['_WEIGHTSERVICE']._serialized_start=849
+  _globals['_WEIGHTSERVICE']._serialized_end=1116
 # @@protoc_insertion_point(module_scope)

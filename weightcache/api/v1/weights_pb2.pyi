@@ -45,7 +45,7 @@ class StatusRequest(_message.Message):
     def __init__(self, digest: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "model", "total_bytes", "verified_bytes", "total_chunks", "verified_chunks", "error", "bytes_by_source")
+    __slots__ = ("state", "model", "total_bytes", "verified_bytes", "total_chunks", "verified_chunks", "error", "bytes_by_source", "ram_bytes")
     class BytesBySourceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class StatusResponse(_message.Message):
     VERIFIED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: PrefetchState
     model: str
     total_bytes: int
@@ -69,7 +70,8 @@ class StatusResponse(_message.Message):
     verified_chunks: int
     error: str
     bytes_by_source: _containers.ScalarMap[str, int]
-    def __init__(self, state: _Optional[_Union[PrefetchState, str]] = ..., model: _Optional[str] = ..., total_bytes: _Optional[int] = ..., verified_bytes: _Optional[int] = ..., total_chunks: _Optional[int] = ..., verified_chunks: _Optional[int] = ..., error: _Optional[str] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    ram_bytes: int
+    def __init__(self, state: _Optional[_Union[PrefetchState, str]] = ..., model: _Optional[str] = ..., total_bytes: _Optional[int] = ..., verified_bytes: _Optional[int] = ..., total_chunks: _Optional[int] = ..., verified_chunks: _Optional[int] = ..., error: _Optional[str] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ..., ram_bytes: _Optional[int] = ...) -> None: ...
 
 class ReadChunkRequest(_message.Message):
     __slots__ = ("digest", "file", "chunk", "wait_ms")
