@@ -257,6 +257,7 @@ class ModelReader:
             return
         for item in resident:
             self._on_present(*item)
+        self._lead = 0  # the plan no longer starts with the first tensor's chunks
         self._plan = [item for item in self._plan if not ram.has(item[0])]
         self.plan = tuple(dict.fromkeys(self._plan))
         nbytes = 0
