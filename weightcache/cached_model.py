@@ -100,8 +100,10 @@ class CachedModel:
             self._fds[file] = fd
             return fd
 
-    def store(self, file: int, chunk: int, data: memoryview) -> bool:
-        """Verify one chunk and make it present; False (nothing written) if it fails its digest."""
+    def write(self, file: int, chunk: int, data: memoryview) -> bool:
+        """Verify one chunk and write it to its file: present for this process at once (the bytes
+        are verified and in the page cache) and queued for the record's next :meth:`flush`. False
+        (nothing written) if it fails its digest."""
         if digest_of(data) != self.manifest.files[file].chunks[chunk]:
             return False
         fd = self.prepare(file)
@@ -113,10 +115,21 @@ class CachedModel:
                 done += os.pwrite(fd, view[done:], offset + done)
         except OSError as err:
             raise _io_error(err, self.path(file)) from None
-        # Present here first, then durable: the bytes are verified and in the page cache, so this
-        # process may serve them now; and refresh() never mistakes our own entry for another's.
+        # Present here first, then durable: this process may serve the bytes now; and refresh()
+        # never mistakes our own entry for another's.
         self._present[file][chunk] = 1
-        self.record.commit(fd, [(file, chunk)])
+        self.record.add(fd, [(file, chunk)])
+        return True
+
+    def flush(self) -> None:
+        """Make the chunks written so far durable and recorded, for every other process and the next start."""
+        self.record.flush()
+
+    def store(self, file: int, chunk: int, data: memoryview) -> bool:
+        """:meth:`write` and :meth:`flush` one chunk; False (nothing written) if it fails its digest."""
+        if not self.write(file, chunk, data):
+            return False
+        self.flush()
         return True
 
     # ---- reading -----------------------------------------------------------------

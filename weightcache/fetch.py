@@ -14,10 +14,13 @@ own that is reused chunk after chunk) and for each one:
    order (today the origin; later peers first), each under its own adaptive
    concurrency limit;
 4. verifies the bytes against the manifest before anything is written
-   (:meth:`CachedModel.store`); a chunk that fails is fetched again, up to
+   (:meth:`CachedModel.write`); a chunk that fails is fetched again, up to
    ``corrupt_retries`` more times per source, then from the next source;
    when every source has failed it the chunk fails with
-   :class:`~weightcache.errors.CorruptChunk`.
+   :class:`~weightcache.errors.CorruptChunk`;
+5. hands a written chunk to the reader at once, and to one flushing
+   thread that makes written chunks durable and recorded in groups while
+   the workers fetch on (its claim is held until it is recorded).
 
 A throttled source (S3 ``503 SlowDown``) halves its concurrency and the
 chunk waits an exponential, jittered back-off before its next try; an
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -81,6 +85,14 @@ class FetchStats:
     failed: int = 0
 
 
+def _chunk_buffer(nbytes: int) -> mmap.mmap:
+    """A reusable chunk buffer: an anonymous mapping, so its pages are given (zeroed by the kernel)
+    only when a read first lands in them. A ``bytearray`` would be zero-filled here, on the loop,
+    for every in-flight slot before the first request could go out, and for an origin that hands
+    back buffers of its own (S3) that memory would never be used at all."""
+    return mmap.mmap(-1, nbytes)
+
+
 class _Miss(Exception):
     """Why a source was passed over for a chunk: it answered that it does not hold it."""
 
@@ -107,16 +119,26 @@ class Planner:
         self._queue: deque[tuple[int, int]] = deque()
         self._deferred: dict[tuple[int, int], None] = {}  # claimed by another process: watched
         self._done: set[tuple[int, int]] = set()
+        self._leading: set[tuple[int, int]] = set()  # the first tensor's chunks, still coming
+        self._led = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=limits.max_in_flight, thread_name_prefix="weights-store")
+        # One thread makes written chunks durable, in groups, while the workers fetch on.
+        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-flush")
+        self._flushing: set[asyncio.Future] = set()
+        self._fatal: BaseException | None = None
 
-    async def run(self, plan: Iterable[tuple[int, int]]) -> None:
+    async def run(self, plan: Iterable[tuple[int, int]], lead: int = 0) -> None:
         """Fetch every chunk of the plan; returns when each is present or has failed (reported
-        through ``on_failed``). Raises only what stops all storing (DiskFull, CacheFull, ...)."""
-        seen = set()
+        through ``on_failed``). Raises only what stops all storing (DiskFull, CacheFull, ...).
+
+        The plan's first ``lead`` chunks (what a reader's first tensor needs) are fetched on their
+        own, so they do not share the source and this host with the rest; the other slots open
+        once those are present or failed."""
+        seen: dict[tuple[int, int], None] = {}
         for item in plan:
             if item in seen:
                 continue
-            seen.add(item)
+            seen[item] = None
             self.stats.planned += 1
             if self.model.is_present(*item):
                 self.stats.cached += 1
@@ -126,15 +148,28 @@ class Planner:
                 self._present(item)
             else:
                 self._queue.append(item)
-        workers = [asyncio.ensure_future(self._worker()) for _ in range(min(self.limits.max_in_flight, len(self._queue)))]
+        self._leading = {i for i in list(seen)[:lead] if i not in self._done}
+        slots = min(self.limits.max_in_flight, len(self._queue))
+        first = min(slots, len(self._leading)) if self._leading else slots
+        workers = [asyncio.ensure_future(self._worker()) for _ in range(first)]
         try:
+            if first < slots:
+                led = asyncio.ensure_future(self._led.wait())
+                await asyncio.wait([led, *workers], return_when=asyncio.FIRST_COMPLETED)
+                led.cancel()
+                workers += [asyncio.ensure_future(self._worker()) for _ in range(slots - first)]
             if workers:
                 await asyncio.gather(*workers)
+            if self._flushing:
+                await asyncio.gather(*self._flushing)
+            if self._fatal is not None:
+                raise self._fatal
         finally:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             self._executor.shutdown(wait=True)
+            self._flusher.shutdown(wait=True)
 
     def _length(self, item: tuple[int, int]) -> int:
         start, end = self.model.manifest.files[item[0]].chunk_span(item[1], self.model.manifest.chunk_bytes)
@@ -144,6 +179,12 @@ class Planner:
         if item not in self._done:
             self._done.add(item)
             self._on_present(*item)
+            self._settle(item)
+
+    def _settle(self, item: tuple[int, int]) -> None:
+        self._leading.discard(item)
+        if not self._leading:
+            self._led.set()
 
     def _refresh(self) -> None:
         for item in self.model.refresh():
@@ -152,8 +193,10 @@ class Planner:
             self._present(item)
 
     async def _worker(self) -> None:
-        buffer = bytearray(self.model.manifest.chunk_bytes)
+        buffer = _chunk_buffer(self.model.manifest.chunk_bytes)
         while True:
+            if self._fatal is not None:
+                raise self._fatal  # a flush failed (disk full): nothing more can be stored
             if self._queue:
                 item = self._queue.popleft()
                 buffer = await self._one(item, buffer)
@@ -173,6 +216,7 @@ class Planner:
         if not self.model.claims.try_claim(index):
             self._deferred[item] = None
             return buffer
+        flushing = False
         try:
             self._refresh()  # it may have been recorded just before its claim was let go
             if item in self._done:
@@ -185,11 +229,34 @@ class Planner:
                 log.error("chunk %d of %s failed: %s", ref.chunk, ref.path, err)
                 self._done.add(item)
                 self._on_failed(*item, err)
+                self._settle(item)
                 return buffer
             self._present(item)
+            self._flush_later(index)
+            flushing = True
             return buffer
         finally:
-            self.model.claims.release(index)
+            if not flushing:
+                self.model.claims.release(index)
+
+    def _flush_later(self, index: int) -> None:
+        """Make a written chunk durable off the worker's path (the worker fetches on); its claim is
+        let go once it is recorded. A failed flush ends the run, as a failed write does."""
+
+        def flush() -> None:
+            try:
+                self.model.flush()
+            finally:
+                self.model.claims.release(index)
+
+        def done(future: asyncio.Future) -> None:
+            self._flushing.discard(future)
+            if not future.cancelled() and future.exception() is not None and self._fatal is None:
+                self._fatal = future.exception()
+
+        future = asyncio.get_running_loop().run_in_executor(self._flusher, flush)
+        self._flushing.add(future)
+        future.add_done_callback(done)
 
     async def _fetch(self, ref: ChunkRef, buffer: bytearray) -> bytearray:
         """Get, verify and store one chunk; returns the buffer to use next (a new one when a timed-out
@@ -217,7 +284,7 @@ class Planner:
                     continue
                 except (OriginUnavailable, TimeoutError) as err:
                     if isinstance(err, TimeoutError):
-                        buffer = bytearray(len(buffer))  # the abandoned read may still land in the old one
+                        buffer = _chunk_buffer(len(buffer))  # the abandoned read may still land in the old one
                         err = OriginUnavailable(f"{source.name}: {ref.path} chunk {ref.chunk} timed out")
                     self.stats.unavailable += 1
                     self._count("unavailable", source)
@@ -232,8 +299,10 @@ class Planner:
                     excluded[source] = _Miss(f"{source.name} does not hold it")
                     self._count("miss", source)
                     continue
-                # Verify and store off the loop; an error here (disk full) ends the run.
-                if await loop.run_in_executor(self._executor, self.model.store, ref.file, ref.chunk, view):
+                # Verify and write off the loop; an error here (disk full) ends the run. The reader has
+                # the chunk once its verified bytes are in the file; the flush that makes them durable
+                # follows on its own thread (_flush_later), not in this worker's way.
+                if await loop.run_in_executor(self._executor, self.model.write, ref.file, ref.chunk, view):
                     source.limit.succeeded()
                     self.stats.fetched[source.kind] += 1
                     self.stats.fetched_bytes[source.kind] += ref.length

@@ -34,6 +34,7 @@ Tensors are zero-copy views of private mappings of the cache files (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import sys
 import threading
@@ -170,6 +171,7 @@ class ModelReader:
         if order is not None:
             self._plan = sorted(self._plan, key=order)  # stable: the reader's order within each rank
             self.plan = tuple(dict.fromkeys(self._plan))
+            self._lead = 0
         self.model = cache.open(manifest)
         self._planner = Planner(
             self.model, chooser, limits=limits, stats=self.stats,
@@ -181,7 +183,7 @@ class ModelReader:
 
     async def _drive(self) -> None:
         self._task = asyncio.current_task()
-        await self._planner.run(self._plan)
+        await self._planner.run(self._plan, lead=self._lead)
 
     async def _halt(self) -> None:
         """Cancel the planner and wait until it has really stopped (no store still writing)."""
@@ -236,9 +238,12 @@ class ModelReader:
 
         for path, item in self._whole.items():
             need(item, *items[item])
+        self._lead = 0  # the chunks the first tensor needs, fetched before the rest (none: whole files first)
         for item, (f, t) in enumerate(self.tensors):
             need(item, f, 0, m.files[f].header.data_start)  # the header is checked before any tensor
             need(item, *items[item])
+            if item == 0 and not self._whole:
+                self._lead = len(dict.fromkeys(plan))
         self._plan = plan
         self.plan: tuple[tuple[int, int], ...] = tuple(dict.fromkeys(plan))  # (file, chunk), fetch order
         for item, n in enumerate(self._missing):
@@ -252,6 +257,7 @@ class ModelReader:
             return
         for item in resident:
             self._on_present(*item)
+        self._lead = 0  # the plan no longer starts with the first tensor's chunks
         self._plan = [item for item in self._plan if not ram.has(item[0])]
         self.plan = tuple(dict.fromkeys(self._plan))
         nbytes = 0
@@ -417,7 +423,11 @@ class ModelReader:
             if self._closed:
                 return
             self._closed = True
+            settled = not self._waiters  # every chunk here or failed: only flushes may be left
             self._cond.notify_all()
+        if settled:  # let them finish (durable and counted) instead of cancelling them
+            with contextlib.suppress(Exception):  # its failures are already the reader's to report
+                self._run.result(timeout=60)
         self._loop.call(self._halt(), 60)
         self._loop.call(self._origin.close(), 30)
         self._loop.stop()

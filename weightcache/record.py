@@ -136,9 +136,18 @@ class ChunkRecord:
     def commit(self, fd: int, chunks: Iterable[tuple[int, int]]) -> None:
         """Record chunks whose bytes were written to ``fd``: flush the data, then the entries.
         Returns once these chunks are durable (possibly committed by another thread's group)."""
+        self.add(fd, chunks)
+        self.flush()
+
+    def add(self, fd: int, chunks: Iterable[tuple[int, int]]) -> None:
+        """Queue chunks whose bytes were written to ``fd`` for the next :meth:`flush`."""
         with self._pending_lock:
             self._pending.extend(chunks)
             self._pending_fds.add(fd)
+
+    def flush(self) -> None:
+        """Make every queued chunk durable: flush the data, then append their entries. Returns once
+        the chunks queued before the call are recorded (possibly by another thread's group)."""
         with self._commit_lock:
             with self._pending_lock:
                 batch, fds = self._pending, self._pending_fds
