@@ -17,6 +17,7 @@ import weightcache
 from conftest import wait_until
 from kvstore.auth import Authority
 from kvstore.auth.credentials import ChannelSecurity
+from kvstore.errors import InvalidArgument
 from test_auth import pki  # noqa: F401 - the module's CA and certificates
 from weightcache.access import server_credentials
 from weightcache.api.v1 import weights_pb2 as pb
@@ -181,3 +182,43 @@ def test_the_cli_presents_a_token_file(tmp_path, model, authed_node):
                "--no-progress", "--interval", "0.1")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[0] == m.digest
+
+
+def _this_hosts_address() -> str:
+    """A non-loopback address of this host (its default route's), to listen on."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent, the kernel only picks a route
+        except OSError:
+            pytest.skip("this host has no non-loopback IPv4 route")
+        host = probe.getsockname()[0]
+    if host.startswith("127."):
+        pytest.skip("this host has no non-loopback IPv4 address")
+    return host
+
+
+def test_protected_mode_refuses_a_non_loopback_listen_without_authentication(tmp_path, policy):
+    """As the daemon's: unauthenticated beyond loopback is refused with the fix named, before
+    anything binds; --insecure serves it (and says so); authentication serves it."""
+    host = _this_hosts_address()
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "weightcache", "serve", "--cache", str(tmp_path / "c"), "--listen", f"{host}:0"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert refused.returncode != 0
+    assert "protected mode" in refused.stderr and "--insecure" in refused.stderr and "--auth-file" in refused.stderr
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+    prefetcher = Prefetcher(tmp_path / "node", limits=FAST)
+    try:
+        with pytest.raises(InvalidArgument, match="protected mode"):
+            serve(prefetcher, f"{host}:0")
+        for kwargs in ({"insecure": True}, {"authority": Authority(str(policy))}):
+            server, port = serve(prefetcher, f"{host}:0", **kwargs)
+            assert port > 0
+            server.stop(0).wait()
+    finally:
+        prefetcher.close()

@@ -18,11 +18,11 @@ also needs ``write``. A method not in this table is refused, as in the
 daemon. Refusals are UNAUTHENTICATED (no or unknown credential) and
 PERMISSION_DENIED (known, not allowed), decided before the servicer runs.
 
-Protected mode as the daemon's (:mod:`kvstore.auth.exposure`), with one
-difference: a weight node without authentication on a non-loopback address
-is served with a warning, not refused, because weight nodes deployed before
-authentication existed listen on ``0.0.0.0`` unauthenticated; what they
-serve is published model bytes, not tenants' KV blocks.
+Protected mode as the daemon's (:mod:`kvstore.auth.exposure`): a weight node
+without authentication listens on loopback only, unless ``--insecure`` says
+to serve every client that can reach it. Unauthenticated, anyone who reaches
+the port may start fetches (origin egress, disk) with Prefetch; the check
+runs before anything is fetched or bound.
 """
 
 from __future__ import annotations
@@ -105,7 +105,12 @@ def server_credentials(tls_cert: str | None, tls_key: str | None, tls_client_ca:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def warn_if_exposed(listen: str, authority: Authority | None) -> None:
+def check_exposure(listen: str, authority: Authority | None, insecure: bool) -> None:
+    """Refuse (InvalidArgument naming the fix) to serve a non-loopback ``listen`` without authentication
+    unless ``insecure``; with it, say so in the log."""
     why = refusal(listen, authority is not None and authority.required, False)
-    if why is not None:
-        log.warning("%s (a weight node is served anyway, as before authentication existed)", why)
+    if why is None:
+        return
+    if not insecure:
+        raise InvalidArgument(why.replace("--listen 127.0.0.1:PORT", "--listen 127.0.0.1:PORT (strata weights serve)"))
+    log.warning("--insecure: the weight node on %s serves every client that can reach it, Prefetch included", listen)

@@ -28,7 +28,7 @@ import sys
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from kvstore.errors import StrataError
+from kvstore.errors import InvalidArgument, StrataError
 
 _SIZE = TypeAdapter(ByteSize)
 
@@ -196,11 +196,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from weightcache.service import serve
 
     from kvstore.auth import Authority
-    from weightcache.access import server_credentials
+    from weightcache.access import check_exposure, server_credentials
 
     metrics = WeightMetrics()
     me = args.advertise or args.listen
     authority = Authority(args.auth_file or "", mtls=bool(args.tls_client_ca), reload_s=args.auth_reload_seconds)
+    try:
+        check_exposure(args.listen, authority, args.insecure)  # before anything joins a swarm or binds
+    except InvalidArgument as err:
+        raise SystemExit(f"strata weights serve: {err}") from None
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     # What this node presents to its peers: its token, and its own certificate for their mTLS.
     security = _security(args, client_cert=(args.tls_cert, args.tls_key) if args.tls_client_ca else None)
@@ -227,7 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
     if args.index:
         swarm.attach(prefetcher.verified)
-    server, port = serve(prefetcher, args.listen, authority=authority, credentials=credentials)
+    server, port = serve(prefetcher, args.listen, authority=authority, credentials=credentials,
+                         insecure=True)  # protected mode was checked (and logged) above
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -441,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ram-bytes", type=_size, help="the RAM copy's bound (with --ram-dir)")
     srv.add_argument("--auth-file", metavar="TOML", help="the daemon's auth policy: tokens and certificate subjects "
                      "allowed on namespace 'weights' (read: Status, ReadChunk; write: Prefetch)")
+    srv.add_argument("--insecure", action="store_true",
+                     help="serve a non-loopback --listen without authentication (protected mode off: anyone who "
+                     "reaches the port may read chunks and start prefetches; logs a warning)")
     srv.add_argument("--auth-reload-seconds", type=float, default=2.0, help="how often to look for a changed policy [2]")
     srv.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (and --tls-key)")
     srv.add_argument("--tls-key", metavar="PEM")

@@ -82,13 +82,14 @@ class _mapped:
 
 
 def serve(prefetcher: Prefetcher, address: str, *, max_workers: int = 64, authority=None,
-          credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+          credentials: grpc.ServerCredentials | None = None, insecure: bool = False) -> tuple[grpc.Server, int]:
     """A started server for the prefetcher on ``address`` (host:port; port 0 picks one); (server, port).
     ``authority`` (a :class:`kvstore.auth.Authority` that requires credentials) checks every call
-    (:mod:`weightcache.access`); ``credentials`` serve TLS."""
-    from weightcache.access import WeightsAuthInterceptor, warn_if_exposed
+    (:mod:`weightcache.access`); ``credentials`` serve TLS. Beyond loopback, no authority is refused
+    unless ``insecure`` (protected mode, as the daemon's)."""
+    from weightcache.access import WeightsAuthInterceptor, check_exposure
 
-    warn_if_exposed(address, authority)
+    check_exposure(address, authority, insecure)
     interceptors = [WeightsAuthInterceptor(authority)] if authority is not None and authority.required else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weights-rpc"),
