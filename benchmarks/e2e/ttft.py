@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = cases(r)
     doc = {
         "benchmark": "e2e_ttft",
-        "command": "python -m benchmarks.e2e.ttft " + " ".join(argv if argv is not None else sys.argv[1:]),
+        # The model's directory is left out: it is the bench model, wherever it was built.
+        "command": f"python -m benchmarks.e2e.ttft --prompt-tokens {a.prompt_tokens} --cached-tokens "
+                   f"{a.cached_tokens} --rounds {a.rounds} --threads {a.threads}",
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_1m": round(os.getloadavg()[0], 1)},
