@@ -1,0 +1,250 @@
+"""The reference engine of the end-to-end benchmark: one model, one sequence at a time, prefix caches.
+
+``python -m benchmarks.e2e.engine --model DIR --port P [--prefix-cache blocks] [--kv-events tcp://..]
+[--strata ADDR --namespace NS]`` serves the OpenAI-compatible HTTP API of :mod:`benchmarks.e2e.server`.
+
+A request's prompt is keyed block by block with the vLLM hash chain
+(:class:`kvstore.index.keys.BlockHasher`, ``--block-size``, ``--hash-seed`` as vLLM's
+PYTHONHASHSEED), so the keys in this engine's KV events, in the shared pool and in a router's
+``Score`` are one and the same. Then:
+
+1. the engine's own cache (``--prefix-cache``) gives the KV of the longest prefix it holds;
+2. the shared pool (``--strata``) gives the following full blocks that it holds;
+3. the rest of the prompt is prefilled, the first token picked (greedy at temperature 0);
+4. the prompt's full blocks go to the engine's cache (KV events published) and, queued, to the
+   pool; decoding continues, and afterwards the blocks completed by generated tokens follow.
+
+The first token and the greedy continuation do not depend on where the prefix's KV came from:
+that is the property the tests check for every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.index.keys import BlockHasher
+
+from benchmarks.e2e.events import EventSink, ZmqEventPublisher
+from benchmarks.e2e.metrics import EngineMetrics
+from benchmarks.e2e.pool import DEFAULT_MAX_PENDING_BLOCKS, BlockPool
+from benchmarks.e2e.prefix_cache import PREFIX_CACHES, CacheOptions, make_prefix_cache
+from benchmarks.e2e.runner import ModelRunner, cache_of, kv_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_id: str = "engine-0"
+    served_model_name: str = ""  # "" → the model directory's name
+    block_size: int = 16
+    hash_seed: str = "0"
+    prefix_cache: str = "blocks"
+    cache_blocks: int = 4096
+    kv_events: str = ""
+    kv_events_replay: str = ""
+    strata: str = ""
+    namespace: str = ""
+    pool_max_pending: int = DEFAULT_MAX_PENDING_BLOCKS
+    max_queue: int = 64
+    max_tokens_limit: int = 4096
+    threads: int = 0  # torch threads; 0 keeps torch's default
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"--prefix-cache {self.prefix_cache!r}: use one of {', '.join(PREFIX_CACHES)}")
+        if bool(self.strata) != bool(self.namespace):
+            raise ValueError("the shared pool needs both --strata ADDR and --namespace NS")
+        if self.max_queue < 0:
+            raise ValueError("--max-queue must be 0 or more (requests waiting beyond the one computing)")
+        if self.max_tokens_limit < 1:
+            raise ValueError("--max-tokens-limit must be at least 1")
+
+
+@dataclass
+class Generation:
+    """One request's outcome; ``tokens`` grows as it decodes."""
+
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    cached_local: int = 0
+    cached_pool: int = 0
+    finish_reason: str = "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class Engine:
+    """Model + caches + pool. :meth:`generate` runs on one compute thread at a time (the server's)."""
+
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or EngineMetrics()
+        self.hasher = BlockHasher(config.block_size, config.hash_seed)
+        self.runner = ModelRunner(config.model, config.block_size, config.threads or None)
+        self.events: EventSink = (
+            ZmqEventPublisher(config.kv_events, config.kv_events_replay or None) if config.kv_events else EventSink()
+        )
+        self.metrics.events_dropped.set_function(lambda: self.events.dropped_batches)
+        self.cache = make_prefix_cache(config.prefix_cache, CacheOptions(config.cache_blocks, config.block_size, self.events))
+        self.metrics.cache_blocks.set_function(self.cache.blocks_held)
+        self.pool = (
+            BlockPool(config.strata, config.namespace, self.runner.layout, self.metrics,
+                      max_pending_blocks=config.pool_max_pending)
+            if config.strata else None
+        )
+        self._compute = threading.Lock()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.events.close()
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        on_token: Callable[[Generation], None] | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Generation:
+        """Generate up to ``max_tokens`` after ``prompt``; ``on_token`` sees each new token."""
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        with self._compute:
+            return self._generate(list(prompt), max_tokens, temperature, seed, ignore_eos, on_token, cancelled)
+
+    def _generate(self, prompt, max_tokens, temperature, seed, ignore_eos, on_token, cancelled) -> Generation:
+        m = self.metrics
+        gen = Generation(len(prompt))
+        t0 = time.perf_counter()
+        chain = self.hasher.chain(prompt)
+        kv, n_local, n_pool = self._cached_prefix(prompt, chain)
+        gen.cached_local, gen.cached_pool = n_local, n_pool
+        cache = cache_of(kv)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        logits = self.runner.forward(prompt[n_local + n_pool :], cache)
+        token = self.runner.pick(logits, temperature, generator)
+        gen.prefill_s = time.perf_counter() - t0
+        m.prefill_seconds.observe(gen.prefill_s)
+        gen.tokens.append(token)
+        if on_token is not None:
+            on_token(gen)
+
+        prompt_kv = kv_of(cache)
+        self.cache.store(prompt, chain, prompt_kv)
+        if self.pool is not None:
+            self.pool.submit(chain, prompt_kv, (n_local + n_pool) // self.config.block_size)
+        del prompt_kv
+
+        t1 = time.perf_counter()
+        stop_ids = () if ignore_eos else self.runner.eos_token_ids
+        if token in stop_ids:
+            gen.finish_reason = "stop"
+        while gen.finish_reason != "stop" and len(gen.tokens) < max_tokens and not cancelled():
+            logits = self.runner.forward([token], cache)
+            token = self.runner.pick(logits, temperature, generator)
+            gen.tokens.append(token)
+            if on_token is not None:
+                on_token(gen)
+            if token in stop_ids:
+                gen.finish_reason = "stop"
+        if cancelled() and gen.finish_reason != "stop" and len(gen.tokens) < max_tokens:
+            gen.finish_reason = "abort"
+        gen.decode_s = time.perf_counter() - t1
+        m.decode_seconds.observe(gen.decode_s)
+
+        # The KV now covers the prompt and every generated token but the last (never fed back).
+        seen = prompt + gen.tokens[:-1]
+        if len(seen) // self.config.block_size > len(chain) or self.cache.name == "last":
+            full = self.hasher.chain(seen)
+            seen_kv = kv_of(cache)
+            self.cache.store(seen, full, seen_kv)
+            if self.pool is not None:
+                self.pool.submit(full, seen_kv, len(chain))
+        m.prompt_tokens.inc(len(prompt))
+        m.generation_tokens.inc(len(gen.tokens))
+        return gen
+
+    def _cached_prefix(self, prompt: list[int], chain: list[bytes]) -> tuple[torch.Tensor | None, int, int]:
+        """(KV, tokens from the engine's cache, tokens from the pool) for the longest cached prefix."""
+        bs = self.config.block_size
+        limit = len(prompt) - 1  # at least one token is computed, for its logits
+        hit = self.cache.match(prompt, chain, limit)
+        kv, n_local, n_pool = hit.kv, hit.tokens, 0
+        if self.pool is not None:
+            start = n_local // bs
+            blocks = self.pool.load(chain, start, limit // bs)
+            if blocks and (start + len(blocks)) * bs > n_local:
+                parts = ([kv[:, :, :, : start * bs]] if start else []) + blocks
+                kv = torch.cat(parts, dim=3)
+                n_local, n_pool = start * bs, len(blocks) * bs
+        if n_local:
+            self.metrics.cached_tokens.labels("local").inc(n_local)
+            self.metrics.prefix_hits.labels("local").inc()
+        if n_pool:
+            self.metrics.cached_tokens.labels("pool").inc(n_pool)
+            self.metrics.prefix_hits.labels("pool").inc()
+        return kv, n_local, n_pool
+
+
+def parse_args(argv: list[str] | None = None) -> EngineConfig:
+    d = EngineConfig(model="")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e.engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model directory (python -m benchmarks.e2e.model --out DIR)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--engine-id", default=d.engine_id, help="this engine's holder id in the prefix index")
+    p.add_argument("--served-model-name", default="", help="the model name in the API (default: the directory's name)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (vLLM --block-size)")
+    p.add_argument("--hash-seed", default=d.hash_seed, help="vLLM's PYTHONHASHSEED for block keys (a string)")
+    p.add_argument("--prefix-cache", default=d.prefix_cache, choices=sorted(PREFIX_CACHES))
+    p.add_argument("--cache-blocks", type=int, default=d.cache_blocks, help="blocks the block cache holds (LRU)")
+    p.add_argument("--kv-events", default="", help="bind a ZMQ PUB for vLLM KV events here, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--kv-events-replay", default="", help="bind the ZMQ ROUTER replay socket here")
+    p.add_argument("--strata", default="", help="the node's Strata daemon (host:port) for the shared KV pool")
+    p.add_argument("--namespace", default="", help="the pool's namespace (one per model and block size)")
+    p.add_argument("--pool-max-pending", type=int, default=d.pool_max_pending, help="blocks queued for the pool")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting beyond the one computing")
+    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return EngineConfig(
+            model=a.model, host=a.host, port=a.port, engine_id=a.engine_id, served_model_name=a.served_model_name,
+            block_size=a.block_size, hash_seed=a.hash_seed, prefix_cache=a.prefix_cache, cache_blocks=a.cache_blocks,
+            kv_events=a.kv_events, kv_events_replay=a.kv_events_replay, strata=a.strata, namespace=a.namespace,
+            pool_max_pending=a.pool_max_pending, max_queue=a.max_queue, max_tokens_limit=a.max_tokens_limit,
+            threads=a.threads,
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.e2e.server import serve
+
+    serve(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
