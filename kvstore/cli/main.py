@@ -13,6 +13,7 @@
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
     strata object ls|du|gc [NS]      the object tier's bucket: namespaces, usage, a lifecycle sweep now
     strata weights ...               model weights: publish, ls, fetch, evict (runs python -m weightcache)
+    strata route --endpoint URL ...  a cache-aware router in front of OpenAI-compatible engines (vLLM)
     strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
 """
 
@@ -481,10 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=cmd_stats)
 
     sub.add_parser("weights", add_help=False, help="model weights: publish, ls, fetch, evict (strata weights --help)")
-    from kvstore.cli import doctor, objects
+    from kvstore.cli import doctor, objects, route
 
     doctor.add_parser(sub, _add_settings_flags)
     objects.add_parser(sub)
+    route.add_parser(sub)
     return parser
 
 
@@ -504,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["weights"]:
         return run_weights(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "doctor"):
+    if args.command in ("serve", "doctor", "route"):
         return args.func(args)
     from kvstore.errors import StrataError
 

@@ -1,0 +1,107 @@
+"""The token ids of a request's prompt, as the engine will see them, from the model's local tokenizer.
+
+The router hashes the same tokens the engine caches, so it must tokenize the
+way vLLM's OpenAI server does: a completion's text prompt with the
+tokenizer's special tokens (``add_special_tokens`` of the request, default
+true); a chat's messages rendered through the tokenizer's chat template
+(``add_generation_prompt``, ``continue_final_message`` and
+``chat_template_kwargs`` of the request) and then encoded without special
+tokens, because the template writes them. A prompt given as token ids is
+used as it is.
+
+The tokenizer is loaded from a local directory only (``local_files_only``),
+never from a hub, and tokenizing runs in a worker thread: a long prompt
+would otherwise stall every other request on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvstore.router.errors import BadRequest
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """``transformers.AutoTokenizer`` of ``model_dir``, without any network access."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise RuntimeError("the cache-aware router needs transformers: pip install 'strata[router]'") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise RuntimeError(
+            f"cannot load a tokenizer from {model_dir}: {err}; give --model-dir the model's local directory "
+            "(tokenizer.json and tokenizer_config.json)"
+        ) from None
+
+
+def _token_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The first prompt of a completion request (a batch is scored on its first prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    tokens = _token_list(prompt)
+    if tokens is not None:
+        return tokens
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str) or _token_list(first) is not None:
+            return first
+    raise BadRequest("'prompt' must be a string, a list of token ids, or a non-empty list of either")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of message objects")
+    return messages
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer, max_tokens: int) -> None:
+        self._tokenizer = tokenizer
+        self._max = max_tokens
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, max_tokens: int) -> PromptTokenizer:
+        return cls(load_tokenizer(model_dir), max_tokens)
+
+    async def tokens(self, api: str, body: dict[str, Any]) -> list[int]:
+        """The prompt's first ``max_tokens`` token ids; ``api`` is "completions" or "chat"."""
+        if api == "completions":
+            prompt = completion_prompt(body)
+            if isinstance(prompt, list):
+                return prompt[: self._max]
+            special = body.get("add_special_tokens", True) is not False
+            return await asyncio.to_thread(self._encode, prompt, special)
+        return await asyncio.to_thread(self._chat, chat_messages(body), body)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=special)["input_ids"][: self._max])
+
+    def _chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> list[int]:
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        continue_final = body.get("continue_final_message") is True
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True) is not False
+                and not continue_final, continue_final_message=continue_final, **kwargs,
+            )
+        except (TemplateError, ValueError, TypeError, KeyError) as err:  # a template's raise_exception, bad fields
+            raise BadRequest(f"the chat template cannot render these messages: {err}") from None
+        return self._encode(text, special=False)

@@ -1,0 +1,103 @@
+"""Forwarding one request to an engine and its response back, bytes unchanged.
+
+The body goes to the engine as received; the engine's status, headers
+(less the hop-by-hop ones) and body come back as sent: the client session
+does not decompress (``auto_decompress=False``) and adds no
+``Accept-Encoding`` of its own, and the body is copied chunk by chunk as
+it arrives, so an SSE stream reaches the client event by event, byte for
+byte. ``Transfer-Encoding`` is per hop: a body the engine chunked is
+chunked again here, one with a ``Content-Length`` keeps it.
+
+Failures are told apart by how far the request got:
+
+- the connection could not be opened (:class:`aiohttp.ClientConnectorError`):
+  nothing was sent, so the caller may try another endpoint
+  (:class:`EndpointRefused`);
+- the engine sent no headers within the upstream timeout: 504;
+- the connection broke before the headers: 502, not retried (the engine may
+  have started the work);
+- it broke after the response began: the client's connection is aborted
+  without the end of the body (never a truncated body that looks complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvstore.router.endpoint import Endpoint
+from kvstore.router.errors import UpstreamTimeout, UpstreamUnreachable
+from kvstore.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+CHUNK_BYTES = 64 << 10
+
+
+class EndpointRefused(Exception):
+    """The engine's connection could not be opened; nothing was sent (safe to try another endpoint)."""
+
+
+def forwarded_headers(headers) -> CIMultiDict:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, policy: str) -> None:
+        self._session = session
+        self._metrics = metrics
+        self._policy = policy
+
+    async def open(self, e: Endpoint, method: str, path: str, headers, body: bytes | None) -> aiohttp.ClientResponse:
+        """The engine's response, its headers read and its body not yet."""
+        try:
+            return await self._session.request(method, e.url + path, data=body, headers=forwarded_headers(headers))
+        except aiohttp.ClientConnectorError as err:
+            self._metrics.upstream_errors.labels(e.label, "connect").inc()
+            raise EndpointRefused(f"{e.url}: {err}") from None
+        except asyncio.TimeoutError:
+            self._metrics.upstream_errors.labels(e.label, "timeout").inc()
+            raise UpstreamTimeout(f"endpoint {e.label} sent no response headers within the upstream timeout") from None
+        except aiohttp.ClientError as err:
+            self._metrics.upstream_errors.labels(e.label, "disconnect").inc()
+            raise UpstreamUnreachable(f"endpoint {e.label} closed the connection before answering: {err}") from None
+
+    async def relay(self, request: web.Request, e: Endpoint, upstream: aiohttp.ClientResponse, started: float,
+                    stream: bool) -> tuple[web.StreamResponse, str | None]:
+        """Copy ``upstream``'s response to the client as it arrives; with it, how the engine broke off
+        ("disconnect", "timeout"), or None when the body came whole."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                      headers=forwarded_headers(upstream.headers))
+        chunked = "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
+        if upstream.content_length is not None and not chunked:
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+        first = True
+        try:
+            async for chunk in upstream.content.iter_chunked(CHUNK_BYTES):
+                if first:
+                    self._metrics.ttft.labels(e.label, self._policy, str(stream).lower()).observe(
+                        time.perf_counter() - started)
+                    first = False
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:
+            kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "disconnect"
+            self._metrics.upstream_errors.labels(e.label, kind).inc()
+            log.warning("endpoint %s broke off its response (%s: %s); closing the client's connection",
+                        e.label, type(err).__name__, err)
+            if request.transport is not None:
+                request.transport.abort()
+            return response, kind
+        finally:
+            upstream.release()
+        await response.write_eof()
+        return response, None

@@ -1,0 +1,105 @@
+"""Each endpoint's cached prefix of a prompt, from the prefix index (a daemon's Score RPC).
+
+The router computes the prompt's vLLM block keys itself
+(:class:`kvstore.index.keys.BlockHasher`, the engines' ``--block-size`` and
+``PYTHONHASHSEED``) and asks the daemon which of the endpoints' index ids
+hold the longest prefix of them, under a short deadline: the answer is worth
+less than the time a slow index would add to every request.
+
+When a Score fails (the daemon is down, refuses, or misses the deadline) the
+index counts as unavailable: :meth:`PrefixScorer.hits` returns None, and the
+router routes by load for ``retry_s`` without asking again, so a dead index
+costs one deadline per ``retry_s``, not one per request. The first Score that
+answers afterwards makes it available again. Both transitions are logged
+once; the failures in between are counted, and logged at most once per
+``LOG_EVERY_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+import grpc.aio
+
+from kvstore.api.v1 import index_pb2, index_pb2_grpc
+from kvstore.auth.credentials import ChannelSecurity
+from kvstore.client import codec
+from kvstore.index.base import MAX_CHAIN_BLOCKS
+from kvstore.index.keys import BlockHasher, event_key_bytes
+from kvstore.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 30.0
+
+
+class PrefixScorer:
+    def __init__(self, target: str, namespace: str, hasher: BlockHasher, metrics: RouterMetrics, *,
+                 timeout_s: float, retry_s: float, token_file: str = "") -> None:
+        self._target = target
+        self._namespace = namespace
+        self._hasher = hasher
+        self._metrics = metrics
+        self._timeout = timeout_s
+        self._retry_s = retry_s
+        security = ChannelSecurity.build(token_file=token_file or None)
+        # gRPC's reconnect backoff grows to two minutes by default: a daemon back after a
+        # restart would stay unused that long. Cap it near the router's own retry period.
+        backoff_ms = max(100, int(retry_s * 1000))
+        options = [*codec.CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
+                   ("grpc.min_reconnect_backoff_ms", min(100, backoff_ms)), ("grpc.max_reconnect_backoff_ms", backoff_ms)]
+        self._channel = security.aio_channel(target, options)
+        self._stub = index_pb2_grpc.IndexServiceStub(self._channel)
+        self.available = True
+        self._down_until = 0.0
+        self._failures = 0
+        self._last_log = 0.0
+        metrics.index_available.set(1)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """The 8-byte event keys of the prompt's full blocks (at most the index's chain limit)."""
+        full = min(len(tokens) // self._hasher.block_size, MAX_CHAIN_BLOCKS) * self._hasher.block_size
+        return [event_key_bytes(h) for h in self._hasher.chain(list(tokens[:full]))]
+
+    async def hits(self, keys: list[bytes], ids: Sequence[str]) -> dict[str, float] | None:
+        """Per index id, its tier-weighted cached blocks of ``keys``; None while the index is unavailable."""
+        now = time.monotonic()
+        if not self.available and now < self._down_until:
+            return None
+        request = index_pb2.ScoreRequest(namespace=self._namespace)
+        request.keys.keys.extend(keys)
+        request.candidates.extend(ids)
+        start = time.perf_counter()
+        try:
+            response = await self._stub.Score(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as err:
+            self._metrics.index_latency.labels("error").observe(time.perf_counter() - start)
+            self._failed(err)
+            return None
+        self._metrics.index_latency.labels("ok").observe(time.perf_counter() - start)
+        if not self.available:
+            log.info("prefix index %s answers again after %d failed queries; routing cache-aware",
+                     self._target, self._failures)
+            self.available = True
+            self._failures = 0
+            self._metrics.index_available.set(1)
+        return {e.node_id: e.score for e in response.endpoints}
+
+    def _failed(self, err: grpc.aio.AioRpcError) -> None:
+        now = time.monotonic()
+        self._failures += 1
+        self._down_until = now + self._retry_s
+        if self.available or now - self._last_log >= LOG_EVERY_S:
+            log.warning(
+                "prefix index %s unavailable (%s: %s); routing least-loaded, asking again every %.1fs "
+                "(%d failed queries)", self._target, err.code().name, err.details(), self._retry_s, self._failures,
+            )
+            self._last_log = now
+        self.available = False
+        self._metrics.index_available.set(0)

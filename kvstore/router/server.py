@@ -1,0 +1,281 @@
+"""The router: an OpenAI-compatible HTTP front for several engines, picking one per request.
+
+    POST /v1/completions, /v1/chat/completions   routed by the policy, proxied byte for byte
+    GET  /v1/models                              proxied to a healthy endpoint
+    GET  /health                                 200 while some endpoint is in rotation, else 503
+    GET  /metrics                                the router's own Prometheus metrics
+
+A request's way: admission (at most ``max_in_flight`` outstanding, beyond
+that 429 with Retry-After), its body read up to ``max_body_bytes`` (413),
+parsed as a JSON object (400), its prompt tokenized and scored against the
+index (cache-aware only), an endpoint picked among the healthy ones, the
+request forwarded. When the pick refuses the connection it is taken out of
+rotation and the request goes to another endpoint, at most ``retries``
+times; once any byte went to an engine it is never sent again.
+
+``Router(settings)`` runs inside an existing event loop (``await
+router.start()``, ``router.port``, ``await router.stop()``); ``run`` is the
+``strata route`` process around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstore.config.router import RouterSettings
+from kvstore.index.keys import BlockHasher
+from kvstore.router.endpoint import Endpoint
+from kvstore.router.errors import BadRequest, BodyTooLarge, NoEndpoint, RequestRefused, TooManyRequests, UpstreamUnreachable
+from kvstore.router.health import HealthChecker
+from kvstore.router.metrics import RouterMetrics
+from kvstore.router.policy import CacheAware, Decision, make_policy
+from kvstore.router.prompt import PromptTokenizer, chat_messages, completion_prompt
+from kvstore.router.proxy import EndpointRefused, Upstream
+from kvstore.router.scorer import PrefixScorer
+
+log = logging.getLogger(__name__)
+
+APIS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def error_body(err: RequestRefused) -> web.Response:
+    headers = {"Retry-After": str(int(err.retry_after_s))} if err.retry_after_s else None
+    body = {"error": {"message": str(err), "type": err.kind, "code": err.status}}
+    return web.json_response(body, status=err.status, headers=headers)
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, *, tokenizer: PromptTokenizer | None = None) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.endpoints = [Endpoint(i, url, ids) for i, (url, ids) in enumerate(settings.endpoint_specs())]
+        self.policy = make_policy(settings.policy, prefix_weight=settings.prefix_weight, load_weight=settings.load_weight)
+        self._tokenizer = tokenizer
+        self._in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._scorer: PrefixScorer | None = None
+        self._health_task: asyncio.Task | None = None
+        self.health: HealthChecker | None = None
+        self.port = 0
+        for e in self.endpoints:
+            self.metrics.endpoint_info.labels(e.label, e.url, ",".join(e.ids)).set(1)
+            self.metrics.endpoint_healthy.labels(e.label).set(1)
+            self.metrics.endpoint_in_flight.labels(e.label).set(0)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.listen_host}:{self.port}"
+
+    async def start(self) -> Router:
+        s = self.settings
+        if isinstance(self.policy, CacheAware):
+            if self._tokenizer is None:
+                self._tokenizer = await asyncio.to_thread(PromptTokenizer.from_dir, s.model_dir, s.max_prompt_tokens)
+            hasher = BlockHasher(s.block_size, s.hash_seed)
+            self._scorer = PrefixScorer(s.index, s.namespace, hasher, self.metrics, timeout_s=s.index_timeout_seconds,
+                                        retry_s=s.index_retry_seconds, token_file=s.index_token_file)
+        timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_seconds,
+                                        sock_connect=s.connect_timeout_seconds, sock_read=s.upstream_timeout_seconds)
+        connector = aiohttp.TCPConnector(limit=s.max_in_flight + 2 * len(self.endpoints), limit_per_host=0)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                              skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        self._upstream = Upstream(self._session, self.metrics, s.policy)
+        self.health = HealthChecker(self.endpoints, self._session, self.metrics, interval_s=s.health_interval_seconds,
+                                    timeout_s=s.health_timeout_seconds, queue_metric=s.queue_metric)
+        await self.health.check_all()
+        self._health_task = asyncio.create_task(self.health.run(), name="strata-router-health")
+        app = web.Application(client_max_size=int(s.max_body_bytes) + 1)
+        app.router.add_post("/v1/completions", self._route)
+        app.router.add_post("/v1/chat/completions", self._route)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.listen_host, s.listen_port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        log.info("router on %s: policy %s, %d endpoints, index %s", self.url, s.policy, len(self.endpoints),
+                 s.index or "none")
+        return self
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        if self._scorer is not None:
+            await self._scorer.close()
+
+    # ---- handlers ------------------------------------------------------------
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
+        api = APIS[request.path]
+        started = time.perf_counter()
+        status = 500
+        try:
+            if self._in_flight >= self.settings.max_in_flight:
+                raise TooManyRequests(
+                    f"{self.settings.max_in_flight} requests are already in flight (--max-in-flight); retry later",
+                    retry_after_s=self.settings.retry_after_seconds)
+            self._in_flight += 1
+            self.metrics.in_flight.inc()
+            try:
+                response = await self._proxy(request, api, started)
+            finally:
+                self._in_flight -= 1
+                self.metrics.in_flight.dec()
+            status = response.status
+            return response
+        except RequestRefused as err:
+            status = err.status
+            self.metrics.refused.labels(str(err.status)).inc()
+            log.info("%s refused with %d: %s", request.path, err.status, err)
+            return error_body(err)
+        finally:
+            self.metrics.latency.labels(api, self.settings.policy, f"{status // 100}xx").observe(
+                time.perf_counter() - started)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = int(self.settings.max_body_bytes)
+        too_large = BodyTooLarge(f"the request body is over {limit} bytes (--max-body-bytes); send a shorter prompt "
+                                 "or raise the router's limit")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        parts, size = [], 0
+        async for chunk in request.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _parse(self, api: str, raw: bytes) -> dict[str, Any]:
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise BadRequest(f"the request body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"the request body must be a JSON object, not {type(body).__name__}")
+        if api == "completions":
+            completion_prompt(body)
+        else:
+            chat_messages(body)
+        return body
+
+    async def _hits(self, api: str, body: dict[str, Any]) -> dict[Endpoint, float] | None:
+        """Each endpoint's cached fraction of the prompt (0..1); None when the index did not answer."""
+        assert self._scorer is not None and self._tokenizer is not None
+        keys = self._scorer.keys(await self._tokenizer.tokens(api, body))
+        if not keys:  # shorter than one block: nothing can be cached
+            return {}
+        ids = sorted({i for e in self.endpoints for i in e.ids})
+        if not ids:
+            return {}
+        by_id = await self._scorer.hits(keys, ids)
+        if by_id is None:
+            return None
+        return {e: min(1.0, max((by_id.get(i, 0.0) for i in e.ids), default=0.0) / len(keys)) for e in self.endpoints}
+
+    def _healthy(self, exclude: set[Endpoint] = frozenset()) -> list[Endpoint]:
+        return [e for e in self.endpoints if e.healthy and e not in exclude]
+
+    def _no_endpoint(self) -> NoEndpoint:
+        return NoEndpoint(f"no endpoint is in rotation (all {len(self.endpoints)} fail their health checks); "
+                          "retry later", retry_after_s=self.settings.retry_after_seconds)
+
+    async def _proxy(self, request: web.Request, api: str, started: float) -> web.StreamResponse:
+        raw = await self._read_body(request)
+        body = self._parse(api, raw)
+        hits = await self._hits(api, body) if self._scorer is not None else None
+        healthy = self._healthy()
+        if not healthy:
+            raise self._no_endpoint()
+        decision = self.policy.pick(healthy, hits)
+        if hits:
+            self.metrics.prefix_blocks.observe(decision.hit)
+        return await self._forward(request, decision, raw, "POST", request.path, stream=body.get("stream") is True,
+                                   started=started)
+
+    async def _forward(self, request: web.Request, decision: Decision, raw: bytes | None, method: str, path: str,
+                       *, stream: bool, started: float) -> web.StreamResponse:
+        tried: set[Endpoint] = set()
+        while True:
+            e = decision.endpoint
+            self.metrics.decisions.labels(self.settings.policy, decision.reason).inc()
+            tried.add(e)
+            e.in_flight += 1
+            self.metrics.endpoint_in_flight.labels(e.label).inc()
+            try:
+                try:
+                    upstream = await self._upstream.open(e, method, path, request.headers, raw)
+                except EndpointRefused as err:
+                    self.health.mark_down(e, f"connection refused on a proxied request: {err}")
+                    others = self._healthy(exclude=tried)
+                    if len(tried) > self.settings.retries or not others:
+                        raise UpstreamUnreachable(f"no endpoint accepted the connection ({len(tried)} tried); "
+                                                  "retry later", retry_after_s=self.settings.retry_after_seconds) from None
+                    decision = Decision(self.policy.pick(others, None).endpoint, "retry")
+                    continue
+                except UpstreamUnreachable:
+                    self.health.mark_down(e, "the connection broke before the response")
+                    raise
+                response, broke = await self._upstream.relay(request, e, upstream, started, stream)
+                if broke == "disconnect":
+                    self.health.mark_down(e, "the connection broke during the response")
+                return response
+            finally:
+                e.in_flight -= 1
+                self.metrics.endpoint_in_flight.labels(e.label).dec()
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        healthy = self._healthy()
+        if not healthy:
+            return error_body(self._no_endpoint())
+        decision = Decision(self.policy.turn(healthy)[0], "round_robin")
+        try:
+            return await self._forward(request, decision, None, "GET", "/v1/models", stream=False,
+                                       started=time.perf_counter())
+        except RequestRefused as err:
+            return error_body(err)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        n = len(self._healthy())
+        body = {"status": "ok" if n else "unavailable", "endpoints_healthy": n, "endpoints": len(self.endpoints),
+                "index_available": self._scorer.available if self._scorer is not None else None}
+        return web.json_response(body, status=200 if n else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def serve(settings: RouterSettings) -> int:
+    """Run the router until SIGTERM or SIGINT."""
+    router = Router(settings)
+    await router.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"strata route: serving on {router.url}", flush=True)
+    await stop.wait()
+    log.info("router stopping")
+    await router.stop()
+    return 0
+
+
+def run(settings: RouterSettings) -> int:
+    return asyncio.run(serve(settings))
