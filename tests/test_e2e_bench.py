@@ -228,3 +228,43 @@ def test_policies_are_chosen_by_letter():
     assert POLICIES["c"].kv_events and not POLICIES["c"].pool and POLICIES["d"].pool
     with pytest.raises(ValueError, match="choose from a, b, c, d, e"):
         parse_policies("f")
+
+
+# ---- the whole orchestration, small ------------------------------------------------
+
+
+def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_faults(tmp_path):
+    """Real processes end to end: Redis, two daemons, two engines on the tiny model, the router, in the
+    fault phase (cache-aware + shared pool; a daemon SIGKILLed and restarted, then an engine SIGKILLed).
+    Checks what must hold whatever the machine's speed: every request accounted for, cached prefixes
+    found, no failure for a cache reason, the dead engine out of rotation and sent nothing after."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    from benchmarks.e2e.__main__ import main
+
+    out = tmp_path / "results"
+    assert main(["--model-size", "tiny", "--faults-only", "--sessions", "3", "--turns", "3", "--think-mean", "0.3",
+                 "--no-prefix-4k", "--results-dir", str(out)]) == 0
+    doc = json.loads((out / "e2e.json").read_text())
+    assert (out / "e2e_ttft.png").stat().st_size > 0
+    phase = doc["policies"]["faults"]
+    assert "error" not in phase, phase.get("error")
+    requests = phase["requests"]
+    assert len(requests) == 9
+    answered = [r for r in requests if not r["error"]]
+    assert all(r["prompt_tokens"] == r["prompt_tokens_sent"] for r in answered)  # the engines saw our tokens
+    assert sum(r["cached_tokens"] for r in answered if r["turn"] >= 1) > 0  # and found cached prefixes
+    faults = phase["faults"]
+    assert faults["injection_errors"] == []
+    assert [ev["what"] for ev in faults["events"]] == ["daemon_killed", "daemon_ready", "engine_killed",
+                                                        "engine_out_of_rotation"]
+    assert faults["sent"] == 9 and faults["answered"] + faults["failed"] == 9
+    assert faults["failed_for_a_cache_reason"] == 0 and faults["late_to_dead_engine"] == 0
+    assert set(faults["failed_by_reason"]) <= {"engine_killed_in_flight", "sent_to_dead_engine_within_health_interval"}
+    assert faults["router_upstream_errors_after_rotation"] == 0
+    assert phase["router"]["decisions_by_reason"]

@@ -38,6 +38,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +51,7 @@ from benchmarks.e2e.client import completion_body, monotonic_clock, stream_compl
 from benchmarks.e2e.faults import FaultInjector, FaultPlan, fault_report
 from benchmarks.e2e.fleet import Fleet, FleetSpec, Nodes, Phase, StartFailed
 from benchmarks.e2e.policies import POLICIES, parse_policies
-from benchmarks.e2e.report import table, targets, targets_table
+from benchmarks.e2e.report import router_summary, table, targets, targets_table
 from benchmarks.e2e.stats import PolicyStats, RequestRecord
 from benchmarks.e2e.workload import Workload, WorkloadSpec
 from benchmarks.harness import RESULTS_DIR
@@ -58,21 +59,23 @@ from benchmarks.harness import RESULTS_DIR
 log = logging.getLogger("benchmarks.e2e")
 
 NAME = "e2e"
-FULL = dict(sessions=8, turns=5, think_factor=2.0, calibration_prompts=3)
-QUICK = dict(sessions=8, turns=3, think_factor=1.0, calibration_prompts=1)
+FULL = dict(sessions=8, turns=5, think_factor=2.0, calibration_prompts=3, prefix_rounds=3)
+QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1)
 PREFIX_TOKENS = 4096
+PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
+PREFIX_TIMEOUT_S = 600
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="3 turns per session, shorter think times: under 2 minutes")
+    p.add_argument("--quick", action="store_true", help="4 sessions × 2 turns, shorter think times, one round of the 4k measurement")
     p.add_argument("--replicas", type=int, default=2, help="engines (each with its own daemon); default 2")
     p.add_argument("--policies", default="all", help="which of a,b,c,d,e to run (default all)")
     p.add_argument("--no-faults", action="store_true", help="leave out the fault phase")
     p.add_argument("--faults-only", action="store_true", help="run only the fault phase")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sessions", type=int, help="concurrent sessions (default 8)")
-    p.add_argument("--turns", type=int, help="turns per session (default 5; 3 with --quick)")
+    p.add_argument("--sessions", type=int, help="concurrent sessions (default 8; 4 with --quick)")
+    p.add_argument("--turns", type=int, help="turns per session (default 5; 2 with --quick)")
     p.add_argument("--think-mean", type=float, help="mean think time in seconds (default: --think-factor × the "
                    "calibrated service time of a turn-1 request)")
     p.add_argument("--think-factor", type=float, help="think time mean / an idle turn-1 request's service time")
@@ -128,13 +131,24 @@ def model_vocab(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-def prefix_4k(model_dir: Path, fleet: Fleet | None) -> dict:
-    """The engine's own single-prompt measurement: a 4,096-token prompt cold, then with its prefix cached."""
-    try:
-        from benchmarks.e2e import prefix_ttft  # the engine's measurement
-    except ImportError as e:
-        return {"error": f"the engine's prefix-TTFT measurement is not available: {e}"}
-    return prefix_ttft.measure(model_dir, tokens=PREFIX_TOKENS)
+def prefix_4k(model_dir: Path, rounds: int, threads: int) -> dict:
+    """The engine's own single-prompt measurement (:mod:`benchmarks.e2e.ttft`): a 4,096-token prompt cold,
+    then one sharing its first 4,032 tokens with them cached; in a process of its own, on ``threads``
+    torch threads (those of one replica)."""
+    with tempfile.TemporaryDirectory(prefix="strata-e2e-ttft-") as tmp:
+        out = Path(tmp) / "ttft.json"
+        argv = [sys.executable, "-m", "benchmarks.e2e.ttft", "--model", str(model_dir), "--prompt-tokens",
+                str(PREFIX_TOKENS), "--cached-tokens", str(PREFIX_CACHED), "--rounds", str(rounds),
+                "--threads", str(threads), "--out", str(out)]
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=PREFIX_TIMEOUT_S)
+        if not out.exists():
+            return {"error": f"benchmarks.e2e.ttft exited with {proc.returncode}: {proc.stderr[-1500:]}"}
+        r = json.loads(out.read_text())
+    return {"prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"], "rounds": r["rounds"],
+            "threads": r["threads"], "cold_ttft_s": r["cold_median_s"], "hit_ttft_s": r["hit_median_s"],
+            "ratio": r["ratio"], "first_token_equal": r["first_token_equal"], "cold_s": r["cold_s"],
+            "hit_s": r["hit_s"], "seconds": round(time.monotonic() - started, 1)}
 
 
 def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan: FaultPlan | None) -> dict:
@@ -152,9 +166,13 @@ def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan:
                 records = driver.run(workload, fleet.url, fleet.model, clock=clock)
             else:
                 with FaultInjector(fleet, fault_plan, clock, workload.requests) as inj:
-                    records = driver.run(workload, fleet.url, fleet.model, clock=clock, on_answer=inj.observe)
-                out["faults"] = fault_report(records, inj.events, nodes.spec.health_interval_s, inj.errors)
+                    records = driver.run(workload, fleet.url, fleet.model, clock=clock, on_answer=inj.observe,
+                                         before_last_turn=inj.hold)
+                    after_rotation = inj.upstream_errors_since_rotation()
+                out["faults"] = fault_report(records, inj.events, nodes.spec.health_interval_s, inj.errors,
+                                             after_rotation)
             out["records"] = records
+            out["router"] = router_summary(fleet.router_metrics())
     except (StartFailed, RuntimeError, OSError) as e:
         log.error("phase %s failed: %s", phase.name, e)
         out["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
@@ -208,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
             plan = FaultPlan() if phase.name == "faults" else None
             results[phase.name] = run_phase(nodes, phase, workload_for, state, plan)
             log.info("phase %s took %.0f s", phase.name, results[phase.name]["seconds"])
-        prefix = None if args.no_prefix_4k else prefix_4k(model_dir, None)
+        if args.no_prefix_4k:
+            prefix = None
+        else:
+            log.info("the 4,096-token prefix-hit measurement")
+            prefix = prefix_4k(model_dir, mode["prefix_rounds"], spec.engine_threads)
         doc = build_document(args, results, state, prefix, spec, time.monotonic() - t_start)
     write(doc, results, args.results_dir, state)
     return 0

@@ -37,6 +37,7 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
+        "ignore_eos": True,  # every answer is max_tokens long, as the workload says
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -28,6 +28,7 @@ so the restarted daemon must not be started from a short-lived one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
 import threading
@@ -41,6 +42,13 @@ from benchmarks.e2e.stats import RequestRecord, Summary
 log = logging.getLogger(__name__)
 
 UPSTREAM_ERRORS = ("connect", "stream_broken", "http_502", "http_503", "http_504")
+HOLD_LIMIT_S = 180.0  # the longest the last turns wait for the faults
+ROTATION_WAIT_INTERVALS = 10  # give up watching for the router's reaction after this many health intervals
+
+
+def _upstream_errors(samples: dict, endpoint: str) -> float:
+    return sum(v for (name, labels), v in samples.items()
+               if name == "strata_router_upstream_errors_total" and dict(labels).get("endpoint") == endpoint)
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,9 @@ class FaultInjector:
         self._daemon_due = threading.Event()
         self._engine_due = threading.Event()
         self._done = threading.Event()
+        self._finished = threading.Event()  # every fault has happened (or failed to)
         self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
+        self.errors_after_rotation: float | None = None
 
     @property
     def engine_replica(self) -> int:
@@ -85,6 +95,16 @@ class FaultInjector:
             self._daemon_due.set()
         if answered >= self.plan.engine_kill_after * self.total:
             self._engine_due.set()
+
+    async def hold(self) -> None:
+        """The driver's ``before_last_turn``: wait (bounded) until every fault has happened, or the fault
+        thread gave up, and while due faults wait for answers, fire them: a run too short for the
+        schedule brings the faults forward rather than ending without them."""
+        end = self.clock() + HOLD_LIMIT_S
+        while not self._finished.is_set() and self.clock() < end:
+            self._daemon_due.set()
+            self._engine_due.set()
+            await asyncio.sleep(0.05)
 
     def _wait(self, due: threading.Event) -> bool:
         while not due.wait(0.05):
@@ -106,12 +126,36 @@ class FaultInjector:
             self.events.append(FaultEvent("daemon_ready", p.daemon_replica, self.clock()))
             if not self._wait(self._engine_due):
                 return
-            self.fleet.replicas[self.engine_replica].engine.kill()
-            self.events.append(FaultEvent("engine_killed", self.engine_replica, self.clock()))
-            self._done.wait()  # stay: the restarted daemon dies with the thread that started it
+            k = self.engine_replica
+            self.fleet.replicas[k].engine.kill()
+            self.events.append(FaultEvent("engine_killed", k, self.clock()))
+            self._watch_rotation(k)
         except (StartFailed, OSError, subprocess.SubprocessError) as e:
             log.error("fault injection failed: %s", e)
             self.errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            self._finished.set()
+        self._done.wait()  # stay: the restarted daemon dies with the thread that started it
+
+    def _watch_rotation(self, k: int) -> None:
+        """Poll the router until it takes the dead engine out of rotation (its ``endpoint_healthy`` is 0)."""
+        label = (("endpoint", str(k)),)
+        deadline = self.clock() + ROTATION_WAIT_INTERVALS * self.fleet.spec.health_interval_s
+        while self.clock() < deadline and not self._done.is_set():
+            samples = self.fleet.router_metrics()
+            if samples.get(("strata_router_endpoint_healthy", label)) == 0:
+                self.events.append(FaultEvent("engine_out_of_rotation", k, self.clock()))
+                self.errors_after_rotation = _upstream_errors(samples, str(k))
+                return
+            self._done.wait(0.05)
+        self.errors.append(f"the router kept engine {k} in rotation for "
+                           f"{ROTATION_WAIT_INTERVALS} health intervals after its SIGKILL")
+
+    def upstream_errors_since_rotation(self) -> int | None:
+        """Connections the router tried to the dead engine after taking it out of rotation (should be 0)."""
+        if self.errors_after_rotation is None:
+            return None
+        return _upstream_errors(self.fleet.router_metrics(), str(self.engine_replica)) - self.errors_after_rotation
 
     def __enter__(self) -> FaultInjector:
         self._thread.start()
@@ -147,6 +191,11 @@ def classify(r: RequestRecord, events: list[FaultEvent], health_interval_s: floa
     return "other"
 
 
+def _rotation_delay(events: list[FaultEvent]) -> float | None:
+    killed, out = _at(events, "engine_killed"), _at(events, "engine_out_of_rotation")
+    return None if killed is None or out is None else round(out - killed, 3)
+
+
 def _window(r: RequestRecord, events: list[FaultEvent]) -> str:
     killed, ready, engine = _at(events, "daemon_killed"), _at(events, "daemon_ready"), _at(events, "engine_killed")
     if engine is not None and r.sent_s >= engine:
@@ -159,7 +208,7 @@ def _window(r: RequestRecord, events: list[FaultEvent]) -> str:
 
 
 def fault_report(records: list[RequestRecord], events: list[FaultEvent], health_interval_s: float,
-                 errors: list[str]) -> dict:
+                 errors: list[str], upstream_errors_after_rotation: float | None = None) -> dict:
     """Counts answered and failed (by reason), and per window the TTFT and hit ratio of what was answered."""
     failed = [r for r in records if not r.ok]
     reasons = Counter(classify(r, events, health_interval_s) for r in failed)
@@ -182,6 +231,8 @@ def fault_report(records: list[RequestRecord], events: list[FaultEvent], health_
         "failed_by_reason": dict(sorted(reasons.items())),
         "failed_for_a_cache_reason": cache_failures,
         "late_to_dead_engine": reasons.get("sent_to_dead_engine_after_health_interval", 0),
+        "out_of_rotation_after_s": _rotation_delay(events),
+        "router_upstream_errors_after_rotation": upstream_errors_after_rotation,
         "health_interval_s": health_interval_s,
         "events": [asdict(e) for e in events],
         "injection_errors": errors,

@@ -60,6 +60,7 @@ SHM_ROOT = Path("/dev/shm")
 NAMESPACE = "e2e"
 BLOCK_SIZE = 16
 HASH_SEED = "0"
+QUEUE_METRIC = "e2e_engine_queue_depth"  # the engine's waiting requests, which the router adds to its load
 
 
 class StartFailed(RuntimeError):
@@ -175,7 +176,10 @@ class FleetSpec:
     max_queue: int = 32  # per engine: more than the sessions, so a full queue is a fault, not the workload
     index_ttl_s: float = 3.0
     health_interval_s: float = 1.0  # the router's health checks of its endpoints
-    engine_threads: int = 1
+    # The router's deadline for one Score RPC. Its default (50 ms) is for a dedicated host; on 2 shared cores
+    # a daemon's answer can take longer than that while an engine prefills, and each miss is a fallback.
+    index_timeout_s: float = 0.25
+    engine_threads: int = 1  # torch threads per engine: the replicas share the machine's cores
 
 
 @dataclass
@@ -184,7 +188,7 @@ class Node:
     node_id: str
     daemon: Child
     target: str
-    events: dict[str, str]  # phase name -> the endpoint its engine on this node publishes KV events on
+    events: dict[str, tuple[str, str]]  # phase name -> where its engine on this node publishes KV events, replays
 
 
 class Nodes:
@@ -228,7 +232,8 @@ class Nodes:
         shm.mkdir()
         node_id = f"node-{i}"
         target = f"127.0.0.1:{free_port()}"
-        events = {p.name: f"tcp://127.0.0.1:{free_port()}" for p in self.phases if p.policy.kv_events}
+        events = {p.name: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+                  for p in self.phases if p.policy.kv_events}
         argv = [
             sys.executable, "-m", "kvstore.cli.main", "serve", "--node-id", node_id, "--listen", target,
             "--metrics-listen", f"127.0.0.1:{free_port()}", "--disk-dir", str(home / "disk"), "--shm-dir", str(shm),
@@ -237,7 +242,7 @@ class Nodes:
             "--tiers", "ram,disk,peer", "--peer-listen", f"127.0.0.1:{free_port()}", "--log-format", "text",
         ]
         if events:
-            subs = [f"{ep}?engine={p.engine_id(i)}&namespace={p.namespace}"
+            subs = [f"{ep[0]}?engine={p.engine_id(i)}&namespace={p.namespace}&replay={ep[1]}"
                     for p in self.phases if (ep := events.get(p.name))]
             argv += ["--kv-events", ",".join(subs)]
         daemon = Child(node_id, argv, home / "daemon.log", lambda t=target: grpc_serving(t), start_timeout_s=90)
@@ -314,12 +319,13 @@ class Fleet:
         if policy.prefix_cache == "blocks":
             argv += ["--cache-blocks", str(spec.cache_blocks)]
         if policy.kv_events:
-            argv += ["--kv-events", node.events[self.phase.name]]
+            publish, replay = node.events[self.phase.name]
+            argv += ["--kv-events", publish, "--kv-events-replay", replay]
         if policy.pool:
             argv += ["--strata", node.target, "--namespace", self.phase.namespace]
-        threads = str(spec.engine_threads)
+        argv += ["--threads", str(spec.engine_threads)]
         engine = Child(engine_id, argv, self.home / f"{engine_id}.log", lambda u=url: http_ok(u + "/health"),
-                       env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}, start_timeout_s=240)
+                       start_timeout_s=240)
         return Replica(i, node, engine, engine_id, url)
 
     def _router(self) -> Child:
@@ -329,7 +335,8 @@ class Fleet:
         argv = [sys.executable, "-m", "kvstore.cli.main", "route", "--listen", f"127.0.0.1:{port}",
                 "--model-dir", str(spec.model_dir), "--policy", policy.router_policy,
                 "--block-size", str(BLOCK_SIZE), "--hash-seed", HASH_SEED, "--namespace", self.phase.namespace,
-                "--health-interval-seconds", str(spec.health_interval_s)]
+                "--health-interval-seconds", str(spec.health_interval_s), "--queue-metric", QUEUE_METRIC,
+                "--index-timeout-seconds", str(spec.index_timeout_s), "--log-format", "text"]
         for r in self.replicas:
             ids = [r.engine_id] + ([r.node.node_id] if policy.pool else [])
             argv += ["--endpoint", f"{r.url}={','.join(ids)}"]
@@ -339,6 +346,15 @@ class Fleet:
             argv += ["--index", self.nodes.nodes[0].target]
         return Child("router", argv, self.home / "router.log", lambda: http_ok(self.url + "/health"),
                      start_timeout_s=60)
+
+    def router_metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of the router's ``/metrics``: (name, sorted labels) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
 
     def close(self) -> None:
         if self.router is not None:

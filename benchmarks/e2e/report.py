@@ -112,3 +112,18 @@ def targets_table(rows: list[Target]) -> str:
         measured = "n/a" if t.measured is None else f"{t.measured:.3g}"
         lines.append(f"{t.name:<44} {measured:>8}  (target {t.required}) {met:<10} {t.detail}")
     return "\n".join(lines)
+
+
+def router_summary(samples: Mapping[tuple[str, tuple], float]) -> dict:
+    """The router's own account of a phase: its decisions by reason, upstream errors, index availability."""
+    decisions: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for (name, labels), value in samples.items():
+        lab = dict(labels)
+        if name == "strata_router_decisions_total" and value:
+            decisions[lab["reason"]] = decisions.get(lab["reason"], 0) + int(value)
+        elif name == "strata_router_upstream_errors_total" and value:
+            key = f"endpoint {lab.get('endpoint')} {lab.get('kind')}"
+            errors[key] = errors.get(key, 0) + int(value)
+    return {"decisions_by_reason": dict(sorted(decisions.items())), "upstream_errors": dict(sorted(errors.items())),
+            "index_available": samples.get(("strata_router_index_available", ()))}
