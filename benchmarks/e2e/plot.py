@@ -29,11 +29,12 @@ def plot_ttft(records: Mapping[str, Sequence[RequestRecord]], path: Path, *, slo
             ttfts = sorted(r.ttft_s for r in rs if r.ok and keep(r))
             if not ttfts:
                 continue
-            ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
-            ax.step(ttfts, ys, where="post", label=f"{name} (n={len(ttfts)})")
+            ys = [0.0] + [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+            ax.step([ttfts[0]] + ttfts, ys, where="post", label=f"{name} (n={len(ttfts)})")
         if slo_s is not None:
             ax.axvline(slo_s, color="grey", linestyle="--", linewidth=1, label=f"TTFT SLO {slo_s:.2f} s")
         ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
         ax.set_xlabel("TTFT (s, log scale)")
         ax.set_title(f"TTFT, {label}")
         ax.grid(True, which="both", alpha=0.3)
