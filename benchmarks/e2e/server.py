@@ -149,6 +149,7 @@ class EngineServer:
         return {
             "prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
             "ignore_eos": bool(body.get("ignore_eos", False)), "stream": bool(body.get("stream", False)),
+            "return_token_ids": bool(body.get("return_token_ids", False)),
         }
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -214,6 +215,9 @@ class EngineServer:
                       "finish_reason": gen.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+        if params["return_token_ids"]:
+            choice["token_ids"] = gen.tokens
+            choice["prompt_token_ids"] = params["prompt_ids"]
         self.engine.metrics.requests.labels("200").inc()
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -273,8 +277,12 @@ class EngineServer:
         gen = await task
         await self._send_text(send, chunk, gen.tokens, sent_text, final=True)
         await send(chunk(None if chat else "", gen.finish_reason))
-        await send({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                        "usage": self._usage(gen), "strata": self._strata(gen)})
+        final = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                 "usage": self._usage(gen), "strata": self._strata(gen)}
+        if params["return_token_ids"]:
+            final["token_ids"] = gen.tokens
+            final["prompt_token_ids"] = params["prompt_ids"]
+        await send(final)
         await send("[DONE]")
         self.engine.metrics.requests.labels("200" if not gone else "499").inc()
         if not gone:

@@ -1,0 +1,294 @@
+"""The e2e benchmark's reference engine: real engine processes on real ports, a real Strata daemon.
+
+The property that matters: a greedy continuation computed over cached KV (the engine's block
+cache, its last-prompt slot, or blocks loaded from the shared pool) equals the one computed
+from scratch. Beside it: the engine's KV events make a daemon index it as a holder, pool
+blocks make the daemon's own node a holder for a router's Score, the queue is bounded, and
+the HTTP shapes are OpenAI's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the reference engine needs torch (installed in CI before the test extra)")
+pytest.importorskip("transformers", reason="the reference engine needs transformers (the e2e extra)")
+pytest.importorskip("tokenizers", reason="the model builder needs tokenizers (the e2e extra)")
+pytest.importorskip("aiohttp", reason="the engine's server needs aiohttp (the e2e extra)")
+
+from conftest import free_port, wait_until  # noqa: E402
+
+from kvstore.client.sync import Client  # noqa: E402
+from kvstore.index.keys import BlockHasher, event_key_bytes  # noqa: E402
+
+BLOCK = 16
+SEED = "7"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from benchmarks.e2e.model import build
+
+    return build(tmp_path_factory.mktemp("model") / "tiny", "tiny")
+
+
+class EngineProcess:
+    """``python -m benchmarks.e2e.engine`` as a child process."""
+
+    def __init__(self, model: Path, log_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"engine-{self.port}.log"
+        cmd = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(model), "--port", str(self.port),
+               "--block-size", str(BLOCK), "--hash-seed", SEED, "--threads", "1", *args]
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"engine exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> dict:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
+    def stream(self, path: str, body: dict, timeout: float = 120) -> list:
+        req = urllib.request.Request(self.url + path, json.dumps(dict(body, stream=True)).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = r.read().decode()
+        events = [e[len("data: "):] for e in raw.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def complete(self, prompt, max_tokens: int = 8, **extra) -> dict:
+        body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, return_token_ids=True, **extra)
+        return self.post("/v1/completions", body)
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    """Start engines (all at once: each takes seconds to import torch); all are killed at the end."""
+    started: list[EngineProcess] = []
+    log_dir = tmp_path_factory.mktemp("engines")
+
+    def start(*argsets: tuple[str, ...]) -> list[EngineProcess]:
+        new = [EngineProcess(tiny_model, log_dir, *args) for args in argsets]
+        started.extend(new)
+        for e in new:
+            wait_until(e.healthy, timeout=120, what=f"engine on {e.url} to serve (log: {e.log})")
+        return new
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def trio(engines):
+    """One engine per prefix-cache mode; ``none`` is every test's reference."""
+    none, last, blocks = engines(("--prefix-cache", "none"), ("--prefix-cache", "last"), ("--prefix-cache", "blocks"))
+    return {"none": none, "last": last, "blocks": blocks}
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(8, 512) for _ in range(n)]  # the tiny vocabulary, clear of special tokens
+
+
+@pytest.mark.parametrize("mode", ["last", "blocks"])
+def test_cache_hit_continues_exactly_as_a_cold_prefill(trio, mode):
+    engine, ref = trio[mode], trio["none"]
+    first = _tokens({"last": 1, "blocks": 2}[mode], 5 * BLOCK + 3)
+    generated = engine.complete(first, max_tokens=4)["choices"][0]["token_ids"]
+    second = first + generated[:2] + _tokens(9, 2 * BLOCK + 5)  # a follow-up turn extends the exchange
+
+    hit = engine.complete(second, max_tokens=12)
+    cold = ref.complete(second, max_tokens=12)
+
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = hit["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if mode == "blocks":
+        assert cached == 5 * BLOCK  # the first prompt's full blocks (its generated tokens fill no block)
+    else:
+        assert cached == len(first) + 2  # the slot held the prompt and the generated tokens fed back
+    assert hit["strata"] == {"cached_local": cached, "cached_pool": 0, "engine_id": "engine-0"}
+    assert hit["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    assert hit["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
+def test_a_repeated_prompt_reuses_all_but_its_last_token_and_matches(trio):
+    engine, ref = trio["blocks"], trio["none"]
+    prompt = _tokens(3, 4 * BLOCK)  # exactly whole blocks: the last block cannot be reused
+    a = engine.complete(prompt)
+    b = engine.complete(prompt)
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"] == ref.complete(prompt)["choices"][0]["token_ids"]
+
+
+def test_stream_carries_the_same_text_and_ends_with_usage(trio):
+    engine = trio["blocks"]
+    prompt = "The engine streams text the way an OpenAI server does, chunk by chunk, then usage."
+    whole = engine.post("/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+    chunks = engine.stream("/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert all(c["object"] == "text_completion" and c["model"] == "tiny" for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    assert usage["completion_tokens"] == 10 and usage["total_tokens"] == usage["prompt_tokens"] + 10
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt, seconds before
+
+
+def test_chat_second_turn_hits_the_first_and_matches_a_cold_engine(trio):
+    engine, ref = trio["blocks"], trio["none"]
+    turn1 = [{"role": "system", "content": "You are a test assistant who answers at length. " * 4},
+             {"role": "user", "content": "Tell me about block caches."}]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r1 = engine.post("/v1/chat/completions", dict(body, messages=turn1))
+    assert r1["object"] == "chat.completion" and r1["choices"][0]["message"]["role"] == "assistant"
+    turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And about the pool?"}]
+    chunks = engine.stream("/v1/chat/completions", dict(body, messages=turn2))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK
+    cold = ref.post("/v1/chat/completions", dict(body, messages=turn2))
+    assert text == cold["choices"][0]["message"]["content"]
+
+
+def test_bad_requests_are_refused_with_the_reason(trio):
+    engine = trio["none"]
+    for body, words in [
+        ({"prompt": "x", "model": "other"}, "not served here"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 2, 10**6]}, "vocabulary"),
+        ({"prompt": "x", "max_tokens": 10**6}, "limit"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+    ]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            engine.post("/v1/completions", body)
+        assert e.value.code == 400
+        assert words in json.load(e.value)["error"]["message"]
+    models = json.load(urllib.request.urlopen(engine.url + "/v1/models"))
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] > 0
+
+
+def test_beyond_the_queue_a_request_gets_429_with_retry_after(engines):
+    (engine,) = engines(("--prefix-cache", "none", "--max-queue", "0"))
+    body = json.dumps({"prompt": _tokens(5, 40), "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    req = urllib.request.Request(engine.url + "/v1/completions", body, {"Content-Type": "application/json"})
+    long_stream = urllib.request.urlopen(req, timeout=120)
+    long_stream.readline()  # the first chunk: the request is computing
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            engine.complete("a second request while the first computes", max_tokens=2)
+        assert e.value.code == 429
+        assert int(e.value.headers["Retry-After"]) >= 1
+    finally:
+        long_stream.close()  # the client goes away: the engine stops decoding for it
+    wait_until(lambda: engine.metric("e2e_engine_running") == 0, timeout=120, what="the abandoned stream to stop")
+    assert engine.complete("after the queue drained", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert engine.metric('e2e_engine_requests_total{code="429"}') == 1
+
+
+def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(engines, daemon_process):
+    pub, replay, metrics = free_port(), free_port(), free_port()
+    source = f"tcp://127.0.0.1:{pub}?engine=eng-ev&namespace=ev&replay=tcp://127.0.0.1:{replay}"
+    daemon = daemon_process("--kv-events", source, "--metrics-listen", f"127.0.0.1:{metrics}")
+    (engine,) = engines(("--prefix-cache", "blocks", "--cache-blocks", "6", "--engine-id", "eng-ev",
+                         "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"))
+
+    def subscribed() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+            return any(line.startswith("strata_kv_events_engines_connected") and float(line.rsplit(" ", 1)[1]) == 1
+                       for line in r.read().decode().splitlines())
+
+    wait_until(subscribed, what="the daemon to subscribe to the engine's KV events")
+    first, nudge = _tokens(11, 4 * BLOCK + 1), _tokens(13, BLOCK + 1)
+    engine.complete(first, max_tokens=1)
+    # A PUB socket drops what it sends before a subscription reaches it; the next batch's seq
+    # then shows the daemon what it missed, and it fetches that from the replay socket.
+    engine.complete(nudge, max_tokens=1)
+
+    with Client(daemon.target) as c:
+        def blocks_of(tokens) -> int:
+            scores = c.score("ev", tokens=tokens, block_size=BLOCK, hash_seed=SEED)
+            return next((s.blocks for s in scores if s.node_id == "eng-ev"), 0)
+
+        wait_until(lambda: blocks_of(first) == 4 and blocks_of(nudge) == 1,
+                   what="the engine's stored blocks in the daemon's index")
+        # Six blocks of cache: a second prompt of four evicts three of the first's, its deepest
+        # first, so the first prompt keeps a shorter prefix, not a hole.
+        second = _tokens(12, 4 * BLOCK + 1)
+        engine.complete(second, max_tokens=1)
+        wait_until(lambda: blocks_of(second) == 4, what="the second prompt's blocks in the index")
+        wait_until(lambda: blocks_of(first) == 1, what="the evicted blocks to leave the index")
+        assert engine.complete(first, max_tokens=1)["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCK
+
+
+def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_process, trio):
+    daemon = daemon_process("--node-id", "node-a")
+    a, b = engines(*[("--prefix-cache", "blocks", "--strata", daemon.target, "--namespace", "pool", "--engine-id", n)
+                     for n in ("rep-a", "rep-b")])
+    prompt = _tokens(21, 6 * BLOCK + 9)
+    cold = a.complete(prompt, max_tokens=10)
+    assert cold["strata"]["cached_pool"] == 0
+    keys = [event_key_bytes(h) for h in BlockHasher(BLOCK, SEED).chain(prompt)]
+
+    with Client(daemon.target) as c:
+        wait_until(lambda: len(c.exists("pool", keys)) == 6, what="replica a's blocks stored in the pool")
+        blocks = c.get_many("pool", keys[:2])
+        assert blocks[0].parent is None and blocks[1].parent == keys[0]
+        assert blocks[0].layout.startswith("strata-e2e-kv/1;dtype=float32;shape=2x2x2x16x16;model=")
+
+        hit = b.complete(prompt, max_tokens=10)
+        assert hit["strata"]["cached_pool"] == 6 * BLOCK and hit["strata"]["cached_local"] == 0
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BLOCK
+        assert hit["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+        assert trio["none"].complete(prompt, max_tokens=10)["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+
+        # A router's Score over the prompt's tokens credits the daemon's node for the pool's blocks.
+        wait_until(lambda: any(s.node_id == "node-a" and s.blocks == 6 for s in
+                               c.score("pool", tokens=prompt, block_size=BLOCK, hash_seed=SEED)),
+                   what="the daemon's node to hold the pool blocks in its index")
+    # Now replica b's own cache has them: a second time is a local hit.
+    again = b.complete(prompt, max_tokens=10)
+    assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b"}
