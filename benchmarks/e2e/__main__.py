@@ -51,7 +51,7 @@ from benchmarks.e2e.client import completion_body, monotonic_clock, stream_compl
 from benchmarks.e2e.faults import FaultInjector, FaultPlan, fault_report
 from benchmarks.e2e.fleet import Fleet, FleetSpec, Nodes, Phase, StartFailed
 from benchmarks.e2e.policies import POLICIES, parse_policies
-from benchmarks.e2e.report import router_summary, table, targets, targets_table
+from benchmarks.e2e.report import engine_summary, router_summary, table, targets, targets_table
 from benchmarks.e2e.stats import PolicyStats, RequestRecord
 from benchmarks.e2e.workload import Workload, WorkloadSpec
 from benchmarks.harness import RESULTS_DIR
@@ -173,6 +173,7 @@ def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan:
                                              after_rotation)
             out["records"] = records
             out["router"] = router_summary(fleet.router_metrics())
+            out["engines"] = engine_summary(fleet.engine_metrics())
     except (StartFailed, RuntimeError, OSError) as e:
         log.error("phase %s failed: %s", phase.name, e)
         out["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"

@@ -349,12 +349,11 @@ class Fleet:
 
     def router_metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of the router's ``/metrics``: (name, sorted labels) -> value."""
-        from prometheus_client.parser import text_string_to_metric_families
+        return scrape(self.url)
 
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+    def engine_metrics(self) -> dict[str, dict[tuple[str, tuple], float]]:
+        """Every live engine's ``/metrics`` samples, by engine id."""
+        return {r.engine_id: scrape(r.url) for r in self.replicas if r.engine.alive}
 
     def close(self) -> None:
         if self.router is not None:
@@ -375,6 +374,16 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``base_url/metrics`` (Prometheus text): (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def model_name(base_url: str) -> str:

@@ -127,3 +127,19 @@ def router_summary(samples: Mapping[tuple[str, tuple], float]) -> dict:
             errors[key] = errors.get(key, 0) + int(value)
     return {"decisions_by_reason": dict(sorted(decisions.items())), "upstream_errors": dict(sorted(errors.items())),
             "index_available": samples.get(("strata_router_index_available", ()))}
+
+
+ENGINE_COUNTERS = ("e2e_engine_pool_blocks_total", "e2e_engine_cached_tokens_total", "e2e_engine_prefix_cache_hits_total")
+
+
+def engine_summary(per_engine: Mapping[str, Mapping[tuple[str, tuple], float]]) -> dict:
+    """Each engine's own counts of where its KV came from (its cache, the pool) and its pool traffic."""
+    out = {}
+    for engine, samples in per_engine.items():
+        counts: dict[str, int] = {}
+        for (name, labels), value in samples.items():
+            if name in ENGINE_COUNTERS and value:
+                short = name.removeprefix("e2e_engine_").removesuffix("_total")
+                counts[short + "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"] = int(value)
+        out[engine] = dict(sorted(counts.items()))
+    return out
