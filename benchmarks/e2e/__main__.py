@@ -59,7 +59,7 @@ from benchmarks.harness import RESULTS_DIR
 log = logging.getLogger("benchmarks.e2e")
 
 NAME = "e2e"
-FULL = dict(sessions=8, turns=5, think_factor=2.0, calibration_prompts=3, prefix_rounds=3)
+FULL = dict(sessions=8, turns=5, think_factor=3.0, calibration_prompts=3, prefix_rounds=3)
 QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1)
 PREFIX_TOKENS = 4096
 PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
