@@ -176,9 +176,10 @@ def test_stream_carries_the_same_text_and_ends_with_usage(trio):
 
 def test_chat_second_turn_hits_the_first_and_matches_a_cold_engine(trio):
     engine, ref = trio["blocks"], trio["none"]
-    turn1 = [{"role": "system", "content": "You are a test assistant who answers at length. " * 4},
-             {"role": "user", "content": "Tell me about block caches."}]
-    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    system = ("You are a test assistant. Answer about caches, pools, routers and queues; cite the block "
+              "sizes, hash seeds, namespaces and layouts involved, then stop.")
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me about block caches."}]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     r1 = engine.post("/v1/chat/completions", dict(body, messages=turn1))
     assert r1["object"] == "chat.completion" and r1["choices"][0]["message"]["role"] == "assistant"
     turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
@@ -187,8 +188,9 @@ def test_chat_second_turn_hits_the_first_and_matches_a_cold_engine(trio):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * BLOCK
     cold = ref.post("/v1/chat/completions", dict(body, messages=turn2))
+    assert chunks[-1]["token_ids"] == cold["choices"][0]["token_ids"]
     assert text == cold["choices"][0]["message"]["content"]
 
 
@@ -292,3 +294,83 @@ def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_
     # Now replica b's own cache has them: a second time is a local hit.
     again = b.complete(prompt, max_tokens=10)
     assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b"}
+
+
+# ---- in-process: the block cache's order and the events' wire -------------------------------------
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, events) -> None:
+        self.events.extend(events)
+
+
+def test_block_cache_evicts_a_chain_deepest_first_and_reports_each_change():
+    import torch
+
+    from benchmarks.e2e.events import Removed, Stored
+    from benchmarks.e2e.kv_blocks import BlockCache
+    from kvstore.index.keys import event_key
+
+    sink = _Collect()
+    cache = BlockCache(capacity=4, block_size=2, sink=sink)
+    hasher = BlockHasher(2, SEED)
+    a, b = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]
+    ka, kb = hasher.chain(a), hasher.chain(b)
+    kv_a = torch.arange(2 * 2 * 1 * 6 * 3, dtype=torch.float32).view(2, 2, 1, 6, 3)
+    assert cache.store(ka, a, kv_a) == 3
+    assert cache.store(ka, a, kv_a) == 0  # held: only touched
+    assert cache.store(kb, b, torch.zeros(2, 2, 1, 4, 3)) == 2
+    assert sink.events == [
+        Stored(tuple(event_key(k) for k in ka), None, tuple(a), 2),
+        Stored((event_key(kb[0]),), None, tuple(b[:2]), 2),
+        Removed((event_key(ka[2]),)),
+        Stored((event_key(kb[1]),), event_key(kb[0]), tuple(b[2:]), 2),
+    ]
+    found = cache.longest_prefix(ka)
+    assert len(found) == 2 and torch.equal(torch.cat(found, dim=3), kv_a[:, :, :, :4])
+
+
+def test_published_batches_are_what_the_index_parses_live_and_by_replay():
+    import zmq
+
+    from benchmarks.e2e.events import Cleared, Removed, Stored, ZmqEventPublisher
+    from kvstore.index import event_format as ef
+
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    publisher = ZmqEventPublisher(pub, replay)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    try:
+        stored = Stored((1, 2**64 - 1), 7, (5, 6, 7, 8), 2)
+
+        def received():  # a PUB drops batches until the subscription reaches it: publish until one arrives
+            publisher.publish([stored])
+            return sub.poll(100) and sub.recv_multipart()
+
+        topic, seq, payload = ef.split_message(wait_until(received, what="a live batch"))
+        batch = ef.decode_batch(payload)
+        assert topic == b"" and batch.events == (ef.BlockStored((1, 2**64 - 1), 7, (5, 6, 7, 8), 2, None, "GPU",
+                                                                 None, None, 0),)
+        publisher.publish([Removed((2**64 - 1,)), Cleared()])
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", (seq + 1).to_bytes(8, "big")])
+        replies = []
+        while True:
+            assert dealer.poll(10_000), "the replay socket did not answer"
+            frames = [f for f in dealer.recv_multipart()][1:]
+            if frames[0] == ef.REPLAY_END:
+                break
+            replies.append(ef.decode_batch(frames[1]).events)
+        dealer.close(linger=0)
+        assert replies[-1] == (ef.BlockRemoved((2**64 - 1,), "GPU", 0), ef.AllBlocksCleared())
+        assert all(r == batch.events for r in replies[:-1])
+    finally:
+        sub.close(linger=0)
+        publisher.close()

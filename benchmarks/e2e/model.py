@@ -8,7 +8,8 @@ Why random weights: the benchmark measures where the KV of a prefix comes from (
 engine's own cache, or the shared pool), not what the model says. A random Llama computes
 exactly the same attention and MLP work per token as a trained one of its shape, and greedy
 decoding is still deterministic, so "the first token with a cache hit equals the one without"
-is a meaningful check of the KV bytes.
+is a meaningful check of the KV bytes (the weights are drawn wider than a trained model's
+initialisation so that the next token depends on the context, see ``initializer_range``).
 
 The weights are seeded (``torch.manual_seed``) and fp32, so two builds of one size are the same
 model. The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on a seeded
@@ -55,6 +56,9 @@ class ModelSize:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int
+    # Wider than Llama's 0.02: with 0.02 a random model's attention is nearly uniform and its next
+    # token hardly depends on the context, so a wrong cached KV would go unnoticed by greedy output.
+    initializer_range: float = 0.1
 
 
 SIZES: dict[str, ModelSize] = {
@@ -129,7 +133,7 @@ def build(out_dir: str | Path, size: str = "tiny", *, seed: int = SEED) -> Path:
         num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
         bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(EOS), pad_token_id=tok.token_to_id(EOS),
-        tie_word_embeddings=False, dtype="float32",
+        initializer_range=spec.initializer_range, tie_word_embeddings=False, dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
