@@ -37,10 +37,12 @@ import logging
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -181,8 +183,22 @@ def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan:
     return out
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the fleet's teardown: scratch directories in /dev/shm go too
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     t_start = time.monotonic()
     mode = QUICK if args.quick else FULL
