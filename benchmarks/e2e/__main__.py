@@ -146,11 +146,12 @@ def prefix_4k(model_dir: Path, rounds: int, threads: int) -> dict:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=PREFIX_TIMEOUT_S)
         if not out.exists():
             return {"error": f"benchmarks.e2e.ttft exited with {proc.returncode}: {proc.stderr[-1500:]}"}
-        r = json.loads(out.read_text())
-    return {"prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"], "rounds": r["rounds"],
-            "threads": r["threads"], "cold_ttft_s": r["cold_median_s"], "hit_ttft_s": r["hit_median_s"],
-            "ratio": r["ratio"], "first_token_equal": r["first_token_equal"], "cold_s": r["cold_s"],
-            "hit_s": r["hit_s"], "seconds": round(time.monotonic() - started, 1)}
+        doc = json.loads(out.read_text())
+    r = doc.get("detail", doc)  # the harness's format keeps the measurement under "detail"
+    keep = ("prompt_tokens", "cached_tokens", "rounds", "threads", "ratio", "cpu_ratio", "first_token_equal",
+            "cold_s", "hit_s", "cold_cpu_median_s", "hit_cpu_median_s")
+    return {"cold_ttft_s": r["cold_median_s"], "hit_ttft_s": r["hit_median_s"],
+            **{k: r[k] for k in keep if k in r}, "seconds": round(time.monotonic() - started, 1)}
 
 
 def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan: FaultPlan | None) -> dict:
