@@ -176,6 +176,9 @@ class FleetSpec:
     max_queue: int = 32  # per engine: more than the sessions, so a full queue is a fault, not the workload
     index_ttl_s: float = 3.0
     health_interval_s: float = 1.0  # the router's health checks of its endpoints
+    # An engine that computes answers its /health late on 2 shared cores; a SIGKILLed one refuses the
+    # connection at once, so a longer timeout does not delay taking a dead engine out of rotation.
+    health_timeout_s: float = 5.0
     # The router's deadline for one Score RPC. Its default (50 ms) is for a dedicated host; on 2 shared cores
     # a daemon's answer can take longer than that while an engine prefills, and each miss is a fallback.
     index_timeout_s: float = 0.25
@@ -336,9 +339,12 @@ class Fleet:
                 "--model-dir", str(spec.model_dir), "--policy", policy.router_policy,
                 "--block-size", str(BLOCK_SIZE), "--hash-seed", HASH_SEED, "--namespace", self.phase.namespace,
                 "--health-interval-seconds", str(spec.health_interval_s), "--queue-metric", QUEUE_METRIC,
-                "--index-timeout-seconds", str(spec.index_timeout_s), "--log-format", "text"]
+                "--index-timeout-seconds", str(spec.index_timeout_s), "--health-timeout-seconds",
+                str(spec.health_timeout_s), "--log-format", "text"]
         for r in self.replicas:
-            ids = [r.engine_id] + ([r.node.node_id] if policy.pool else [])
+            # With the shared pool a block any daemon holds is one this engine loads (through its own
+            # daemon's peer tier): every node's holdings count for every endpoint, its own engine's first.
+            ids = [r.engine_id] + ([n.node_id for n in self.nodes.nodes] if policy.pool else [])
             argv += ["--endpoint", f"{r.url}={','.join(ids)}"]
         if policy.router_policy == "cache-aware":
             # Any daemon answers for the whole fleet (they share the index): the first node's, so a fault
