@@ -55,7 +55,7 @@ def _upstream_errors(samples: dict, endpoint: str) -> float:
 class FaultPlan:
     daemon_replica: int = 0
     daemon_kill_after: float = 0.25  # share of the run's requests answered
-    daemon_down_s: float = 2.0
+    daemon_down_s: float = 5.0  # long enough that some turns arrive while it is down
     engine_replica: int = -1  # the last replica
     engine_kill_after: float = 0.6
 
