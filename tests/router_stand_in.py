@@ -6,7 +6,8 @@ same body gives the same bytes, streamed or not), names itself in each
 response (``served_by``), and when given ``--kv-events-port`` publishes a
 vLLM ``BlockStored`` event for every full block of each prompt it serves,
 as an engine with prefix caching does. Test-only controls: a request with
-``"x_hold": TAG`` waits until ``POST /admin/release?tag=TAG``;
+``"x_hold": TAG`` waits until ``POST /admin/release?tag=TAG`` (``"x_hold_mid_stream"``:
+the same after the first event of a stream);
 ``/admin/health?status=N`` sets what GET /health answers;
 ``/admin/queue?n=N`` sets its ``vllm:num_requests_waiting`` gauge.
 
@@ -105,7 +106,9 @@ def engine_main(argv: list[str]) -> None:
             return web.Response(body=json.dumps(out, ensure_ascii=False).encode(), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
+            if i == 1 and body.get("x_hold_mid_stream"):  # the response has begun: wait here
+                await state["held"].setdefault(body["x_hold_mid_stream"], asyncio.Event()).wait()
             delta = {"delta": {"content": piece}} if api == "chat" else {"text": piece}
             chunk = {"id": rid, "object": obj + ".chunk" if api == "chat" else obj, "created": 0,
                      "served_by": args.name, "choices": [{"index": 0, **delta}]}
@@ -258,6 +261,25 @@ class RouterThread:
         self.loop.close()
 
 
+class ReferenceEngine(StandIn):
+    """The benchmark's reference engine (benchmarks/e2e/engine.py, a tiny real model) as a process."""
+
+    def __init__(self, name: str, log_dir: Path, model_dir: str, *extra: str, kv_events_port: int = 0) -> None:
+        super().__init__(name, log_dir, kv_events_port=kv_events_port, model_dir=model_dir)
+        self.extra = extra
+
+    def start(self) -> ReferenceEngine:
+        cmd = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", self.model_dir, "--port", str(self.port),
+               "--engine-id", f"engine-{self.name}", "--block-size", str(BLOCK), "--hash-seed", HASH_SEED,
+               "--threads", "1", *self.extra]
+        if self.kv_events_port:
+            cmd += ["--kv-events", self.kv_events]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        wait_for(self._up, f"reference engine {self.name} to serve (log {self.log})", timeout=120)
+        return self
+
+
 def build_tokenizer(out: Path) -> Path:
     """A word-level tokenizer with a chat template, saved as a local model directory (no hub)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -267,7 +289,9 @@ def build_tokenizer(out: Path) -> Path:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    fast.chat_template = ("{% for m in messages %}{% if m['role'] is not defined %}"
+                          "{{ raise_exception('every message needs a role') }}{% endif %}"
+                          "{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
                           "{% if add_generation_prompt %}assistant : {% endif %}")
     fast.save_pretrained(str(out))
     return out

@@ -9,6 +9,7 @@ daemon and the engines are SIGKILLed where the test says so.
 from __future__ import annotations
 
 import json
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -77,9 +78,9 @@ def fleet(tmp_path, model_dir, engines, daemon_process):
 
 def cache_aware(fleet, model_dir, **extra) -> dict:
     daemon, a, b = fleet
-    return dict(endpoint=[f"{a.url}=engine-a", f"{b.url}=engine-b"], policy="cache-aware", model_dir=str(model_dir),
-                index=daemon.target, namespace=NS, hash_seed=HASH_SEED, block_size=BLOCK,
-                index_timeout_seconds=5.0, index_retry_seconds=0.2, **extra)
+    return dict(dict(endpoint=[f"{a.url}=engine-a", f"{b.url}=engine-b"], policy="cache-aware",
+                     model_dir=str(model_dir), index=daemon.target, namespace=NS, hash_seed=HASH_SEED, block_size=BLOCK,
+                     index_timeout_seconds=5.0, index_retry_seconds=0.2), **extra)
 
 
 def prompt_keys(prompt: str, model_dir) -> list[bytes]:
@@ -188,6 +189,22 @@ def test_index_down_falls_back_to_least_loaded_and_recovers(fleet, model_dir, ro
     assert r.decisions("cache_hit") == before + 3
 
 
+def test_an_index_slower_than_its_deadline_counts_as_down(fleet, model_dir, routers):
+    daemon, a, b = fleet
+    seed(daemon, b, P_B, model_dir)
+    r = routers(**cache_aware(fleet, model_dir, index_timeout_seconds=0.3))
+    wait_for(lambda: completion(r, P_B) == "b" and r.decisions("cache_hit") >= 1, "a cache hit at b")
+    daemon.proc.send_signal(signal.SIGSTOP)  # connections stay open, nothing answers
+    try:
+        assert {completion(r, P_B) for _ in range(4)} == {"a", "b"}
+        assert r.metric("strata_router_index_available") == 0
+        assert r.decisions("fallback_index_down") == 4
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: completion(r, P_B) == "b" and r.metric("strata_router_index_available") == 1,
+             "cache-aware routing again")
+
+
 # ---- health ---------------------------------------------------------------------------
 
 
@@ -195,10 +212,11 @@ def test_a_killed_endpoint_leaves_rotation_within_one_interval_and_comes_back(en
     a, b = engines("a"), engines("b")
     r = routers(endpoint=[a.url, b.url], policy="round-robin", health_interval_seconds=0.3)
     assert sorted(completion(r, f"w{i}") for i in range(2)) == ["a", "b"]
+    b.kill()  # returns once the process is gone
     rounds = r.metric("strata_router_health_rounds_total")
-    b.kill()
     wait_for(lambda: r.metric("strata_router_endpoint_healthy", endpoint="1") == 0, "b out of rotation")
-    # The round running at the kill may have checked b before it died; the next one finds it.
+    # Rounds run one after another: the one running now may have checked b before it died,
+    # the next one starts after the kill and finds it.
     assert r.metric("strata_router_health_rounds_total") <= rounds + 2
     assert [completion(r, f"w{i}") for i in range(6)] == ["a"] * 6
     b.start()  # the same port again

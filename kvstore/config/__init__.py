@@ -18,6 +18,10 @@ One section per component, each a model that holds its settings' defaults
     ├── replication ReplicationSettings [replication] namespaces to keep k copies of, round limits
     └── logging   LoggingSettings   [logging]      level, format
 
+``strata route`` has its own settings, outside this tree:
+:class:`kvstore.config.router.RouterSettings` (flags, ``STRATA_ROUTER_*``, a
+``[router]`` table).
+
 Precedence, highest first: command-line flags, ``STRATA_*`` environment
 variables, a TOML config file (``--config`` / ``STRATA_CONFIG``), defaults.
 Every setting keeps the flat flag and variable it always had

@@ -42,7 +42,7 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def _token_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
         return value
     return None
 
@@ -59,7 +59,7 @@ def completion_prompt(body: dict[str, Any]) -> str | list[int]:
         first = prompt[0]
         if isinstance(first, str) or _token_list(first) is not None:
             return first
-    raise BadRequest("'prompt' must be a string, a list of token ids, or a non-empty list of either")
+    raise BadRequest("'prompt' must be a string, a list of token ids (non-negative integers), or a non-empty list of either")
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

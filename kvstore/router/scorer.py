@@ -67,10 +67,13 @@ class PrefixScorer:
         full = min(len(tokens) // self._hasher.block_size, MAX_CHAIN_BLOCKS) * self._hasher.block_size
         return [event_key_bytes(h) for h in self._hasher.chain(list(tokens[:full]))]
 
+    def resting(self) -> bool:
+        """True while the index failed lately and is not to be asked yet (the prompt need not be tokenized)."""
+        return not self.available and time.monotonic() < self._down_until
+
     async def hits(self, keys: list[bytes], ids: Sequence[str]) -> dict[str, float] | None:
         """Per index id, its tier-weighted cached blocks of ``keys``; None while the index is unavailable."""
-        now = time.monotonic()
-        if not self.available and now < self._down_until:
+        if self.resting():
             return None
         request = index_pb2.ScoreRequest(namespace=self._namespace)
         request.keys.keys.extend(keys)

@@ -44,6 +44,7 @@ from kvstore.router.scorer import PrefixScorer
 
 log = logging.getLogger(__name__)
 
+OFF_LOOP_TOKENS = 2048
 APIS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
@@ -143,7 +144,7 @@ class Router:
         except RequestRefused as err:
             status = err.status
             self.metrics.refused.labels(str(err.status)).inc()
-            log.info("%s refused with %d: %s", request.path, err.status, err)
+            log.debug("%s refused with %d: %s", request.path, err.status, err)
             return error_body(err)
         finally:
             self.metrics.latency.labels(api, self.settings.policy, f"{status // 100}xx").observe(
@@ -179,7 +180,12 @@ class Router:
     async def _hits(self, api: str, body: dict[str, Any]) -> dict[Endpoint, float] | None:
         """Each endpoint's cached fraction of the prompt (0..1); None when the index did not answer."""
         assert self._scorer is not None and self._tokenizer is not None
-        keys = self._scorer.keys(await self._tokenizer.tokens(api, body))
+        if self._scorer.resting():
+            return None
+        tokens = await self._tokenizer.tokens(api, body)
+        # Hashing is a SHA-256 per block: a long prompt's chain is hashed off the event loop.
+        keys = (self._scorer.keys(tokens) if len(tokens) <= OFF_LOOP_TOKENS
+                else await asyncio.to_thread(self._scorer.keys, tokens))
         if not keys:  # shorter than one block: nothing can be cached
             return {}
         ids = sorted({i for e in self.endpoints for i in e.ids})
@@ -215,8 +221,9 @@ class Router:
         tried: set[Endpoint] = set()
         while True:
             e = decision.endpoint
-            self.metrics.decisions.labels(self.settings.policy, decision.reason).inc()
             tried.add(e)
+            if method == "POST":  # a routed request, not /v1/models
+                self.metrics.decisions.labels(self.settings.policy, decision.reason).inc()
             e.in_flight += 1
             self.metrics.endpoint_in_flight.labels(e.label).inc()
             try:
