@@ -374,3 +374,16 @@ def test_published_batches_are_what_the_index_parses_live_and_by_replay():
     finally:
         sub.close(linger=0)
         publisher.close()
+
+
+def test_ttft_measurement_reuses_the_cached_blocks_and_checks_the_first_token(tiny_model, tmp_path):
+    from benchmarks.e2e.ttft import cases, main, measure
+
+    r = measure(str(tiny_model), prompt_tokens=6 * BLOCK, cached_tokens=4 * BLOCK, rounds=1, threads=1)
+    assert r.first_token_equal and len(r.cold_s) == len(r.hit_s) == 1
+    assert [c.unit for c in cases(r)] == ["s", "s"]
+    out = tmp_path / "ttft.json"
+    main(["--model", str(tiny_model), "--prompt-tokens", "64", "--cached-tokens", "48", "--rounds", "1",
+          "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "e2e_ttft" and doc["detail"]["first_token_equal"] is True

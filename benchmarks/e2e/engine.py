@@ -81,6 +81,7 @@ class Generation:
     cached_pool: int = 0
     finish_reason: str = "length"
     prefill_s: float = 0.0
+    prefill_cpu_s: float = 0.0  # CPU time of the computing thread (all of it with one torch thread)
     decode_s: float = 0.0
 
 
@@ -134,7 +135,7 @@ class Engine:
     def _generate(self, prompt, max_tokens, temperature, seed, ignore_eos, on_token, cancelled) -> Generation:
         m = self.metrics
         gen = Generation(len(prompt))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         chain = self.hasher.chain(prompt)
         kv, n_local, n_pool = self._cached_prefix(prompt, chain)
         gen.cached_local, gen.cached_pool = n_local, n_pool
@@ -142,7 +143,7 @@ class Engine:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         logits = self.runner.forward(prompt[n_local + n_pool :], cache)
         token = self.runner.pick(logits, temperature, generator)
-        gen.prefill_s = time.perf_counter() - t0
+        gen.prefill_s, gen.prefill_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         m.prefill_seconds.observe(gen.prefill_s)
         gen.tokens.append(token)
         if on_token is not None:
