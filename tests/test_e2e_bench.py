@@ -1,6 +1,7 @@
 """The end-to-end benchmark's own parts: the seeded workload, the statistics, the fault attribution,
-the verdict on the targets; and a small run of the whole orchestration (real daemons, engines, router
-and Redis as processes) where torch and transformers are installed.
+the verdict on the targets; a small run of the whole orchestration (real daemons, engines, router
+and Redis as processes) and a prefix shared across replicas through the pool, where torch and
+transformers are installed.
 
 No timings are judged here: the figures live in ``benchmarks/results/e2e.json``.
 """
@@ -268,3 +269,46 @@ def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_fa
     assert set(faults["failed_by_reason"]) <= {"engine_killed_in_flight", "sent_to_dead_engine_within_health_interval"}
     assert faults["router_upstream_errors_after_rotation"] == 0
     assert phase["router"]["decisions_by_reason"]
+
+
+def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own_daemon(tmp_path):
+    """Policy (d)'s fleet: two daemons on one Redis index, each with the peer tier; engine 0 computes a
+    prompt and stores its blocks to daemon 0; engine 1, asked the same prompt, loads them from daemon 1,
+    which fetches them from daemon 0 (its Exists alone would have said "absent")."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import random
+
+    import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    from benchmarks.e2e import model
+    from benchmarks.e2e.__main__ import one_request
+    from benchmarks.e2e.fleet import Fleet, FleetSpec, Nodes, Phase
+    from kvstore.client.sync import Client
+
+    from conftest import wait_until
+
+    model_dir = model.build(tmp_path / "model", size="tiny")
+    phase = Phase("d", POLICIES["d"])
+    with Nodes(FleetSpec(model_dir=model_dir), [phase]) as nodes, Fleet(nodes, phase) as fleet:
+        rng = random.Random(5)
+        prompt = [rng.randrange(8, 500) for _ in range(320)]  # 20 full blocks
+        first = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
+        assert first.cached_tokens == 0
+
+        def stored() -> bool:
+            samples = fleet.engine_metrics()[fleet.replicas[0].engine_id]
+            return samples.get(("e2e_engine_pool_blocks_total", (("op", "store"), ("outcome", "stored")))) >= 20
+
+        wait_until(stored, what="engine 0's blocks stored to daemon 0")
+        with Client(nodes.nodes[1].target) as kv:  # the index names node-0 as their holder
+
+            def indexed() -> bool:
+                scores = kv.score(phase.namespace, tokens=prompt, block_size=16, hash_seed="0")
+                return any(s.node_id == "node-0" and s.blocks == 20 for s in scores)
+
+            wait_until(indexed, what="node-0's blocks in the shared index")
+        second = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
+    assert second.cached_pool == 320 and second.cached_local == 0
