@@ -77,11 +77,9 @@ class BlockPool:
             return []
         keys = self.keys(chain[:stop])[start:]
         try:
-            present = len(self._client.exists(self.namespace, list(keys)))
-            if not present:
-                self._m.pool_blocks.labels("load", "miss").inc()
-                return []
-            found = self._client.get_many(self.namespace, list(keys[:present]))
+            # get_many, not exists first: the daemon's Exists answers from its local tiers only, while a
+            # read falls through to the peer tier, which fetches a block another node holds.
+            found = self._client.get_many(self.namespace, list(keys))
         except StrataError as e:
             log.warning("pool load from %s failed (%s): prefilling instead", self.namespace, e)
             self._m.pool_blocks.labels("load", "error").inc()
@@ -95,6 +93,9 @@ class BlockPool:
                 self._m.pool_blocks.labels("load", "layout").inc()
                 break
             out.append(self.layout.from_bytes(block.data))
+        if not out:
+            self._m.pool_blocks.labels("load", "miss").inc()
+            return []
         self._m.pool_blocks.labels("load", "hit").inc(len(out))
         return out
 

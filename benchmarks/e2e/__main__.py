@@ -1,0 +1,314 @@
+"""End to end: multi-turn chat TTFT over a fleet of reference engines, per routing and caching policy.
+
+Run as ``python -m benchmarks.e2e [--quick] [--replicas N] [--policies a,b,...] [--no-faults]``.
+
+A private Redis, one ``strata serve`` per replica (the prefix index and the
+shared pool) and, per policy, fresh engines (``benchmarks.e2e.engine``,
+one compute thread each) behind ``strata route``, all as child processes
+on loopback (:mod:`benchmarks.e2e.fleet`). Each policy
+(:mod:`benchmarks.e2e.policies`) serves the same seeded workload
+(:mod:`benchmarks.e2e.workload`): 8 sessions × 5 turns, a 1,000-token
+system prompt, 200 user tokens and 50 generated per turn, exponential think
+times between turns. Then a fault phase (:mod:`benchmarks.e2e.faults`):
+the cache-aware + shared-pool fleet with a daemon SIGKILLed and restarted
+mid-run and later an engine SIGKILLed.
+
+Before the first policy, one replica's idle engine is timed on cold
+turn-1-sized prompts (fresh tokens, nothing to hit): the median is the
+TTFT SLO (a returning user should wait no longer than a new conversation's
+first answer on an idle replica: met by a turn whose history is cached,
+missed by one that recomputes it or queues behind another's prefill), and
+its service time (TTFT plus the decode of the answer) sets the think time:
+``--think-factor`` × it, so the fleet runs at the same load on a fast
+machine and a slow one.
+
+Writes ``benchmarks/results/e2e.json`` (every request's timing included)
+and ``benchmarks/results/e2e_ttft.png`` (:mod:`benchmarks.e2e.plot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.e2e import driver
+from benchmarks.e2e.client import completion_body, monotonic_clock, stream_completion
+from benchmarks.e2e.faults import FaultInjector, FaultPlan, fault_report
+from benchmarks.e2e.fleet import Fleet, FleetSpec, Nodes, Phase, StartFailed
+from benchmarks.e2e.policies import POLICIES, parse_policies
+from benchmarks.e2e.report import engine_summary, router_summary, table, targets, targets_table
+from benchmarks.e2e.stats import PolicyStats, RequestRecord
+from benchmarks.e2e.workload import Workload, WorkloadSpec
+from benchmarks.harness import RESULTS_DIR
+
+log = logging.getLogger("benchmarks.e2e")
+
+NAME = "e2e"
+FULL = dict(sessions=8, turns=5, think_factor=3.0, calibration_prompts=3, prefix_rounds=3)
+QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1)
+PREFIX_TOKENS = 4096
+PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
+PREFIX_TIMEOUT_S = 600
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="4 sessions × 2 turns, shorter think times, one round of the 4k measurement")
+    p.add_argument("--replicas", type=int, default=2, help="engines (each with its own daemon); default 2")
+    p.add_argument("--policies", default="all", help="which of a,b,c,d,e to run (default all)")
+    p.add_argument("--no-faults", action="store_true", help="leave out the fault phase")
+    p.add_argument("--faults-only", action="store_true", help="run only the fault phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sessions", type=int, help="concurrent sessions (default 8; 4 with --quick)")
+    p.add_argument("--turns", type=int, help="turns per session (default 5; 2 with --quick)")
+    p.add_argument("--think-mean", type=float, help="mean think time in seconds (default: --think-factor × the "
+                   "calibrated service time of a turn-1 request)")
+    p.add_argument("--think-factor", type=float, help="think time mean / an idle turn-1 request's service time")
+    p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default: an idle engine's cold turn-1 TTFT)")
+    p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the bench model)")
+    p.add_argument("--model-size", default="bench", choices=("tiny", "bench"))
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--no-prefix-4k", action="store_true", help="leave out the 4,096-token prefix-hit measurement")
+    args = p.parse_args(argv)
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    if args.faults_only and args.no_faults:
+        p.error("--faults-only and --no-faults exclude each other")
+    if not args.no_faults and args.replicas < 2:
+        p.error("the fault phase needs --replicas 2 or more (or --no-faults)")
+    return args
+
+
+async def _one(url: str, model: str, prompt: list[int], max_tokens: int) -> RequestRecord:
+    async with aiohttp.ClientSession() as http:
+        clock = monotonic_clock()
+        record = RequestRecord(session=-1, turn=0, sent_s=0.0, prompt_tokens_sent=len(prompt))
+        return await stream_completion(http, url.rstrip("/") + "/v1/completions",
+                                       completion_body(model, prompt, max_tokens), record, clock)
+
+
+def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> RequestRecord:
+    r = asyncio.run(_one(url, model, prompt, max_tokens))
+    if not r.ok:
+        raise RuntimeError(f"request to {url} failed: {r.error}")
+    return r
+
+
+def warm_up(fleet: Fleet, vocab: int, rng: random.Random) -> None:
+    """One short request per engine, straight to it: first-call costs stay out of the measurement."""
+    for r in fleet.replicas:
+        one_request(r.url, fleet.model, [rng.randrange(4, vocab) for _ in range(64)], 2)
+
+
+def calibrate(fleet: Fleet, spec: WorkloadSpec, n: int, rng: random.Random) -> dict:
+    """Cold turn-1-sized requests on one idle engine: the SLO and the service time that paces think times."""
+    url = fleet.replicas[0].url
+    tokens = spec.system_tokens + spec.user_tokens
+    runs = [one_request(url, fleet.model, [rng.randrange(spec.first_id, spec.vocab_size) for _ in range(tokens)],
+                        spec.output_tokens) for _ in range(n)]
+    ttft = statistics.median(r.ttft_s for r in runs)
+    service = statistics.median(r.done_s - r.sent_s for r in runs)
+    return {"prompt_tokens": tokens, "output_tokens": spec.output_tokens, "cold_ttft_s": round(ttft, 4),
+            "service_s": round(service, 4), "runs": n}
+
+
+def model_vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def prefix_4k(model_dir: Path, rounds: int, threads: int) -> dict:
+    """The engine's own single-prompt measurement (:mod:`benchmarks.e2e.ttft`): a 4,096-token prompt cold,
+    then one sharing its first 4,032 tokens with them cached; in a process of its own, on ``threads``
+    torch threads (those of one replica)."""
+    with tempfile.TemporaryDirectory(prefix="strata-e2e-ttft-") as tmp:
+        out = Path(tmp) / "ttft.json"
+        argv = [sys.executable, "-m", "benchmarks.e2e.ttft", "--model", str(model_dir), "--prompt-tokens",
+                str(PREFIX_TOKENS), "--cached-tokens", str(PREFIX_CACHED), "--rounds", str(rounds),
+                "--threads", str(threads), "--out", str(out)]
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=PREFIX_TIMEOUT_S)
+        if not out.exists():
+            return {"error": f"benchmarks.e2e.ttft exited with {proc.returncode}: {proc.stderr[-1500:]}"}
+        doc = json.loads(out.read_text())
+    r = doc.get("detail", doc)  # the harness's format keeps the measurement under "detail"
+    keep = ("prompt_tokens", "cached_tokens", "rounds", "threads", "ratio", "cpu_ratio", "first_token_equal",
+            "cold_s", "hit_s", "cold_cpu_median_s", "hit_cpu_median_s")
+    return {"cold_ttft_s": r["cold_median_s"], "hit_ttft_s": r["hit_median_s"],
+            **{k: r[k] for k in keep if k in r}, "seconds": round(time.monotonic() - started, 1)}
+
+
+def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan: FaultPlan | None) -> dict:
+    started = time.monotonic()
+    out: dict = {"policy": phase.policy.name, "namespace": phase.namespace}
+    try:
+        with Fleet(nodes, phase) as fleet:
+            out["start_s"] = round(time.monotonic() - started, 1)
+            rng = random.Random(f"warm-{phase.name}")
+            vocab = model_vocab(nodes.spec.model_dir)
+            warm_up(fleet, vocab, rng)
+            workload = workload_for(fleet)
+            clock = monotonic_clock()
+            if fault_plan is None:
+                records = driver.run(workload, fleet.url, fleet.model, clock=clock)
+            else:
+                with FaultInjector(fleet, fault_plan, clock, workload.requests) as inj:
+                    records = driver.run(workload, fleet.url, fleet.model, clock=clock, on_answer=inj.observe,
+                                         before_last_turn=inj.hold)
+                    after_rotation = inj.upstream_errors_since_rotation()
+                out["faults"] = fault_report(records, inj.events, nodes.spec.health_interval_s, inj.errors,
+                                             after_rotation)
+            out["records"] = records
+            out["router"] = router_summary(fleet.router_metrics())
+            out["engines"] = engine_summary(fleet.engine_metrics())
+    except (StartFailed, RuntimeError, OSError) as e:
+        log.error("phase %s failed: %s", phase.name, e)
+        out["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the fleet's teardown: scratch directories in /dev/shm go too
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    t_start = time.monotonic()
+    mode = QUICK if args.quick else FULL
+    sessions = args.sessions or mode["sessions"]
+    turns = args.turns or mode["turns"]
+    think_factor = args.think_factor or mode["think_factor"]
+    policies = [] if args.faults_only else parse_policies(args.policies)
+    phases = [Phase(p.key, p) for p in policies]
+    if not args.no_faults:
+        phases.append(Phase("faults", POLICIES["e"]))
+
+    with contextlib.ExitStack() as stack:
+        model_dir = args.model_dir
+        if model_dir is None:
+            from benchmarks.e2e import model as model_builder
+
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-e2e-model-")))
+            t = time.monotonic()
+            model_dir = model_builder.build(home / "model", size=args.model_size)
+            log.info("built the %s model in %.1f s", args.model_size, time.monotonic() - t)
+        vocab = model_vocab(model_dir)
+        spec = FleetSpec(model_dir=model_dir, replicas=args.replicas)
+        nodes = stack.enter_context(Nodes(spec, phases))
+        state: dict = {"calibration": None, "workload": None}
+
+        def workload_for(fleet: Fleet) -> Workload:
+            if state["workload"] is None:
+                base = WorkloadSpec(sessions=sessions, turns=turns, seed=args.seed, vocab_size=vocab)
+                cal = calibrate(fleet, base, mode["calibration_prompts"], random.Random(f"calibrate-{args.seed}"))
+                state["calibration"] = cal
+                think = args.think_mean if args.think_mean is not None else think_factor * cal["service_s"]
+                state["workload"] = Workload(WorkloadSpec(
+                    sessions=sessions, turns=turns, seed=args.seed, vocab_size=vocab, think_mean_s=think,
+                    think_min_s=0.1 * think, start_mean_s=think / 2))
+                log.info("calibrated: cold turn-1 TTFT %.3f s, service %.3f s; think time mean %.2f s",
+                         cal["cold_ttft_s"], cal["service_s"], think)
+            return state["workload"]
+
+        results = {}
+        for phase in phases:
+            log.info("phase %s: %s", phase.name, phase.policy.name)
+            plan = FaultPlan() if phase.name == "faults" else None
+            results[phase.name] = run_phase(nodes, phase, workload_for, state, plan)
+            log.info("phase %s took %.0f s", phase.name, results[phase.name]["seconds"])
+        if args.no_prefix_4k:
+            prefix = None
+        else:
+            log.info("the 4,096-token prefix-hit measurement")
+            prefix = prefix_4k(model_dir, mode["prefix_rounds"], spec.engine_threads)
+        doc = build_document(args, results, state, prefix, spec, time.monotonic() - t_start)
+    write(doc, results, args.results_dir, state)
+    return 0
+
+
+def build_document(args, results: dict, state: dict, prefix: dict | None, spec: FleetSpec, seconds: float) -> dict:
+    cal = state["calibration"] or {}
+    slo = args.slo if args.slo is not None else cal.get("cold_ttft_s")
+    stats = {k: PolicyStats.of(v["records"], slo) for k, v in results.items() if "records" in v and k != "faults"}
+    names = {k: v["policy"] for k, v in results.items()}
+    rows = targets(stats, prefix)
+    print()
+    print(table(names, stats))
+    print()
+    print(targets_table(rows))
+    if "faults" in results and "faults" in results["faults"]:
+        f = results["faults"]["faults"]
+        print(f"\nfaults: {f['answered']}/{f['sent']} answered; failed by reason {f['failed_by_reason'] or '{}'}; "
+              f"for a cache reason: {f['failed_for_a_cache_reason']}")
+    w = state["workload"]
+    doc = {
+        "benchmark": NAME,
+        "command": "python -m benchmarks.e2e" + (" --quick" if args.quick else ""),
+        "argv": sys.argv[1:],
+        "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "run_seconds": round(seconds, 1),
+        "replicas": spec.replicas,
+        "workload": None if w is None else {**{k: v for k, v in vars(w.spec).items()}},
+        "calibration": cal,
+        "ttft_slo_s": slo,
+        "ttft_slo_rule": "the median cold TTFT of a turn-1-sized prompt on an idle engine" if args.slo is None
+        else "given with --slo",
+        "targets": [t.to_json() for t in rows],
+        "policies": {},
+        "prefix_4k": prefix,
+    }
+    for key, res in results.items():
+        entry = {k: v for k, v in res.items() if k != "records"}
+        if key in stats:
+            entry["stats"] = stats[key].to_json()
+        if "records" in res:
+            entry["requests"] = [r.to_json() for r in res["records"]]
+        doc["policies"][key] = entry
+    print(f"\nran in {seconds:.0f} s: " + ", ".join(f"{k} {v['seconds']:.0f} s" for k, v in results.items()))
+    return doc
+
+
+def write(doc: dict, results: dict, out_dir: Path, state: dict) -> None:
+    from benchmarks.e2e.plot import plot_ttft
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{NAME}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    records = {v["policy"]: v["records"] for k, v in results.items() if "records" in v and k != "faults"}
+    png = plot_ttft(records, out_dir / f"{NAME}_ttft.png", slo_s=doc["ttft_slo_s"],
+                    title=f"{doc['command']} ({doc['when']}, load avg {doc['machine']['load_average_at_end'][0]})")
+    print(f"results: {path}\nplot: {png}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""Faults during a run, and what the requests around them saw.
+
+The schedule is tied to progress, not to the clock: a fault fires once a
+given share of the run's requests has been answered, so it lands mid-run on
+a fast machine and a slow one alike.
+
+1. **A daemon crashes**: replica ``daemon_replica``'s ``strata serve`` is
+   SIGKILLed and, ``daemon_down_s`` later, started again on the same
+   directories (a new epoch). It is the daemon the router asks for scores
+   and the one its engine stores to and loads from: while it is down every
+   request must still be answered (the engine recomputes what it cannot
+   load; the router routes without scores), and none may fail for a cache
+   reason.
+2. **An engine crashes**: replica ``engine_replica``'s engine is SIGKILLed
+   and stays down. Requests it was serving fail (a stream cut mid-way
+   cannot be moved); the router must stop sending it new ones within one
+   health interval.
+
+Every failed request is put down to one reason, by what it met and when
+it was in flight: ``engine_killed_in_flight`` (sent before the engine's
+kill, failed after it), ``sent_to_dead_engine_within_health_interval``,
+``sent_to_dead_engine_after_health_interval`` (a router fault),
+``during_daemon_outage`` (a cache reason: the faults allow none), or
+``other``. The actions run on one thread that lives until the run ends:
+a child's ``PR_SET_PDEATHSIG`` fires when the thread that started it exits,
+so the restarted daemon must not be started from a short-lived one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from benchmarks.e2e.fleet import Fleet, StartFailed
+from benchmarks.e2e.stats import RequestRecord, Summary
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_ERRORS = ("connect", "stream_broken", "http_502", "http_503", "http_504")
+HOLD_LIMIT_S = 180.0  # the longest the last turns wait for the faults
+ROTATION_WAIT_INTERVALS = 10  # give up watching for the router's reaction after this many health intervals
+
+
+def _upstream_errors(samples: dict, endpoint: str) -> float:
+    return sum(v for (name, labels), v in samples.items()
+               if name == "strata_router_upstream_errors_total" and dict(labels).get("endpoint") == endpoint)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    daemon_replica: int = 0
+    daemon_kill_after: float = 0.25  # share of the run's requests answered
+    daemon_down_s: float = 5.0  # long enough that some turns arrive while it is down
+    engine_replica: int = -1  # the last replica
+    engine_kill_after: float = 0.6
+
+
+@dataclass
+class FaultEvent:
+    what: str  # "daemon_killed", "daemon_ready", "engine_killed"
+    replica: int
+    at_s: float
+
+
+class FaultInjector:
+    """Runs a :class:`FaultPlan` against a fleet while the driver runs; use as a context manager."""
+
+    def __init__(self, fleet: Fleet, plan: FaultPlan, clock: Callable[[], float], total_requests: int) -> None:
+        self.fleet = fleet
+        self.plan = plan
+        self.clock = clock
+        self.total = total_requests
+        self.events: list[FaultEvent] = []
+        self.errors: list[str] = []
+        self._daemon_due = threading.Event()
+        self._engine_due = threading.Event()
+        self._done = threading.Event()
+        self._finished = threading.Event()  # every fault has happened (or failed to)
+        self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
+        self.errors_after_rotation: float | None = None
+
+    @property
+    def engine_replica(self) -> int:
+        return self.plan.engine_replica % len(self.fleet.replicas)
+
+    def observe(self, records: list[RequestRecord]) -> None:
+        """The driver's ``on_answer``: counts answers, sets the faults due. Cheap; runs on the event loop."""
+        answered = sum(1 for r in records if r.done_s is not None or r.error)
+        if answered >= self.plan.daemon_kill_after * self.total:
+            self._daemon_due.set()
+        if answered >= self.plan.engine_kill_after * self.total:
+            self._engine_due.set()
+
+    async def hold(self) -> None:
+        """The driver's ``before_last_turn``: wait (bounded) until every fault has happened, or the fault
+        thread gave up, and while due faults wait for answers, fire them: a run too short for the
+        schedule brings the faults forward rather than ending without them."""
+        end = self.clock() + HOLD_LIMIT_S
+        while not self._finished.is_set() and self.clock() < end:
+            self._daemon_due.set()
+            self._engine_due.set()
+            await asyncio.sleep(0.05)
+
+    def _wait(self, due: threading.Event) -> bool:
+        while not due.wait(0.05):
+            if self._done.is_set():
+                return False
+        return True
+
+    def _run(self) -> None:
+        p = self.plan
+        try:
+            if not self._wait(self._daemon_due):
+                return
+            daemon = self.fleet.nodes.nodes[p.daemon_replica].daemon
+            daemon.kill()
+            self.events.append(FaultEvent("daemon_killed", p.daemon_replica, self.clock()))
+            if self._done.wait(p.daemon_down_s):
+                return
+            daemon.start()
+            self.events.append(FaultEvent("daemon_ready", p.daemon_replica, self.clock()))
+            if not self._wait(self._engine_due):
+                return
+            k = self.engine_replica
+            self.fleet.replicas[k].engine.kill()
+            self.events.append(FaultEvent("engine_killed", k, self.clock()))
+            self._watch_rotation(k)
+        except (StartFailed, OSError, subprocess.SubprocessError) as e:
+            log.error("fault injection failed: %s", e)
+            self.errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            self._finished.set()
+        self._done.wait()  # stay: the restarted daemon dies with the thread that started it
+
+    def _watch_rotation(self, k: int) -> None:
+        """Poll the router until it takes the dead engine out of rotation (its ``endpoint_healthy`` is 0)."""
+        label = (("endpoint", str(k)),)
+        deadline = self.clock() + ROTATION_WAIT_INTERVALS * self.fleet.spec.health_interval_s
+        while self.clock() < deadline and not self._done.is_set():
+            samples = self.fleet.router_metrics()
+            if samples.get(("strata_router_endpoint_healthy", label)) == 0:
+                self.events.append(FaultEvent("engine_out_of_rotation", k, self.clock()))
+                self.errors_after_rotation = _upstream_errors(samples, str(k))
+                return
+            self._done.wait(0.05)
+        self.errors.append(f"the router kept engine {k} in rotation for "
+                           f"{ROTATION_WAIT_INTERVALS} health intervals after its SIGKILL")
+
+    def upstream_errors_since_rotation(self) -> int | None:
+        """Connections the router tried to the dead engine after taking it out of rotation (should be 0)."""
+        if self.errors_after_rotation is None:
+            return None
+        return _upstream_errors(self.fleet.router_metrics(), str(self.engine_replica)) - self.errors_after_rotation
+
+    def __enter__(self) -> FaultInjector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(60)
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def _at(events: list[FaultEvent], what: str) -> float | None:
+    return next((e.at_s for e in events if e.what == what), None)
+
+
+def classify(r: RequestRecord, events: list[FaultEvent], health_interval_s: float) -> str:
+    """The reason a failed request failed (see the module docstring)."""
+    end = r.ended_s if r.ended_s is not None else float("inf")
+    engine_killed = _at(events, "engine_killed")
+    upstream = r.error.startswith(UPSTREAM_ERRORS)
+    if engine_killed is not None and upstream:
+        if r.sent_s < engine_killed:
+            return "engine_killed_in_flight"
+        if r.sent_s <= engine_killed + health_interval_s:
+            return "sent_to_dead_engine_within_health_interval"
+        return "sent_to_dead_engine_after_health_interval"
+    killed, ready = _at(events, "daemon_killed"), _at(events, "daemon_ready")
+    if killed is not None and r.sent_s <= (ready if ready is not None else float("inf")) + health_interval_s \
+            and end >= killed:
+        return "during_daemon_outage"
+    return "other"
+
+
+def _rotation_delay(events: list[FaultEvent]) -> float | None:
+    killed, out = _at(events, "engine_killed"), _at(events, "engine_out_of_rotation")
+    return None if killed is None or out is None else round(out - killed, 3)
+
+
+def _window(r: RequestRecord, events: list[FaultEvent]) -> str:
+    killed, ready, engine = _at(events, "daemon_killed"), _at(events, "daemon_ready"), _at(events, "engine_killed")
+    if engine is not None and r.sent_s >= engine:
+        return "after_engine_kill"
+    if ready is not None and r.sent_s >= ready:
+        return "after_daemon_restart"
+    if killed is not None and r.sent_s >= killed:
+        return "daemon_down"
+    return "before_faults"
+
+
+def fault_report(records: list[RequestRecord], events: list[FaultEvent], health_interval_s: float,
+                 errors: list[str], upstream_errors_after_rotation: float | None = None) -> dict:
+    """Counts answered and failed (by reason), and per window the TTFT and hit ratio of what was answered."""
+    failed = [r for r in records if not r.ok]
+    reasons = Counter(classify(r, events, health_interval_s) for r in failed)
+    windows: dict[str, dict] = {}
+    for name in ("before_faults", "daemon_down", "after_daemon_restart", "after_engine_kill"):
+        rs = [r for r in records if _window(r, events) == name]
+        ok = [r for r in rs if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok)
+        windows[name] = {
+            "sent": len(rs),
+            "answered": len(ok),
+            "ttft_s": Summary.of(r.ttft_s for r in ok).to_json(),
+            "cache_hit_ratio": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else None,
+        }
+    cache_failures = reasons.get("during_daemon_outage", 0)
+    return {
+        "sent": len(records),
+        "answered": len(records) - len(failed),
+        "failed": len(failed),
+        "failed_by_reason": dict(sorted(reasons.items())),
+        "failed_for_a_cache_reason": cache_failures,
+        "late_to_dead_engine": reasons.get("sent_to_dead_engine_after_health_interval", 0),
+        "out_of_rotation_after_s": _rotation_delay(events),
+        "router_upstream_errors_after_rotation": upstream_errors_after_rotation,
+        "health_interval_s": health_interval_s,
+        "events": [asdict(e) for e in events],
+        "injection_errors": errors,
+        "windows": windows,
+        "failures": [{"session": r.session, "turn": r.turn, "sent_s": round(r.sent_s, 3),
+                      "reason": classify(r, events, health_interval_s), "error": r.error[:200]} for r in failed],
+    }

@@ -1,0 +1,398 @@
+"""The processes of one benchmarked fleet: a Redis index, a daemon and an engine per replica, a router.
+
+Every part is a real child process on free loopback ports, as it would be
+deployed (separate GILs: the engines compute while the client times them).
+:class:`Nodes` live for the whole benchmark:
+
+- one private ``redis-server`` (:func:`benchmarks.harness.private_redis`):
+  the prefix index every daemon publishes to, so a router asking any daemon
+  sees every replica's holdings;
+- per replica, a ``strata serve`` (node ``node-<i>``) with its own scratch
+  shared-memory directory and disk directory, the peer tier at the end of
+  its chain and a peer listener (so a block another node holds is fetched),
+  subscribed to the KV events of the engines of the phases that route by
+  cache.
+
+A :class:`Fleet` is one phase's (one policy's) serving side, started
+fresh, so every policy begins with cold engine caches:
+
+- per replica, the reference engine (``engine-<i>-<phase>``), one compute
+  thread, in front of its node's daemon;
+- the router (``strata route``) in front of the engines.
+
+Each child gets ``PR_SET_PDEATHSIG`` (it dies with the benchmark, even a
+SIGKILLed one), a log file in the scratch directory (its tail is shown when
+it fails to start), and a readiness check that must pass before the next
+part starts. :meth:`Fleet.close` stops the router, then the engines;
+:meth:`Nodes.close` the daemons, then Redis, and removes the scratch
+directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from benchmarks.e2e.policies import Policy
+from benchmarks.harness import free_port, private_redis
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+SHM_ROOT = Path("/dev/shm")
+NAMESPACE = "e2e"
+BLOCK_SIZE = 16
+HASH_SEED = "0"
+QUEUE_METRIC = "e2e_engine_queue_depth"  # the engine's waiting requests, which the router adds to its load
+
+
+class StartFailed(RuntimeError):
+    """A fleet process exited or never became ready; the message has its log's tail."""
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def grpc_serving(target: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(target) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+class Child:
+    """One child process: its command, log, readiness check; started, SIGKILLed, restarted."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, ready: Callable[[], bool], *,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 180.0) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.ready = ready
+        self.env = env
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def spawn(self) -> Child:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+               **(self.env or {})}
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, cwd=REPO, preexec_fn=_die_with_parent)
+        return self
+
+    def wait_ready(self) -> Child:
+        end = time.monotonic() + self.start_timeout_s
+        while not self.ready():
+            if self.proc is not None and self.proc.poll() is not None:
+                raise StartFailed(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > end:
+                raise StartFailed(f"{self.name} not ready after {self.start_timeout_s:.0f} s:\n{self.tail()}")
+            time.sleep(0.1)
+        return self
+
+    def start(self) -> Child:
+        return self.spawn().wait_ready()
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is flushed or drained."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after ``timeout_s``."""
+        if not self.alive:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One measured run: a policy, and the names that keep its cache apart from every other phase's."""
+
+    name: str  # "a".."e", or "faults"
+    policy: Policy
+
+    @property
+    def namespace(self) -> str:
+        return f"{NAMESPACE}-{self.name}"
+
+    def engine_id(self, replica: int) -> str:
+        return f"engine-{replica}-{self.name}"
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    model_dir: Path
+    replicas: int = 2
+    ram_bytes: str = "512MiB"
+    disk_bytes: str = "2GiB"
+    max_block_bytes: str = "16MiB"
+    cache_blocks: int = 4096  # per engine (--prefix-cache blocks): more than the workload needs
+    max_queue: int = 32  # per engine: more than the sessions, so a full queue is a fault, not the workload
+    index_ttl_s: float = 3.0
+    health_interval_s: float = 1.0  # the router's health checks of its endpoints
+    # An engine that computes answers its /health late on 2 shared cores; a SIGKILLed one refuses the
+    # connection at once, so a longer timeout does not delay taking a dead engine out of rotation.
+    health_timeout_s: float = 5.0
+    # The router's deadline for one Score RPC. Its default (50 ms) is for a dedicated host; on 2 shared cores
+    # a daemon's answer can take longer than that while an engine prefills, and each miss is a fallback.
+    index_timeout_s: float = 0.25
+    engine_threads: int = 1  # torch threads per engine: the replicas share the machine's cores
+
+
+@dataclass
+class Node:
+    index: int
+    node_id: str
+    daemon: Child
+    target: str
+    events: dict[str, tuple[str, str]]  # phase name -> where its engine on this node publishes KV events, replays
+
+
+class Nodes:
+    """Redis and one daemon per replica, shared by every phase (each phase has its own namespace and
+    engine ids, so one phase's blocks and index entries are never another's hits).
+
+    A daemon's ``--kv-events`` is fixed when it starts, so it subscribes to the endpoints of every
+    phase whose engines publish events, up front; an endpoint nobody binds yet costs nothing (ZMQ
+    reconnects in the background).
+    """
+
+    def __init__(self, spec: FleetSpec, phases: list[Phase]) -> None:
+        self.spec = spec
+        self.phases = phases
+        self.nodes: list[Node] = []
+        self.redis_url = ""
+        self._stack = contextlib.ExitStack()
+        self.scratch = Path(tempfile.mkdtemp(prefix="strata-e2e-"))
+        shm_parent = SHM_ROOT if SHM_ROOT.is_dir() else None  # a tmpfs for the arena where there is one
+        self.shm = Path(tempfile.mkdtemp(prefix="strata-e2e-", dir=shm_parent))
+
+    def start(self) -> Nodes:
+        try:
+            port = self._stack.enter_context(private_redis())
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.nodes = [self._node(i) for i in range(self.spec.replicas)]
+            for n in self.nodes:  # all at once: their start-ups overlap
+                n.daemon.spawn()
+            for n in self.nodes:
+                n.daemon.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _node(self, i: int) -> Node:
+        spec = self.spec
+        home = self.scratch / f"node-{i}"
+        home.mkdir()
+        shm = self.shm / f"node-{i}"
+        shm.mkdir()
+        node_id = f"node-{i}"
+        target = f"127.0.0.1:{free_port()}"
+        events = {p.name: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+                  for p in self.phases if p.policy.kv_events}
+        argv = [
+            sys.executable, "-m", "kvstore.cli.main", "serve", "--node-id", node_id, "--listen", target,
+            "--metrics-listen", f"127.0.0.1:{free_port()}", "--disk-dir", str(home / "disk"), "--shm-dir", str(shm),
+            "--ram-bytes", spec.ram_bytes, "--disk-bytes", spec.disk_bytes, "--max-block-bytes", spec.max_block_bytes,
+            "--index-url", self.redis_url, "--index-ttl-seconds", str(spec.index_ttl_s),
+            "--tiers", "ram,disk,peer", "--peer-listen", f"127.0.0.1:{free_port()}", "--log-format", "text",
+        ]
+        if events:
+            subs = [f"{ep[0]}?engine={p.engine_id(i)}&namespace={p.namespace}&replay={ep[1]}"
+                    for p in self.phases if (ep := events.get(p.name))]
+            argv += ["--kv-events", ",".join(subs)]
+        daemon = Child(node_id, argv, home / "daemon.log", lambda t=target: grpc_serving(t), start_timeout_s=90)
+        return Node(i, node_id, daemon, target, events)
+
+    def restart_daemon(self, i: int) -> None:
+        """SIGKILL node ``i``'s daemon and start it again on the same directories (a new epoch)."""
+        d = self.nodes[i].daemon
+        d.kill()
+        d.start()
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.daemon.stop()
+        self._stack.close()
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def __enter__(self) -> Nodes:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class Replica:
+    index: int
+    node: Node
+    engine: Child
+    engine_id: str
+    url: str
+
+
+class Fleet:
+    """One phase's engines (one per node) and router; :attr:`url` is the router's base URL."""
+
+    def __init__(self, nodes: Nodes, phase: Phase) -> None:
+        self.nodes = nodes
+        self.spec = nodes.spec
+        self.phase = phase
+        self.replicas: list[Replica] = []
+        self.router: Child | None = None
+        self.url = ""
+        self.model = ""
+        self.home = nodes.scratch / f"phase-{phase.name}"
+        self.home.mkdir(exist_ok=True)
+
+    def start(self) -> Fleet:
+        try:
+            self.replicas = [self._replica(n) for n in self.nodes.nodes]
+            for r in self.replicas:
+                r.engine.spawn()
+            for r in self.replicas:
+                r.engine.wait_ready()
+            self.router = self._router()
+            self.router.start()
+            self.model = model_name(self.url)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _replica(self, node: Node) -> Replica:
+        spec, policy, i = self.spec, self.phase.policy, node.index
+        engine_id = self.phase.engine_id(i)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [
+            sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(spec.model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--engine-id", engine_id, "--block-size", str(BLOCK_SIZE),
+            "--hash-seed", HASH_SEED, "--prefix-cache", policy.prefix_cache, "--max-queue", str(spec.max_queue),
+        ]
+        if policy.prefix_cache == "blocks":
+            argv += ["--cache-blocks", str(spec.cache_blocks)]
+        if policy.kv_events:
+            publish, replay = node.events[self.phase.name]
+            argv += ["--kv-events", publish, "--kv-events-replay", replay]
+        if policy.pool:
+            argv += ["--strata", node.target, "--namespace", self.phase.namespace]
+        argv += ["--threads", str(spec.engine_threads)]
+        engine = Child(engine_id, argv, self.home / f"{engine_id}.log", lambda u=url: http_ok(u + "/health"),
+                       start_timeout_s=240)
+        return Replica(i, node, engine, engine_id, url)
+
+    def _router(self) -> Child:
+        spec, policy = self.spec, self.phase.policy
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "kvstore.cli.main", "route", "--listen", f"127.0.0.1:{port}",
+                "--model-dir", str(spec.model_dir), "--policy", policy.router_policy,
+                "--block-size", str(BLOCK_SIZE), "--hash-seed", HASH_SEED, "--namespace", self.phase.namespace,
+                "--health-interval-seconds", str(spec.health_interval_s), "--queue-metric", QUEUE_METRIC,
+                "--index-timeout-seconds", str(spec.index_timeout_s), "--health-timeout-seconds",
+                str(spec.health_timeout_s), "--log-format", "text"]
+        for r in self.replicas:
+            # With the shared pool a block any daemon holds is one this engine loads (through its own
+            # daemon's peer tier): every node's holdings count for every endpoint, its own engine's first.
+            ids = [r.engine_id] + ([n.node_id for n in self.nodes.nodes] if policy.pool else [])
+            argv += ["--endpoint", f"{r.url}={','.join(ids)}"]
+        if policy.router_policy == "cache-aware":
+            # Any daemon answers for the whole fleet (they share the index): the first node's, so a fault
+            # on that daemon is one the router must ride out.
+            argv += ["--index", self.nodes.nodes[0].target]
+        return Child("router", argv, self.home / "router.log", lambda: http_ok(self.url + "/health"),
+                     start_timeout_s=60)
+
+    def router_metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of the router's ``/metrics``: (name, sorted labels) -> value."""
+        return scrape(self.url)
+
+    def engine_metrics(self) -> dict[str, dict[tuple[str, tuple], float]]:
+        """Every live engine's ``/metrics`` samples, by engine id."""
+        return {r.engine_id: scrape(r.url) for r in self.replicas if r.engine.alive}
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for r in self.replicas:
+            r.engine.stop()
+
+    def logs(self) -> dict[str, str]:
+        """Each process's log tail, for a failure report."""
+        out = {n.node_id: n.daemon.tail() for n in self.nodes.nodes}
+        out.update({r.engine_id: r.engine.tail() for r in self.replicas})
+        if self.router is not None:
+            out["router"] = self.router.tail()
+        return out
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``base_url/metrics`` (Prometheus text): (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def model_name(base_url: str) -> str:
+    """The served model's id, from ``GET /v1/models``."""
+    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
