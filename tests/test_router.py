@@ -259,3 +259,29 @@ def test_no_retry_beyond_the_bound(engines, routers):
     status, _, raw = r.post("/v1/completions", {"prompt": "w2"})
     assert status == 502 and "no endpoint accepted the connection" in json.loads(raw)["error"]["message"]
     assert [completion(r, f"w{i}") for i in range(2)] == ["a", "a"]  # b is out now
+
+
+def test_cache_aware_hashes_a_lora_adapters_requests_and_a_cache_salt_as_vllm_does(fleet, model_dir, routers):
+    """A request for a LoRA adapter (named in --lora-adapter) or with a cache_salt has keys of its own
+    (vLLM's extra keys): credit goes to the holder of those keys, not of the base model's."""
+    from transformers import AutoTokenizer
+
+    daemon, a, b = fleet
+    ids = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)(P_A)["input_ids"]
+    full = len(ids) // BLOCK * BLOCK
+    keys = [event_key_bytes(h) for h in BlockHasher(BLOCK, HASH_SEED, "sql-lora").chain(ids[:full], cache_salt="tenant-1")]
+    with Client(daemon.target) as c:  # the daemon's own node holds the adapter's salted blocks
+        parent = b""
+        for k in keys:
+            c.put(NS, k, b"kv" * 64, parent=parent or None)
+            parent = k
+        wait_for(lambda: (s := c.score(NS, keys=keys, candidates=["router-test-node"])) and s[0].blocks == len(keys),
+                 "the daemon's blocks in the index")
+    r = routers(**cache_aware(fleet, model_dir, endpoint=[f"{a.url}=engine-a", f"{b.url}=router-test-node"],
+                              lora_adapter=["sql-lora"]))
+    salted = {"model": "sql-lora", "cache_salt": "tenant-1"}
+    assert completion(r, P_A, **salted) == "b"
+    assert r.decisions("cache_hit") == 1
+    completion(r, P_A, model="sql-lora")  # no salt: other keys, nothing cached
+    completion(r, P_A, cache_salt="tenant-1")  # the base model: other keys again
+    assert r.decisions("cache_hit") == 1 and r.decisions("load") == 2

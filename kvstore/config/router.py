@@ -84,6 +84,12 @@ class RouterSettings(Section):
     hash_seed: str = setting(
         "", "the engines' PYTHONHASHSEED (vLLM's block hashes depend on it); needed by cache-aware"
     )
+    lora_adapters: Annotated[list[str], Field(max_length=1024)] = setting(
+        default_factory=list,
+        description="model names that are LoRA adapters of the engines (their --lora-modules names), comma-separated: "
+        "a request for one is hashed with it as vLLM does (the adapter's blocks are its own); other names are the base model",
+        flag="lora_adapter", repeatable=True,
+    )
     index_timeout_seconds: float = setting(
         0.05, "deadline of one Score RPC; a slower index counts as down for this request", gt=0, le=10
     )

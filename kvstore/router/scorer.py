@@ -17,6 +17,7 @@ once; the failures in between are counted, and logged at most once per
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ class PrefixScorer:
         self._target = target
         self._namespace = namespace
         self._hasher = hasher
+        self._lora_hashers: dict[str, BlockHasher] = {}  # bounded by --lora-adapter's list
         self._metrics = metrics
         self._timeout = timeout_s
         self._retry_s = retry_s
@@ -62,10 +64,16 @@ class PrefixScorer:
     async def close(self) -> None:
         await self._channel.close()
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """The 8-byte event keys of the prompt's full blocks (at most the index's chain limit)."""
-        full = min(len(tokens) // self._hasher.block_size, MAX_CHAIN_BLOCKS) * self._hasher.block_size
-        return [event_key_bytes(h) for h in self._hasher.chain(list(tokens[:full]))]
+    def keys(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+        """The 8-byte event keys of the prompt's full blocks (at most the index's chain limit), hashed
+        as vLLM hashes them for a request of this LoRA adapter (None: the base model) and cache salt."""
+        hasher = self._hasher
+        if lora_name:
+            hasher = self._lora_hashers.get(lora_name)
+            if hasher is None:
+                hasher = self._lora_hashers[lora_name] = dataclasses.replace(self._hasher, lora_name=lora_name)
+        full = min(len(tokens) // hasher.block_size, MAX_CHAIN_BLOCKS) * hasher.block_size
+        return [event_key_bytes(h) for h in hasher.chain(list(tokens[:full]), cache_salt=cache_salt or None)]
 
     def resting(self) -> bool:
         """True while the index failed lately and is not to be asked yet (the prompt need not be tokenized)."""

@@ -21,6 +21,7 @@ router.start()``, ``router.port``, ``await router.stop()``); ``run`` is the
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -57,6 +58,7 @@ def error_body(err: RequestRefused) -> web.Response:
 class Router:
     def __init__(self, settings: RouterSettings, *, tokenizer: PromptTokenizer | None = None) -> None:
         self.settings = settings
+        self._lora_adapters = frozenset(settings.lora_adapters)
         self.metrics = RouterMetrics()
         self.endpoints = [Endpoint(i, url, ids) for i, (url, ids) in enumerate(settings.endpoint_specs())]
         self.policy = make_policy(settings.policy, prefix_weight=settings.prefix_weight, load_weight=settings.load_weight)
@@ -184,8 +186,10 @@ class Router:
             return None
         tokens = await self._tokenizer.tokens(api, body)
         # Hashing is a SHA-256 per block: a long prompt's chain is hashed off the event loop.
-        keys = (self._scorer.keys(tokens) if len(tokens) <= OFF_LOOP_TOKENS
-                else await asyncio.to_thread(self._scorer.keys, tokens))
+        lora = body.get("model") if body.get("model") in self._lora_adapters else None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        hash_keys = functools.partial(self._scorer.keys, tokens, lora_name=lora, cache_salt=salt)
+        keys = hash_keys() if len(tokens) <= OFF_LOOP_TOKENS else await asyncio.to_thread(hash_keys)
         if not keys:  # shorter than one block: nothing can be cached
             return {}
         ids = sorted({i for e in self.endpoints for i in e.ids})
