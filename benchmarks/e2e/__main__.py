@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "calibrated service time of a turn-1 request)")
     p.add_argument("--think-factor", type=float, help="think time mean / an idle turn-1 request's service time")
     p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default: an idle engine's cold turn-1 TTFT)")
+    p.add_argument("--load-weight", type=float, default=FleetSpec.load_weight,
+                   help=f"the router's --load-weight for (c) and (e) (default {FleetSpec.load_weight})")
     p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the bench model)")
     p.add_argument("--model-size", default="bench", choices=("tiny", "bench"))
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -221,7 +223,7 @@ def _main(args: argparse.Namespace) -> int:
             model_dir = model_builder.build(home / "model", size=args.model_size)
             log.info("built the %s model in %.1f s", args.model_size, time.monotonic() - t)
         vocab = model_vocab(model_dir)
-        spec = FleetSpec(model_dir=model_dir, replicas=args.replicas)
+        spec = FleetSpec(model_dir=model_dir, replicas=args.replicas, load_weight=args.load_weight)
         nodes = stack.enter_context(Nodes(spec, phases))
         state: dict = {"calibration": None, "workload": None}
 
