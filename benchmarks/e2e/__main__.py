@@ -62,7 +62,7 @@ log = logging.getLogger("benchmarks.e2e")
 
 NAME = "e2e"
 FULL = dict(sessions=8, turns=5, think_factor=3.0, calibration_prompts=3, prefix_rounds=3)
-QUICK = dict(sessions=4, turns=2, think_factor=0.5, calibration_prompts=1, prefix_rounds=1)
+QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1)
 PREFIX_TOKENS = 4096
 PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
 PREFIX_TIMEOUT_S = 600
