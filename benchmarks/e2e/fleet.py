@@ -301,13 +301,16 @@ class Fleet:
 
     def start(self) -> Fleet:
         try:
+            # The router starts beside the engines (both import torch or transformers: seconds each);
+            # the fleet is ready when every engine answers and the router has them all in rotation.
             self.replicas = [self._replica(n) for n in self.nodes.nodes]
-            for r in self.replicas:
-                r.engine.spawn()
+            self.router = self._router()
+            for child in [*(r.engine for r in self.replicas), self.router]:
+                child.spawn()
             for r in self.replicas:
                 r.engine.wait_ready()
-            self.router = self._router()
-            self.router.start()
+            self.router.wait_ready()
+            self._wait_all_in_rotation()
             self.model = model_name(self.url)
         except BaseException:
             self.close()
@@ -357,6 +360,19 @@ class Fleet:
             argv += ["--index", self.nodes.nodes[0].target]
         return Child("router", argv, self.home / "router.log", lambda: http_ok(self.url + "/health"),
                      start_timeout_s=60)
+
+    def _wait_all_in_rotation(self, timeout_s: float = 60.0) -> None:
+        """Until the router's health checks have every endpoint in rotation (an engine that was still
+        starting at the router's first round comes back one health interval later)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            healthy = [v for (name, _), v in self.router_metrics().items() if name == "strata_router_endpoint_healthy"]
+            if len(healthy) == len(self.replicas) and all(v == 1 for v in healthy):
+                return
+            if time.monotonic() > end:
+                raise StartFailed(f"the router has not every engine in rotation after {timeout_s:.0f} s:\n"
+                                  f"{self.router.tail() if self.router else ''}")
+            time.sleep(0.1)
 
     def router_metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of the router's ``/metrics``: (name, sorted labels) -> value."""
