@@ -38,12 +38,35 @@ the model name, so models never see each other's blocks. The block's
 ``layout`` carries the MemoryObj's shapes, dtypes and memory format, from
 which ``get`` rebuilds it exactly, partial last chunks included.
 
-Bytes. On the daemon's host the client copies between LMCache's MemoryObj
-buffers and the daemon's shared-memory arena, one copy each way; elsewhere
-it streams over gRPC (the client's choice, not this module's). ``get``
-learns each block's size and layout from the daemon before any byte moves,
-allocates a MemoryObj of exactly that layout from ``local_cpu_backend``
-(a short last chunk included) and has the bytes read straight into it.
+Bytes. Each chunk reaches the client as a tensor over its MemoryObj's own
+memory (:func:`.mapping.chunk_bytes`: the head of ``raw_tensor``, no copy);
+``put`` reads it and ``get_into`` writes it in place. On the daemon's host
+that is one copy each way between the MemoryObj and the daemon's
+shared-memory arena; elsewhere the client streams over gRPC (the client's
+choice, not this module's). ``get`` learns each block's size and layout from
+the daemon before any byte moves, allocates a MemoryObj of exactly that
+layout from ``local_cpu_backend`` (a short last chunk included) and has the
+bytes read straight into it.
+
+Where those buffers live is LMCache's design, not this plugin's: a remote
+connector is handed host memory. LMCache 0.5.6 builds a ``RemoteBackend``
+only over a ``LocalCPUBackend`` ("Remote backend requires local CPU backend
+as a buffer": ``max_local_cpu_size > 0``; ``local_cpu: False`` turns off
+only LMCache's own hot cache, not that backend); the MemoryObjs its ``put``
+gets are that backend's (the storage manager first copies those of a PD
+backend, which may be on the GPU, into it: ``allocate_and_copy_objects``),
+and ``get`` allocates from it. Its allocator carves host memory that
+LMCache allocates pinned (``MixedMemoryAllocator`` over
+``device_ops.alloc_pinned_*``; in P2P mode a paged allocator whose CPU half
+alone is used, ``allocator_type="cpu"``); LMCache's device
+memory (``GPUMemoryAllocator``, the PD backend's ``pd_buffer_device``
+buffer, GDS's cuFile buffers) serves its GPU connectors' staging, PD
+transfers and GDS, never a remote connector. The GPU to host copy is
+LMCache's own (its GPU connector, before ``put`` and after ``get``). So the
+client's device path is never taken from LMCache 0.5.6; were a MemoryObj on
+a GPU handed over, its tensor would take that path unchanged, where
+``byte_array`` (a host ``memoryview`` built from the raw pointer) would read
+a device address as host memory.
 
 ``list`` names every LMCache chunk the daemon holds, as the key strings
 ``CacheEngineKey.from_string`` reads back.

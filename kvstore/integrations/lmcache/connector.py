@@ -24,7 +24,7 @@ from kvstore.errors import (
 )
 
 from kvstore.integrations.health import DaemonHealth
-from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, namespace_of
+from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, chunk_bytes, namespace_of
 from kvstore.integrations.lmcache.settings import (
     PLUGIN_TYPE,
     SECURITY_OPTIONS,
@@ -179,6 +179,10 @@ class StrataConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         """Store chunks; the MemoryObjs' references stay the caller's.
 
+        Each chunk goes to the client as a tensor over its MemoryObj's own
+        memory (:func:`~kvstore.integrations.lmcache.mapping.chunk_bytes`):
+        no copy here; the client reads it in place.
+
         A full tier or an overloaded daemon drops the chunks (a cache may
         decline to store); a bad chunk (over the daemon's block limit)
         raises, so LMCache logs it.
@@ -187,7 +191,7 @@ class StrataConnector(RemoteConnector):
             return
         client = self._async_client()
         for namespace, run in _namespace_runs(list(zip(keys, memory_objs)), lambda kv: self._namespace(kv[0])):
-            items = [BlockPut(block_key(k), obj.byte_array, None, ChunkLayout.of(obj).encode()) for k, obj in run]
+            items = [BlockPut(block_key(k), chunk_bytes(obj), None, ChunkLayout.of(obj).encode()) for k, obj in run]
             try:
                 await self._guard(client.put_many(namespace, items), None)
             except ResourceExhausted as err:
@@ -226,15 +230,16 @@ class StrataConnector(RemoteConnector):
     async def _read(self, namespace: str, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """Read blocks straight into MemoryObjs: the daemon names each found block's size
         and layout first, a MemoryObj of exactly that layout is allocated (a partial last
-        chunk included), and the bytes are copied into it once."""
+        chunk included), and the client reads the bytes into the tensor over its memory."""
         client = self._async_client()
         objs: list[MemoryObj | None] = [None] * len(keys)
+        views: list[object | None] = [None] * len(keys)  # the tensor placed per key
 
         def place(i: int, info: BlockInfo):
-            obj = objs[i]
-            if obj is None:  # a retried read lands in the same MemoryObj
+            if objs[i] is None:  # a retried read is placed in the same MemoryObj, as the same tensor
                 obj = objs[i] = self._allocate_for(keys[i], info)
-            return None if obj is None else obj.byte_array
+                views[i] = None if obj is None else chunk_bytes(obj)
+            return views[i]
 
         try:
             blocks = await self._guard(client.get_into(namespace, [block_key(k) for k in keys], place), None)

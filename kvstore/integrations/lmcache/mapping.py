@@ -1,4 +1,5 @@
-"""LMCache's chunk keys and MemoryObj layouts as Strata namespaces, block keys and layout tags."""
+"""LMCache's chunk keys and MemoryObj layouts as Strata namespaces, block keys and layout tags,
+and a MemoryObj's bytes as the tensor the client reads and writes in place."""
 
 from __future__ import annotations
 
@@ -95,3 +96,24 @@ class ChunkLayout:
             )
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"not a LMCache chunk layout: {err!r}") from None
+
+
+def chunk_bytes(obj: MemoryObj) -> torch.Tensor:
+    """A chunk's bytes as a flat uint8 tensor over the MemoryObj's own memory, on its own device.
+
+    No byte is copied: the tensor is a view of the head of the MemoryObj's
+    ``raw_tensor`` (its ``get_size()`` bytes, without the allocator's
+    alignment padding), so the client writes from and reads into LMCache's
+    memory itself, and a MemoryObj on a GPU would take the client's device
+    path. ``byte_array`` is not used: it builds a host ``memoryview`` from
+    the raw pointer, which is only right for host memory.
+    """
+    raw = obj.raw_tensor
+    if raw is None:
+        raise ValueError(f"a {type(obj).__name__} holds no tensor (invalidated, or not a tensor chunk); "
+                         "the Strata plugin stores tensor chunks only")
+    try:
+        flat = raw.view(-1).view(torch.uint8)
+    except RuntimeError as err:  # a strided raw tensor: its bytes are not one run
+        raise ValueError(f"the MemoryObj's memory is not one contiguous run of bytes: {err}") from None
+    return flat[: obj.get_size()]
