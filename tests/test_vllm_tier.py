@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33 is not installed (README: the vllm extra)")
@@ -174,6 +175,76 @@ def test_a_load_keeps_the_chunks_that_came_and_fails_only_the_others(make_daemon
             e.manager.primary_tier.complete_write(list(result.successful_keys), ctx, True)
             e.manager.primary_tier.complete_write([keys[1], keys[3]], ctx, False)
             e.manager.on_request_finished(ctx)
+
+
+# ---- buffers: the primary tier's rows, in place -------------------------------------------
+#
+# The rows are host memory by vLLM's design (see kvstore.integrations.vllm); what is checked is
+# that each store reads and each load writes the chunk's row of primary_kv_view itself, not a copy.
+
+
+def where(buf) -> tuple[type, int, int]:
+    """(type, address, bytes) of a buffer, without keeping it."""
+    view = memoryview(buf)
+    return type(buf), np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes
+
+
+class RecordingClient(Client):
+    """A real client that notes where the buffers it is handed live: put values, placed buffers."""
+
+    put: list[tuple[type, int, int]] = []
+    placed: list[tuple[type, int, int]] = []
+
+    def put_many(self, namespace, items):
+        RecordingClient.put += [where(item.value) for item in items]
+        return super().put_many(namespace, items)
+
+    def get_into(self, namespace, keys, buffers):
+        inner = buffers
+
+        def place(i, info):
+            buf = inner(i, info)
+            if buf is not None:
+                RecordingClient.placed.append(where(buf))
+            return buf
+
+        return super().get_into(namespace, keys, place)
+
+
+def primary_rows(e: Engine) -> tuple[int, int, int]:
+    """(address, rows, row bytes) of the primary tier's buffer."""
+    view = e.manager.primary_tier.get_kv_memoryview()  # the manager's own: not released here
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view), view.strides[0]
+
+
+def row_of(base: int, rows: int, row: int, buf: tuple[type, int, int]) -> int | None:
+    """The index of the primary row ``buf`` is, or None when it is not exactly one row of that buffer."""
+    kind, address, size = buf
+    offset = address - base
+    if kind is not memoryview or size != row or offset % row or not 0 <= offset // row < rows:
+        return None
+    return offset // row
+
+
+@pytest.mark.parametrize("shared_memory", ["auto", "false"], ids=["shm", "stream"])
+def test_stores_and_loads_use_the_primary_rows_in_place_byte_for_byte(make_daemon, shared_memory):
+    """The client is handed each chunk's row of vLLM's primary buffer (its address, one row's
+    size), never a copy of it, on the same-host path and the streamed one alike."""
+    daemon = make_daemon()
+    RecordingClient.put, RecordingClient.placed = [], []
+    with Engine([strata_entry(daemon.target, shared_memory=shared_memory, **FAST)]) as e:
+        e.tier._chunks._factory = RecordingClient
+        base, rows, row = primary_rows(e)
+        chunks = chunk_bytes(chunk_keys(4, seed=11))
+        assert e.store(chunks) == list(chunks)
+        stored = [row_of(base, rows, row, buf) for buf in RecordingClient.put]
+        assert len(stored) == 4 and None not in stored and len(set(stored)) == 4
+        e.evict()  # the 8 chunks that evict them are stored from their rows too
+        assert len(RecordingClient.put) == 4 + 8
+        assert None not in [row_of(base, rows, row, buf) for buf in RecordingClient.put]
+        assert e.fetch(list(chunks)) == chunks
+        loaded = [row_of(base, rows, row, buf) for buf in RecordingClient.placed]
+        assert len(loaded) == 4 and None not in loaded and len(set(loaded)) == 4
 
 
 # ---- two engines ----------------------------------------------------------------------

@@ -21,10 +21,21 @@ block key = the hash, in the namespace
 hashes as block keys, and engines of the same KV layout share chunks while
 engines of another layout cannot read them (:mod:`.mapping`).
 
-Bytes. A chunk is one row of the primary tier's buffer; on the daemon's
-host it is copied once each way between that row and the daemon's shared
-arena (gRPC streaming elsewhere). A load checks each block's size and
-layout tag before a byte lands in a row.
+Bytes. A chunk is one row of the primary tier's buffer, handed to the
+client in place (a ``memoryview`` slice of ``primary_kv_view``, no copy);
+on the daemon's host it is copied once each way between that row and the
+daemon's shared arena (gRPC streaming elsewhere). A load checks each
+block's size and layout tag before a byte lands in a row.
+
+Those rows are host memory by vLLM's design, and no GPU memory reaches
+this tier. vLLM 0.33's secondary tiers run in the scheduler process and
+get only ``primary_kv_view``, a ``memoryview`` over the CPU primary tier's
+``SharedOffloadRegion`` (an mmap of ``/dev/shm/vllm_offload_<engine>.mmap``);
+the GPU workers map the same region, register it as pinned memory, and
+copy KV blocks between their GPU cache and its rows themselves
+(``CPUOffloadingWorker``), before a store reaches this tier and after a
+load leaves it. So the client's device path is never taken here; the
+tier's part is to add no copy of its own between a row and the client.
 
 Failure. The scheduler thread never calls the daemon. A daemon that is
 down, stuck or restarting costs one failed call per ``down_backoff_s``:

@@ -2,11 +2,15 @@
 
 Runs on the tier's worker and lookup threads only. Each chunk is one block:
 its bytes are one row of the primary tier's CPU buffer (``primary_kv_view``,
-padding included), which the client copies straight into the daemon's
-shared arena on a store and straight out of it into the row on a load: one
-copy each way on the daemon's host, gRPC streaming elsewhere. A load takes
-a block only when its size and layout tag are this engine's; otherwise the
-row is left untouched and the chunk fails.
+padding included), handed to the client as a ``memoryview`` slice of that
+buffer (never a copy: ``bytes()`` of a row would add a copy of every
+chunk), which the client copies straight into the daemon's shared arena
+on a store and straight out of it into the row on a load: one copy each way
+on the daemon's host, gRPC streaming elsewhere. The buffer is host memory
+(vLLM's GPU workers fill and drain it; see the package docstring), so
+there is no device tensor to hand over. A load takes a block only when its
+size and layout tag are this engine's; otherwise the row is left untouched
+and the chunk fails.
 
 Failures are answers, counted by reason (:mod:`.metrics`): the daemon down
 or stuck (``DaemonUnavailable``, ``DeadlineExceeded``) starts the back-off
