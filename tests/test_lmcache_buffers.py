@@ -24,6 +24,7 @@ pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
 import kvstore.integrations.lmcache.connector as connector_module  # noqa: E402
 from kvstore.client import AsyncClient  # noqa: E402
@@ -143,3 +144,21 @@ def test_chunk_bytes_is_a_view_of_the_chunk_without_the_allocators_padding(make_
         finally:
             for obj in objs:
                 obj.ref_count_down()
+
+
+def tensor_obj(raw: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+    """A MemoryObj over ``raw`` as LMCache builds them, without an allocator behind it."""
+    size = shape.numel() * dtype.itemsize
+    meta = MemoryObjMetadata(shape=shape, dtype=dtype, address=0, phy_size=size, ref_count=1,
+                             fmt=MemoryFormat.KV_2LTD, shapes=[shape], dtypes=[dtype])
+    return TensorMemoryObj(raw, meta, None)
+
+
+def test_chunk_bytes_of_a_typed_raw_tensor_is_still_a_view_and_a_strided_one_is_refused():
+    shape = torch.Size([2, LAYERS, 5, HEADS * HEAD_SIZE])
+    typed = torch.zeros(shape.numel(), dtype=torch.bfloat16)
+    obj = tensor_obj(typed, shape, torch.bfloat16)
+    assert over(chunk_bytes(obj), obj)
+    strided = torch.zeros(2 * shape.numel(), dtype=torch.bfloat16)[::2]
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        chunk_bytes(tensor_obj(strided, shape, torch.bfloat16))

@@ -112,8 +112,9 @@ def chunk_bytes(obj: MemoryObj) -> torch.Tensor:
     if raw is None:
         raise ValueError(f"a {type(obj).__name__} holds no tensor (invalidated, or not a tensor chunk); "
                          "the Strata plugin stores tensor chunks only")
-    try:
-        flat = raw.view(-1).view(torch.uint8)
-    except RuntimeError as err:  # a strided raw tensor: its bytes are not one run
-        raise ValueError(f"the MemoryObj's memory is not one contiguous run of bytes: {err}") from None
-    return flat[: obj.get_size()]
+    if raw.dtype != torch.uint8 or raw.dim() != 1:  # LMCache's allocators hand flat uint8 already
+        try:
+            raw = raw.view(-1).view(torch.uint8)
+        except RuntimeError as err:  # a strided raw tensor: its bytes are not one run
+            raise ValueError(f"the MemoryObj's memory is not one contiguous run of bytes: {err}") from None
+    return raw[: obj.get_size()]
