@@ -31,10 +31,10 @@ Those rows are host memory by vLLM's design, and no GPU memory reaches
 this tier. vLLM 0.33's secondary tiers run in the scheduler process and
 get only ``primary_kv_view``, a ``memoryview`` over the CPU primary tier's
 ``SharedOffloadRegion`` (an mmap of ``/dev/shm/vllm_offload_<engine>.mmap``);
-the GPU workers map the same region, register it as pinned memory, and
-copy KV blocks between their GPU cache and its rows themselves
-(``CPUOffloadingWorker``), before a store reaches this tier and after a
-load leaves it. So the client's device path is never taken here; the
+the GPU workers map the same region, register it as pinned memory where
+the platform allows, and copy KV blocks between their GPU cache and its
+rows themselves (``CPUOffloadingWorker``), before a store reaches this
+tier and after a load leaves it. So the client's device path is never taken here; the
 tier's part is to add no copy of its own between a row and the client.
 
 Failure. The scheduler thread never calls the daemon. A daemon that is
