@@ -6,6 +6,24 @@ The router computes the prompt's vLLM block keys itself
 hold the longest prefix of them, under a short deadline: the answer is worth
 less than the time a slow index would add to every request.
 
+The same prefix is held under two names, and both count:
+
+- what an engine holds itself (GPU, and its own CPU/disk offload), as its KV
+  events report it: the events' 8-byte form of each key, in the events'
+  namespace (``--namespace``), the engine's id as holder;
+- what the engine's node daemon holds through vLLM's Strata tier (host RAM,
+  disk): the tier's 32-byte keys, one per chunk (the hash of the chunk's last
+  block, as vLLM's offloading names a chunk), in the tier's namespace
+  (``--tier-namespace``, ``vllm/<model>@<layout>/g0``), the daemon's node id as
+  holder. The namespace carries the KV layout, so blocks another layout
+  wrote, which this engine could not load, are never credited.
+
+Both questions go to the daemon at once (two Score calls in flight, one
+deadline); a chunk counts as its blocks, at its tier's weight, and each id's
+credit is the better of its two answers. The index stores each block once, in
+its holder's own form: asking in two forms costs one more lookup per request,
+where storing a second form would cost a second row per block in Redis.
+
 When a Score fails (the daemon is down, refuses, or misses the deadline) the
 index counts as unavailable: :meth:`PrefixScorer.hits` returns None, and the
 router routes by load for ``retry_s`` without asking again, so a dead index
@@ -17,6 +35,7 @@ once; the failures in between are counted, and logged at most once per
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -39,9 +58,19 @@ LOG_EVERY_S = 30.0
 
 class PrefixScorer:
     def __init__(self, target: str, namespace: str, hasher: BlockHasher, metrics: RouterMetrics, *,
-                 timeout_s: float, retry_s: float, token_file: str = "") -> None:
+                 timeout_s: float, retry_s: float, token_file: str = "", tier_namespace: str = "",
+                 blocks_per_chunk: int = 1) -> None:
+        """``namespace``: the engines' KV-event namespace ("": not asked); ``tier_namespace``: the
+        namespace of their vLLM Strata tier's group 0 ("": not asked), whose chunks are
+        ``blocks_per_chunk`` blocks each."""
+        if not (namespace or tier_namespace):
+            raise ValueError("a prefix scorer needs the engines' event namespace, their tier namespace, or both")
+        if blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk is {blocks_per_chunk}; a chunk holds at least one block")
         self._target = target
         self._namespace = namespace
+        self._tier_namespace = tier_namespace
+        self._blocks_per_chunk = blocks_per_chunk
         self._hasher = hasher
         self._lora_hashers: dict[str, BlockHasher] = {}  # bounded by --lora-adapter's list
         self._metrics = metrics
@@ -65,7 +94,7 @@ class PrefixScorer:
         await self._channel.close()
 
     def keys(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> list[bytes]:
-        """The 8-byte event keys of the prompt's full blocks (at most the index's chain limit), hashed
+        """The 32-byte keys of the prompt's full blocks (at most the index's chain limit), hashed
         as vLLM hashes them for a request of this LoRA adapter (None: the base model) and cache salt."""
         hasher = self._hasher
         if lora_name:
@@ -73,25 +102,34 @@ class PrefixScorer:
             if hasher is None:
                 hasher = self._lora_hashers[lora_name] = dataclasses.replace(self._hasher, lora_name=lora_name)
         full = min(len(tokens) // hasher.block_size, MAX_CHAIN_BLOCKS) * hasher.block_size
-        return [event_key_bytes(h) for h in hasher.chain(list(tokens[:full]), cache_salt=cache_salt or None)]
+        return hasher.chain(list(tokens[:full]), cache_salt=cache_salt or None)
 
     def resting(self) -> bool:
         """True while the index failed lately and is not to be asked yet (the prompt need not be tokenized)."""
         return not self.available and time.monotonic() < self._down_until
 
-    async def hits(self, keys: list[bytes], ids: Sequence[str]) -> dict[str, float] | None:
-        """Per index id, its tier-weighted cached blocks of ``keys``; None while the index is unavailable."""
+    async def hits(self, chain: list[bytes], ids: Sequence[str]) -> dict[str, float] | None:
+        """Per index id, its tier-weighted cached blocks of ``chain`` (:meth:`keys`), the better of
+        what it holds as an engine and as a node daemon; None while the index is unavailable."""
         if self.resting():
             return None
-        request = index_pb2.ScoreRequest(namespace=self._namespace)
-        request.keys.keys.extend(keys)
-        request.candidates.extend(ids)
+        queries = []
+        if self._namespace:
+            queries.append(self._score(self._namespace, [event_key_bytes(h) for h in chain], ids, 1))
+        per_chunk = self._blocks_per_chunk
+        chunks = chain[per_chunk - 1 :: per_chunk]
+        if self._tier_namespace and chunks:
+            queries.append(self._score(self._tier_namespace, chunks, ids, per_chunk))
+        if not queries:
+            return {}
         start = time.perf_counter()
-        try:
-            response = await self._stub.Score(request, timeout=self._timeout)
-        except grpc.aio.AioRpcError as err:
+        answers = await asyncio.gather(*queries, return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
             self._metrics.index_latency.labels("error").observe(time.perf_counter() - start)
-            self._failed(err)
+            if not isinstance(failed, grpc.aio.AioRpcError):
+                raise failed
+            self._failed(failed)
             return None
         self._metrics.index_latency.labels("ok").observe(time.perf_counter() - start)
         if not self.available:
@@ -100,7 +138,18 @@ class PrefixScorer:
             self.available = True
             self._failures = 0
             self._metrics.index_available.set(1)
-        return {e.node_id: e.score for e in response.endpoints}
+        best: dict[str, float] = {}
+        for answer in answers:
+            for node_id, score in answer.items():
+                best[node_id] = max(score, best.get(node_id, 0.0))
+        return best
+
+    async def _score(self, namespace: str, keys: list[bytes], ids: Sequence[str], blocks_per_key: int) -> dict[str, float]:
+        """One Score call: per id, its weighted leading keys of ``keys`` as blocks of the prompt."""
+        request = index_pb2.ScoreRequest(namespace=namespace, candidates=ids)
+        request.keys.keys.extend(keys)
+        response = await self._stub.Score(request, timeout=self._timeout)
+        return {e.node_id: e.score * blocks_per_key for e in response.endpoints}
 
     def _failed(self, err: grpc.aio.AioRpcError) -> None:
         now = time.monotonic()

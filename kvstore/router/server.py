@@ -86,7 +86,8 @@ class Router:
                 self._tokenizer = await asyncio.to_thread(PromptTokenizer.from_dir, s.model_dir, s.max_prompt_tokens)
             hasher = BlockHasher(s.block_size, s.hash_seed)
             self._scorer = PrefixScorer(s.index, s.namespace, hasher, self.metrics, timeout_s=s.index_timeout_seconds,
-                                        retry_s=s.index_retry_seconds, token_file=s.index_token_file)
+                                        retry_s=s.index_retry_seconds, token_file=s.index_token_file,
+                                        tier_namespace=s.tier_namespace, blocks_per_chunk=s.tier_blocks_per_chunk)
         timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_seconds,
                                         sock_connect=s.connect_timeout_seconds, sock_read=s.upstream_timeout_seconds)
         connector = aiohttp.TCPConnector(limit=s.max_in_flight + 2 * len(self.endpoints), limit_per_host=0)
