@@ -174,11 +174,11 @@ class RouterSettings(Section):
         if not self.endpoints:
             raise ValueError(f"no endpoints: give --endpoint {ENDPOINT_SYNTAX} once per engine")
         if self.policy == "cache-aware":
-            missing = [f"--{n.replace('_', '-')}" for n in ("model_dir", "index", "hash_seed") if not getattr(self, n)]
-            if not (self.namespace or self.tier_namespace):
-                missing.append("--namespace (or --tier-namespace)")
+            missing = [f"--{n.replace('_', '-')}" for n in ("model_dir", "index", "namespace", "hash_seed")
+                       if not getattr(self, n) and not (n == "namespace" and self.tier_namespace)]
             if missing:
-                raise ValueError(f"policy cache-aware needs {', '.join(missing)} (or pick --policy least-loaded)")
+                raise ValueError(f"policy cache-aware needs {', '.join(missing)} (or pick --policy least-loaded; "
+                                 "--tier-namespace may stand in for --namespace)")
         if self.model_dir and not Path(self.model_dir).is_dir():
             raise ValueError(f"model_dir {self.model_dir} is not a directory: give the model's local directory")
         return self
