@@ -25,6 +25,8 @@ from test_router import completion, engines, fleet, model_dir, routers, seed, wo
 
 from conftest import wait_until  # noqa: E402
 from kvstore.client.sync import Client  # noqa: E402
+from kvstore.config.load import SettingsError  # noqa: E402
+from kvstore.config.router import load_router_settings  # noqa: E402
 from kvstore.index.keys import BlockHasher  # noqa: E402
 from kvstore.router.metrics import RouterMetrics  # noqa: E402
 from kvstore.router.scorer import PrefixScorer  # noqa: E402
@@ -137,3 +139,17 @@ def test_what_engines_hold_and_what_their_nodes_hold_are_weighed_by_tier(fleet, 
     assert completion(r, P_A) == "a"
     assert completion(r, P_B) == "b"
     assert r.decisions("cache_hit") == 2
+
+
+def test_the_tier_namespace_is_checked_at_start_and_may_stand_in_for_the_event_namespace(model_dir):
+    base = dict(endpoint=["http://10.0.0.5:8000=vllm-0,node-a"], model_dir=str(model_dir), index="127.0.0.1:50051",
+                hash_seed="0")
+    s = load_router_settings(environ={"STRATA_ROUTER_TIER_NAMESPACE": "vllm/acme/tiny-llm@0123456789abcdef/g0"},
+                             **base)
+    assert (s.namespace, s.tier_namespace, s.tier_blocks_per_chunk) == ("", "vllm/acme/tiny-llm@0123456789abcdef/g0", 1)
+    with pytest.raises(SettingsError, match="needs --namespace .*--tier-namespace may stand in"):
+        load_router_settings(environ={}, **base)
+    with pytest.raises(SettingsError, match="--tier-namespace.*characters outside"):
+        load_router_settings(environ={}, tier_namespace="vllm/acme tiny@0/g0", **base)
+    with pytest.raises(SettingsError, match="--tier-blocks-per-chunk"):
+        load_router_settings(environ={}, namespace=NS, tier_blocks_per_chunk="0", **base)
