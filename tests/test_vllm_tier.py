@@ -367,7 +367,7 @@ def test_chunks_the_tier_stored_credit_its_node_in_the_routers_score(make_daemon
         scorer = PrefixScorer(daemon.target, "", hasher, RouterMetrics(), timeout_s=5.0, retry_s=1.0,
                               tier_namespace=namespace)
         try:
-            return (await scorer.hits(chain, ["node-a"]))["node-a"]
+            return (await scorer.credits(chain, [["node-a"]]))[0]
         finally:
             await scorer.close()
 

@@ -19,13 +19,16 @@ The same prefix is held under two names, and both count:
   wrote, which this engine could not load, are never credited.
 
 Both questions go to the daemon at once (two Score calls in flight, one
-deadline); a chunk counts as its blocks, at its tier's weight, and each id's
-credit is the better of its two answers. The index stores each block once, in
-its holder's own form: asking in two forms costs one more lookup per request,
-where storing a second form would cost a second row per block in Redis.
+deadline); a chunk counts as its blocks, at its tier's weight. An endpoint is
+credited as vLLM would use what it finds: its engine's own prefix (the best
+of its ids in the events' answer), then, beyond it, the node daemon's blocks
+(the best of its ids in the tier's answer) at their tier's weight — or the
+node's prefix alone when that is worth more. The index stores each block once,
+in its holder's own form: asking in two forms costs one more lookup per
+request, where storing a second form would cost a second row per block in Redis.
 
 When a Score fails (the daemon is down, refuses, or misses the deadline) the
-index counts as unavailable: :meth:`PrefixScorer.hits` returns None, and the
+index counts as unavailable: :meth:`PrefixScorer.credits` returns None, and the
 router routes by load for ``retry_s`` without asking again, so a dead index
 costs one deadline per ``retry_s``, not one per request. The first Score that
 answers afterwards makes it available again. Both transitions are logged
@@ -39,7 +42,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -54,6 +58,28 @@ from kvstore.router.metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What one holder has of a prompt: its leading blocks, and their tier-weighted worth in blocks."""
+
+    blocks: int = 0
+    score: float = 0.0
+
+
+NOTHING = Held()
+
+
+def credit(engine: Held, node: Held) -> float:
+    """An endpoint's cached blocks, tier-weighted: the engine's prefix, then the node's blocks beyond it
+    (vLLM asks its offload tiers for what its own cache lacks), or the node's prefix alone if worth more."""
+    beyond = node.score * (node.blocks - engine.blocks) / node.blocks if node.blocks > engine.blocks else 0.0
+    return max(engine.score + beyond, node.score)
+
+
+def best(answer: Mapping[str, Held], ids: Sequence[str]) -> Held:
+    return max((answer.get(i, NOTHING) for i in ids), key=lambda h: (h.score, h.blocks), default=NOTHING)
 
 
 class PrefixScorer:
@@ -108,20 +134,23 @@ class PrefixScorer:
         """True while the index failed lately and is not to be asked yet (the prompt need not be tokenized)."""
         return not self.available and time.monotonic() < self._down_until
 
-    async def hits(self, chain: list[bytes], ids: Sequence[str]) -> dict[str, float] | None:
-        """Per index id, its tier-weighted cached blocks of ``chain`` (:meth:`keys`), the better of
-        what it holds as an engine and as a node daemon; None while the index is unavailable."""
+    async def credits(self, chain: list[bytes], endpoints: Sequence[Sequence[str]]) -> list[float] | None:
+        """Per endpoint (its index ids), its tier-weighted cached blocks of ``chain`` (:meth:`keys`),
+        engine and node together (:func:`credit`); None while the index is unavailable."""
         if self.resting():
             return None
-        queries = []
+        ids = sorted({i for e in endpoints for i in e})
+        roles, queries = [], []
         if self._namespace:
+            roles.append("engine")
             queries.append(self._score(self._namespace, [event_key_bytes(h) for h in chain], ids, 1))
         per_chunk = self._blocks_per_chunk
         chunks = chain[per_chunk - 1 :: per_chunk]
         if self._tier_namespace and chunks:
+            roles.append("node")
             queries.append(self._score(self._tier_namespace, chunks, ids, per_chunk))
-        if not queries:
-            return {}
+        if not ids or not queries:
+            return [0.0 for _ in endpoints]
         start = time.perf_counter()
         answers = await asyncio.gather(*queries, return_exceptions=True)
         failed = next((a for a in answers if isinstance(a, BaseException)), None)
@@ -138,18 +167,16 @@ class PrefixScorer:
             self.available = True
             self._failures = 0
             self._metrics.index_available.set(1)
-        best: dict[str, float] = {}
-        for answer in answers:
-            for node_id, score in answer.items():
-                best[node_id] = max(score, best.get(node_id, 0.0))
-        return best
+        by_role = dict(zip(roles, answers))
+        engines, nodes = by_role.get("engine", {}), by_role.get("node", {})
+        return [credit(best(engines, e), best(nodes, e)) for e in endpoints]
 
-    async def _score(self, namespace: str, keys: list[bytes], ids: Sequence[str], blocks_per_key: int) -> dict[str, float]:
-        """One Score call: per id, its weighted leading keys of ``keys`` as blocks of the prompt."""
+    async def _score(self, namespace: str, keys: list[bytes], ids: Sequence[str], blocks_per_key: int) -> dict[str, Held]:
+        """One Score call: per id, its leading keys of ``keys`` as blocks of the prompt, and their worth."""
         request = index_pb2.ScoreRequest(namespace=namespace, candidates=ids)
         request.keys.keys.extend(keys)
         response = await self._stub.Score(request, timeout=self._timeout)
-        return {e.node_id: e.score * blocks_per_key for e in response.endpoints}
+        return {e.node_id: Held(e.blocks * blocks_per_key, e.score * blocks_per_key) for e in response.endpoints}
 
     def _failed(self, err: grpc.aio.AioRpcError) -> None:
         now = time.monotonic()
