@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
 from kvstore.block import validate_namespace
-from kvstore.errors import InvalidNamespace
 from kvstore.config.load import SettingsError, read_config_file
 from kvstore.config.section import Section, SettingName, iter_settings, setting
+from kvstore.errors import InvalidNamespace
 
 ROUTER_ENV_PREFIX = "STRATA_ROUTER_"
 ENDPOINT_SYNTAX = "http://HOST:PORT[=ID[,ID...]]"
