@@ -407,3 +407,39 @@ def test_a_job_that_raises_still_reports_and_shutdown_answers_what_waits():
     threading.Timer(0.2, gate.set).start()
     runner.shutdown()
     assert sorted((r.job_id, r.success) for r in runner.finished()) == [(2, True), (3, False)]
+
+
+# ---- the router credits the node for what the tier stored ------------------------------------
+
+
+def test_chunks_the_tier_stored_credit_its_node_in_the_routers_score(make_daemon):
+    """A prompt hashed by the router (its tokens, the engines' block size and seed) names the chunks
+    vLLM's tiering stored through this tier: the router's scorer, asking the tier's namespace,
+    credits the daemon's node with every block at the host tier's weight."""
+    import asyncio
+
+    pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from kvstore.index.keys import BlockHasher
+    from kvstore.router.metrics import RouterMetrics
+    from kvstore.router.scorer import PrefixScorer
+
+    daemon = make_daemon(node_id="node-a")
+    hasher = BlockHasher(16, "0")  # the engine's tokens_per_block (tests/vllm_engine.py) and PYTHONHASHSEED
+    chain = hasher.chain(list(range(1, 4 * 16 + 1)))
+    with Engine([strata_entry(daemon.target, **FAST)]) as e:
+        chunks = chunk_bytes([make_offload_key(h, 0) for h in chain])
+        assert [block_key(k) for k in chunks] == [(0, h) for h in chain]
+        e.store(chunks)
+        namespace = e.tier.layout.namespace(0)
+
+    async def credit() -> float:
+        scorer = PrefixScorer(daemon.target, "", hasher, RouterMetrics(), timeout_s=5.0, retry_s=1.0,
+                              tier_namespace=namespace)
+        try:
+            return (await scorer.credits(chain, [["node-a"]]))[0]
+        finally:
+            await scorer.close()
+
+    wait_until(lambda: asyncio.run(credit()) == pytest.approx(4 * 0.8), what="the node credited with 4 host blocks")

@@ -16,8 +16,9 @@ Proxy /v1/completions and /v1/chat/completions (streaming byte for byte) to one 
 
 cache-aware score per healthy endpoint (the largest wins; ties: lower load, then round-robin):
     score = prefix_weight * hit - load_weight * load / max_load
-    hit      = the endpoint's cached blocks of the prompt (tier-weighted, best of its ids, from the
-               index's Score RPC) / the prompt's full blocks, 0..1
+    hit      = the endpoint's cached blocks of the prompt (tier-weighted, from the index's Score RPC)
+               / the prompt's full blocks, 0..1: what its engine holds (KV events, --namespace), then
+               beyond it what its node daemon holds through vLLM's Strata tier (--tier-namespace)
     load     = requests the router has outstanding at the endpoint + its scraped queue (--queue-metric)
     max_load = the largest load among the healthy endpoints (at least 1)
 When the index does not answer within --index-timeout-seconds the request goes least-loaded

@@ -22,8 +22,10 @@ from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
+from kvstore.block import validate_namespace
 from kvstore.config.load import SettingsError, read_config_file
 from kvstore.config.section import Section, SettingName, iter_settings, setting
+from kvstore.errors import InvalidNamespace
 
 ROUTER_ENV_PREFIX = "STRATA_ROUTER_"
 ENDPOINT_SYNTAX = "http://HOST:PORT[=ID[,ID...]]"
@@ -79,6 +81,15 @@ class RouterSettings(Section):
     )
     index: str = setting("", "a Strata daemon whose Score RPC answers for the prefix index, host:port. Needed by cache-aware")
     namespace: str = setting("", "the index namespace the engines' blocks are published under (the --kv-events namespace)")
+    tier_namespace: str = setting(
+        "", "the namespace the engines' vLLM Strata tier stores KV-cache group 0 under, vllm/<model>@<layout>/g0 "
+        "(the tier logs it at start): blocks the endpoints' node daemons hold there count for them, at the tier "
+        "they are in; empty: only what the engines themselves hold (--namespace) counts"
+    )
+    tier_blocks_per_chunk: int = setting(
+        1, "the engines' offload chunk in blocks (vLLM's blocks_per_chunk): a chunk is keyed by its last block's hash",
+        ge=1, le=1024,
+    )
     index_token_file: str = setting("", "bearer token file for a daemon with authentication; empty: none")
     block_size: int = setting(16, "tokens per KV block, the engines' --block-size", ge=1, le=4096)
     hash_seed: str = setting(
@@ -140,6 +151,16 @@ class RouterSettings(Section):
             raise ValueError(f"endpoint {dup} is given twice")
         return value
 
+    @field_validator("namespace", "tier_namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if value:
+            try:
+                validate_namespace(value)
+            except InvalidNamespace as err:
+                raise ValueError(str(err)) from None
+        return value
+
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
@@ -154,9 +175,10 @@ class RouterSettings(Section):
             raise ValueError(f"no endpoints: give --endpoint {ENDPOINT_SYNTAX} once per engine")
         if self.policy == "cache-aware":
             missing = [f"--{n.replace('_', '-')}" for n in ("model_dir", "index", "namespace", "hash_seed")
-                       if not getattr(self, n)]
+                       if not getattr(self, n) and not (n == "namespace" and self.tier_namespace)]
             if missing:
-                raise ValueError(f"policy cache-aware needs {', '.join(missing)} (or pick --policy least-loaded)")
+                raise ValueError(f"policy cache-aware needs {', '.join(missing)} (or pick --policy least-loaded; "
+                                 "--tier-namespace may stand in for --namespace)")
         if self.model_dir and not Path(self.model_dir).is_dir():
             raise ValueError(f"model_dir {self.model_dir} is not a directory: give the model's local directory")
         return self

@@ -86,7 +86,8 @@ class Router:
                 self._tokenizer = await asyncio.to_thread(PromptTokenizer.from_dir, s.model_dir, s.max_prompt_tokens)
             hasher = BlockHasher(s.block_size, s.hash_seed)
             self._scorer = PrefixScorer(s.index, s.namespace, hasher, self.metrics, timeout_s=s.index_timeout_seconds,
-                                        retry_s=s.index_retry_seconds, token_file=s.index_token_file)
+                                        retry_s=s.index_retry_seconds, token_file=s.index_token_file,
+                                        tier_namespace=s.tier_namespace, blocks_per_chunk=s.tier_blocks_per_chunk)
         timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_seconds,
                                         sock_connect=s.connect_timeout_seconds, sock_read=s.upstream_timeout_seconds)
         connector = aiohttp.TCPConnector(limit=s.max_in_flight + 2 * len(self.endpoints), limit_per_host=0)
@@ -192,13 +193,12 @@ class Router:
         keys = hash_keys() if len(tokens) <= OFF_LOOP_TOKENS else await asyncio.to_thread(hash_keys)
         if not keys:  # shorter than one block: nothing can be cached
             return {}
-        ids = sorted({i for e in self.endpoints for i in e.ids})
-        if not ids:
+        if not any(e.ids for e in self.endpoints):
             return {}
-        by_id = await self._scorer.hits(keys, ids)
-        if by_id is None:
+        credits = await self._scorer.credits(keys, [e.ids for e in self.endpoints])
+        if credits is None:
             return None
-        return {e: min(1.0, max((by_id.get(i, 0.0) for i in e.ids), default=0.0) / len(keys)) for e in self.endpoints}
+        return {e: min(1.0, c / len(keys)) for e, c in zip(self.endpoints, credits)}
 
     def _healthy(self, exclude: set[Endpoint] = frozenset()) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy and e not in exclude]
