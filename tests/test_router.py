@@ -141,11 +141,11 @@ def test_least_loaded_avoids_outstanding_requests_and_the_scraped_queue(engines,
     assert r.decisions("load") == 5
 
 
-def test_cache_aware_follows_the_cached_prefix_and_weighs_load(fleet, model_dir, routers):
+def test_weighted_score_follows_the_cached_prefix_and_weighs_load(fleet, model_dir, routers):
     daemon, a, b = fleet
     seed(daemon, a, P_A, model_dir)
     seed(daemon, b, P_B, model_dir)
-    r = routers(**cache_aware(fleet, model_dir))
+    r = routers(**cache_aware(fleet, model_dir, cache_aware_score="weighted"))
     # The whole cached prefix and more: the holder wins.
     assert completion(r, P_A + " w400 w401") == "a"
     assert completion(r, P_B + " w402") == "b"
