@@ -46,7 +46,7 @@ from kvstore.router.endpoint import Endpoint
 KILO = 1000.0  # tokens are fitted in thousands: the normal equations stay well conditioned
 HUBER_K = 3.0  # a residual beyond HUBER_K x the mean absolute residual is down-weighted
 SCALE_RATE = 0.05  # how fast the mean absolute residual follows the samples
-PRIOR_SAMPLES = 2.0  # the ridge toward the priors weighs as much as this many samples
+PRIOR_SAMPLES = 0.1  # the ridge toward the priors weighs as much as this many samples
 # (low, high) of overhead (s), per token (s/token), per request ahead (s): 100 ns/token is a
 # GPU far faster than any today, 100 ms/token a CPU far slower; a cached token is never free.
 BOUNDS = ((0.0, 60.0), (1e-7, 0.1), (0.0, 600.0))
