@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.router.endpoint import Endpoint
 
@@ -146,7 +146,7 @@ class Ticket:
     uncached: float | None  # its prefill tokens at that endpoint; None when unknown (no index answer)
     tokens: float = 0.0  # the fit's features when it was sent: uncached + backlog ahead
     ahead: float = 0.0
-    prefilling: bool = field(default=True)
+    prefilling: bool = True
 
 
 class TtftModel:
