@@ -179,6 +179,8 @@ def test_the_scraped_queue_counts_as_requests_ahead():
     assert p.pick([a, b], {a: 1.0, b: 0.0}, prompt).endpoint is a
     a.queue_depth = 2  # another router's requests waiting there: 2 x 0.9 s > 2192 x 7.5e-4 s
     assert p.pick([a, b], {a: 1.0, b: 0.0}, prompt).endpoint is b
+    a.in_flight = 2  # the router's own two, which the scraped queue already shows: two ahead, not four
+    assert p.model.ahead(a) == 2 and a.load == 4
 
 
 def test_ties_go_to_the_more_cached_then_the_less_loaded_then_in_turn():

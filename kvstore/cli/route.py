@@ -16,10 +16,12 @@ Proxy /v1/completions and /v1/chat/completions (streaming byte for byte) to one 
 
 cache-aware (default --cache-aware-score estimated-ttft) sends each request where its estimated time
 to first token is smallest (ties: more cached, then lower load, then round-robin):
-    ttft     = overhead + per_token * (uncached + backlog) + per_request * load
+    ttft     = overhead + per_token * (uncached + backlog) + per_request * ahead
     uncached = the prompt's tokens the endpoint does not hold (the index's Score RPC, best of its ids)
     backlog  = uncached prefill tokens the router sent there whose first byte has not come back
-    load     = requests the router has outstanding at the endpoint + its scraped queue (--queue-metric)
+    ahead    = requests the router has outstanding at the endpoint, or its scraped queue
+               (--queue-metric) where that is longer
+    load     = the router's outstanding requests + the scraped queue (least-loaded's measure)
 The three costs start at their priors (--ttft-overhead-seconds, --ttft-prefill-seconds-per-token,
 --ttft-seconds-per-request-ahead) and after --ttft-min-samples streamed requests are fitted from each
 stream's measured TTFT (exponentially weighted least squares over about --ttft-window requests,

@@ -4,9 +4,9 @@
     least-loaded   the smallest load (outstanding + scraped queue)            reason load
     cache-aware    the smallest estimated time to first token (``--cache-aware-score estimated-ttft``,
                    the default; :mod:`kvstore.router.ttft`):
-                       overhead + per_token * (uncached + backlog) + per_request * load
+                       overhead + per_token * (uncached + backlog) + per_request * ahead
                    uncached: the prompt's tokens the endpoint does not hold; backlog: the uncached
-                   prefill the router sent there whose first byte has not come back; load: requests
+                   prefill the router sent there whose first byte has not come back; ahead: requests
                    ahead there. Ties: more cached tokens, then the smaller load, then round-robin.
                    Or the largest ``prefix_weight * hit - load_weight * load / max_load``
                    (``--cache-aware-score weighted``; hit: the cached fraction of the prompt's full

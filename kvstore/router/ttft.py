@@ -5,8 +5,8 @@
     uncached(e)  the prompt's tokens the endpoint does not hold (prompt - its cached prefix, from the index)
     backlog(e)   the uncached prefill tokens of the requests the router sent to e whose first byte has not
                  come back yet: prefill queued or running ahead of this one
-    ahead(e)     the requests in front of this one there: the router's outstanding ones plus the engine's
-                 scraped queue (the endpoint's ``load``)
+    ahead(e)     the requests in front of this one there: the router's outstanding ones, or the engine's
+                 scraped queue where that is longer (other routers' requests waiting there)
 
 A request waits for the work queued ahead of it and then for the prefill of
 its own uncached tokens; that is what the three terms price, in seconds, so
@@ -29,6 +29,11 @@ times the running mean absolute residual), and every coefficient is clamped
 to ``BOUNDS``, so no sequence of observations can make the estimate negative
 or absurd. Non-streamed responses give no sample: their first byte comes
 after the whole generation.
+
+``ahead`` is the larger of the two counts, not their sum (the endpoint's
+``load``, which least-loaded uses): behind one router the engine's queue is
+made of the router's own outstanding requests, and adding them would count
+each waiting request twice.
 
 One fit serves every endpoint: the engines behind one router serve one
 model, usually on the same hardware, and a shared fit learns from all
@@ -159,13 +164,17 @@ class TtftModel:
     def backlog(self, e: Endpoint) -> float:
         return self._backlog.get(e, 0.0)
 
+    @staticmethod
+    def ahead(e: Endpoint) -> float:
+        return max(float(e.in_flight), e.queue_depth)
+
     def estimate(self, e: Endpoint, uncached: float) -> float:
-        return self.fit.estimate(uncached + self.backlog(e), e.load)
+        return self.fit.estimate(uncached + self.backlog(e), self.ahead(e))
 
     def sent(self, e: Endpoint, uncached: float | None) -> Ticket:
         """Before the request goes to ``e`` (before ``e.in_flight`` counts it)."""
         known = uncached is not None
-        ticket = Ticket(e, uncached, tokens=(uncached or 0.0) + self.backlog(e), ahead=e.load)
+        ticket = Ticket(e, uncached, tokens=(uncached or 0.0) + self.backlog(e), ahead=self.ahead(e))
         if known:
             self._backlog[e] = self.backlog(e) + uncached
         return ticket
