@@ -125,7 +125,8 @@ class RouterSettings(Section):
         "(its decode, when the engine serves one request at a time; near 0 for a batching engine)", ge=0, le=600,
     )
     ttft_min_samples: int = setting(
-        20, "streamed requests measured before the fitted costs replace the priors", ge=1, le=1 << 20
+        10, "streamed requests measured before the fitted costs replace the priors (a ridge keeps what they do "
+        "not show, e.g. requests ahead when none ever queued, at its prior)", ge=1, le=1 << 20
     )
     ttft_window: int = setting(
         256, "the estimate follows about this many recent requests (exponential weights: a sample's weight halves "

@@ -78,7 +78,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 class TtftFit:
     """``ttft ≈ overhead + per_token * tokens + per_request * ahead``, fitted online and bounded."""
 
-    def __init__(self, prior: Sequence[float], *, min_samples: int = 20, window: int = 256) -> None:
+    def __init__(self, prior: Sequence[float], *, min_samples: int = 10, window: int = 256) -> None:
         if len(prior) != 3:
             raise ValueError("prior: (overhead_seconds, seconds_per_token, seconds_per_request_ahead)")
         self.prior = tuple(self._clamp(prior))
