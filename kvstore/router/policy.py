@@ -22,9 +22,9 @@ seconds, and the estimate adds them. The weighted sum (the shape of llm-d's
 first endpoint picker: a prefix scorer and a load scorer, each normalized to
 0..1) adds a fraction of cached blocks to a fraction of the busiest queue,
 so its answer depends on the weights rather than on the prompt: with the
-defaults a full hit wins at any queue length (one request ahead of a
-100-token suffix, or ten ahead of a 50-token one, look the same), and a
-quarter of a 4,000-token prefix loses to the smallest queue even where the
+defaults a full hit wins however long the queue in front of it (the
+busiest endpoint's penalty is 1 whether one request or ten are ahead), and
+a quarter of a 4,000-token prefix loses to an idle endpoint even where the
 queue is one short decode and the 1,000 cached tokens a second of prefill.
 Which trade is right depends on how long a token of prefill and a request
 ahead take on these engines, and the estimate learns both from the
@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.router.endpoint import Endpoint
-from kvstore.router.ttft import TtftFit, TtftModel
+from kvstore.router.ttft import PRIOR, TtftFit, TtftModel
 
 SCORES = ("estimated-ttft", "weighted")
 
@@ -108,7 +108,7 @@ class CacheAware(LeastLoaded):
         self.score_kind = score
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
-        self.model = TtftModel(fit if fit is not None else TtftFit((0.02, 1e-4, 0.05)))
+        self.model = TtftModel(fit if fit is not None else TtftFit(PRIOR))
 
     def score(self, e: Endpoint, hit: float, max_load: float) -> float:
         return self.prefix_weight * hit - self.load_weight * e.load / max_load
@@ -118,7 +118,7 @@ class CacheAware(LeastLoaded):
         if hits is None:
             chosen = super().pick(endpoints, None).endpoint
             return Decision(chosen, "fallback_index_down")
-        if self.score_kind == "weighted" or prompt is None:
+        if self.score_kind == "weighted" or prompt is None:  # no prompt size: nothing to estimate with
             return self._weighted(endpoints, hits, prompt)
         return self._estimated(endpoints, hits, prompt)
 

@@ -55,7 +55,8 @@ PRIOR_SAMPLES = 0.1  # the ridge toward the priors weighs as much as this many s
 # (low, high) of overhead (s), per token (s/token), per request ahead (s): 100 ns/token is a
 # GPU far faster than any today, 100 ms/token a CPU far slower; a cached token is never free.
 BOUNDS = ((0.0, 60.0), (1e-7, 0.1), (0.0, 600.0))
-NAMES = ("overhead_seconds", "seconds_per_token", "seconds_per_request_ahead")
+# The settings' default priors: 20 ms, 100 us per token (an 8B model on one current GPU), 50 ms per request ahead.
+PRIOR = (0.02, 1e-4, 0.05)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
