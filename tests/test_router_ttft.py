@@ -224,3 +224,12 @@ def test_a_prompt_shorter_than_a_block_is_all_uncached_everywhere():
     p = policy(CPU)
     d = p.pick([a, b], {}, PromptSize(3, 0))
     assert (d.endpoint, d.reason, d.uncached) == (b, "load", 3)
+
+
+def test_the_settings_defaults_are_the_estimates_priors():
+    from kvstore.config.router import load_router_settings
+    from kvstore.router.ttft import PRIOR
+
+    s = load_router_settings(environ={}, endpoint=["http://127.0.0.1:1"], policy="round-robin")
+    assert (s.ttft_overhead_seconds, s.ttft_prefill_seconds_per_token, s.ttft_seconds_per_request_ahead) == PRIOR
+    assert s.cache_aware_score == "estimated-ttft" and s.ttft_min_samples == TtftFit(PRIOR).min_samples
