@@ -141,11 +141,11 @@ def test_least_loaded_avoids_outstanding_requests_and_the_scraped_queue(engines,
     assert r.decisions("load") == 5
 
 
-def test_cache_aware_follows_the_cached_prefix_and_weighs_load(fleet, model_dir, routers):
+def test_weighted_score_follows_the_cached_prefix_and_weighs_load(fleet, model_dir, routers):
     daemon, a, b = fleet
     seed(daemon, a, P_A, model_dir)
     seed(daemon, b, P_B, model_dir)
-    r = routers(**cache_aware(fleet, model_dir))
+    r = routers(**cache_aware(fleet, model_dir, cache_aware_score="weighted"))
     # The whole cached prefix and more: the holder wins.
     assert completion(r, P_A + " w400 w401") == "a"
     assert completion(r, P_B + " w402") == "b"
@@ -164,6 +164,46 @@ def test_cache_aware_follows_the_cached_prefix_and_weighs_load(fleet, model_dir,
         a.admin("release", tag="h0")
         a.admin("release", tag="h1")
         assert [h.result(timeout=30) for h in held] == ["a", "a"]
+
+
+def test_cache_aware_sends_a_request_where_its_estimated_ttft_is_smallest(fleet, model_dir, routers):
+    """The estimate's priors fixed (no sample ever replaces them): 0.1 s per uncached token, 0.05 s per
+    request ahead, 0.02 s overhead. Picks the weighted score gets the other way round, both ways."""
+    daemon, a, b = fleet
+    seed(daemon, a, P_A, model_dir)
+    r = routers(**cache_aware(fleet, model_dir, ttft_prefill_seconds_per_token=0.1, ttft_seconds_per_request_ahead=0.05,
+                              ttft_overhead_seconds=0.02, ttft_min_samples=1 << 20, health_interval_seconds=0.2))
+    assert r.metric("strata_router_ttft_model_prefill_seconds_per_token") == 0.1
+    assert r.metric("strata_router_ttft_model_seconds_per_request_ahead") == 0.05
+    in_flight_at_a = lambda n: lambda: r.metric("strata_router_endpoint_in_flight_requests", endpoint="0") == n
+    with ThreadPoolExecutor(2) as pool:
+        # P_A whole at a: nothing to prefill there (0.02 s) against 16 tokens at b (1.62 s).
+        held = [pool.submit(completion, r, P_A, x_hold="h0")]
+        wait_for(in_flight_at_a(1), "one request held at a")
+        # A quarter cached at busy a: 0.02 + 0.1 x 12 + 0.05 x 1 = 1.27 s against 1.62 s at idle b.
+        # (Weighted: 2 x 0.25 - 1 = -0.5 against 0 at b.)
+        assert completion(r, words(1, 4) + " " + words(300, 12)) == "a"
+        assert r.decisions("cache_hit") == 2
+        # 24 tokens past P_A: 0.02 + 0.1 x 24 + 0.05 = 2.47 s at a against 4.02 s at b.
+        held.append(pool.submit(completion, r, P_A + " " + words(400, 24), x_hold="h1"))
+        wait_for(in_flight_at_a(2), "two requests held at a")
+        assert r.metric("strata_router_endpoint_backlog_prefill_tokens", endpoint="0") == 24
+        # All of P_A cached at a, behind 24 tokens of prefill and two requests:
+        # 0.02 + 0.1 x (1 + 24) + 0.05 x 2 = 2.62 s against 0.02 + 0.1 x 17 = 1.72 s at idle b.
+        # (Weighted: 2 x 1 - 1 = 1 against 0 at b: a.)
+        assert completion(r, P_A + " w403") == "b"
+        assert r.decisions("cache_bypassed") == 1
+        a.admin("release", tag="h0")
+        a.admin("release", tag="h1")
+        assert [h.result(timeout=30) for h in held] == ["a", "a"]
+    wait_for(in_flight_at_a(0), "a's requests answered")
+    assert r.metric("strata_router_endpoint_backlog_prefill_tokens", endpoint="0") == 0
+    assert completion(r, P_A + " w403", stream=True) == "a"  # a idle again: its cache decides
+    samples = sum(r.metric("strata_router_ttft_model_samples_total", kind=k) for k in ("fit", "outlier"))
+    assert samples == 1  # the stream's TTFT; the others were not streamed
+    a.admin("health", status=503)  # out of rotation: never picked, whatever it holds
+    wait_for(lambda: r.metric("strata_router_endpoint_healthy", endpoint="0") == 0, "a out of rotation")
+    assert [completion(r, P_A + " w403") for _ in range(2)] == ["b", "b"]
 
 
 def test_index_down_falls_back_to_least_loaded_and_recovers(fleet, model_dir, routers):

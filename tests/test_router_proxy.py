@@ -209,6 +209,8 @@ def test_help_explains_every_flag():
     for s in ROUTER_SETTINGS:
         assert s.option in out and router_env(s) in out, s.option
     assert "score = prefix_weight * hit - load_weight * load / max_load" in out
+    assert "ttft     = overhead + per_token * (uncached + backlog) + per_request * ahead" in out
+    assert "--cache-aware-score {estimated-ttft,weighted}" in out
 
 
 def test_strata_route_serves_and_stops_on_sigterm(tmp_path, engines):

@@ -14,7 +14,19 @@ import typing
 DESCRIPTION = """\
 Proxy /v1/completions and /v1/chat/completions (streaming byte for byte) to one of several engines.
 
-cache-aware score per healthy endpoint (the largest wins; ties: lower load, then round-robin):
+cache-aware (default --cache-aware-score estimated-ttft) sends each request where its estimated time
+to first token is smallest (ties: more cached, then lower load, then round-robin):
+    ttft     = overhead + per_token * (uncached + backlog) + per_request * ahead
+    uncached = the prompt's tokens the endpoint does not hold (the index's Score RPC, best of its ids)
+    backlog  = uncached prefill tokens the router sent there whose first byte has not come back
+    ahead    = requests the router has outstanding at the endpoint, or its scraped queue
+               (--queue-metric) where that is longer
+    load     = the router's outstanding requests + the scraped queue (least-loaded's measure)
+The three costs start at their priors (--ttft-overhead-seconds, --ttft-prefill-seconds-per-token,
+--ttft-seconds-per-request-ahead) and after --ttft-min-samples streamed requests are fitted from each
+stream's measured TTFT (exponentially weighted least squares over about --ttft-window requests,
+outliers down-weighted, bounded); metrics strata_router_ttft_model_*.
+--cache-aware-score weighted picks the largest weighted sum instead (ties: lower load, then round-robin):
     score = prefix_weight * hit - load_weight * load / max_load
     hit      = the endpoint's cached blocks of the prompt (tier-weighted, from the index's Score RPC)
                / the prompt's full blocks, 0..1: what its engine holds (KV events, --namespace), then

@@ -73,7 +73,13 @@ class RouterSettings(Section):
     )
     policy: Literal["round-robin", "least-loaded", "cache-aware"] = setting(
         "cache-aware", "how to pick an endpoint: round-robin, least-loaded (fewest requests outstanding, plus "
-        "the scraped queue), cache-aware (prefix_weight x cached fraction - load_weight x relative load)"
+        "the scraped queue), cache-aware (by the prompt's cached prefix and the load: see --cache-aware-score)"
+    )
+    cache_aware_score: Literal["estimated-ttft", "weighted"] = setting(
+        "estimated-ttft", "what cache-aware minimizes or maximizes: estimated-ttft, the smallest estimated time to "
+        "first token (queued prefill and requests ahead + this prompt's uncached tokens, in seconds, costs "
+        "learned from measured TTFT); weighted, the largest prefix_weight x cached fraction - load_weight x "
+        "relative load (--prefix-weight, --load-weight)"
     )
     model_dir: str = setting(
         "", "local directory of the model's tokenizer (tokenizer.json, tokenizer_config.json, chat template); "
@@ -108,9 +114,34 @@ class RouterSettings(Section):
         1.0, "after the index failed, route least-loaded without asking it for this long, then ask again",
         gt=0, le=600,
     )
-    prefix_weight: float = setting(2.0, "weight of the cached-prefix fraction (0..1) in the cache-aware score", ge=0, le=1000)
+    prefix_weight: float = setting(
+        2.0, "weight of the cached-prefix fraction (0..1) in the weighted score (--cache-aware-score weighted)",
+        ge=0, le=1000,
+    )
     load_weight: float = setting(
-        1.0, "weight of the load penalty (an endpoint's load / the busiest endpoint's load, 0..1)", ge=0, le=1000
+        1.0, "weight of the load penalty (an endpoint's load / the busiest endpoint's load, 0..1) in the weighted "
+        "score (--cache-aware-score weighted)", ge=0, le=1000
+    )
+    ttft_prefill_seconds_per_token: float = setting(
+        1e-4, "prior of the estimated TTFT: prefill seconds per uncached prompt token (1e-4: an 8B model on one "
+        "current GPU), used until --ttft-min-samples streamed requests were measured, then fitted from them",
+        ge=1e-7, le=0.1,
+    )
+    ttft_overhead_seconds: float = setting(
+        0.02, "prior of the estimated TTFT: seconds of a request with nothing to prefill and nothing ahead "
+        "(routing, scheduling, the first decode step)", ge=0, le=60,
+    )
+    ttft_seconds_per_request_ahead: float = setting(
+        0.05, "prior of the estimated TTFT: seconds each request ahead at an endpoint adds beyond its prefill "
+        "(its decode, when the engine serves one request at a time; near 0 for a batching engine)", ge=0, le=600,
+    )
+    ttft_min_samples: int = setting(
+        10, "streamed requests measured before the fitted costs replace the priors (a ridge keeps what they do "
+        "not show, e.g. requests ahead when none ever queued, at its prior)", ge=1, le=1 << 20
+    )
+    ttft_window: int = setting(
+        256, "the estimate follows about this many recent requests (exponential weights: a sample's weight halves "
+        "every 0.69 x window samples)", ge=2, le=1 << 20,
     )
     max_in_flight: int = setting(
         256, "requests the router has outstanding at once; beyond: 429 with Retry-After", ge=1, le=1 << 16

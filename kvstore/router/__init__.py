@@ -3,6 +3,7 @@
     settings  kvstore.config.router   RouterSettings, load_router_settings (flags, STRATA_ROUTER_*, [router])
     server    Router                  the HTTP front: admission, limits, the request's way, /health, /metrics
     policy    POLICIES                round-robin, least-loaded, cache-aware: which endpoint, and why
+    ttft      TtftModel, TtftFit      cache-aware's estimated TTFT per endpoint, its costs fitted from measured TTFT
     scorer    PrefixScorer            block keys of the prompt, the index's Score RPC under a deadline
     prompt    PromptTokenizer         the prompt's token ids from the model's local tokenizer
     health    HealthChecker           GET /health per interval, the engine's queue from its /metrics

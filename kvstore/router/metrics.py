@@ -2,8 +2,14 @@
 
 Labels are bounded: ``endpoint`` is the endpoint's position in --endpoint
 order (at most MAX_ENDPOINTS; ``strata_router_endpoint_info`` maps it to
-the URL), ``policy`` one of three, ``reason`` and ``outcome`` small fixed
-sets, ``code`` the HTTP status class.
+the URL), ``policy`` one of three, ``reason``, ``outcome`` and ``kind``
+small fixed sets, ``code`` the HTTP status class.
+
+The cache-aware policy's TTFT estimate (:mod:`kvstore.router.ttft`) is
+exported as its three coefficients in use (the priors until enough samples),
+the samples it learned from, its mean absolute error, and each endpoint's
+backlog of prefill tokens: enough to see what the router believes a token of
+prefill and a request ahead cost, and how far off it is.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 INDEX_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 
 # Why an endpoint was picked.
-REASONS = ("cache_hit", "load", "round_robin", "fallback_index_down", "retry")
+REASONS = ("cache_hit", "cache_bypassed", "load", "round_robin", "fallback_index_down", "retry")
 
 
 class RouterMetrics:
@@ -57,6 +63,30 @@ class RouterMetrics:
         self.prefix_blocks = Histogram(
             "strata_router_prefix_hit_ratio", "Cached fraction of the prompt's blocks at the chosen endpoint",
             buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.ttft_overhead = Gauge(
+            "strata_router_ttft_model_overhead_seconds",
+            "Estimated TTFT of a request with nothing to prefill and nothing ahead (the fit's intercept)", registry=r)
+        self.ttft_per_token = Gauge(
+            "strata_router_ttft_model_prefill_seconds_per_token",
+            "Estimated prefill time of one uncached prompt token (queued ahead or the request's own)", registry=r)
+        self.ttft_per_request = Gauge(
+            "strata_router_ttft_model_seconds_per_request_ahead",
+            "Estimated wait per request ahead at an endpoint beyond its prefill (its decode on a one-slot engine)",
+            registry=r)
+        self.ttft_samples = Counter(
+            "strata_router_ttft_model_samples_total",
+            "Streamed requests' measured TTFT the estimate learned from; kind outlier: down-weighted (far off the fit)",
+            ["kind"], registry=r)
+        self.ttft_error = Gauge(
+            "strata_router_ttft_model_mean_abs_error_seconds",
+            "Running mean of |measured - estimated| TTFT over recent samples (each residual capped as an outlier's)",
+            registry=r)
+        self.endpoint_backlog = Gauge(
+            "strata_router_endpoint_backlog_prefill_tokens",
+            "Uncached prompt tokens the router sent to the endpoint whose first byte has not come back", ["endpoint"],
+            registry=r)
+        for kind in ("fit", "outlier"):
+            self.ttft_samples.labels(kind)
         for reason in REASONS:
             for policy in ("round-robin", "least-loaded", "cache-aware"):
                 self.decisions.labels(policy, reason)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -72,9 +73,11 @@ class Upstream:
             raise UpstreamUnreachable(f"endpoint {e.label} closed the connection before answering: {err}") from None
 
     async def relay(self, request: web.Request, e: Endpoint, upstream: aiohttp.ClientResponse, started: float,
-                    stream: bool) -> tuple[web.StreamResponse, str | None]:
+                    stream: bool, first_byte: Callable[[float], None] | None = None,
+                    ) -> tuple[web.StreamResponse, str | None]:
         """Copy ``upstream``'s response to the client as it arrives; with it, how the engine broke off
-        ("disconnect", "timeout"), or None when the body came whole."""
+        ("disconnect", "timeout"), or None when the body came whole. ``first_byte`` is called with the
+        time to the body's first byte when it arrives."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                       headers=forwarded_headers(upstream.headers))
         chunked = "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
@@ -85,8 +88,10 @@ class Upstream:
         try:
             async for chunk in upstream.content.iter_chunked(CHUNK_BYTES):
                 if first:
-                    self._metrics.ttft.labels(e.label, self._policy, str(stream).lower()).observe(
-                        time.perf_counter() - started)
+                    ttft = time.perf_counter() - started
+                    self._metrics.ttft.labels(e.label, self._policy, str(stream).lower()).observe(ttft)
+                    if first_byte is not None:
+                        first_byte(ttft)
                     first = False
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:

@@ -38,10 +38,11 @@ from kvstore.router.endpoint import Endpoint
 from kvstore.router.errors import BadRequest, BodyTooLarge, NoEndpoint, RequestRefused, TooManyRequests, UpstreamUnreachable
 from kvstore.router.health import HealthChecker
 from kvstore.router.metrics import RouterMetrics
-from kvstore.router.policy import CacheAware, Decision, make_policy
+from kvstore.router.policy import CacheAware, Decision, PromptSize, make_policy
 from kvstore.router.prompt import PromptTokenizer, chat_messages, completion_prompt
 from kvstore.router.proxy import EndpointRefused, Upstream
 from kvstore.router.scorer import PrefixScorer
+from kvstore.router.ttft import Ticket, TtftFit
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,11 @@ class Router:
         self._lora_adapters = frozenset(settings.lora_adapters)
         self.metrics = RouterMetrics()
         self.endpoints = [Endpoint(i, url, ids) for i, (url, ids) in enumerate(settings.endpoint_specs())]
-        self.policy = make_policy(settings.policy, prefix_weight=settings.prefix_weight, load_weight=settings.load_weight)
+        s = settings
+        fit = TtftFit((s.ttft_overhead_seconds, s.ttft_prefill_seconds_per_token, s.ttft_seconds_per_request_ahead),
+                      min_samples=s.ttft_min_samples, window=s.ttft_window)
+        self.policy = make_policy(s.policy, score=s.cache_aware_score, prefix_weight=s.prefix_weight,
+                                  load_weight=s.load_weight, fit=fit)
         self._tokenizer = tokenizer
         self._in_flight = 0
         self._runner: web.AppRunner | None = None
@@ -74,6 +79,8 @@ class Router:
             self.metrics.endpoint_info.labels(e.label, e.url, ",".join(e.ids)).set(1)
             self.metrics.endpoint_healthy.labels(e.label).set(1)
             self.metrics.endpoint_in_flight.labels(e.label).set(0)
+        if self.policy.model is not None:
+            self._export_fit()
 
     @property
     def url(self) -> str:
@@ -180,25 +187,27 @@ class Router:
             chat_messages(body)
         return body
 
-    async def _hits(self, api: str, body: dict[str, Any]) -> dict[Endpoint, float] | None:
-        """Each endpoint's cached fraction of the prompt (0..1); None when the index did not answer."""
+    async def _hits(self, api: str, body: dict[str, Any]) -> tuple[dict[Endpoint, float] | None, PromptSize | None]:
+        """Each endpoint's cached fraction of the prompt (0..1), None when the index did not answer; with
+        it the prompt's size (None when it was not tokenized)."""
         assert self._scorer is not None and self._tokenizer is not None
         if self._scorer.resting():
-            return None
+            return None, None
         tokens = await self._tokenizer.tokens(api, body)
         # Hashing is a SHA-256 per block: a long prompt's chain is hashed off the event loop.
         lora = body.get("model") if body.get("model") in self._lora_adapters else None
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         hash_keys = functools.partial(self._scorer.keys, tokens, lora_name=lora, cache_salt=salt)
         keys = hash_keys() if len(tokens) <= OFF_LOOP_TOKENS else await asyncio.to_thread(hash_keys)
+        prompt = PromptSize(len(tokens), len(keys) * self.settings.block_size)
         if not keys:  # shorter than one block: nothing can be cached
-            return {}
+            return {}, prompt
         if not any(e.ids for e in self.endpoints):
-            return {}
+            return {}, prompt
         credits = await self._scorer.credits(keys, [e.ids for e in self.endpoints])
         if credits is None:
-            return None
-        return {e: min(1.0, c / len(keys)) for e, c in zip(self.endpoints, credits)}
+            return None, prompt
+        return {e: min(1.0, c / len(keys)) for e, c in zip(self.endpoints, credits)}, prompt
 
     def _healthy(self, exclude: set[Endpoint] = frozenset()) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy and e not in exclude]
@@ -210,11 +219,11 @@ class Router:
     async def _proxy(self, request: web.Request, api: str, started: float) -> web.StreamResponse:
         raw = await self._read_body(request)
         body = self._parse(api, raw)
-        hits = await self._hits(api, body) if self._scorer is not None else None
+        hits, prompt = await self._hits(api, body) if self._scorer is not None else (None, None)
         healthy = self._healthy()
         if not healthy:
             raise self._no_endpoint()
-        decision = self.policy.pick(healthy, hits)
+        decision = self.policy.pick(healthy, hits, prompt)
         if hits:
             self.metrics.prefix_blocks.observe(decision.hit)
         return await self._forward(request, decision, raw, "POST", request.path, stream=body.get("stream") is True,
@@ -226,8 +235,12 @@ class Router:
         while True:
             e = decision.endpoint
             tried.add(e)
+            ticket = None
             if method == "POST":  # a routed request, not /v1/models
                 self.metrics.decisions.labels(self.settings.policy, decision.reason).inc()
+                if self.policy.model is not None:
+                    ticket = self.policy.model.sent(e, decision.uncached)
+                    self.metrics.endpoint_backlog.labels(e.label).set(self.policy.model.backlog(e))
             e.in_flight += 1
             self.metrics.endpoint_in_flight.labels(e.label).inc()
             try:
@@ -244,13 +257,35 @@ class Router:
                 except UpstreamUnreachable:
                     self.health.mark_down(e, "the connection broke before the response")
                     raise
-                response, broke = await self._upstream.relay(request, e, upstream, started, stream)
+                sample = stream and upstream.status == 200  # an error's first byte says nothing of prefill
+                first_byte = functools.partial(self._first_byte, ticket, sample) if ticket is not None else None
+                response, broke = await self._upstream.relay(request, e, upstream, started, stream, first_byte)
                 if broke == "disconnect":
                     self.health.mark_down(e, "the connection broke during the response")
                 return response
             finally:
                 e.in_flight -= 1
                 self.metrics.endpoint_in_flight.labels(e.label).dec()
+                if ticket is not None:
+                    self.policy.model.finished(ticket)
+                    self.metrics.endpoint_backlog.labels(e.label).set(self.policy.model.backlog(e))
+
+    def _first_byte(self, ticket: Ticket, sample: bool, ttft_s: float) -> None:
+        """A routed response began: its prefill is done; a successful stream's TTFT is a sample of the estimate."""
+        model = self.policy.model
+        outlier = model.first_byte(ticket, ttft_s if sample else None)
+        self.metrics.endpoint_backlog.labels(ticket.endpoint.label).set(model.backlog(ticket.endpoint))
+        if outlier is not None:
+            self.metrics.ttft_samples.labels("outlier" if outlier else "fit").inc()
+            self._export_fit()
+
+    def _export_fit(self) -> None:
+        fit = self.policy.model.fit
+        overhead, per_token, per_request = fit.coefficients
+        self.metrics.ttft_overhead.set(overhead)
+        self.metrics.ttft_per_token.set(per_token)
+        self.metrics.ttft_per_request.set(per_request)
+        self.metrics.ttft_error.set(fit.mean_abs_error)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         healthy = self._healthy()
