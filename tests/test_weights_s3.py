@@ -5,8 +5,6 @@ and two revisions of one model at once."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import signal
 import subprocess
@@ -23,6 +21,7 @@ from weightcache.errors import CorruptChunk, OriginUnavailable
 from weightcache.fetch import FetchLimits
 from weightcache.record import ChunkRecord
 from conftest import wait_until
+from small_filesystem import fill, tmpfs
 from weights_models import layered_tensors, numpy_tensors, write_numpy_model
 from weights_s3 import ENV, make_bucket, s3_gate, s3_options, weights_moto  # noqa: F401 - fixtures
 
@@ -228,31 +227,6 @@ def test_a_dead_fetchers_claimed_chunks_are_taken_over(tmp_path, published, s3_g
     gate.release()
     assert len(done) == len(t)
     assert other.data_gets() == len(model.plan) - 4  # the two the dead child claimed, fetched here
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def fill(folder: Path) -> Path:
-    filler = folder / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_a_model_larger_than_the_disk_is_refused_before_any_fetch(tmp_path, published):
