@@ -85,6 +85,23 @@ def test_publish_and_read_back_through_s3(tmp_path, make_bucket, s3_gate):
     assert out.returncode == 0 and out.stdout.startswith(f"{m.digest}  latest"), out.stderr
 
 
+
+def test_ls_ends_without_tearing_the_interpreter_down_around_obstores_threads(tmp_path, published):
+    """obstore's Tokio workers outlive every command; an interpreter teardown around them aborted
+    ``strata weights ls`` now and then (SIGABRT, after its whole answer). The process ends without
+    one: a teardown would run the atexit hook planted here."""
+    url, m, _, gate = published
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import atexit, os\n"
+                                           "atexit.register(lambda: os.write(2, b'interpreter teardown\\n'))\n")
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-m", "weightcache", "ls", url, "--s3-endpoint", gate.endpoint,
+                              "--s3-allow-http"], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith(f"{m.digest}  latest"), (out.returncode, out.stderr)
+        assert "interpreter teardown" not in out.stderr
+
 def test_tensors_are_served_while_the_rest_is_still_arriving(tmp_path, published):
     url, m, t, gate = published
     gate.hold_after(4)
