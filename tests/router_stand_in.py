@@ -297,6 +297,41 @@ def build_tokenizer(out: Path) -> Path:
     return out
 
 
+# ---- fixtures (import them into a test module by name) ---------------------------------
+
+
+@pytest.fixture
+def engines(tmp_path):
+    """``engines(name, **kw)`` starts a stand-in engine; every one started is killed after the test."""
+    started: list[StandIn] = []
+
+    def start(name: str, **kw) -> StandIn:
+        e = StandIn(name, tmp_path, **kw).start()
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.kill()
+
+
+@pytest.fixture
+def routers():
+    """``routers(**settings)`` starts a router with those settings; every one started is stopped after the test."""
+    from kvstore.config.router import load_router_settings
+
+    started: list[RouterThread] = []
+
+    def start(**settings) -> RouterThread:
+        r = RouterThread(load_router_settings(environ={}, listen="127.0.0.1:0", **settings))
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
     engine_main(sys.argv[1:])

@@ -8,7 +8,6 @@ filesystem remounted read-only. The mount tests need root and skip without it.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import random
@@ -30,6 +29,7 @@ from kvstore.block import BlockKey, BlockMeta, checksum
 from kvstore.errors import CorruptBlock, DiskFull, TierFull, TierUnavailable
 from kvstore.tiers.block_file import block_name
 from kvstore.tiers.disk import DiskTier
+from small_filesystem import tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = 1 << 40
@@ -339,23 +339,6 @@ def test_sigkill_while_a_block_is_half_written(root):
 
 
 # -- broken filesystems --------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.mark.parametrize("block_bytes", [3000, 100_000, 300_000])

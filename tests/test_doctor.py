@@ -11,7 +11,6 @@ be made for one test without moving this process into it).
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import os
@@ -27,21 +26,9 @@ import redis_servers
 from conftest import free_port
 from kvstore.config import load_settings
 from kvstore.doctor import Host, Status, failed, run_checks
+from small_filesystem import tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.fixture

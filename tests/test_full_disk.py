@@ -11,11 +11,8 @@ root in CI) and is skipped, saying why, where mounting is not permitted.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -31,38 +28,10 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.fsops import Fault, FaultyFileOps
 from kvstore.tiers.ram import HostRamTier
 from conftest import wait_until
+from small_filesystem import fill, tmpfs
 from store_blocks import MiB, Clock, value
 
 BLOCK = 64 << 10
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip("no mount command: these tests need a small real filesystem to fill")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def fill(path: Path) -> Path:
-    """Fill the filesystem holding ``path`` to the last byte; returns the filler file."""
-    filler = path / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def put(store, i: int, ns: str = "m") -> None:

@@ -36,7 +36,6 @@ the live test skips and says why.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -58,6 +57,7 @@ from conftest import free_port, wait_until
 from kvstore.client.sync import Client
 from kvstore.errors import ResourceExhausted
 from peer_cluster import PeerNode
+from small_filesystem import fill, tmpfs
 from weights_models import layered_tensors, write_numpy_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,22 +133,9 @@ def test_every_alert_has_a_severity_a_summary_and_keeps_the_instance_label():
 
 @contextlib.contextmanager
 def full_tmpfs(path: Path):
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for a full disk (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
-        fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+    with tmpfs(path, "2m"):
+        fill(path)
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 class Prometheus:

@@ -17,10 +17,11 @@ import pytest
 pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
 pytest.importorskip("transformers", reason="the cache-aware router needs transformers (pip install 'strata[router]')")
 
-from router_stand_in import BLOCK, HASH_SEED, NS, RouterThread, StandIn, build_tokenizer, free_port, served_by, wait_for
+from router_stand_in import (  # noqa: F401 - engines, routers: fixtures
+    BLOCK, HASH_SEED, NS, RouterThread, StandIn, build_tokenizer, engines, free_port, routers, served_by, wait_for,
+)
 
 from kvstore.client.sync import Client
-from kvstore.config.router import load_router_settings
 from kvstore.index.keys import BlockHasher, event_key_bytes
 
 
@@ -35,34 +36,6 @@ P_B = words(100, 16)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines(tmp_path):
-    started: list[StandIn] = []
-
-    def start(name: str, **kw) -> StandIn:
-        e = StandIn(name, tmp_path, **kw).start()
-        started.append(e)
-        return e
-
-    yield start
-    for e in started:
-        e.kill()
-
-
-@pytest.fixture
-def routers():
-    started: list[RouterThread] = []
-
-    def start(**settings) -> RouterThread:
-        r = RouterThread(load_router_settings(environ={}, listen="127.0.0.1:0", **settings))
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
 
 
 @pytest.fixture

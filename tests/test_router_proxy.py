@@ -19,39 +19,11 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
 
-from router_stand_in import (
-    BLOCK, HASH_SEED, NS, ReferenceEngine, RouterThread, StandIn, build_tokenizer, free_port, http, served_by, wait_for,
+from router_stand_in import (  # noqa: F401 - engines, routers: fixtures
+    BLOCK, HASH_SEED, NS, ReferenceEngine, build_tokenizer, engines, free_port, http, routers, served_by, wait_for,
 )
 
 from kvstore.config.router import ROUTER_SETTINGS, load_router_settings, router_env
-
-
-@pytest.fixture
-def engines(tmp_path):
-    started: list[StandIn] = []
-
-    def start(name: str, **kw) -> StandIn:
-        e = StandIn(name, tmp_path, **kw).start()
-        started.append(e)
-        return e
-
-    yield start
-    for e in started:
-        e.kill()
-
-
-@pytest.fixture
-def routers():
-    started: list[RouterThread] = []
-
-    def start(**settings) -> RouterThread:
-        r = RouterThread(load_router_settings(environ={}, listen="127.0.0.1:0", **settings))
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
 
 
 # ---- bytes through ------------------------------------------------------------------------

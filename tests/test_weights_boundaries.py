@@ -108,5 +108,5 @@ def test_the_extras_name_what_weightcache_needs():
     assert {"blake3", "safetensors", "obstore", "moto"} <= names(extras["test"])
     for dep in extras["weights"]:
         assert "<" in dep, f"{dep}: give it an upper bound"
-    assert project["scripts"]["strata-weights"] == "weightcache.cli:main"
+    assert project["scripts"]["strata-weights"] == "weightcache.cli:run"
     assert weightcache.open_model and weightcache.publish_model

@@ -10,11 +10,9 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
@@ -22,12 +20,11 @@ import weightcache
 from conftest import free_port, wait_until
 from kvstore.index.redis import RedisIndex
 from weightcache.api.v1 import weights_pb2 as pb
-from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
 from weightcache.index_swarm import MEMBER_KEY, chunk_key, namespace_of
+from weight_nodes import origin_bytes, spawn_node, stub, up
 from weights_models import layered_tensors, write_numpy_model
-from weights_s3 import ENV, make_bucket, s3_gate, s3_options, weights_moto  # noqa: F401 - fixtures
+from weights_s3 import make_bucket, s3_gate, s3_options, weights_moto  # noqa: F401 - fixtures
 
-ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 64 << 10
 
 
@@ -42,31 +39,8 @@ def published(tmp_path, make_bucket, s3_gate):
 
 
 def start_node(cache: Path, address: str, index: str, endpoint: str) -> subprocess.Popen:
-    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    args = [sys.executable, "-m", "weightcache", "serve", "--cache", str(cache), "--listen", address,
-            "--s3-endpoint", endpoint, "--s3-allow-http", "--s3-region", "us-east-1", "--concurrency", "4",
-            "--peer-wait", "60s", "--index-url", index, "--index-ttl", "3s"]
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def stub(address: str):
-    return pb_grpc.WeightServiceStub(grpc.insecure_channel(address))
-
-
-def up(address: str) -> bool:
-    try:
-        stub(address).Status(pb.StatusRequest(digest="0" * 64), timeout=2)
-        return True
-    except grpc.RpcError:
-        return False
-
-
-def origin_bytes(gate) -> int:
-    total = 0
-    for (_, rng), n in gate.gets.items():
-        a, b = rng.removeprefix("bytes=").split("-")
-        total += (int(b) - int(a) + 1) * n
-    return total
+    """A node that finds its peers and each chunk's holders through the index at ``index``."""
+    return spawn_node(cache, address, endpoint, "--index-url", index, "--index-ttl", "3s")
 
 
 def prefetch_all(addresses: list[str], url: str, digest: str) -> None:

@@ -5,8 +5,6 @@ and two revisions of one model at once."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import signal
 import subprocess
@@ -23,6 +21,7 @@ from weightcache.errors import CorruptChunk, OriginUnavailable
 from weightcache.fetch import FetchLimits
 from weightcache.record import ChunkRecord
 from conftest import wait_until
+from small_filesystem import fill, tmpfs
 from weights_models import layered_tensors, numpy_tensors, write_numpy_model
 from weights_s3 import ENV, make_bucket, s3_gate, s3_options, weights_moto  # noqa: F401 - fixtures
 
@@ -85,6 +84,23 @@ def test_publish_and_read_back_through_s3(tmp_path, make_bucket, s3_gate):
                           "--s3-allow-http"], capture_output=True, text=True, env=_env(), timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(f"{m.digest}  latest"), out.stderr
 
+
+
+def test_ls_ends_without_tearing_the_interpreter_down_around_obstores_threads(tmp_path, published):
+    """obstore's Tokio workers outlive every command; an interpreter teardown around them aborted
+    ``strata weights ls`` now and then (SIGABRT, after its whole answer). The process ends without
+    one: a teardown would run the atexit hook planted here."""
+    url, m, _, gate = published
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import atexit, os\n"
+                                           "atexit.register(lambda: os.write(2, b'interpreter teardown\\n'))\n")
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-m", "weightcache", "ls", url, "--s3-endpoint", gate.endpoint,
+                              "--s3-allow-http"], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith(f"{m.digest}  latest"), (out.returncode, out.stderr)
+        assert "interpreter teardown" not in out.stderr
 
 def test_tensors_are_served_while_the_rest_is_still_arriving(tmp_path, published):
     url, m, t, gate = published
@@ -228,31 +244,6 @@ def test_a_dead_fetchers_claimed_chunks_are_taken_over(tmp_path, published, s3_g
     gate.release()
     assert len(done) == len(t)
     assert other.data_gets() == len(model.plan) - 4  # the two the dead child claimed, fetched here
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def fill(folder: Path) -> Path:
-    filler = folder / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_a_model_larger_than_the_disk_is_refused_before_any_fetch(tmp_path, published):

@@ -1,7 +1,5 @@
 """``python -m weightcache``: the ``strata weights`` commands (see :mod:`weightcache.cli`)."""
 
-import sys
+from weightcache.cli import run
 
-from weightcache.cli import main
-
-sys.exit(main())
+run()

@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
+from typing import NoReturn
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
@@ -495,5 +497,44 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+
+def run() -> NoReturn:
+    """The ``strata weights`` process: :func:`main`, then an exit that leaves the interpreter standing.
+
+    obstore (the S3 origin) runs its requests on a Tokio runtime of its own
+    whose threads nothing can stop. One of them hands each result to the
+    event loop (``call_soon_threadsafe``) and then still writes the loop's
+    wake-up socket; the loop may have run the callback already, so the
+    command can finish and the interpreter start its teardown while that
+    write is in flight. When the thread takes the GIL back, CPython ends it
+    with ``pthread_exit``, which cannot unwind through the Rust frames
+    below, and the process aborts (SIGABRT) after printing its whole
+    answer. Every command closes what it opened itself (origins, caches,
+    channels, the node's server), so nothing is lost by ending the process
+    at once instead: the output is flushed and ``os._exit`` ends it with
+    the command's status. An exception that escapes :func:`main` (a bug)
+    still ends the ordinary way, traceback and all.
+    """
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's usage errors, and commands that stop with a message
+        code = stop.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    exit_now(code or 0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush what the command wrote (logs, stdout, stderr) and end the process with ``code``."""
+    logging.shutdown()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (| head): what it wanted, it had
+        pass
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -4,7 +4,8 @@
   the scheme → transport registry;
 - :mod:`kvstore.peer.wire`: the TCP peer protocol's frames;
 - :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``);
-- :mod:`kvstore.peer.tcp`: the TCP client, a :class:`PeerTransport`;
+- :mod:`kvstore.peer.connection`: one connection to a peer's listener (Hello, frames, deadline);
+- :mod:`kvstore.peer.tcp`: the TCP client and its pool, a :class:`PeerTransport`;
 - :mod:`kvstore.peer.ucx_link`, :mod:`kvstore.peer.ucx`, :mod:`kvstore.peer.ucx_server`:
   the same protocol over ucxx (the ``ucx`` extra): the link, the client, the listener;
   :mod:`kvstore.peer.ucx_progress`: how the UCX thread progresses its worker without spinning;

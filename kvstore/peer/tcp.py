@@ -1,24 +1,23 @@
 """The TCP peer transport: reads blocks from another daemon's peer listener into placed buffers.
 
 :class:`TcpPeerClient` is the blocking core, thread-safe, with a pool of
-connections per peer: a read sends one request and receives each block's
-header, asks ``place`` where the bytes go, and ``recv_into`` s them straight
-into that view (the kernel copies from the socket into the arena slot; no
-buffer in between), hashing each chunk as it lands. Only a block whose
-checksum matches is reported a hit. :class:`TcpPeerTransport` is the
+connections per peer (:class:`~kvstore.peer.connection.PeerConnection`):
+a read sends one request and receives each block's header, asks ``place``
+where the bytes go, and ``recv_into`` s them straight into that view (the
+kernel copies from the socket into the arena slot; no buffer in between),
+hashing each chunk as it lands. Only a block whose checksum matches is
+reported a hit. :class:`TcpPeerTransport` is the
 :class:`~kvstore.peer.base.PeerTransport` over it: each call runs the core
 in a worker thread and ``place`` hops back to the event loop.
 
 Failure, per key (see :mod:`kvstore.peer.base`): a connection that breaks
 or a peer that dies while a block is arriving fails that key and every key
 after it with ``TierUnavailable`` (blocks already verified stay hits), and
-the connection is thrown away. A deadline is kept in the kernel
-(``SO_RCVTIMEO``, set to what is left at the start of a call and again
-between a block's chunks once the last setting is :data:`REBOUND_S` old: a
-wait may end that much later than with a fresh limit) and checked between
-chunks; a cancellation shuts the socket down, which wakes a ``recv`` at
-once. A connection used by a call that did not finish cleanly
-is never reused: the stream may be out of step.
+the connection is thrown away. A deadline is kept in the kernel (see
+:mod:`kvstore.peer.connection`) and checked between chunks; a cancellation
+shuts the socket down, which wakes a ``recv`` at once. A connection used by
+a call that did not finish cleanly is never reused: the stream may be out
+of step.
 
 Limits: ``max_connections`` open at once over all peers (one more call
 waits for none: it is refused with ``Overloaded``), ``max_idle_per_peer``
@@ -30,28 +29,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import itertools
-import select
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.block import BlockMeta, Checksummer, TierName, validate_namespace
-from kvstore.errors import (
-    Cancelled, CorruptBlock, DeadlineExceeded, InvalidArgument, Overloaded, StrataError, TierUnavailable,
-)
+from kvstore.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, Overloaded, StrataError, TierUnavailable
 from kvstore.peer import wire
 from kvstore.peer.base import Held, PeerAddress, PeerStats, PeerTransport
+from kvstore.peer.connection import Broken, PeerConnection
 from kvstore.remote.base import MISS, PRESENT, STORED, Place, ReadResult, ReadStatus, WriteResult
 from kvstore.transport.base import Deadline
-from kvstore.transport.unix import set_kernel_timeouts, set_receive_timeout
 
-CONNECT_TIMEOUT_S = 5.0
-# How stale the kernel's wait limit may get before it is set again (each
-# setsockopt between 256 KiB chunks cost a third as much as hashing them).
-REBOUND_S = 0.005
 MAX_CONNECTIONS = 64
 MAX_IDLE_PER_PEER = 4
 
@@ -83,145 +73,6 @@ class _PlaceFailed(Exception):
         self.err = err
 
 
-class _Broken(Exception):
-    """The connection failed mid-call (the peer died, closed or stalled); carries the error for the keys left."""
-
-    def __init__(self, err: StrataError) -> None:
-        self.err = err
-
-
-class _Connection:
-    """One socket to a peer, Hello done; one request at a time."""
-
-    def __init__(self, address: PeerAddress, token: str, deadline: Deadline) -> None:
-        self.address = address
-        timeout = min(CONNECT_TIMEOUT_S, deadline.remaining() or CONNECT_TIMEOUT_S)
-        self.sock, self.wire = self._open(address, max(timeout, 0.001))
-        self.broken = False
-        self._deadline = deadline
-        self._ids = itertools.count(1)
-        try:
-            self.bound(deadline)
-            rid = self.send(wire.HELLO, [wire.PROTOCOL_VERSION, token])
-            status, result = self.reply(rid)
-            if status != wire.OK:
-                raise StrataError(f"peer {address} answered Hello with status {status}")
-            self.max_meta, self.max_block, self.max_batch, self.request_bytes = result
-        except _Broken as broken:
-            self.close()
-            raise broken.err from None
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def _open(address: PeerAddress, timeout: float):
-        """The connected stream and its frame reader (a subclass carries the protocol over another link)."""
-        try:
-            sock = socket.create_connection((address.host, address.port), timeout=timeout)
-        except OSError as err:
-            raise TierUnavailable(f"cannot reach peer {address} ({err}): it may be down; try another holder") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)  # blocking; waits are bounded in the kernel (bound)
-        return sock, wire.Wire(sock)
-
-    def close(self) -> None:
-        self.broken = True
-        self.sock.close()
-
-    def stale(self) -> bool:
-        """Whether the idle socket became readable: the peer closed it (or broke the protocol)."""
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return True
-        return bool(readable)
-
-    def bound(self, deadline: Deadline) -> None:
-        """Keep the next waits within what is left of ``deadline`` (raises when nothing is left)."""
-        self._deadline = deadline
-        deadline.check()
-        self._bound_at = time.monotonic()
-        self._set_timeout(deadline.remaining())
-
-    def _set_timeout(self, seconds: float | None, *, send: bool = True) -> None:
-        """The kernel's wait limits; ``send=False`` only the receive one (one system call, not two)."""
-        if send:
-            set_kernel_timeouts(self.sock, seconds)
-        else:
-            set_receive_timeout(self.sock, seconds)
-
-    def _io_error(self, err: BaseException) -> _Broken:
-        """What a failed socket operation means for the call: cancelled, past its deadline, or a lost peer."""
-        self.close()
-        if self._deadline.cancelled:
-            return _Broken(Cancelled("the call was cancelled; what it held on the peer is given back"))
-        if isinstance(err, BlockingIOError) or (self._deadline.at is not None and time.monotonic() >= self._deadline.at):
-            return _Broken(DeadlineExceeded(f"peer {self.address} did not answer before the deadline: retry or try another holder"))
-        return _Broken(TierUnavailable(f"the connection to peer {self.address} broke ({err or type(err).__name__}): "
-                                       "the peer may have died; try another holder"))
-
-    def send(self, op: int, args, payload: Sequence = ()) -> int:
-        rid = next(self._ids)
-        try:
-            wire.send(self.sock, wire.encode([op, rid, args], sum(len(p) for p in payload)), payload)
-        except OSError as err:
-            raise self._io_error(err) from None
-        return rid
-
-    def reply(self, rid: int) -> tuple[int, object]:
-        """The next reply frame to ``rid``: (status, result); ERROR raises the peer's error class."""
-        try:
-            meta, _ = self.wire.read_meta()
-        except (OSError, EOFError) as err:
-            raise self._io_error(err) from None
-        except wire.FrameError as err:
-            self.close()
-            raise _Broken(TierUnavailable(f"peer {self.address} sent a malformed frame ({err})")) from None
-        try:
-            got, status, result = meta
-        except (TypeError, ValueError):
-            self.close()
-            raise _Broken(TierUnavailable(f"peer {self.address} sent a malformed reply: {meta!r:.80}")) from None
-        if got != rid:
-            self.close()  # a refusal of the connection (id 0) or a reply out of order: the stream is unusable
-            if status == wire.ERROR:
-                wire.raise_error(result)
-            raise _Broken(TierUnavailable(f"peer {self.address} answered request {got} where {rid} was expected"))
-        if status == wire.ERROR:
-            if self.wire.pending:
-                self.close()
-            wire.raise_error(result)
-        return status, result
-
-    def read_into(self, view: memoryview, hasher: Checksummer | None) -> None:
-        """A block's bytes into ``view``; what is left of the deadline is set again before each chunk."""
-        try:
-            self.wire.read_into(view, hasher, before=self._rebound)
-        except (OSError, EOFError) as err:
-            raise self._io_error(err) from None
-        except StrataError as err:  # the deadline passed or the call was cancelled between chunks
-            self.close()
-            raise _Broken(err) from None
-
-    def _rebound(self) -> None:
-        """Between a block's chunks: the deadline checked, and the receive limit set again to what
-        is left once the last one is :data:`REBOUND_S` old (only receives follow)."""
-        deadline = self._deadline
-        if deadline.at is not None or deadline.cancelled:
-            deadline.check()
-            now = time.monotonic()
-            if now - self._bound_at >= REBOUND_S:
-                self._bound_at = now
-                self._set_timeout(deadline.remaining(), send=False)
-
-    def skip(self) -> None:
-        try:
-            self.wire.skip()
-        except (OSError, EOFError) as err:
-            raise self._io_error(err) from None
-
-
 def _meta(head) -> tuple[int, BlockMeta, TierName]:
     i, size, sum_, parent, layout, tier = head
     return i, BlockMeta(size, sum_, parent or None, layout or ""), TierName(tier)
@@ -232,7 +83,7 @@ class TcpPeerClient:
 
     #: The address scheme served, and the connection it opens (the UCX client swaps both).
     scheme = "tcp"
-    connection = _Connection
+    connection = PeerConnection
 
     def __init__(self, *, token: str = "", max_connections: int = MAX_CONNECTIONS,
                  max_idle_per_peer: int = MAX_IDLE_PER_PEER) -> None:
@@ -240,9 +91,9 @@ class TcpPeerClient:
         self._max_connections = max_connections
         self._max_idle = max_idle_per_peer
         self._lock = threading.Lock()
-        self._idle: dict[PeerAddress, list[_Connection]] = {}
+        self._idle: dict[PeerAddress, list[PeerConnection]] = {}
         self._open = 0
-        self._in_use: set[_Connection] = set()
+        self._in_use: set[PeerConnection] = set()
         self._closed = False
         self.counts = dict(reads=0, hits=0, misses=0, read_bytes=0, writes=0, written_bytes=0, corrupt=0, errors=0)
 
@@ -253,7 +104,7 @@ class TcpPeerClient:
 
     # ---- the pool --------------------------------------------------------------
 
-    def _take(self, address: PeerAddress, deadline: Deadline) -> _Connection:
+    def _take(self, address: PeerAddress, deadline: Deadline) -> PeerConnection:
         with self._lock:
             if self._closed:
                 raise TierUnavailable("the peer transport is closed")
@@ -282,7 +133,7 @@ class TcpPeerClient:
             self._in_use.add(conn)
         return conn
 
-    def _give(self, conn: _Connection) -> None:
+    def _give(self, conn: PeerConnection) -> None:
         with self._lock:
             self._in_use.discard(conn)
             keep = not conn.broken and not self._closed and len(self._idle.setdefault(conn.address, [])) < self._max_idle
@@ -304,10 +155,7 @@ class TcpPeerClient:
         for conn in idle:
             conn.close()
         for conn in busy:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed
+            conn.shutdown()
 
     def _call(self, address: str, deadline: Deadline, fn):
         deadline.check()
@@ -315,21 +163,14 @@ class TcpPeerClient:
         if peer.scheme != self.scheme:
             raise InvalidArgument(f"peer address {address!r} is not {self.scheme}://host:port")
         conn = self._take(peer, deadline)
-
-        def shut() -> None:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed
-
-        forget = deadline.on_cancel(shut) if deadline.cancellable else (lambda: None)
+        forget = deadline.on_cancel(conn.shutdown) if deadline.cancellable else (lambda: None)
         done = False
         try:
             conn.bound(deadline)
             out = fn(conn)
             done = True
             return out
-        except _Broken as broken:
+        except Broken as broken:
             raise broken.err from None
         finally:
             forget()
@@ -351,7 +192,7 @@ class TcpPeerClient:
             return []
         return self._call(address, deadline, lambda conn: self._read(conn, namespace, keys, place, deadline))
 
-    def _read(self, conn: _Connection, namespace: str, keys: list[bytes], place: Place | None,
+    def _read(self, conn: PeerConnection, namespace: str, keys: list[bytes], place: Place | None,
               deadline: Deadline) -> list[Got]:
         if len(keys) > conn.max_batch:
             raise InvalidArgument(f"{len(keys)} keys in one read; peer {conn.address} takes at most {conn.max_batch}: split the batch")
@@ -376,12 +217,12 @@ class TcpPeerClient:
                     out[i] = self._block(conn, i, meta, tier, place, deadline)
                 else:
                     conn.close()
-                    raise _Broken(TierUnavailable(f"peer {conn.address} sent reply status {status} to a read"))
+                    raise Broken(TierUnavailable(f"peer {conn.address} sent reply status {status} to a read"))
                 answered += 1
         except _PlaceFailed as failed:
             raise failed.err
-        except (_Broken, StrataError) as err:
-            error = err.err if isinstance(err, _Broken) else err
+        except (Broken, StrataError) as err:
+            error = err.err if isinstance(err, Broken) else err
             conn.close()  # whatever the peer still sends for this request is not read: never reuse it
             if answered == 0:
                 raise error from None  # nothing answered: the whole call failed
@@ -405,16 +246,16 @@ class TcpPeerClient:
         return out  # type: ignore[return-value]
 
     @staticmethod
-    def _report_corrupt(conn: _Connection, namespace: str, keys: list[bytes]) -> None:
+    def _report_corrupt(conn: PeerConnection, namespace: str, keys: list[bytes]) -> None:
         """Ask the holder to verify its copies of blocks that arrived corrupt (it drops bad ones).
         Best effort: the blocks were failed already, and a copy the holder keeps is checked again
         by the next reader."""
         try:
             conn.reply(conn.send(wire.CHECK, [namespace, keys]))
-        except (_Broken, StrataError):
+        except (Broken, StrataError):
             conn.close()
 
-    def _block(self, conn: _Connection, i: int, meta: BlockMeta, tier: TierName, place: Place | None,
+    def _block(self, conn: PeerConnection, i: int, meta: BlockMeta, tier: TierName, place: Place | None,
                deadline: Deadline) -> Got:
         if place is None:
             return Got(ReadResult.skipped(meta), tier)
@@ -455,17 +296,13 @@ class TcpPeerClient:
                 raise InvalidArgument(f"a block of {len(data)} bytes declares {meta.size}: its meta must match its bytes")
         return self._call(address, deadline, lambda conn: self._write(conn, namespace, blocks, deadline))
 
-    def _write(self, conn: _Connection, namespace: str, blocks, deadline: Deadline):
+    def _write(self, conn: PeerConnection, namespace: str, blocks, deadline: Deadline):
         head = [[bytes(k), m.size, m.checksum, m.parent, m.layout] for k, _, m in blocks]
         rid = conn.send(wire.PUT, [namespace, _timeout_ms(deadline), head])
         _, present = conn.reply(rid)
         sent = [(data, m) for (_, data, m), p in zip(blocks, present) if not p]
         conn.bound(deadline)
-        try:
-            wire.send(conn.sock, wire.encode([wire.DATA, rid, []], sum(m.size for _, m in sent)),
-                      [memoryview(d).cast("B") for d, _ in sent])
-        except OSError as err:
-            raise conn._io_error(err) from None
+        conn.send(wire.DATA, [], [memoryview(d).cast("B") for d, _ in sent], rid=rid)
         _, results = conn.reply(rid)
         out, it = [], iter(results)
         for p in present:
@@ -485,7 +322,6 @@ class TcpPeerClient:
             self.counts["written_bytes"] += sum(m.size for (_, _, m), (r, _) in zip(blocks, out) if r is STORED)
         return out
 
-
     # ---- holds -----------------------------------------------------------------
 
     def hold(self, address: str, namespace: str, keys: Sequence[bytes], lease_s: float,
@@ -497,7 +333,7 @@ class TcpPeerClient:
             return Held(0, 0.0, [])
         lease_ms = max(1, int(lease_s * 1000))
 
-        def call(conn: _Connection) -> Held:
+        def call(conn: PeerConnection) -> Held:
             _, result = conn.reply(conn.send(wire.HOLD, [namespace, keys, lease_ms]))
             try:
                 lease_id, granted_ms, held = result
@@ -514,7 +350,7 @@ class TcpPeerClient:
         lease_ids = [int(i) for i in lease_ids]
         if not lease_ids:
             return []
-        def call(conn: _Connection) -> list[bool]:
+        def call(conn: PeerConnection) -> list[bool]:
             _, result = conn.reply(conn.send(wire.RELEASE, [lease_ids]))
             if not isinstance(result, list) or len(result) != len(lease_ids):
                 raise TierUnavailable(f"peer {address} answered a release of {len(lease_ids)} holds with {result!r:.80}")

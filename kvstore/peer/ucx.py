@@ -2,8 +2,8 @@
 
 Scheme ``ucx://host:port``, the address a daemon's UCX listener
 (``--peer-ucx-listen``) advertises. Everything above the link is the TCP
-client's (:mod:`kvstore.peer.tcp`): the pool, the Hello with the bearer
-token, the reads that ask ``place`` for each block's view and verify its
+client's (:mod:`kvstore.peer.tcp`, :mod:`kvstore.peer.connection`): the
+pool, the Hello with the bearer token, the reads that ask ``place`` for each block's view and verify its
 checksum after it landed there, CHECK for blocks that arrived corrupt, the
 writes, the per-key failures and the cancellation. Only the connection
 differs: a ucxx endpoint (through ucxx's listener, which connects over
@@ -23,13 +23,14 @@ import socket
 
 from kvstore.errors import TierUnavailable
 from kvstore.peer.base import PeerAddress
-from kvstore.peer.tcp import MAX_CONNECTIONS, MAX_IDLE_PER_PEER, TcpPeerClient, TcpPeerTransport, _Connection
+from kvstore.peer.connection import PeerConnection
+from kvstore.peer.tcp import MAX_CONNECTIONS, MAX_IDLE_PER_PEER, TcpPeerClient, TcpPeerTransport
 from kvstore.peer.ucx_link import UcxLink, UcxRuntime
 
 __all__ = ["UcxPeerClient", "UcxPeerTransport"]
 
 
-class _UcxConnection(_Connection):
+class _UcxConnection(PeerConnection):
     """One ucxx endpoint to a peer's UCX listener, Hello done."""
 
     @staticmethod
