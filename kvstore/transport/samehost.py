@@ -15,6 +15,14 @@ next group's copy. Blocks the daemon could not lease in the arena, or whose
 copy failed its checksum, are read again through ``fallback`` (the gRPC
 stream).
 
+When the daemon's chain starts at the gpu tier, leases and slots are
+extents of device memory: with ``gpu`` (the default) the client declares
+the capability, maps each region once through its handle and copies
+leased bytes out of it (and slot bytes into it) itself; without, its reads
+of those blocks go through ``fallback`` and its puts inline or through
+``fallback`` (see :mod:`kvstore.transport.regions`). The location table is
+kept for arena extents only: a device extent is always asked for.
+
 Thread-safe: each call takes a connection from a small pool (a connection
 carries one request at a time), so threads do not queue behind each other.
 """
@@ -39,7 +47,7 @@ from kvstore.errors import (
     StrataError,
 )
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import arena_io, frames
+from kvstore.transport import arena_io, frames, regions
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
 from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
 from kvstore.transport.unix import connect_unix, set_kernel_timeouts
@@ -70,7 +78,7 @@ def _timeout_ms(deadline: Deadline) -> int:
 class _Connection:
     """One socket to the daemon, Hello done; requests answered in order."""
 
-    def __init__(self, path: str, token: bytes) -> None:
+    def __init__(self, path: str, token: bytes, caps: Sequence[str] = ()) -> None:
         try:
             self.sock = connect_unix(path, CONNECT_TIMEOUT_S)
         except OSError as err:
@@ -80,9 +88,17 @@ class _Connection:
         self.reader = frames.FrameReader(self.sock)
         self.broken = False
         self._ids = itertools.count(1)
-        self.max_meta, self.max_payload, self.max_batch, self.removal_page = self.call(
-            frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], deadline=Deadline.after(CONNECT_TIMEOUT_S)
-        )
+        hello = self.call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token), list(caps)],
+                          deadline=Deadline.after(CONNECT_TIMEOUT_S))
+        try:
+            self.max_meta, self.max_payload, self.max_batch, self.removal_page, head = hello
+            self.head = TierName(head["tier"])
+            self.regions = regions.regions_from_wire(head["regions"])
+        except (TypeError, ValueError, KeyError):
+            self.close()
+            raise StrataError(f"the daemon sent a malformed Hello answer: {hello!r:.120}") from None
+        # Slots and leases this connection can use in place: in the arena, or in regions it was handed.
+        self.in_place = self.head == TierName.HOST or bool(self.regions)
 
     def close(self) -> None:
         self.broken = True
@@ -183,7 +199,7 @@ class SameHostTransport(Transport):
 
     def __init__(self, arena: ShmArena, socket_path: str, token: bytes, *, fallback: Transport | None = None,
                  lease_ms: int = 0, inline_bytes: int = INLINE_BYTES,
-                 locations: int = DEFAULT_LOCATIONS) -> None:
+                 locations: int = DEFAULT_LOCATIONS, gpu: bool = True) -> None:
         self._arena = arena
         self._path = socket_path
         self._token = bytes(token)
@@ -197,7 +213,9 @@ class SameHostTransport(Transport):
         self._flusher: threading.Thread | None = None
         self._wake = threading.Condition(self._lock)
         self._touched: dict[str, dict[bytes, None]] = {}  # read without asking: reported for recency
-        first = _Connection(socket_path, self._token)  # fail now, not on the first call, when unusable
+        self._caps = [regions.CAPABILITY] if gpu else []
+        self._regions = regions.Regions()
+        first = _Connection(socket_path, self._token, self._caps)  # fail now, not on the first call, when unusable
         self._locations: Locations | None = None
         if locations and first.removal_page:
             try:
@@ -206,6 +224,8 @@ class SameHostTransport(Transport):
                 first.close()
                 raise
         self._give(first)
+        self._writes_in_place = first.in_place
+        self._max_inline = min(first.max_payload, first.max_meta // 2)
         self._batch_bytes = arena.size // 4
 
     # ---- connections ---------------------------------------------------------
@@ -223,9 +243,16 @@ class SameHostTransport(Transport):
         now means another daemon answers on the socket (a restart): what this transport
         attached is gone, and the client must attach again."""
         try:
-            return _Connection(self._path, self._token)
+            conn = _Connection(self._path, self._token, self._caps)
         except InvalidArgument as err:
             raise stale_attachment(err) from None
+        self._regions.keep_only(conn.regions)  # a restarted daemon's regions: the old mappings are dead
+        return conn
+
+    @property
+    def mapped_regions(self) -> int:
+        """How many gpu regions this transport has mapped (each once, by handle)."""
+        return self._regions.mapped()
 
     def _give(self, conn: _Connection) -> None:
         with self._lock:
@@ -258,6 +285,7 @@ class SameHostTransport(Transport):
             flusher.join(1.0)
         if self._locations is not None:
             self._locations.close()
+        self._regions.close()
 
     # ---- releases ------------------------------------------------------------
 
@@ -398,7 +426,7 @@ class SameHostTransport(Transport):
                 for i, entry in zip(todo, entries):
                     if entry is None:
                         continue
-                    size, sum_, parent, layout, offset, lease_id, tier = entry
+                    size, sum_, parent, layout, offset, lease_id, tier, *region = entry
                     if not lease_id:  # found, but could not be brought into the arena
                         refetch.append(i)
                         continue
@@ -410,11 +438,16 @@ class SameHostTransport(Transport):
                         if view is None:
                             continue  # declined: a miss, its lease still released
                         out = placed[i] = view[:size]
-                    if arena_io.copy_out(self._arena, offset, out) != sum_:
+                    if region:  # a gpu extent: copied out of the mapped region (None: it stayed on the device)
+                        got = self._regions.region(conn.regions, region[0]).read_into(offset, out)
+                    else:
+                        got = arena_io.copy_out(self._arena, offset, out)
+                    if got is not None and got != sum_:
                         refetch.append(i)  # torn under an expired lease, or corrupt: read it again
                         continue
                     blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
-                    learned.append((keys[i], (offset, size, sum_, parent, layout)))
+                    if not region:
+                        learned.append((keys[i], (offset, size, sum_, parent, layout)))
             except BaseException:  # a placement refused: give every lease of the read back now
                 conn.notify(frames.RELEASE, [[e[5] for e in entries if e is not None and e[5]]])
                 raise
@@ -459,13 +492,24 @@ class SameHostTransport(Transport):
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
         views = [memoryview(b.value).cast("B") for b in blocks]
         results = [False] * len(blocks)
-        inline = [i for i, v in enumerate(views) if len(v) <= self._inline]
-        in_place = [i for i, v in enumerate(views) if len(v) > self._inline]
+        # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
+        limit = self._inline if self._writes_in_place else self._max_inline
+        inline = [i for i, v in enumerate(views) if len(v) <= limit]
+        in_place = [i for i, v in enumerate(views) if len(v) > limit]
         if inline:
             self._put_inline(namespace, blocks, views, inline, results, deadline)
+        if in_place and not self._writes_in_place:
+            self._put_elsewhere(namespace, blocks, in_place, results, deadline)
+            return results
         for batch in arena_io.batches_by_bytes([len(views[i]) for i in in_place], self._batch_bytes):
             self._put_in_place(namespace, blocks, views, [in_place[j] for j in batch], results, deadline)
         return results
+
+    def _put_elsewhere(self, namespace, blocks, indices, results, deadline) -> None:
+        if self._fallback is None:
+            raise StrataError("blocks the daemon cannot take in place need a fallback transport to be put")
+        for i, stored in zip(indices, self._fallback.put(namespace, [blocks[i] for i in indices], deadline)):
+            results[i] = stored
 
     def _put_inline(self, namespace, blocks, views, indices, results, deadline) -> None:
         conn = self._take()
@@ -496,7 +540,8 @@ class SameHostTransport(Transport):
                 frames.ALLOCATE, [namespace, self._lease_ms, _timeout_ms(deadline), headers], deadline=deadline
             )
             received = arena_io.now_ms()
-            todo = [(i, slot, offset) for i, (present, slot, offset) in zip(indices, grants) if not present]
+            todo = [(i, slot, (offset, *region)) for i, (present, slot, offset, *region) in zip(indices, grants)
+                    if not present]
             slots = [slot for _, slot, _ in todo]
             sent: list[tuple[int, list]] = []
             for group in arena_io.commit_groups([len(views[i]) for i, _, _ in todo]):
@@ -506,9 +551,12 @@ class SameHostTransport(Transport):
                         "the arena slots' lease ran out before they were written: nothing was stored, put again"
                     )
                 sums = []
-                for i, _, offset in group:
+                for i, _, (offset, *region) in group:
                     deadline.check()
-                    sums.append(arena_io.copy_in(self._arena, offset, views[i]))
+                    if region:  # a gpu slot: written through the mapped region, hashed on the way
+                        sums.append(self._regions.region(conn.regions, region[0]).write(offset, views[i]))
+                    else:
+                        sums.append(arena_io.copy_in(self._arena, offset, views[i]))
                 commit = [[slot for _, slot, _ in group], sums]
                 sent.append((conn.send(frames.COMMIT, commit, deadline=deadline), group))
                 unread += 1
