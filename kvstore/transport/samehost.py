@@ -91,7 +91,8 @@ class _Connection:
         hello = self.call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token), list(caps)],
                           deadline=Deadline.after(CONNECT_TIMEOUT_S))
         try:
-            self.max_meta, self.max_payload, self.max_batch, self.removal_page, head = hello
+            self.max_meta, self.max_payload, self.max_batch, self.removal_page, *head = hello
+            head = head[0] if head else {"tier": int(TierName.HOST), "regions": []}  # as a protocol 1 daemon
             self.head = TierName(head["tier"])
             self.regions = regions.regions_from_wire(head["regions"])
         except (TypeError, ValueError, KeyError):

@@ -62,6 +62,7 @@ class AsyncSameHostTransport:
         self._off_loop = off_loop
         self._off_loop_bytes = off_loop_bytes
         self._fallback = fallback  # async (namespace, keys, place) -> blocks, for refetches
+        self.writes_in_place = True  # False: the daemon's slots are in its gpu tier (the Hello says)
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[asyncio.Future, int]] = {}
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
@@ -113,8 +114,10 @@ class AsyncSameHostTransport:
         self = cls(arena, reader, writer, **options)
         self._reading = asyncio.ensure_future(self._read_loop())
         try:
-            limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], (), CONNECT_TIMEOUT_S)
-            _, self._max_payload, self._max_batch, removals = limits
+            # No gpu capability (kvstore.transport.regions): a gpu head's blocks read through the fallback.
+            limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token), []], (), CONNECT_TIMEOUT_S)
+            _, self._max_payload, self._max_batch, removals, *head = limits
+            self.writes_in_place = not head or head[0].get("tier") == int(TierName.HOST)
             if removals and locations:
                 self._locations = Locations(removals, bytes(token), locations)
         except BaseException:  # refused (a token of another run), unreadable, cancelled: nothing stays open
