@@ -96,6 +96,11 @@ class Regions:
         with self._lock:
             return len(self._mapped)
 
+    def handles(self) -> list[MemoryHandle]:
+        """The handles of the regions mapped now."""
+        with self._lock:
+            return [from_wire(msgpack.unpackb(k, raw=False)) for k in self._mapped]
+
     def keep_only(self, handles: list[MemoryHandle]) -> None:
         """Close the mappings of regions not in ``handles`` (the daemon that made them is gone)."""
         keep = {_key(h) for h in handles}
