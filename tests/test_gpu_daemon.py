@@ -19,7 +19,6 @@ import pytest
 from kvstore import BlockPut, Client, TierName
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
-from kvstore.block import checksum
 from kvstore.errors import ArenaUnusable, CorruptBlock
 from kvstore.shm.arena import HEADER_BYTES
 from kvstore.transport import frames, regions
