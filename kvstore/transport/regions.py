@@ -32,10 +32,25 @@ import msgpack
 
 from kvstore.errors import InvalidArgument
 from kvstore.tiers.device import AttachedMemory, MemoryHandle, attach_memory
+from kvstore.tiers.device.buffers import host_view, is_tensor, tensor_bytes
 
 CAPABILITY = "gpu"
 MAX_REGIONS = 16  # as many as --gpu-devices may name
 MAX_MAPPED = 2 * MAX_REGIONS  # mappings kept: this daemon's regions, and a restarted daemon's meanwhile
+
+
+def on_device(value) -> bool:
+    return is_tensor(value) and value.device.type != "cpu"
+
+
+def device_or_host(value):
+    """A put's value as bytes: a CUDA tensor's flat uint8 view (it stays on its device), else a host view."""
+    return tensor_bytes(value) if on_device(value) else host_view(value)
+
+
+def on_host(value) -> memoryview:
+    """Bytes for a path that reads them on the host (inline, the arena, the stream): a CUDA tensor is copied."""
+    return memoryview(value.cpu().numpy()) if on_device(value) else value
 
 
 def to_wire(handle: MemoryHandle) -> list:

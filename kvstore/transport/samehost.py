@@ -100,6 +100,7 @@ class SameHostTransport(Transport):
                 raise
         self._give(first)
         self._writes_in_place = first.in_place
+        self.device_tensors = any(h.kind == "cuda" for h in first.regions)
         self._max_inline = min(first.max_payload, first.max_meta // 2)
         self._batch_bytes = arena.size // 4
 
@@ -365,12 +366,14 @@ class SameHostTransport(Transport):
     # ---- writes --------------------------------------------------------------
 
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
-        views = [memoryview(b.value).cast("B") for b in blocks]
+        views = [regions.device_or_host(b.value) for b in blocks]  # CUDA tensors only where device_tensors
         results = [False] * len(blocks)
         # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
         limit = self._inline if self._writes_in_place else self._max_inline
         inline = [i for i, v in enumerate(views) if len(v) <= limit]
         in_place = [i for i, v in enumerate(views) if len(v) > limit]
+        for i in inline:
+            views[i] = regions.on_host(views[i])
         if inline:
             self._put_inline(namespace, blocks, views, inline, results, deadline)
         if in_place and not self._writes_in_place:
@@ -383,7 +386,9 @@ class SameHostTransport(Transport):
     def _put_elsewhere(self, namespace, blocks, indices, results, deadline) -> None:
         if self._fallback is None:
             raise StrataError("blocks the daemon cannot take in place need a fallback transport to be put")
-        for i, stored in zip(indices, self._fallback.put(namespace, [blocks[i] for i in indices], deadline)):
+        staged = [BlockPut(blocks[i].key, regions.on_host(blocks[i].value), blocks[i].parent, blocks[i].layout)
+                  for i in indices]
+        for i, stored in zip(indices, self._fallback.put(namespace, staged, deadline)):
             results[i] = stored
 
     def _put_inline(self, namespace, blocks, views, indices, results, deadline) -> None:
@@ -428,10 +433,10 @@ class SameHostTransport(Transport):
                 sums = []
                 for i, _, (offset, *region) in group:
                     deadline.check()
-                    if region:  # a gpu slot: written through the mapped region, hashed on the way
+                    if region:  # a gpu slot: written through the mapped region (device to device from a CUDA tensor)
                         sums.append(self._regions.region(conn.regions, region[0]).write(offset, views[i]))
                     else:
-                        sums.append(arena_io.copy_in(self._arena, offset, views[i]))
+                        sums.append(arena_io.copy_in(self._arena, offset, regions.on_host(views[i])))
                 commit = [[slot for _, slot, _ in group], sums]
                 sent.append((conn.send(frames.COMMIT, commit, deadline=deadline), group))
                 unread += 1
