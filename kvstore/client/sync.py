@@ -227,6 +227,8 @@ class Client:
         may be placed again: return the same buffer for the same index.
         """
         keys = codec.check_gets(namespace, keys)
+        if self._data(namespace).device_tensors and not callable(buffers) and tensors.any_on_device(buffers):
+            return self._get(keys, namespace, tensors.device_placement(keys, buffers))
         staging = tensors.StagedBuffers(buffers)
         return staging.finish(self._get(keys, namespace, codec.placement(keys, staging.buffers)))
 

@@ -31,6 +31,7 @@ import threading
 import msgpack
 
 from kvstore.errors import InvalidArgument
+from kvstore.transport import arena_io
 from kvstore.tiers.device import AttachedMemory, MemoryHandle, attach_memory
 from kvstore.tiers.device.buffers import host_view, is_tensor, tensor_bytes
 
@@ -51,6 +52,33 @@ def device_or_host(value):
 def on_host(value) -> memoryview:
     """Bytes for a path that reads them on the host (inline, the arena, the stream): a CUDA tensor is copied."""
     return memoryview(value.cpu().numpy()) if on_device(value) else value
+
+
+def placed_out(view, size: int):
+    """The first ``size`` bytes of a placed buffer: a CUDA tensor's flat bytes, or a host view's."""
+    if on_device(view):
+        out = tensor_bytes(view)
+        if out.numel() < size:
+            raise InvalidArgument(f"the tensor holds {out.numel()} bytes; the block has {size}: pass a larger one")
+        return out[:size]
+    return view[:size]
+
+
+def copy_up(host: memoryview, out) -> None:
+    """Bytes read (and verified) on the host into a CUDA tensor: the paths that are not a gpu region."""
+    import torch
+
+    out[:len(host)].copy_(torch.frombuffer(host, dtype=torch.uint8))
+
+
+def arena_into(arena, offset: int, out) -> int:
+    """:func:`arena_io.copy_out` into a host view or, through a host buffer, a CUDA tensor."""
+    if not on_device(out):
+        return arena_io.copy_out(arena, offset, out)
+    host = memoryview(bytearray(out.numel()))
+    got = arena_io.copy_out(arena, offset, host)
+    copy_up(host, out)
+    return got
 
 
 def to_wire(handle: MemoryHandle) -> list:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 
 from kvstore.block import TierName, checksum
@@ -313,11 +314,11 @@ class SameHostTransport(Transport):
                         view = place(i, BlockInfo(keys[i], size, layout, parent))
                         if view is None:
                             continue  # declined: a miss, its lease still released
-                        out = placed[i] = view[:size]
+                        out = placed[i] = regions.placed_out(view, size)
                     if region:  # a gpu extent: copied out of the mapped region (None: it stayed on the device)
                         got = self._regions.region(conn.regions, region[0]).read_into(offset, out)
                     else:
-                        got = arena_io.copy_out(self._arena, offset, out)
+                        got = regions.arena_into(self._arena, offset, out)
                     if got is not None and got != sum_:
                         refetch.append(i)  # torn under an expired lease, or corrupt: read it again
                         continue
@@ -353,14 +354,22 @@ class SameHostTransport(Transport):
             raise StrataError("blocks the daemon could not lease in the arena need a fallback transport to be read")
         refetch.sort()
 
+        staged: dict[int, memoryview] = {}  # CUDA tensors read through the fallback via host memory
+
         def again(j: int, info: BlockInfo) -> memoryview | None:
             i = refetch[j]
-            if i in placed:
-                return fit(info.key, info.size, placed[i])
-            return None if place is None else place(i, info)
+            view = placed[i] if i in placed else None if place is None else place(i, info)
+            if regions.on_device(view):
+                placed[i] = regions.placed_out(view, info.size)
+                staged[i] = memoryview(bytearray(info.size))
+                return staged[i]
+            return fit(info.key, info.size, view) if i in placed else view
 
         got = self._fallback.get_into(namespace, [keys[i] for i in refetch], again if place else None, deadline)
         for i, block in zip(refetch, got):
+            if block is not None and i in staged:
+                regions.copy_up(staged[i], placed[i])
+                block = replace(block, data=placed[i][:len(staged[i])])
             blocks[i] = block
 
     # ---- writes --------------------------------------------------------------
