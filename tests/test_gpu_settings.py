@@ -116,5 +116,7 @@ def test_device_check_dry_run_passes_on_the_host_stand_in(tmp_path):
 
     result = json.loads(out.read_text())
     assert result["ok"] and result["dry_run"] and result["ipc"]["verified"]
+    assert result["daemon"]["verified"] and result["daemon"]["tiers"] == ["gpu", "gpu"]  # a served read
+    assert result["daemon"]["mapped_regions"] == 1
     assert result["round_trip"]["mismatched_blocks"] == 0 and result["round_trip"]["reads_from"]["host"] > 0
     assert [row["block_bytes"] for row in result["copies"]] == [1 << 20, 4 << 20]
