@@ -107,6 +107,11 @@ def test_a_block_put_by_one_process_is_read_by_another_through_the_region_handle
         tiers = c.stats().tiers
     assert tiers["gpu"]["blocks"] == 2 and tiers["gpu"]["capacity_bytes"] == 8 * MiB
     assert tiers["gpu"]["used_bytes"] >= MiB + 4096 and tiers["host"]["blocks"] == 0
+    shown = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "stats", "--target", d.target],
+                           capture_output=True, text=True, env=CHILD_ENV, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    [line] = [l for l in shown.stdout.splitlines() if l.split()[:1] == ["gpu"]]
+    assert line.split()[1:5] == ["1.0", "/", "8.0", "MiB"] and line.endswith("2 blocks")  # used, capacity, units
 
 
 def test_a_client_writes_a_gpu_slot_through_its_mapping_and_the_daemon_verifies_it(daemon_process):
