@@ -210,6 +210,7 @@ class SameHostServer:
             if not isinstance(args, list) or len(args) not in (2, 3):  # [version, token(, capabilities)]
                 raise InvalidArgument(f"malformed same-host Hello: expected 2 or 3 fields, got {args!r:.80}")
             version, token, *caps = args
+            caps = _list(caps[0], "the Hello's capabilities") if caps else []
             if not isinstance(version, int) or not frames.MIN_PROTOCOL_VERSION <= version <= frames.PROTOCOL_VERSION:
                 raise InvalidArgument(
                     f"same-host protocol {version} is not among the daemon's {frames.MIN_PROTOCOL_VERSION}.."
@@ -224,13 +225,14 @@ class SameHostServer:
         except StrataError as err:
             self._reply_error(conn, 0, err)
             return False
-        gpu = self._gpu is not None and version >= 2 and regions.CAPABILITY in _list(caps[0] if caps else [], "caps")
-        self._session.gpu = gpu
+        gpu = self._gpu is not None and version >= 2 and regions.CAPABILITY in caps
+        self._session.gpu = gpu  # this connection is handed the regions, and device offsets in its answers
         limits = [frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, self._store.limits.max_batch_blocks,
                   self._removals.path if self._removals is not None else ""]
         if version >= 2:
             head = TierName.GPU if self._gpu is not None else TierName.HOST
-            limits.append({"tier": int(head), "regions": [regions.to_wire(h) for h in self._gpu.handles()] if gpu else []})
+            handles = [regions.to_wire(h) for h in self._gpu.handles()] if gpu else []
+            limits.append({"tier": int(head), "regions": handles})
         frames.send(conn, frames.encode([rid, frames.OK, limits]))
         return True
 

@@ -51,7 +51,7 @@ def device_or_host(value):
 
 def on_host(value) -> memoryview:
     """Bytes for a path that reads them on the host (inline, the arena, the stream): a CUDA tensor is copied."""
-    return memoryview(value.cpu().numpy()) if on_device(value) else value
+    return memoryview(tensor_bytes(value).cpu().numpy()) if on_device(value) else value
 
 
 def placed_out(view, size: int):

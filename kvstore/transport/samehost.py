@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvstore.block import TierName, checksum
 from kvstore.errors import (
