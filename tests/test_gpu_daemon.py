@@ -252,3 +252,15 @@ def test_after_a_daemon_restart_the_client_maps_the_new_region_and_never_the_old
         assert c.get("m", b"after") == block(12, MiB)
         assert c.get("m", b"before") in (None, block(11, MiB))  # device memory does not outlive its daemon
     os.unlink(old.payload[0])  # SIGKILL left the stand-in's file behind, as it would a RAM arena
+
+
+def test_tensors_go_in_and_come_out_of_the_gpu_tier(daemon_process):
+    torch = pytest.importorskip("torch")
+    d = daemon_process(*GPU)
+    src = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: written into a gpu slot
+    with Client(d.target) as c:
+        assert c.put("m", b"t", src, layout="f32[524288]")
+        dst = torch.zeros_like(src)
+        [got] = c.get_into("m", [b"t"], [dst])
+        assert got.tier == TierName.GPU and torch.equal(dst, src) and got.layout == "f32[524288]"
+        assert c._data("m").mapped_regions == 1

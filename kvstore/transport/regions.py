@@ -10,6 +10,19 @@ client maps each region once (:class:`Regions`, keyed by handle) and copies
 the leased bytes with :meth:`AttachedMemory.read_into`, or writes a slot
 with :meth:`AttachedMemory.write`, under the same leases as arena extents.
 
+Why a put from a CUDA tensor writes a gpu slot through the client's own
+mapping, rather than going into the RAM arena for the store's policy to
+promote: the block lands at once where the node's readers read it, in one
+device-to-device copy, where the other way costs a device-to-host copy, a
+host copy into the arena, and a host-to-device copy on promotion (only on a
+later read, so the next reader would be served from RAM). The price is the
+verification: the writer hashes the bytes it wrote (through the region's
+pinned staging, as every device write is hashed) and the daemon hashes the
+slot again at Commit (``DeviceMemory.checksum``, the contract's check of a
+writer it cannot see), two device-to-host passes that the device check
+measures. Blocks up to the inline limit go inline through host memory: one
+round trip costs less there than a device copy's setup.
+
 Handles cross the same-host socket only, whose peers share the host and
 uid: a CUDA IPC handle names nothing on another machine, and gRPC never
 carries one. A client that does not declare the capability (protocol 1, or
