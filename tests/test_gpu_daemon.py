@@ -264,3 +264,34 @@ def test_tensors_go_in_and_come_out_of_the_gpu_tier(daemon_process):
         [got] = c.get_into("m", [b"t"], [dst])
         assert got.tier == TierName.GPU and torch.equal(dst, src) and got.layout == "f32[524288]"
         assert c._data("m").mapped_regions == 1
+
+
+def test_the_peer_data_plane_reads_and_writes_a_gpu_head(make_daemon):
+    """Another node's reads and writes reach the gpu tier through copies, never as RAM arena offsets."""
+    import asyncio
+    import time
+
+    from kvstore.peer import open_peer_transport
+    from kvstore.transport import open_transport
+
+    d = make_daemon(gpu_bytes="8MiB", gpu_memory="host", gpu_host_addressable=False, max_block_bytes="2MiB",
+                    peer_listen="127.0.0.1:0")
+    address = d.peer_addresses()["tcp"]
+    values = {b"p0": block(20, 2 * MiB), b"p1": block(21, 5000)}
+    with open_transport("peer-tcp", target=address) as t:  # a peer's write: slots in device memory
+        t.put("m", [BlockPut(k, v) for k, v in values.items()], Deadline.after(30))
+    assert d.store.exists("m", [b"p0"]) == [TierName.GPU]
+    out = bytearray(3 * MiB)
+
+    async def read():
+        t = open_peer_transport("tcp")
+        try:
+            return await t.read(address, "m", [b"p0", b"p1"], lambda i, meta: memoryview(out)[i * 2 * MiB:][:meta.size],
+                                time.monotonic() + 30)
+        finally:
+            await t.close()
+
+    got = asyncio.run(read())
+    assert [r.meta.size for r in got] == [2 * MiB, 5000]
+    assert bytes(out[:2 * MiB]) == values[b"p0"] and bytes(out[2 * MiB:2 * MiB + 5000]) == values[b"p1"]
+    wait_until(lambda: d.store.stats().active_leases == 0, what="the peer read's leases to be given back")
