@@ -295,3 +295,21 @@ def test_the_peer_data_plane_reads_and_writes_a_gpu_head(make_daemon):
     assert [r.meta.size for r in got] == [2 * MiB, 5000]
     assert bytes(out[:2 * MiB]) == values[b"p0"] and bytes(out[2 * MiB:2 * MiB + 5000]) == values[b"p1"]
     wait_until(lambda: d.store.stats().active_leases == 0, what="the peer read's leases to be given back")
+
+
+def test_the_async_client_without_the_capability_puts_and_reads_correct_bytes(daemon_process):
+    import asyncio
+
+    from kvstore.client import AsyncClient
+
+    d = daemon_process(*GPU)
+    values = {b"s": block(30, 1000), b"l": block(31, 3 * MiB // 2)}
+
+    async def main():
+        async with AsyncClient(d.target) as c:
+            assert await c.put_many("m", [BlockPut(k, v) for k, v in values.items()]) == [True, True]
+            got = await c.get_many("m", list(values))
+            return [bytes(b.data) for b in got], [b.tier for b in got]
+
+    data, tiers = asyncio.run(main())
+    assert data == list(values.values()) and tiers == [TierName.GPU, TierName.GPU]
