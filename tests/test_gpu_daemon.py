@@ -297,19 +297,20 @@ def test_the_peer_data_plane_reads_and_writes_a_gpu_head(make_daemon):
     wait_until(lambda: d.store.stats().active_leases == 0, what="the peer read's leases to be given back")
 
 
-def test_the_async_client_without_the_capability_puts_and_reads_correct_bytes(daemon_process):
+def test_the_async_client_puts_and_reads_a_served_gpu_tier_through_the_handle(daemon_process):
     import asyncio
 
     from kvstore.client import AsyncClient
 
     d = daemon_process(*GPU)
-    values = {b"s": block(30, 1000), b"l": block(31, 3 * MiB // 2)}
+    values = {b"s": block(30, 1000), b"l": block(31, 3 * MiB // 2)}  # inline, and into a gpu slot
 
     async def main():
         async with AsyncClient(d.target) as c:
             assert await c.put_many("m", [BlockPut(k, v) for k, v in values.items()]) == [True, True]
             got = await c.get_many("m", list(values))
-            return [bytes(b.data) for b in got], [b.tier for b in got]
+            mapped = (await c._attached_for("m")).same_host.mapped_regions
+            return [bytes(b.data) for b in got], [b.tier for b in got], mapped
 
-    data, tiers = asyncio.run(main())
-    assert data == list(values.values()) and tiers == [TierName.GPU, TierName.GPU]
+    data, tiers, mapped = asyncio.run(main())
+    assert data == list(values.values()) and tiers == [TierName.GPU, TierName.GPU] and mapped == 1

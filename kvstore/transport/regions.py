@@ -25,11 +25,12 @@ round trip costs less there than a device copy's setup.
 
 Handles cross the same-host socket only, whose peers share the host and
 uid: a CUDA IPC handle names nothing on another machine, and gRPC never
-carries one. A client that does not declare the capability (protocol 1, or
-a client without it) never sees a device offset: its Lookups answer found
-but not leased (it reads through its fallback, the gRPC stream) and its
-Allocates are refused with :class:`ArenaUnusable` (it puts inline or through
-the stream).
+carries one. Both same-host transports (:mod:`~kvstore.transport.samehost`,
+:mod:`~kvstore.transport.samehost_aio`) declare it by default. A client
+that does not (protocol 1, or ``gpu=False``) never sees a device offset:
+its Lookups answer found but not leased (it reads through its fallback,
+the gRPC stream) and its Allocates are refused with :class:`ArenaUnusable`
+(it puts inline or through the stream).
 
 A daemon restart makes new regions (new handles): a connection is answered
 the handles of the daemon it reached, so a client never reads through the
