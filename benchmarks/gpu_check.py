@@ -14,10 +14,16 @@ runs, in order, and stops at nothing (every step reports):
    handle, reads leased blocks device to device, and checks their
    checksums; it times that read against a device-to-device copy of the
    same bytes inside its own memory (target ≥ 0.8×);
-3. ``round_trip``: a TieredStore ``[gpu, ram]`` with a GPU tier smaller
+3. ``daemon``: a real ``strata serve --gpu-bytes ... --gpu-memory cuda``;
+   this process puts blocks from CUDA tensors (written into gpu slots
+   through the region's handle), a second client process reads them with
+   ``get_into`` CUDA tensors through the same-host socket's handles, device
+   to device, verifies every byte, and times that read against a
+   device-to-device copy (target ≥ 0.8×, the same as ``ipc``'s);
+4. ``round_trip``: a TieredStore ``[gpu, ram]`` with a GPU tier smaller
    than the blocks put: blocks demote to RAM and promote back; every byte
    compared; CUDA tensors in and out;
-4. ``copies``: put (host → device) and get (device → host) of 1/16/64 MiB
+5. ``copies``: put (host → device) and get (device → host) of 1/16/64 MiB
    blocks through the tier, from pageable bytes and from pinned tensors,
    against torch copies of the same bytes between a pinned tensor and the
    device (target ≥ 0.8×).
@@ -166,7 +172,66 @@ class Check:
         if not got["verified"]:
             self.fail("ipc", "the bytes read through the handle do not match the block's checksum")
 
-    # ---- 3. demotion to RAM and promotion back --------------------------------------
+    # ---- 3. the daemon serves the tier: a client process reads through the handles -------------
+
+    def daemon(self) -> None:
+        size = self.sizes[-1] * MiB
+        port = _free_port()
+        target = f"127.0.0.1:{port}"
+        args = [sys.executable, "-m", "kvstore.cli.main", "serve", "--listen", target, "--metrics-listen", "",
+                "--disk-dir", os.path.join(self.scratch, "daemon"), "--shm-dir", self.scratch,
+                "--ram-bytes", f"{max(4 * size, 64 * MiB)}", "--disk-bytes", f"{max(8 * size, 256 * MiB)}",
+                "--max-block-bytes", str(size), "--gpu-bytes", str(4 * size), "--gpu-memory", self.memory]
+        if self.memory == "host":
+            args.append("--no-gpu-host-addressable")  # the copy paths a GPU takes
+        log = open(os.path.join(self.scratch, "daemon.log"), "wb")
+        daemon = subprocess.Popen(args, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self._daemon_step(daemon, target, size)
+        finally:
+            daemon.kill()
+            daemon.wait(30)
+            log.close()
+
+    def _daemon_step(self, daemon, target: str, size: int) -> None:
+        from kvstore.client import Client
+
+        with Client(target, timeout=30) as c:
+            end = time.monotonic() + 120
+            while True:
+                try:
+                    tiers = c.stats().tiers
+                    break
+                except Exception:  # noqa: BLE001 - not serving yet; its exit is checked below
+                    if daemon.poll() is not None or time.monotonic() > end:
+                        raise RuntimeError(f"the daemon did not serve: {Path(self.scratch, 'daemon.log').read_text()[-2000:]}")
+                    time.sleep(0.2)
+            data = [_random(size, 200 + i) for i in range(2)]
+            values = data
+            if self.memory == "cuda":
+                import torch
+
+                values = [torch.frombuffer(bytearray(d), dtype=torch.uint8).cuda() for d in data]
+            c.put("gpu-check", b"d1", values[1])
+            put_s = timed(lambda: [c.delete("gpu-check", [b"d0"]), c.put("gpu-check", b"d0", values[0])], self.repeats)
+            out = {"block_bytes": size, "gpu_tier": tiers.get("gpu"), "put_s": put_s,
+                   "writer_device_tensors": c._data("gpu-check").device_tensors}
+        ticket = json.dumps({"target": target, "size": size, "repeats": self.repeats,
+                             "expected": [checksum(d) for d in data]}).encode()
+        proc = subprocess.run([sys.executable, str(Path(__file__)), "--daemon-reader"], input=ticket,
+                              capture_output=True, timeout=300, env=child_env())
+        if proc.returncode != 0:
+            self.fail("daemon", proc.stderr.decode(errors="replace")[-2000:])
+            return
+        out.update(json.loads(proc.stdout.decode().strip().splitlines()[-1]))
+        if "ratio" in out:
+            out["target_met"] = out["ratio"] >= TARGET
+        self.result["daemon"] = out
+        if not out["verified"] or out["tiers"] != ["gpu", "gpu"] or not out["mapped_regions"]:
+            self.fail("daemon", f"the second process did not read both blocks from the gpu tier through its "
+                                f"handle, verified: {out}")
+
+    # ---- 4. demotion to RAM and promotion back --------------------------------------
 
     def round_trip(self) -> None:
         n, size = 24, 4 * MiB
@@ -213,7 +278,7 @@ class Check:
                 self.fail("round_trip", "a CUDA tensor put and read back differs")
         self.result["round_trip"] = out
 
-    # ---- 4. copies host <-> device against torch pinned copies ------------------------
+    # ---- 5. copies host <-> device against torch pinned copies ------------------------
 
     def copies(self) -> None:
         rows = []
@@ -284,7 +349,7 @@ class Check:
 
     def run(self) -> int:
         self.environment()
-        steps = [] if self.failures else [self.contract, self.ipc, self.round_trip, self.copies]
+        steps = [] if self.failures else [self.contract, self.ipc, self.daemon, self.round_trip, self.copies]
         for step in steps:
             t0 = time.perf_counter()
             try:
@@ -333,6 +398,55 @@ def ipc_reader() -> None:
     print(json.dumps(out))
 
 
+def daemon_reader() -> None:
+    """The daemon step's second process: a client of its own reads the blocks from the daemon's gpu tier."""
+    ticket = json.loads(sys.stdin.buffer.read())
+    from kvstore.client import Client
+
+    size, keys = ticket["size"], [b"d0", b"d1"]
+    out: dict = {"pid": os.getpid()}
+    with Client(ticket["target"], timeout=30) as c:
+        transport = c._data("gpu-check")
+        out["transport"], out["device_tensors"] = transport.name, transport.device_tensors
+        try:
+            import torch
+
+            on_cuda = torch.cuda.is_available()
+        except ImportError:
+            on_cuda = False
+        if on_cuda:
+            dst = [torch.empty(size, dtype=torch.uint8, device="cuda:0") for _ in keys]
+            blocks = c.get_into("gpu-check", keys, dst)
+            out["verified"] = [checksum(d.cpu().numpy().tobytes()) for d in dst] == ticket["expected"]
+            local = torch.empty_like(dst[0])
+
+            def d2d() -> None:
+                local.copy_(dst[1])
+                torch.cuda.synchronize()
+
+            out["get_into_s"] = timed(lambda: c.get_into("gpu-check", keys[:1], dst[:1]), ticket["repeats"] * 4)
+            out["d2d_copy_s"] = timed(d2d, ticket["repeats"] * 4)
+            out["ratio"] = round(out["d2d_copy_s"] / out["get_into_s"], 3)
+            out["get_into_gbps"] = round(size / out["get_into_s"] / 1e9, 1)
+            out["d2d_copy_gbps"] = round(size / out["d2d_copy_s"] / 1e9, 1)
+        else:
+            dst = [bytearray(size) for _ in keys]
+            blocks = c.get_into("gpu-check", keys, dst)
+            out["verified"] = [checksum(d) for d in dst] == ticket["expected"]
+            out["get_into_s"] = timed(lambda: c.get_into("gpu-check", keys[:1], dst[:1]), ticket["repeats"])
+        out["tiers"] = [b.tier.label if b is not None else None for b in blocks]
+        out["mapped_regions"] = getattr(transport, "mapped_regions", 0)
+    print(json.dumps(out))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def summary(result: dict) -> str:
     lines = [f"gpu check ({'DRY RUN, host stand-in' if result['dry_run'] else result['memory']}): "
              f"{'ok' if result['ok'] else 'FAILED'}", f"environment: {result.get('environment')}"]
@@ -343,6 +457,12 @@ def summary(result: dict) -> str:
         lines.append(f"ipc read: verified={ipc['verified']}" + (
             f", {ipc['ipc_read_gbps']} GB/s vs device copy {ipc['d2d_copy_gbps']} GB/s, ratio {ipc['ratio']}"
             if "ratio" in ipc else ""))
+    if "daemon" in result:
+        d = result["daemon"]
+        lines.append(f"daemon: read by a second client from {d.get('tiers')}, verified={d.get('verified')}, "
+                     f"regions mapped {d.get('mapped_regions')}" + (
+                         f", get_into {d['get_into_gbps']} GB/s vs device copy {d['d2d_copy_gbps']} GB/s, "
+                         f"ratio {d['ratio']}" if "ratio" in d else ""))
     if "round_trip" in result:
         rt = result["round_trip"]
         lines.append(f"round trip: after puts {rt.get('after_puts')}, reads from {rt.get('reads_from')}, "
@@ -369,9 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="where the JSON goes (default $OUT/gpu.json or "
                                                   "benchmarks/results/gpu.json; a dry run writes only here)")
     parser.add_argument("--ipc-reader", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--daemon-reader", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ipc_reader:
         ipc_reader()
+        return 0
+    if args.daemon_reader:
+        daemon_reader()
         return 0
     check = Check(args)
     try:

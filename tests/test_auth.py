@@ -32,7 +32,7 @@ from kvstore.errors import PermissionDenied, Unauthenticated, UnknownLease, Unkn
 from kvstore.server.daemon import DaemonError
 from kvstore.transport import frames
 from kvstore.transport.base import Deadline
-from kvstore.transport.samehost import _Connection
+from kvstore.transport.samehost_conn import _Connection
 from conftest import wait_until
 
 TOKEN_A = "tok-team-a-0123456789abcdef"

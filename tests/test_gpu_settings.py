@@ -55,8 +55,6 @@ def test_daemon_without_the_gpu_tier_is_unchanged(daemon):
 def test_daemon_with_gpu_bytes_and_no_cuda_stops_with_the_fix(make_daemon, tmp_path):
     with pytest.raises(TierUnavailable, match=r"CUDA is not available.*--gpu-bytes 0"):
         make_daemon(gpu_bytes="64MiB")
-    with pytest.raises(TierUnavailable, match="does not serve the gpu tier yet"):
-        make_daemon(gpu_bytes="64MiB", gpu_memory="host")
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore.cli.main", "serve", "--gpu-bytes", "64MiB", "--listen", "127.0.0.1:0",
          "--metrics-listen", "", "--disk-dir", str(tmp_path / "cli"), "--shm-dir", str(tmp_path),
@@ -66,6 +64,11 @@ def test_daemon_with_gpu_bytes_and_no_cuda_stops_with_the_fix(make_daemon, tmp_p
     assert proc.returncode == 1
     assert "CUDA is not available" in proc.stderr and "--gpu-bytes 0" in proc.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("strata-")], "nothing left in the shm dir"
+
+
+def test_daemon_serves_the_host_stand_in_at_the_head(make_daemon):
+    served = make_daemon(gpu_bytes="8MiB", gpu_memory="host")  # needs no CUDA (tests/test_gpu_daemon.py)
+    assert [t.tier for t in served.store.tier_stats()] == [TierName.GPU, TierName.HOST, TierName.DISK]
 
 
 # ---- the client: tensors in and out ------------------------------------------------------
@@ -113,5 +116,7 @@ def test_device_check_dry_run_passes_on_the_host_stand_in(tmp_path):
 
     result = json.loads(out.read_text())
     assert result["ok"] and result["dry_run"] and result["ipc"]["verified"]
+    assert result["daemon"]["verified"] and result["daemon"]["tiers"] == ["gpu", "gpu"]  # a served read
+    assert result["daemon"]["mapped_regions"] == 1
     assert result["round_trip"]["mismatched_blocks"] == 0 and result["round_trip"]["reads_from"]["host"] > 0
     assert [row["block_bytes"] for row in result["copies"]] == [1 << 20, 4 << 20]

@@ -64,6 +64,9 @@ class _Attached:
     name: str
     arena: ShmArena
     same_host: AsyncSameHostTransport | None = None
+    # False when the daemon's slots are in its gpu tier, which this client does not map
+    # (kvstore.transport.regions): its puts stream
+    in_place: bool = True
 
 
 class AsyncClient:
@@ -257,6 +260,8 @@ class AsyncClient:
                 )
             except DaemonUnavailable as err:
                 log.info("same-host socket unusable, control goes over gRPC: %s", err)
+            else:
+                attached.in_place = attached.same_host.writes_in_place
         return attached
 
     # ---- data ----------------------------------------------------------------
@@ -275,14 +280,19 @@ class AsyncClient:
 
     async def _put_once(self, namespace: str, checked) -> list[bool]:
         attached = await self._attached_for(namespace)
-        if attached is None:
+        if attached is None or not attached.in_place:
             async with self._put_streams:
                 return codec.stream_put_results(checked, await self._put_stream(namespace, checked))
         if attached.same_host is not None:
             return await attached.same_host.put(namespace, [item for item, _, _ in checked], self.timeout)
         results: list[bool] = []
         for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(attached.arena)):
-            results += await self._put_shm(attached, namespace, group)
+            try:
+                results += await self._put_shm(attached, namespace, group)
+            except ArenaUnusable:  # the daemon's slots are in its gpu tier: stream from now on
+                attached.in_place = False
+                async with self._put_streams:
+                    results += codec.stream_put_results(group, await self._put_stream(namespace, group))
         return results
 
     async def _put_shm(self, attached: _Attached, namespace: str, checked) -> list[bool]:

@@ -189,11 +189,18 @@ class Client:
 
     def put_many(self, namespace: str, items: Sequence[BlockPut]) -> list[bool]:
         """Store blocks in one batch; per block, whether it was newly stored."""
-        checked = codec.check_puts(namespace, tensors.host_puts(items))
-        if not checked:
+        codec.check_gets(namespace, [item.key for item in items])
+        if not items:
             return []
-        items = [item for item, _, _ in checked]
-        return self._retrying("Put", lambda: self._data(namespace).put(namespace, items, self._deadline()))
+
+        def once() -> list[bool]:
+            transport = self._data(namespace)  # a CUDA tensor goes to a gpu tier's slot device to device
+            if transport.device_tensors:
+                return transport.put(namespace, list(items), self._deadline())
+            staged = [item for item, _, _ in codec.check_puts(namespace, tensors.host_puts(items))]
+            return transport.put(namespace, staged, self._deadline())
+
+        return self._retrying("Put", once)
 
     def get(self, namespace: str, key: bytes) -> bytes | bytearray | None:
         """The block's bytes, or None on a miss."""
@@ -220,6 +227,8 @@ class Client:
         may be placed again: return the same buffer for the same index.
         """
         keys = codec.check_gets(namespace, keys)
+        if self._data(namespace).device_tensors and not callable(buffers) and tensors.any_on_device(buffers):
+            return self._get(keys, namespace, tensors.device_placement(keys, buffers))
         staging = tensors.StagedBuffers(buffers)
         return staging.finish(self._get(keys, namespace, codec.placement(keys, staging.buffers)))
 

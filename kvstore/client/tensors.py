@@ -18,8 +18,9 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvstore.errors import InvalidArgument
 from kvstore.tiers.device.buffers import host_view, is_tensor, nbytes, tensor_bytes
-from kvstore.transport.base import Block, BlockPut
+from kvstore.transport.base import Block, BlockPut, fit
 
 
 def _on_device(buf) -> bool:
@@ -47,6 +48,25 @@ async def host_puts_async(items: Sequence[BlockPut]) -> list[BlockPut]:
     if any(_on_device(item.value) for item in items):
         return await asyncio.to_thread(host_puts, items)
     return host_puts(items)
+
+
+def any_on_device(buffers) -> bool:
+    return any(_on_device(b) for b in buffers)
+
+
+def device_placement(keys: Sequence[bytes], buffers: Sequence):
+    """``get_into``'s buffers for a transport that reads a gpu tier's blocks into CUDA tensors device to
+    device (``Transport.device_tensors``): tensors on a device as they are, every other buffer as a
+    writable host view. The transport stages the blocks it reads from elsewhere through host memory."""
+    if len(buffers) != len(keys):
+        raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers: pass one buffer per key")
+    views = [b if b is None or _on_device(b) else host_view(b, writable=True) for b in buffers]
+
+    def place(i: int, info):
+        view = views[i]
+        return view if view is None or _on_device(view) else fit(info.key, info.size, view)
+
+    return place
 
 
 class StagedBuffers:

@@ -66,6 +66,11 @@ class RamSettings(Section):
             "crash_safe": self.crash_safe, "keep_on_exit": self.keep_on_exit,
         }
 
+    def edge(self) -> dict[str, bool]:
+        """The edge above RAM, when the gpu tier is the head: blocks evicted from device memory come
+        down to RAM and a read from RAM goes back up (``EdgePolicy``'s defaults, as embedded)."""
+        return {}
+
     def arena_path(self, state_dir: Path) -> Path:
         """The arena file of the daemon whose state directory is ``state_dir`` (its table: + ``.table``)."""
         return self.shm_dir / arena_name(state_dir)
@@ -364,8 +369,8 @@ class ObjectTierSettings(LowerTierSettings):
 class GpuSettings(Section):
     flag_prefix = "gpu_"
     title = ("GPU tier: KV blocks in device memory (one region per device, allocated at start) at the head of "
-             "the chain, demoted to RAM over pinned buffers; needs CUDA (torch). The daemon refuses it for now "
-             "(README: GPU tier): it runs embedded")
+             "the chain, demoted to RAM over pinned buffers; needs CUDA (torch). Same-host clients read and write "
+             "it through the region's handle (README: GPU tier)")
 
     bytes: ByteSize = setting(ByteSize(0), "device memory per GPU for the gpu tier; 0 (the default) leaves it out")
     devices: Annotated[list[int], Field(min_length=1, max_length=16)] = setting(
@@ -374,6 +379,10 @@ class GpuSettings(Section):
     memory: Literal["cuda", "host"] = setting(
         "cuda", "what stands behind the gpu tier: cuda (device memory) or host (a shared-memory stand-in, for "
         "tests and dry runs on machines without a GPU)",
+    )
+    host_addressable: bool = setting(
+        True, "host memory only: false refuses host views of the region as device memory does, so the store "
+        "takes the copy paths it takes on a GPU (tests of those paths on machines without one)",
     )
 
     _split = field_validator("devices", mode="before")(split_commas)
@@ -397,7 +406,12 @@ class GpuSettings(Section):
         return self.bytes > 0
 
     def tier_options(self, state_dir: Path) -> dict[str, Any]:
-        return {"capacity_bytes": int(self.bytes), "devices": tuple(self.devices), "memory": self.memory}
+        """The host stand-in also takes ``host_addressable``; its file goes where the RAM arena's does
+        (the daemon adds ``shm_dir``, see :func:`kvstore.server.stores.open_stores`)."""
+        options = {"capacity_bytes": int(self.bytes), "devices": tuple(self.devices), "memory": self.memory}
+        if self.memory == "host":
+            options["addressable"] = self.host_addressable
+        return options
 
     def arena_options(self, options: dict[str, Any], arena: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
         """The gpu tier belongs to the default arena only: device memory is not split by namespace."""

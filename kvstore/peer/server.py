@@ -338,7 +338,10 @@ class PeerServer:
                 self._store.release([loc.lease_id], caller.owner)
             raise _Refused(err) from None
         try:
-            if loc.lease_id:
+            if loc.lease_id and self._store.arena_of(namespace).gpu is not None:
+                self._store.release([loc.lease_id], caller.owner)  # leased in device memory: sent from a copy
+                self._send_copy(conn, rid, head, loc)
+            elif loc.lease_id:
                 self._send_leased(conn, caller, rid, head, loc)
             else:
                 self._send_copy(conn, rid, head, loc)
@@ -433,15 +436,20 @@ class PeerServer:
         expect = sum(b[1] for b, g in zip(blocks, grants) if not g.present)
         if payload != expect:
             raise InvalidArgument(f"the Data frame carries {payload} bytes; the blocks not present hold {expect}")
-        arena = self._store.arena_of(namespace).shm
+        arena = self._store.arena_of(namespace)
         for block, grant in zip(blocks, grants):
             if grant.present:
                 continue
-            view = arena.view(grant.offset, block[1])
-            try:
-                link.read_into(view)
-            finally:
-                view.release()
+            if arena.gpu is not None:  # a slot in device memory: received on the host, then copied in
+                buf = memoryview(bytearray(block[1]))
+                link.read_into(buf)
+                arena.gpu.write_extent(grant.offset, buf)
+            else:
+                view = arena.shm.view(grant.offset, block[1])
+                try:
+                    link.read_into(view)
+                finally:
+                    view.release()
             self.bytes_received += block[1]
         out = []
         for block, grant in zip(blocks, grants):

@@ -162,7 +162,7 @@ class Daemon:
         self.events.subscribe("metrics", self.metrics.count_events)
         self.metrics.watch_event_bus(self.events.subscriptions)
         self.store = open_stores(s, state_dir, self.metrics, self.events, self._tier_runtime(index))
-        self.metrics.watch_ram_recovery({a.name: a.store.head for a in self.store.arenas})
+        self.metrics.watch_ram_recovery({a.name: a.ram for a in self.store.arenas})
         self.index_agent.start()
         self.replicator = open_replicator(s, self.store, index, self.node.node_id, self.index_agent.loop,
                                           self.metrics.registry)
@@ -313,7 +313,7 @@ class Daemon:
                 "listen": s.server.listen, "port": self.port, "unix_socket": s.server.unix_socket or None,
                 "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
                 "ram_bytes": int(s.tiers.ram.bytes), "disk_bytes": int(s.tiers.disk.bytes), "disk_dir": str(state_dir),
-                "arena": self.store.head.arena.path, "recovered_blocks": stats.blocks,
+                "arena": self.store.default.shm.path, "recovered_blocks": stats.blocks,
                 "arenas": [a.name for a in self.store.arenas], "peer_addresses": self.peer_addresses(),
             },
         )

@@ -20,6 +20,14 @@ a connection idle for ``idle_s``, or whose client stops reading its
 replies for as long, is closed (the client reconnects). A
 client that dies leaves its leases and slots to expire as on gRPC.
 
+When the chain starts at the gpu tier, Lookup leases and Allocate slots
+are extents of device memory: a client that declares the ``gpu``
+capability in its Hello is answered the regions' handles and addresses
+each extent by region and offset; any other client is never handed a
+device offset (its reads go through its fallback, its in-place writes are
+refused so it puts inline or through the stream). See
+:mod:`kvstore.transport.regions`.
+
 The first frame must be a Hello carrying the arena's token: the socket file
 is created 0600 next to the arena (``mode``), and the token proves the client mapped
 this daemon's arena rather than a stale one. The connecting uid (SO_PEERCRED)
@@ -40,13 +48,13 @@ import time
 from kvstore.auth import READ, WRITE, owner_of
 from kvstore.auth.identity import set_caller
 from kvstore.auth.peers import PeerGate
-from kvstore.block import BlockKey, BlockMeta
-from kvstore.errors import InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError
+from kvstore.block import BlockKey, BlockMeta, TierName
+from kvstore.errors import ArenaUnusable, InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
 from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
-from kvstore.transport import frames
+from kvstore.transport import frames, regions
 from kvstore.transport.locations import RemovalPage
 from kvstore.transport.unix import bind_unix, set_kernel_timeouts
 
@@ -86,6 +94,12 @@ def _int(value, what: str) -> int:
     return value
 
 
+def _gpu_head(store):
+    """The gpu tier when the served arena's chain starts there (a group view names its arena), else None."""
+    head = store.member.store.head if hasattr(store, "member") else store.head
+    return head if head.name == TierName.GPU else None
+
+
 def _ints(values, what: str) -> list[int]:
     for v in _list(values, what):
         _int(v, what)
@@ -110,6 +124,8 @@ class SameHostServer:
         self._removals: RemovalPage | None = None
         self._acceptor: threading.Thread | None = None
         self._connections = ConnectionTable(max_connections)
+        self._gpu = _gpu_head(store)
+        self._session = threading.local()  # per connection (one thread each): whether it reads gpu regions
         handlers = {
             frames.LOOKUP: self._lookup, frames.RELEASE: self._release, frames.PUT: self._put,
             frames.ALLOCATE: self._allocate, frames.COMMIT: self._commit, frames.ABORT: self._abort,
@@ -191,11 +207,14 @@ class SameHostServer:
             op, rid, args = _fields(meta, 3, "request")
             if op != frames.HELLO:
                 raise InvalidArgument("the first frame on the same-host socket must be Hello")
-            version, token = _fields(args, 2, "Hello")
-            if version != frames.PROTOCOL_VERSION:
+            if not isinstance(args, list) or len(args) not in (2, 3):  # [version, token(, capabilities)]
+                raise InvalidArgument(f"malformed same-host Hello: expected 2 or 3 fields, got {args!r:.80}")
+            version, token, *caps = args
+            caps = _list(caps[0], "the Hello's capabilities") if caps else []
+            if not isinstance(version, int) or not frames.MIN_PROTOCOL_VERSION <= version <= frames.PROTOCOL_VERSION:
                 raise InvalidArgument(
-                    f"same-host protocol {version} is not the daemon's {frames.PROTOCOL_VERSION}: "
-                    "upgrade the client or the daemon so they match"
+                    f"same-host protocol {version} is not among the daemon's {frames.MIN_PROTOCOL_VERSION}.."
+                    f"{frames.PROTOCOL_VERSION}: upgrade the client or the daemon so they match"
                 )
             if not isinstance(token, bytes) or not hmac.compare_digest(token, self._token):
                 raise InvalidArgument("the arena token does not match this daemon's: attach again")
@@ -206,8 +225,14 @@ class SameHostServer:
         except StrataError as err:
             self._reply_error(conn, 0, err)
             return False
+        gpu = self._gpu is not None and version >= 2 and regions.CAPABILITY in caps
+        self._session.gpu = gpu  # this connection is handed the regions, and device offsets in its answers
         limits = [frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, self._store.limits.max_batch_blocks,
                   self._removals.path if self._removals is not None else ""]
+        if version >= 2:
+            head = TierName.GPU if self._gpu is not None else TierName.HOST
+            handles = [regions.to_wire(h) for h in self._gpu.handles()] if gpu else []
+            limits.append({"tier": int(head), "regions": handles})
         frames.send(conn, frames.encode([rid, frames.OK, limits]))
         return True
 
@@ -263,12 +288,23 @@ class SameHostServer:
         found = self._store.lookup(namespace, keys, lease_s, _deadline(timeout_ms), owner_of())
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
         out = []
+        unusable = []  # leases on gpu extents a client without the capability cannot reach
         for loc in found:
             if loc is None:
                 out.append(None)
-            else:
-                m = loc.meta
-                out.append([m.size, m.checksum, m.parent, m.layout, loc.offset, loc.lease_id, int(loc.tier)])
+                continue
+            m = loc.meta
+            entry = [m.size, m.checksum, m.parent, m.layout, loc.offset, loc.lease_id, int(loc.tier)]
+            if self._gpu is not None and loc.lease_id:
+                if self._session.gpu:
+                    region, entry[4] = self._gpu.handle_of(loc.offset)
+                    entry.append(region)
+                else:
+                    unusable.append(loc.lease_id)
+                    entry[4] = entry[5] = 0  # found, not leased: the client reads it through its fallback
+            out.append(entry)
+        if unusable:
+            self._store.release(unusable, owner_of())
         return [_unix_ms(lease_deadline), out]
 
     def _release(self, args, payload) -> list:
@@ -301,10 +337,19 @@ class SameHostServer:
         blocks = [tuple(_fields(b, 4, "Allocate block")) for b in _list(blocks, "blocks")]
         for b in blocks:
             _int(b[1], "size")
+        if self._gpu is not None and not self._session.gpu:
+            raise ArenaUnusable("this daemon's slots are in the gpu tier, which a client without the gpu capability "
+                                "cannot write: put inline or through the gRPC stream (or upgrade the client)")
         lease_s = _lease_s(lease_ms)
         grants = self._store.allocate(namespace, blocks, lease_s, _deadline(timeout_ms), owner_of())
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
-        return [_unix_ms(lease_deadline), [[g.present, g.slot_id, g.offset] for g in grants]]
+        if self._gpu is None:
+            return [_unix_ms(lease_deadline), [[g.present, g.slot_id, g.offset] for g in grants]]
+        out = []
+        for g in grants:
+            region, local = self._gpu.handle_of(g.offset) if not g.present else (0, 0)
+            out.append([g.present, g.slot_id, local, region])
+        return [_unix_ms(lease_deadline), out]
 
     def _commit(self, args, payload) -> list:
         slot_ids, sums = _fields(args, 2, "Commit")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -15,7 +15,7 @@ from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.cluster.pin_copies import PinCopies
 from kvstore.cluster.replicator import ReplicationReport
-from kvstore.errors import BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
+from kvstore.errors import ArenaUnusable, BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
 from kvstore.handoff.metrics import HandoffCounts
 from kvstore.node import NodeIdentity
 from kvstore.peer.served import ServedBytes
@@ -186,7 +186,11 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
         lease_s = _lease_s(request.lease_ms)
-        grants = self._mapped(request.arena).allocate(
+        mapped = self._mapped(request.arena)
+        if mapped.member.gpu is not None:  # gRPC never hands out device offsets (kvstore.transport.regions)
+            raise ArenaUnusable("this daemon's slots are in the gpu tier, which only same-host clients with the "
+                                "gpu capability write: use the streamed Put")
+        grants = mapped.allocate(
             request.namespace,
             [(b.key, b.size, b.parent_key, b.layout) for b in request.blocks],
             lease_s,
@@ -218,9 +222,11 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         lease_s = _lease_s(request.lease_ms)
-        found = self._mapped(request.arena).lookup(
-            request.namespace, list(request.keys), lease_s, _deadline(context), owner_of(context)
-        )
+        mapped = self._mapped(request.arena)
+        found = mapped.lookup(request.namespace, list(request.keys), lease_s, _deadline(context), owner_of(context))
+        if mapped.member.gpu is not None:  # leased in device memory: found, read through the stream
+            mapped.release([loc.lease_id for loc in found if loc is not None and loc.lease_id], owner_of(context))
+            found = [None if loc is None else replace(loc, offset=0, lease_id=0) for loc in found]
         out = []
         for key_bytes, loc in zip(request.keys, found):
             if loc is None:

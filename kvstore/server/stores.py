@@ -6,7 +6,11 @@ settings (``arena_options``): its own shared-memory file, its own disk
 directory. Each store recovers its own directory at start. All stores share
 the limits, the metrics and the event bus (events carry the namespace), and
 their ids carry the arena's index (see :mod:`kvstore.store.group`) when
-there is more than one arena.
+there is more than one arena. With ``--gpu-bytes`` the default arena's chain
+starts at the gpu tier (``[gpu, ram, disk...]``): writes land in device
+memory and same-host clients reach it through the region's handle
+(:mod:`kvstore.server.samehost_gpu`); the RAM arena below stays the file
+every client maps.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import Settings
-from kvstore.errors import TierUnavailable
 from kvstore.metrics import StoreMetrics
 from kvstore.store import EdgePolicy, StoreLimits, TierChain, TieredStore
 from kvstore.store.group import StoreArena, StoreGroup, watch_group
@@ -44,7 +47,7 @@ def open_stores(
     try:
         for index, arena in enumerate(plan):
             created = [ns for ns in settings.store.namespaces if rules.arena_of(ns) == arena["name"]]
-            chain = _chain(settings, arena, state_dir, runtime or {})
+            chain = _chain(settings, arena, state_dir, {"gpu": _gpu_runtime(settings), **(runtime or {})})
             try:
                 store = TieredStore(
                     chain, limits=limits,
@@ -96,19 +99,17 @@ def _chain(settings: Settings, arena: dict, state_dir: Path, runtime: Mapping[st
 
 
 def _check_gpu(settings: Settings) -> None:
-    """With ``--gpu-bytes``: CUDA must be there (else a message naming the fix), and the daemon must serve it.
-
-    It does not yet: same-host clients read the head in place through the RAM arena they map,
-    and the control path does not yet hand out the gpu tier's IPC handles instead. The tier
-    runs embedded (a ``TieredStore`` over ``[GpuTier, HostRamTier, ...]``) meanwhile."""
+    """With ``--gpu-bytes``: the memory kind must be there on every device, else a start error naming
+    the fix (no CUDA, no such device), before anything is allocated."""
     gpu = settings.tiers.gpu
     if not gpu.enabled:
         return
     from kvstore.tiers.device import probe
 
     probe(gpu.memory, gpu.devices)
-    raise TierUnavailable(
-        "the daemon does not serve the gpu tier yet: same-host clients map the RAM arena, and the control "
-        "path does not hand out device memory handles; set --gpu-bytes 0 (the gpu tier runs embedded in a "
-        "TieredStore meanwhile)"
-    )
+
+
+def _gpu_runtime(settings: Settings) -> dict[str, Any]:
+    """The host stand-in's file goes beside the RAM arena's (a tmpfs the daemon was told to use)."""
+    gpu = settings.tiers.gpu
+    return {"shm_dir": str(settings.tiers.ram.shm_dir)} if gpu.enabled and gpu.memory == "host" else {}

@@ -64,9 +64,21 @@ class StoreArena:
     index: int = 0
 
     @property
+    def ram(self):
+        """The host-RAM tier: the head, or the tier below the gpu tier when the chain starts there."""
+        return next(level.tier for level in self.store.chain if level.name == TierName.HOST)
+
+    @property
     def shm(self) -> ShmArena:
-        """The shared-memory file a same-host client maps for this arena."""
-        return self.store.head.arena
+        """The shared-memory file a same-host client maps for this arena (the RAM tier's)."""
+        return self.ram.arena
+
+    @property
+    def gpu(self):
+        """The gpu tier when the chain starts there (its extents are what Lookup and Allocate hand
+        out, instead of the arena's), else None."""
+        head = self.store.head
+        return head if head.name == TierName.GPU else None
 
 
 class StoreGroup:
@@ -102,6 +114,11 @@ class StoreGroup:
     @property
     def default(self) -> StoreArena:
         return self.arenas[0]
+
+    @property
+    def member(self) -> StoreArena:
+        """The arena of a one-arena view (:meth:`only`); the default arena of the whole group."""
+        return self._by_name[self._member or self.default.name]
 
     def arena(self, name: str) -> StoreArena:
         return self._by_name[name]

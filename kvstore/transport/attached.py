@@ -65,7 +65,7 @@ class _Owning(Transport):
 
     def __init__(self, inner: Transport, stream: Transport, arena: ShmArena | None, channel: grpc.Channel) -> None:
         self.inner, self._stream, self._arena, self._channel = inner, stream, arena, channel
-        self.name, self.shared_memory = inner.name, inner.shared_memory
+        self.name, self.shared_memory, self.device_tensors = inner.name, inner.shared_memory, inner.device_tensors
 
     def put(self, namespace: str, blocks: list[BlockPut], deadline: Deadline) -> list[bool]:
         return self.inner.put(namespace, blocks, deadline)

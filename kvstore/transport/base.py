@@ -184,6 +184,9 @@ class Transport(ABC):
     name: str = ""
     #: Whether bytes move through memory the daemon maps (no copy over a socket).
     shared_memory: bool = False
+    #: Whether ``put`` takes CUDA tensors as they are (copied device to device into a gpu tier) rather
+    #: than staged through host memory by the client first.
+    device_tensors: bool = False
 
     @abstractmethod
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:

@@ -42,7 +42,10 @@ import msgpack
 from kvstore import errors
 from kvstore.errors import InvalidArgument, ResourceExhausted, StrataError
 
-PROTOCOL_VERSION = 1
+# 2: Hello carries the client's capabilities and its answer what the daemon's head is (see below);
+# the daemon still serves 1, as 2 without capabilities.
+PROTOCOL_VERSION = 2
+MIN_PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<II")
 # 4096 keys of 1 KiB each plus their metadata fit; a client never needs more.
 MAX_META_BYTES = 8 << 20
@@ -52,11 +55,17 @@ MAX_PAYLOAD_BYTES = 4 << 20
 OK, ERROR = 0, 1
 
 # Request operations.
-HELLO = 1  # [version, arena token] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks, removal page path]
+HELLO = 1  # [version, arena token(, [capability])] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks,
+#            removal page path(, head)]; version 2 sends capabilities and gets ``head`` back:
+#            {"tier": the head's TierName, "regions": [handle]} (kvstore.transport.regions; regions
+#            only for a client that declared "gpu", when the head is the gpu tier)
 LOOKUP = 2  # [ns, keys, lease_ms, timeout_ms, release_ids] -> [lease_deadline_unix_ms, [entry or None]]
+#            entry: [size, checksum, parent, layout, offset, lease_id, tier(, region)]: region, the
+#            index into Hello's regions, when the lease is on a gpu region (offset then inside it)
 RELEASE = 3  # [lease_ids] -> [valid per lease]
 PUT = 4  # [ns, timeout_ms, [[key, size, checksum, parent, layout]]] + payload -> [[stored, tier]]
-ALLOCATE = 5  # [ns, lease_ms, timeout_ms, [[key, size, parent, layout]]] -> [deadline_ms, [[present, slot, offset]]]
+ALLOCATE = 5  # [ns, lease_ms, timeout_ms, [[key, size, parent, layout]]] -> [deadline_ms, [[present, slot, offset
+#            (, region)]]]: region as in Lookup
 COMMIT = 6  # [slot_ids] -> [[stored, tier]]
 ABORT = 7  # [slot_ids] -> None
 TOUCH = 8  # [ns, keys] -> None: blocks read without asking (kvstore.transport.locations), for recency

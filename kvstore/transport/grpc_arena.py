@@ -16,6 +16,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
+from kvstore.errors import ArenaUnusable
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import grpc_blocks as codec
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
@@ -36,6 +37,7 @@ class GrpcArenaTransport(Transport):
         self._arena = arena
         self._arena_name = arena_name  # sent with Allocate and Lookup: offsets only ever of this arena
         self._fallback = fallback
+        self._in_place = True  # False once the daemon refused a slot in the arena: puts stream
         self._lease_ms = lease_ms
         self._releases: collections.deque[grpc.Future] = collections.deque()
         self._releases_lock = threading.Lock()
@@ -52,10 +54,16 @@ class GrpcArenaTransport(Transport):
     # ---- writes --------------------------------------------------------------
 
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
+        if not self._in_place:
+            return self._fallback.put(namespace, blocks, deadline)
         checked = codec.check_puts(namespace, blocks)
         results: list[bool] = []
         for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(self._arena)):
-            results += self._put_group(namespace, group, deadline)
+            try:
+                results += self._put_group(namespace, group, deadline)
+            except ArenaUnusable:  # the daemon's slots are in its gpu tier (kvstore.transport.regions)
+                self._in_place = False
+                results += self._fallback.put(namespace, [item for item, _, _ in group], deadline)
         return results
 
     def _put_group(self, namespace: str, checked, deadline: Deadline) -> list[bool]:

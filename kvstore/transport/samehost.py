@@ -15,34 +15,39 @@ next group's copy. Blocks the daemon could not lease in the arena, or whose
 copy failed its checksum, are read again through ``fallback`` (the gRPC
 stream).
 
+When the daemon's chain starts at the gpu tier, leases and slots are
+extents of device memory: with ``gpu`` (the default) the client declares
+the capability, maps each region once through its handle and copies
+leased bytes out of it (and slot bytes into it) itself; without, its reads
+of those blocks go through ``fallback`` and its puts inline or through
+``fallback`` (see :mod:`kvstore.transport.regions`). The location table is
+kept for arena extents only: a device extent is always asked for.
+
 Thread-safe: each call takes a connection from a small pool (a connection
 carries one request at a time), so threads do not queue behind each other.
 """
 
 from __future__ import annotations
 
-import itertools
-import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvstore.block import TierName, checksum
 from kvstore.errors import (
     ArenaUnusable,
-    Cancelled,
     DaemonUnavailable,
-    DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
     StaleAttachment,
     StrataError,
 )
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import arena_io, frames
+from kvstore.transport import arena_io, frames, regions
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
 from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
-from kvstore.transport.unix import connect_unix, set_kernel_timeouts
+from kvstore.transport.samehost_conn import _Connection, _timeout_ms
 
 # Blocks up to this size travel inline in a Put frame: one round trip, where
 # the arena path needs two (Allocate, Commit). Above it the copy dominates
@@ -54,119 +59,6 @@ MAX_PENDING_RELEASES = 256
 RELEASE_DELAY_S = 0.05
 MAX_TOUCHED = 4096  # keys read without asking, reported per flush
 DEFAULT_LOCATIONS = DEFAULT_CAPACITY
-CONNECT_TIMEOUT_S = 5.0
-
-
-def _nothing() -> None:
-    pass
-
-
-def _timeout_ms(deadline: Deadline) -> int:
-    """The daemon's share of the deadline: a little less, so its answer (a refusal, say) arrives in time."""
-    remaining = deadline.remaining()
-    return 0 if remaining is None else max(1, int(remaining * 900))
-
-
-class _Connection:
-    """One socket to the daemon, Hello done; requests answered in order."""
-
-    def __init__(self, path: str, token: bytes) -> None:
-        try:
-            self.sock = connect_unix(path, CONNECT_TIMEOUT_S)
-        except OSError as err:
-            raise DaemonUnavailable(f"cannot connect to the daemon's same-host socket {path}: {err}") from None
-        self.sock.settimeout(None)  # blocking; waits are bounded in the kernel (_bound)
-        self._timeout: float | None = None
-        self.reader = frames.FrameReader(self.sock)
-        self.broken = False
-        self._ids = itertools.count(1)
-        self.max_meta, self.max_payload, self.max_batch, self.removal_page = self.call(
-            frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], deadline=Deadline.after(CONNECT_TIMEOUT_S)
-        )
-
-    def close(self) -> None:
-        self.broken = True
-        self.sock.close()
-
-    def send(self, op: int, args, payload: Sequence = (), *, reply: bool = True, deadline: Deadline) -> int:
-        rid = next(self._ids) if reply else 0
-        head = frames.encode([op, rid, args], sum(len(p) for p in payload))
-        self._io(deadline, frames.send, self.sock, head, payload)
-        return rid
-
-    def reply(self, rid: int, deadline: Deadline):
-        meta, _ = self._io(deadline, self.reader.read)
-        try:
-            got, status, result = meta
-        except (TypeError, ValueError):
-            self.close()
-            raise StrataError(f"the daemon sent a malformed reply: {meta!r}") from None
-        if got != rid:
-            self.close()  # a refusal (rid 0) or a reply out of order: the stream is unusable
-            if status == frames.ERROR:
-                frames.raise_error(result)
-            raise StrataError(f"the daemon answered request {got} where {rid} was expected")
-        if status == frames.ERROR:
-            frames.raise_error(result)
-        return result
-
-    def call(self, op: int, args, payload: Sequence = (), *, deadline: Deadline):
-        return self.reply(self.send(op, args, payload, deadline=deadline), deadline)
-
-    def notify(self, op: int, args) -> None:
-        """Send a request that gets no reply; best effort (what it gives back expires anyway)."""
-        if self.broken:
-            return
-        try:
-            frames.send(self.sock, frames.encode([op, 0, args]))
-        except OSError:
-            self.close()
-
-    def _io(self, deadline: Deadline, fn, *args):
-        if self.broken:
-            raise DaemonUnavailable("the same-host connection was closed")
-        deadline.check()
-        self._bound(deadline.remaining())
-        forget = deadline.on_cancel(self._wake) if deadline.cancellable else _nothing
-        try:
-            while True:
-                try:
-                    return fn(*args)
-                except BlockingIOError:
-                    remaining = deadline.remaining()
-                    if fn is not self.reader.read or (remaining is not None and remaining <= 0):
-                        raise  # a send cut short cannot be resumed; a read past its deadline is over
-                    set_kernel_timeouts(self.sock, remaining)  # the bound was an earlier call's: wait out this one's
-                    self._timeout = remaining
-        except (TimeoutError, BlockingIOError):
-            self.close()  # a late reply would arrive where the next one is expected
-            raise DeadlineExceeded("the daemon did not answer on the same-host socket before the deadline") from None
-        except (EOFError, OSError) as err:
-            self.close()
-            if deadline.cancelled:
-                raise Cancelled("the call was cancelled; its leases and slots are given back or expire") from None
-            raise DaemonUnavailable(f"the daemon's same-host socket closed: {err}") from None
-        finally:
-            forget()
-
-    def _bound(self, remaining: float | None) -> None:
-        """Keep the kernel's wait bound between half the call's remaining time and all of it.
-
-        Deadlines of a client's calls are mostly its fixed timeout, so the
-        bound rarely needs a system call; a bound that fires before the
-        deadline only makes a read wait again (see :meth:`_io`).
-        """
-        current = self._timeout
-        if remaining is not None and current is not None and remaining * 0.5 <= current <= remaining:
-            return
-        set_kernel_timeouts(self.sock, remaining)
-        self._timeout = remaining
-
-    def _wake(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
 
 
 def stale_attachment(refusal: InvalidArgument) -> StaleAttachment:
@@ -183,7 +75,7 @@ class SameHostTransport(Transport):
 
     def __init__(self, arena: ShmArena, socket_path: str, token: bytes, *, fallback: Transport | None = None,
                  lease_ms: int = 0, inline_bytes: int = INLINE_BYTES,
-                 locations: int = DEFAULT_LOCATIONS) -> None:
+                 locations: int = DEFAULT_LOCATIONS, gpu: bool = True) -> None:
         self._arena = arena
         self._path = socket_path
         self._token = bytes(token)
@@ -197,7 +89,9 @@ class SameHostTransport(Transport):
         self._flusher: threading.Thread | None = None
         self._wake = threading.Condition(self._lock)
         self._touched: dict[str, dict[bytes, None]] = {}  # read without asking: reported for recency
-        first = _Connection(socket_path, self._token)  # fail now, not on the first call, when unusable
+        self._caps = [regions.CAPABILITY] if gpu else []
+        self._regions = regions.Regions()
+        first = _Connection(socket_path, self._token, self._caps)  # fail now, not on the first call, when unusable
         self._locations: Locations | None = None
         if locations and first.removal_page:
             try:
@@ -206,6 +100,9 @@ class SameHostTransport(Transport):
                 first.close()
                 raise
         self._give(first)
+        self._writes_in_place = first.in_place
+        self.device_tensors = any(h.kind == "cuda" for h in first.regions)
+        self._max_inline = min(first.max_payload, first.max_meta // 2)
         self._batch_bytes = arena.size // 4
 
     # ---- connections ---------------------------------------------------------
@@ -223,9 +120,16 @@ class SameHostTransport(Transport):
         now means another daemon answers on the socket (a restart): what this transport
         attached is gone, and the client must attach again."""
         try:
-            return _Connection(self._path, self._token)
+            conn = _Connection(self._path, self._token, self._caps)
         except InvalidArgument as err:
             raise stale_attachment(err) from None
+        self._regions.keep_only(conn.regions)  # a restarted daemon's regions: the old mappings are dead
+        return conn
+
+    @property
+    def mapped_regions(self) -> int:
+        """How many gpu regions this transport has mapped (each once, by handle)."""
+        return self._regions.mapped()
 
     def _give(self, conn: _Connection) -> None:
         with self._lock:
@@ -258,6 +162,7 @@ class SameHostTransport(Transport):
             flusher.join(1.0)
         if self._locations is not None:
             self._locations.close()
+        self._regions.close()
 
     # ---- releases ------------------------------------------------------------
 
@@ -398,7 +303,7 @@ class SameHostTransport(Transport):
                 for i, entry in zip(todo, entries):
                     if entry is None:
                         continue
-                    size, sum_, parent, layout, offset, lease_id, tier = entry
+                    size, sum_, parent, layout, offset, lease_id, tier, *region = entry
                     if not lease_id:  # found, but could not be brought into the arena
                         refetch.append(i)
                         continue
@@ -409,12 +314,17 @@ class SameHostTransport(Transport):
                         view = place(i, BlockInfo(keys[i], size, layout, parent))
                         if view is None:
                             continue  # declined: a miss, its lease still released
-                        out = placed[i] = view[:size]
-                    if arena_io.copy_out(self._arena, offset, out) != sum_:
+                        out = placed[i] = regions.placed_out(view, size)
+                    if region:  # a gpu extent: copied out of the mapped region (None: it stayed on the device)
+                        got = self._regions.region(conn.regions, region[0]).read_into(offset, out)
+                    else:
+                        got = regions.arena_into(self._arena, offset, out)
+                    if got is not None and got != sum_:
                         refetch.append(i)  # torn under an expired lease, or corrupt: read it again
                         continue
                     blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
-                    learned.append((keys[i], (offset, size, sum_, parent, layout)))
+                    if not region:
+                        learned.append((keys[i], (offset, size, sum_, parent, layout)))
             except BaseException:  # a placement refused: give every lease of the read back now
                 conn.notify(frames.RELEASE, [[e[5] for e in entries if e is not None and e[5]]])
                 raise
@@ -444,28 +354,51 @@ class SameHostTransport(Transport):
             raise StrataError("blocks the daemon could not lease in the arena need a fallback transport to be read")
         refetch.sort()
 
+        staged: dict[int, memoryview] = {}  # CUDA tensors read through the fallback via host memory
+
         def again(j: int, info: BlockInfo) -> memoryview | None:
             i = refetch[j]
-            if i in placed:
-                return fit(info.key, info.size, placed[i])
-            return None if place is None else place(i, info)
+            view = placed[i] if i in placed else None if place is None else place(i, info)
+            if regions.on_device(view):
+                placed[i] = regions.placed_out(view, info.size)
+                staged[i] = memoryview(bytearray(info.size))
+                return staged[i]
+            return fit(info.key, info.size, view) if i in placed else view
 
         got = self._fallback.get_into(namespace, [keys[i] for i in refetch], again if place else None, deadline)
         for i, block in zip(refetch, got):
+            if block is not None and i in staged:
+                regions.copy_up(staged[i], placed[i])
+                block = replace(block, data=placed[i][:len(staged[i])])
             blocks[i] = block
 
     # ---- writes --------------------------------------------------------------
 
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
-        views = [memoryview(b.value).cast("B") for b in blocks]
+        views = [regions.device_or_host(b.value) for b in blocks]  # CUDA tensors only where device_tensors
         results = [False] * len(blocks)
-        inline = [i for i, v in enumerate(views) if len(v) <= self._inline]
-        in_place = [i for i, v in enumerate(views) if len(v) > self._inline]
+        # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
+        limit = self._inline if self._writes_in_place else self._max_inline
+        inline = [i for i, v in enumerate(views) if len(v) <= limit]
+        in_place = [i for i, v in enumerate(views) if len(v) > limit]
+        for i in inline:
+            views[i] = regions.on_host(views[i])
         if inline:
             self._put_inline(namespace, blocks, views, inline, results, deadline)
+        if in_place and not self._writes_in_place:
+            self._put_elsewhere(namespace, blocks, in_place, results, deadline)
+            return results
         for batch in arena_io.batches_by_bytes([len(views[i]) for i in in_place], self._batch_bytes):
             self._put_in_place(namespace, blocks, views, [in_place[j] for j in batch], results, deadline)
         return results
+
+    def _put_elsewhere(self, namespace, blocks, indices, results, deadline) -> None:
+        if self._fallback is None:
+            raise StrataError("blocks the daemon cannot take in place need a fallback transport to be put")
+        staged = [BlockPut(blocks[i].key, regions.on_host(blocks[i].value), blocks[i].parent, blocks[i].layout)
+                  for i in indices]
+        for i, stored in zip(indices, self._fallback.put(namespace, staged, deadline)):
+            results[i] = stored
 
     def _put_inline(self, namespace, blocks, views, indices, results, deadline) -> None:
         conn = self._take()
@@ -496,7 +429,8 @@ class SameHostTransport(Transport):
                 frames.ALLOCATE, [namespace, self._lease_ms, _timeout_ms(deadline), headers], deadline=deadline
             )
             received = arena_io.now_ms()
-            todo = [(i, slot, offset) for i, (present, slot, offset) in zip(indices, grants) if not present]
+            todo = [(i, slot, (offset, *region)) for i, (present, slot, offset, *region) in zip(indices, grants)
+                    if not present]
             slots = [slot for _, slot, _ in todo]
             sent: list[tuple[int, list]] = []
             for group in arena_io.commit_groups([len(views[i]) for i, _, _ in todo]):
@@ -506,9 +440,12 @@ class SameHostTransport(Transport):
                         "the arena slots' lease ran out before they were written: nothing was stored, put again"
                     )
                 sums = []
-                for i, _, offset in group:
+                for i, _, (offset, *region) in group:
                     deadline.check()
-                    sums.append(arena_io.copy_in(self._arena, offset, views[i]))
+                    if region:  # a gpu slot: written through the mapped region (device to device from a CUDA tensor)
+                        sums.append(self._regions.region(conn.regions, region[0]).write(offset, views[i]))
+                    else:
+                        sums.append(arena_io.copy_in(self._arena, offset, regions.on_host(views[i])))
                 commit = [[slot for _, slot, _ in group], sums]
                 sent.append((conn.send(frames.COMMIT, commit, deadline=deadline), group))
                 unread += 1

@@ -27,7 +27,7 @@ from kvstore.errors import (
     ArenaUnusable, DaemonUnavailable, DeadlineExceeded, InvalidArgument, LeaseExpired, StrataError,
 )
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import arena_io, frames
+from kvstore.transport import arena_io, frames, regions
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
 from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
 from kvstore.transport.samehost import (
@@ -54,7 +54,7 @@ class AsyncSameHostTransport:
     shared_memory = True
 
     def __init__(self, arena: ShmArena, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 lease_ms: int, off_loop: OffLoop, off_loop_bytes: int, fallback) -> None:
+                 lease_ms: int, off_loop: OffLoop, off_loop_bytes: int, fallback, gpu: bool = True) -> None:
         self._arena = arena
         self._reader = reader
         self._writer = writer
@@ -62,6 +62,9 @@ class AsyncSameHostTransport:
         self._off_loop = off_loop
         self._off_loop_bytes = off_loop_bytes
         self._fallback = fallback  # async (namespace, keys, place) -> blocks, for refetches
+        self.writes_in_place = True  # False: the daemon's slots are in its gpu tier, not mapped here
+        self._handles: list = []  # the daemon's gpu regions (the Hello's), mapped on first use
+        self._regions = regions.Regions()
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[asyncio.Future, int]] = {}
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
@@ -81,6 +84,11 @@ class AsyncSameHostTransport:
         self = await cls._connect(arena, path, token, locations, options)
         self._path, self._token, self._options = path, bytes(token), {"locations": locations, **options}
         return self
+
+    @property
+    def mapped_regions(self) -> int:
+        """How many gpu regions this transport has mapped (each once, by handle)."""
+        return self._regions.mapped()
 
     @property
     def broken(self) -> bool:
@@ -113,8 +121,13 @@ class AsyncSameHostTransport:
         self = cls(arena, reader, writer, **options)
         self._reading = asyncio.ensure_future(self._read_loop())
         try:
-            limits = await self._call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token)], (), CONNECT_TIMEOUT_S)
-            _, self._max_payload, self._max_batch, removals = limits
+            # The gpu capability (kvstore.transport.regions): a gpu head's extents come with their region.
+            hello = [frames.PROTOCOL_VERSION, bytes(token), [regions.CAPABILITY] if options.get("gpu", True) else []]
+            limits = await self._call(frames.HELLO, hello, (), CONNECT_TIMEOUT_S)
+            _, self._max_payload, self._max_batch, removals, *head = limits
+            head = head[0] if head else {"tier": int(TierName.HOST), "regions": []}  # as a protocol 1 daemon
+            self._handles = regions.regions_from_wire(head["regions"])
+            self.writes_in_place = head["tier"] == int(TierName.HOST) or bool(self._handles)
             if removals and locations:
                 self._locations = Locations(removals, bytes(token), locations)
         except BaseException:  # refused (a token of another run), unreadable, cancelled: nothing stays open
@@ -138,6 +151,7 @@ class AsyncSameHostTransport:
             await asyncio.gather(self._reading, return_exceptions=True)
         if self._locations is not None:
             self._locations.close()
+        self._regions.close()
 
     # ---- requests ------------------------------------------------------------
 
@@ -286,7 +300,7 @@ class AsyncSameHostTransport:
         locations = self._locations
         epoch = locations.epoch()
         todo: list[int] = []
-        jobs: list[tuple[int, memoryview, int, int]] = []
+        jobs: list[tuple[int, memoryview, tuple, int]] = []
         known: dict[int, tuple] = {}
         for i, key in enumerate(keys):
             where = locations.get(namespace, key)
@@ -297,7 +311,7 @@ class AsyncSameHostTransport:
             out = arena_io.target(place, i, BlockInfo(key, size, layout, parent))  # on the loop: the caller's code
             if out is None:
                 continue  # declined: a miss
-            jobs.append((i, out, offset, sum_))
+            jobs.append((i, out, (offset,), sum_))
             known[i] = where
         if not jobs:
             return todo
@@ -335,12 +349,12 @@ class AsyncSameHostTransport:
         entries = dict(zip(todo, answers))
         refetch: list[int] = []
         placed: dict[int, memoryview] = {}
-        jobs: list[tuple[int, memoryview, int, int]] = []  # (index, out, offset, checksum)
+        jobs: list[tuple[int, memoryview, tuple, int]] = []  # (index, out, (offset(, region)), checksum)
         try:
             for i, entry in entries.items():
                 if entry is None:
                     continue
-                size, sum_, parent, layout, offset, lease_id, tier = entry
+                size, sum_, parent, layout, offset, lease_id, tier, *region = entry
                 if not lease_id:
                     refetch.append(i)
                     continue
@@ -351,7 +365,7 @@ class AsyncSameHostTransport:
                     if view is None:
                         continue
                     out = placed[i] = view[:size]
-                jobs.append((i, out, offset, sum_))
+                jobs.append((i, out, (offset, *region), sum_))
             nbytes = sum(len(out) for _, out, _, _ in jobs)
             if nbytes > self._off_loop_bytes:
                 sums = await self._off_loop(nbytes, self._copy_all, jobs)
@@ -361,13 +375,14 @@ class AsyncSameHostTransport:
             self._notify(frames.RELEASE, [[e[5] for e in answers if e is not None and e[5]]])
             raise
         learned: list[tuple[bytes, tuple]] = []
-        for (i, out, offset, sum_), got in zip(jobs, sums):
-            if got != sum_:
+        for (i, out, (offset, *region), sum_), got in zip(jobs, sums):
+            if got is not None and got != sum_:  # None: copied device to device, verified on the way in
                 refetch.append(i)
                 continue
-            size, _, parent, layout, _, _, tier = entries[i]
+            size, _, parent, layout, _, _, tier, *_ = entries[i]
             blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
-            learned.append((keys[i], (offset, size, sum_, parent, layout)))
+            if not region:  # the location table holds arena extents only
+                learned.append((keys[i], (offset, size, sum_, parent, layout)))
         ids = [e[5] for e in answers if e is not None and e[5]]
         if ids:
             if refetch or not arena_io.lease_held(lease_deadline, received):
@@ -396,8 +411,9 @@ class AsyncSameHostTransport:
             for i, block in zip(refetch, got):
                 blocks[i] = block
 
-    def _copy_all(self, jobs) -> list[int]:
-        return [arena_io.copy_out(self._arena, offset, out) for _, out, offset, _ in jobs]
+    def _copy_all(self, jobs) -> list[int | None]:
+        return [self._regions.region(self._handles, where[1]).read_into(where[0], out) if len(where) > 1
+                else arena_io.copy_out(self._arena, where[0], out) for _, out, where, _ in jobs]
 
     # ---- writes --------------------------------------------------------------
 
@@ -427,7 +443,8 @@ class AsyncSameHostTransport:
             frames.ALLOCATE, [namespace, self._lease_ms, _timeout_ms(timeout), headers], (), timeout
         )
         received = arena_io.now_ms()
-        todo = [(i, slot, offset) for i, (present, slot, offset) in zip(indices, grants) if not present]
+        todo = [(i, slot, (offset, *region)) for i, (present, slot, offset, *region) in zip(indices, grants)
+                if not present]
         commits: list[tuple[asyncio.Future, list]] = []
         try:
             for group in arena_io.commit_groups([len(views[i]) for i, _, _ in todo]):
@@ -454,5 +471,7 @@ class AsyncSameHostTransport:
             raise
 
     def _copy_in(self, group, views) -> list[int]:
-        return [arena_io.copy_in(self._arena, offset, views[i]) for i, _, offset in group]
+        """Into the arena, or into a gpu slot through the mapped region (``where`` names it)."""
+        return [self._regions.region(self._handles, where[1]).write(where[0], views[i]) if len(where) > 1
+                else arena_io.copy_in(self._arena, where[0], views[i]) for i, _, where in group]
 

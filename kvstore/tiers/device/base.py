@@ -109,5 +109,10 @@ class DeviceMemory(RegionAccess):
 
 
 class AttachedMemory(RegionAccess):
-    """A region another process owns, mapped here through its :class:`MemoryHandle`: read-only by contract
-    (a reader holds a lease on the blocks it reads; the owner writes only extents nobody leases)."""
+    """A region another process owns, mapped here through its :class:`MemoryHandle`. A reader copies
+    only blocks it holds a read lease on; it writes only an extent it holds a slot on (Allocate), and
+    the owner verifies that extent's bytes (``DeviceMemory.checksum``) when the slot is committed."""
+
+    @abc.abstractmethod
+    def write(self, offset: int, src) -> int:
+        """As :meth:`DeviceMemory.write`, into an extent this process holds a slot on."""

@@ -223,6 +223,21 @@ class _CudaRegion:
         self._check(offset, len(out))
         return self._copier.read_host(offset, len(out), out)
 
+    def write(self, offset: int, src) -> int:
+        if _device_tensor(src, self._dev):
+            data = tensor_bytes(src)
+            self._check(offset, data.numel())
+            dst = self._region[offset:offset + data.numel()]
+            self._copier.device_copy(dst, data, "in")
+            return self._copier.read_host(offset, data.numel(), None)  # new bytes: hashed on the host side
+        if _pinned_tensor(src):
+            data = tensor_bytes(src)
+            self._check(offset, data.numel())
+            return self._copier.write_pinned(offset, data)
+        data = host_view(src)
+        self._check(offset, len(data))
+        return self._copier.write_host(offset, data)
+
     def tensor(self, offset: int, size: int):
         """A uint8 tensor over ``size`` bytes of the region (no copy), for kernels that read in place."""
         self._check(offset, size)
@@ -244,31 +259,19 @@ class CudaMemory(_CudaRegion, DeviceMemory):
         self._start(torch, region, device, staging_bytes, staging_buffers)
         self._handle: MemoryHandle | None = None
 
-    def write(self, offset: int, src) -> int:
-        if _device_tensor(src, self._dev):
-            data = tensor_bytes(src)
-            self._check(offset, data.numel())
-            dst = self._region[offset:offset + data.numel()]
-            self._copier.device_copy(dst, data, "in")
-            return self._copier.read_host(offset, data.numel(), None)  # new bytes: hashed on the host side
-        if _pinned_tensor(src):
-            data = tensor_bytes(src)
-            self._check(offset, data.numel())
-            return self._copier.write_pinned(offset, data)
-        data = host_view(src)
-        self._check(offset, len(data))
-        return self._copier.write_host(offset, data)
-
     def checksum(self, offset: int, size: int) -> int:
         self._check(offset, size)
         return self._copier.read_host(offset, size, None)
 
     def handle(self) -> MemoryHandle:
+        """The reduction's arguments that are plain values (bytes, ints, bools, the shape), so the handle
+        crosses the same-host socket as msgpack; the types it also names are always the same here."""
         if self._handle is None:
             from torch.multiprocessing.reductions import reduce_tensor
 
             _, args = reduce_tensor(self._region)
-            self._handle = MemoryHandle(self.kind, self.device, self.size, args)
+            (_, shape, stride, offset, _, _, *rest) = args
+            self._handle = MemoryHandle(self.kind, self.device, self.size, (list(shape), list(stride), offset, *rest))
         return self._handle
 
     def close(self) -> None:
@@ -284,7 +287,9 @@ class AttachedCudaMemory(_CudaRegion, AttachedMemory):
         torch = _torch_cuda(device)
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        region = rebuild_cuda_tensor(*handle.payload)
+        shape, stride, offset, *rest = handle.payload
+        region = rebuild_cuda_tensor(torch.Tensor, torch.Size(shape), tuple(stride), offset,
+                                     torch.storage.TypedStorage, torch.uint8, *rest)
         if region.numel() != handle.size:
             raise InvalidArgument(f"the handle maps {region.numel()} bytes but says {handle.size}")
         self._start(torch, region, device, staging_bytes, staging_buffers)

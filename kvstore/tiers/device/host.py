@@ -41,13 +41,7 @@ class HostMemory(DeviceMemory):
         return self._arena.size
 
     def write(self, offset: int, src) -> int:
-        src = host_view(src)
-        self._check(offset, len(src))
-        dst = self._arena.view(offset, len(src))
-        try:
-            return copy_and_checksum(dst, src)
-        finally:
-            dst.release()
+        return _write(self._arena, self, offset, src)
 
     def read_into(self, offset: int, dst) -> int:
         return _read_into(self._arena, self, offset, dst)
@@ -88,6 +82,9 @@ class AttachedHostMemory(AttachedMemory):
     def read_into(self, offset: int, dst) -> int:
         return _read_into(self._arena, self, offset, dst)
 
+    def write(self, offset: int, src) -> int:
+        return _write(self._arena, self, offset, src)
+
     def close(self) -> None:
         self._arena.close()
 
@@ -100,3 +97,13 @@ def _read_into(arena: ShmArena, region, offset: int, dst) -> int:
         return copy_and_checksum(out, src)
     finally:
         src.release()
+
+
+def _write(arena: ShmArena, region, offset: int, src) -> int:
+    src = host_view(src)
+    region._check(offset, len(src))
+    dst = arena.view(offset, len(src))
+    try:
+        return copy_and_checksum(dst, src)
+    finally:
+        dst.release()
