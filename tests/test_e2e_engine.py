@@ -296,6 +296,42 @@ def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_
     assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b"}
 
 
+def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(engines, daemon_process, trio):
+    """The benchmark reuses one engine across phases (POST /admin/reconfigure): after it, a prompt the
+    engine computed before is a miss in its own cache and in the pool (a new namespace), its first
+    token equal to a cold engine's, and its metrics count from zero."""
+    daemon = daemon_process("--node-id", "node-r")
+    (engine,) = engines(("--prefix-cache", "blocks", "--engine-id", "phase-1", "--admin",
+                         "--strata", daemon.target, "--namespace", "phase-1"))
+    prompt = _tokens(31, 4 * BLOCK + 5)
+    cold = engine.complete(prompt)
+    assert engine.complete(prompt)["strata"]["cached_local"] == 4 * BLOCK  # the engine's cache holds it
+    keys = [event_key_bytes(h) for h in BlockHasher(BLOCK, SEED).chain(prompt)]
+    with Client(daemon.target) as c:
+        wait_until(lambda: len(c.exists("phase-1", keys)) == 4, what="the prompt's blocks stored in the pool")
+
+    changed = engine.post("/admin/reconfigure", {"engine_id": "phase-2", "namespace": "phase-2"})
+    assert changed["engine_id"] == "phase-2" and changed["prefix_cache"] == "blocks"
+    assert engine.metric("e2e_engine_prompt_tokens_total") == 0
+    after = engine.complete(prompt)
+    assert after["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-2"}
+    assert after["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    assert engine.metric("e2e_engine_prompt_tokens_total") == len(prompt)
+
+    # Another mode, the pool off: the one-slot cache of policy (a), empty too.
+    engine.post("/admin/reconfigure", {"engine_id": "phase-3", "prefix_cache": "last", "strata": "", "namespace": ""})
+    assert engine.complete(prompt)["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-3"}
+    assert engine.complete(prompt)["strata"]["cached_local"] == len(prompt) - 1  # the slot: all but the last
+    for body, words in [({"block_size": 32}, "cannot change without a restart"),
+                        ({"strata": daemon.target, "namespace": ""}, "needs both")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            engine.post("/admin/reconfigure", body)
+        assert e.value.code == 400 and words in json.load(e.value)["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:  # only an engine started with --admin serves it
+        trio["blocks"].post("/admin/reconfigure", {"engine_id": "x"})
+    assert e.value.code in (404, 405)
+
+
 # ---- in-process: the block cache's order and the events' wire -------------------------------------
 
 
