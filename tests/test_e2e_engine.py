@@ -121,6 +121,35 @@ def trio(engines):
     return {"none": none, "last": last, "blocks": blocks}
 
 
+@pytest.fixture(scope="module")
+def spares(engines):
+    """Two engines started with ``--admin``; a test sets each to what it needs with :func:`configured`
+    (POST /admin/reconfigure: an empty cache, metrics from zero, its own ids, pool and KV events)
+    instead of waiting for engines of its own to start."""
+    return engines(("--admin",), ("--admin",))
+
+
+ENGINE_DEFAULTS = {"engine_id": "engine-0", "prefix_cache": "blocks", "cache_blocks": 4096, "max_queue": 64,
+                   "kv_events": "", "kv_events_replay": "", "strata": "", "namespace": ""}
+
+
+def configured(engine: EngineProcess, **settings) -> EngineProcess:
+    """``engine`` as if started with ``settings`` (the rest the engine's defaults), once it is idle
+    (409 while a request a test abandoned has not yet noticed it)."""
+
+    def reconfigured() -> bool:
+        try:
+            engine.post("/admin/reconfigure", {**ENGINE_DEFAULTS, **settings})
+        except urllib.error.HTTPError as e:
+            if e.code != 409:
+                raise
+            return False
+        return True
+
+    wait_until(reconfigured, timeout=60, what=f"engine {engine.url} idle to reconfigure")
+    return engine
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     import random
 
@@ -212,8 +241,8 @@ def test_bad_requests_are_refused_with_the_reason(trio):
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] > 0
 
 
-def test_beyond_the_queue_a_request_gets_429_with_retry_after(engines):
-    (engine,) = engines(("--prefix-cache", "none", "--max-queue", "0"))
+def test_beyond_the_queue_a_request_gets_429_with_retry_after(spares):
+    engine = configured(spares[0], prefix_cache="none", max_queue=0)
     body = json.dumps({"prompt": _tokens(5, 40), "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
     req = urllib.request.Request(engine.url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -231,12 +260,12 @@ def test_beyond_the_queue_a_request_gets_429_with_retry_after(engines):
     assert engine.metric('e2e_engine_requests_total{code="429"}') == 1
 
 
-def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(engines, daemon_process):
+def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(spares, daemon_process):
     pub, replay, metrics = free_port(), free_port(), free_port()
     source = f"tcp://127.0.0.1:{pub}?engine=eng-ev&namespace=ev&replay=tcp://127.0.0.1:{replay}"
     daemon = daemon_process("--kv-events", source, "--metrics-listen", f"127.0.0.1:{metrics}")
-    (engine,) = engines(("--prefix-cache", "blocks", "--cache-blocks", "6", "--engine-id", "eng-ev",
-                         "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"))
+    engine = configured(spares[0], prefix_cache="blocks", cache_blocks=6, engine_id="eng-ev",
+                        kv_events=f"tcp://127.0.0.1:{pub}", kv_events_replay=f"tcp://127.0.0.1:{replay}")
 
     def subscribed() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
@@ -266,10 +295,10 @@ def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(engines, daemon_
         assert engine.complete(first, max_tokens=1)["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCK
 
 
-def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_process, trio):
+def test_the_pool_gives_one_replica_the_prefix_another_computed(spares, daemon_process, trio):
     daemon = daemon_process("--node-id", "node-a")
-    a, b = engines(*[("--prefix-cache", "blocks", "--strata", daemon.target, "--namespace", "pool", "--engine-id", n)
-                     for n in ("rep-a", "rep-b")])
+    a, b = (configured(e, prefix_cache="blocks", strata=daemon.target, namespace="pool", engine_id=n)
+            for e, n in zip(spares, ("rep-a", "rep-b")))
     prompt = _tokens(21, 6 * BLOCK + 9)
     cold = a.complete(prompt, max_tokens=10)
     assert cold["strata"]["cached_pool"] == 0
@@ -296,13 +325,13 @@ def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_
     assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b"}
 
 
-def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(engines, daemon_process, trio):
+def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(spares, daemon_process, trio):
     """The benchmark reuses one engine across phases (POST /admin/reconfigure): after it, a prompt the
     engine computed before is a miss in its own cache and in the pool (a new namespace), its first
     token equal to a cold engine's, and its metrics count from zero."""
     daemon = daemon_process("--node-id", "node-r")
-    (engine,) = engines(("--prefix-cache", "blocks", "--engine-id", "phase-1", "--admin",
-                         "--strata", daemon.target, "--namespace", "phase-1"))
+    engine = configured(spares[0], prefix_cache="blocks", engine_id="phase-1", strata=daemon.target,
+                        namespace="phase-1")
     prompt = _tokens(31, 4 * BLOCK + 5)
     cold = engine.complete(prompt)
     assert engine.complete(prompt)["strata"]["cached_local"] == 4 * BLOCK  # the engine's cache holds it
