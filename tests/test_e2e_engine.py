@@ -115,18 +115,25 @@ def engines(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trio(engines):
-    """One engine per prefix-cache mode; ``none`` is every test's reference."""
-    none, last, blocks = engines(("--prefix-cache", "none"), ("--prefix-cache", "last"), ("--prefix-cache", "blocks"))
-    return {"none": none, "last": last, "blocks": blocks}
+def started(engines):
+    """The module's three engines: ``none`` (every test's cold reference) and two started with
+    ``--admin``, which each test sets to what it needs with :func:`configured`."""
+    return engines(("--prefix-cache", "none"), ("--admin",), ("--admin",))
 
 
-@pytest.fixture(scope="module")
-def spares(engines):
-    """Two engines started with ``--admin``; a test sets each to what it needs with :func:`configured`
-    (POST /admin/reconfigure: an empty cache, metrics from zero, its own ids, pool and KV events)
-    instead of waiting for engines of its own to start."""
-    return engines(("--admin",), ("--admin",))
+@pytest.fixture
+def trio(started):
+    """One engine per prefix-cache mode, the cached ones empty at the test's start."""
+    none, last, blocks = started
+    return {"none": none, "last": configured(last, prefix_cache="last"),
+            "blocks": configured(blocks, prefix_cache="blocks")}
+
+
+@pytest.fixture
+def spares(started):
+    """The two ``--admin`` engines, for a test to reconfigure as its own (POST /admin/reconfigure:
+    an empty cache, metrics from zero, its own ids, pool and KV events) instead of starting engines."""
+    return started[1:]
 
 
 ENGINE_DEFAULTS = {"engine_id": "engine-0", "prefix_cache": "blocks", "cache_blocks": 4096, "max_queue": 64,
@@ -357,7 +364,7 @@ def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(spares, 
             engine.post("/admin/reconfigure", body)
         assert e.value.code == 400 and words in json.load(e.value)["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as e:  # only an engine started with --admin serves it
-        trio["blocks"].post("/admin/reconfigure", {"engine_id": "x"})
+        trio["none"].post("/admin/reconfigure", {"engine_id": "x"})
     assert e.value.code in (404, 405)
 
 
