@@ -274,9 +274,9 @@ def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_fa
 def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own_daemon(tmp_path):
     """Policy (d)'s fleet: two daemons on one Redis index, each with the peer tier; engine 0 computes a
     prompt and stores its blocks to daemon 0; engine 1, asked the same prompt, loads them from daemon 1,
-    which fetches them from daemon 0 (its Exists alone would have said "absent"). Then policy (e)'s
-    fleet on the same engines, reconfigured rather than restarted: nothing (d) cached is a hit there,
-    in an engine's own cache or through the pool (a namespace of its own)."""
+    which fetches them from daemon 0 (its Exists alone would have said "absent"). Then the next phase's
+    fleet on the same engines, reconfigured rather than restarted: nothing the first phase cached is a
+    hit there, in an engine's own cache or through the pool (a namespace of its own)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import random
@@ -293,7 +293,9 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own
     from conftest import wait_until
 
     model_dir = model.build(tmp_path / "model", size="tiny")
-    phase, then = Phase("d", POLICIES["d"]), Phase("e", POLICIES["e"])
+    # The next phase: (d) again, under a name of its own (its namespace and engine ids); round robin, so
+    # its router starts without loading a tokenizer.
+    phase, then = Phase("d", POLICIES["d"]), Phase("d2", POLICIES["d"])
     rng = random.Random(5)
     prompt = [rng.randrange(8, 500) for _ in range(320)]  # 20 full blocks
     with Nodes(FleetSpec(model_dir=model_dir), [phase, then]) as nodes, Engines(nodes) as engines:
@@ -319,10 +321,10 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own
 
         with Fleet(nodes, then, engines) as fleet:
             assert fleet.engine_starts == 0 and engines.starts == 2
-            # Engine 1 first: its own cache held the prompt, and the pool did under (d)'s namespace.
+            # Engine 1 first: its own cache held the prompt, and the pool did under the first namespace.
             again = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
             assert again.cached_tokens == 0
-            # Engine 0 computed it under (d): its own cache is empty now (what engine 1 just stored may
-            # reach it through the pool: that is (e)'s own).
+            # Engine 0 computed it in the first phase: its own cache is empty now (what engine 1 just
+            # stored may reach it through the pool: that is this phase's own).
             again = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
             assert again.cached_local == 0
