@@ -254,6 +254,7 @@ def _main(args: argparse.Namespace) -> int:
             plan = FaultPlan() if phase.name == "faults" else None
             results[phase.name] = run_phase(nodes, engines, phase, workload_for, state, plan)
             log.info("phase %s took %.0f s", phase.name, results[phase.name]["seconds"])
+        engines.close()  # the 4k measurement has the machine to itself, as when each phase stopped its own
         if args.no_prefix_4k:
             prefix = None
         else:
