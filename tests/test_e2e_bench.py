@@ -274,7 +274,9 @@ def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_fa
 def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own_daemon(tmp_path):
     """Policy (d)'s fleet: two daemons on one Redis index, each with the peer tier; engine 0 computes a
     prompt and stores its blocks to daemon 0; engine 1, asked the same prompt, loads them from daemon 1,
-    which fetches them from daemon 0 (its Exists alone would have said "absent")."""
+    which fetches them from daemon 0 (its Exists alone would have said "absent"). Then the next phase's
+    fleet on the same engines, reconfigured rather than restarted: nothing the first phase cached is a
+    hit there, in an engine's own cache or through the pool (a namespace of its own)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import random
@@ -285,30 +287,44 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     from benchmarks.e2e import model
     from benchmarks.e2e.__main__ import one_request
-    from benchmarks.e2e.fleet import Fleet, FleetSpec, Nodes, Phase
+    from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase
     from kvstore.client.sync import Client
 
     from conftest import wait_until
 
     model_dir = model.build(tmp_path / "model", size="tiny")
-    phase = Phase("d", POLICIES["d"])
-    with Nodes(FleetSpec(model_dir=model_dir), [phase]) as nodes, Fleet(nodes, phase) as fleet:
-        rng = random.Random(5)
-        prompt = [rng.randrange(8, 500) for _ in range(320)]  # 20 full blocks
-        first = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
-        assert first.cached_tokens == 0
+    # The next phase: (d) again, under a name of its own (its namespace and engine ids); round robin, so
+    # its router starts without loading a tokenizer.
+    phase, then = Phase("d", POLICIES["d"]), Phase("d2", POLICIES["d"])
+    rng = random.Random(5)
+    prompt = [rng.randrange(8, 500) for _ in range(320)]  # 20 full blocks
+    with Nodes(FleetSpec(model_dir=model_dir), [phase, then]) as nodes, Engines(nodes) as engines:
+        with Fleet(nodes, phase, engines) as fleet:
+            first = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
+            assert first.cached_tokens == 0
 
-        def stored() -> bool:
-            samples = fleet.engine_metrics()[fleet.replicas[0].engine_id]
-            return samples.get(("e2e_engine_pool_blocks_total", (("op", "store"), ("outcome", "stored")))) >= 20
+            def stored() -> bool:
+                samples = fleet.engine_metrics()[fleet.replicas[0].engine_id]
+                key = ("e2e_engine_pool_blocks_total", (("op", "store"), ("outcome", "stored")))
+                return (samples.get(key) or 0) >= 20  # no sample before the first store
 
-        wait_until(stored, what="engine 0's blocks stored to daemon 0")
-        with Client(nodes.nodes[1].target) as kv:  # the index names node-0 as their holder
+            wait_until(stored, what="engine 0's blocks stored to daemon 0")
+            with Client(nodes.nodes[1].target) as kv:  # the index names node-0 as their holder
 
-            def indexed() -> bool:
-                scores = kv.score(phase.namespace, tokens=prompt, block_size=16, hash_seed="0")
-                return any(s.node_id == "node-0" and s.blocks == 20 for s in scores)
+                def indexed() -> bool:
+                    scores = kv.score(phase.namespace, tokens=prompt, block_size=16, hash_seed="0")
+                    return any(s.node_id == "node-0" and s.blocks == 20 for s in scores)
 
-            wait_until(indexed, what="node-0's blocks in the shared index")
-        second = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
-    assert second.cached_pool == 320 and second.cached_local == 0
+                wait_until(indexed, what="node-0's blocks in the shared index")
+            second = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
+            assert second.cached_pool == 320 and second.cached_local == 0
+
+        with Fleet(nodes, then, engines) as fleet:
+            assert fleet.engine_starts == 0 and engines.starts == 2
+            # Engine 1 first: its own cache held the prompt, and the pool did under the first namespace.
+            again = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
+            assert again.cached_tokens == 0
+            # Engine 0 computed it in the first phase: its own cache is empty now (what engine 1 just
+            # stored may reach it through the pool: that is this phase's own).
+            again = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
+            assert again.cached_local == 0

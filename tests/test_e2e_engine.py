@@ -115,10 +115,46 @@ def engines(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trio(engines):
-    """One engine per prefix-cache mode; ``none`` is every test's reference."""
-    none, last, blocks = engines(("--prefix-cache", "none"), ("--prefix-cache", "last"), ("--prefix-cache", "blocks"))
-    return {"none": none, "last": last, "blocks": blocks}
+def started(engines):
+    """The module's three engines: ``none`` (every test's cold reference) and two started with
+    ``--admin``, which each test sets to what it needs with :func:`configured`."""
+    return engines(("--prefix-cache", "none"), ("--admin",), ("--admin",))
+
+
+@pytest.fixture
+def trio(started):
+    """One engine per prefix-cache mode, the cached ones empty at the test's start."""
+    none, last, blocks = started
+    return {"none": none, "last": configured(last, prefix_cache="last"),
+            "blocks": configured(blocks, prefix_cache="blocks")}
+
+
+@pytest.fixture
+def spares(started):
+    """The two ``--admin`` engines, for a test to reconfigure as its own (POST /admin/reconfigure:
+    an empty cache, metrics from zero, its own ids, pool and KV events) instead of starting engines."""
+    return started[1:]
+
+
+ENGINE_DEFAULTS = {"engine_id": "engine-0", "prefix_cache": "blocks", "cache_blocks": 4096, "max_queue": 64,
+                   "kv_events": "", "kv_events_replay": "", "strata": "", "namespace": ""}
+
+
+def configured(engine: EngineProcess, **settings) -> EngineProcess:
+    """``engine`` as if started with ``settings`` (the rest the engine's defaults), once it is idle
+    (409 while a request a test abandoned has not yet noticed it)."""
+
+    def reconfigured() -> bool:
+        try:
+            engine.post("/admin/reconfigure", {**ENGINE_DEFAULTS, **settings})
+        except urllib.error.HTTPError as e:
+            if e.code != 409:
+                raise
+            return False
+        return True
+
+    wait_until(reconfigured, timeout=60, what=f"engine {engine.url} idle to reconfigure")
+    return engine
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -212,8 +248,8 @@ def test_bad_requests_are_refused_with_the_reason(trio):
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] > 0
 
 
-def test_beyond_the_queue_a_request_gets_429_with_retry_after(engines):
-    (engine,) = engines(("--prefix-cache", "none", "--max-queue", "0"))
+def test_beyond_the_queue_a_request_gets_429_with_retry_after(spares):
+    engine = configured(spares[0], prefix_cache="none", max_queue=0)
     body = json.dumps({"prompt": _tokens(5, 40), "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
     req = urllib.request.Request(engine.url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -231,12 +267,12 @@ def test_beyond_the_queue_a_request_gets_429_with_retry_after(engines):
     assert engine.metric('e2e_engine_requests_total{code="429"}') == 1
 
 
-def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(engines, daemon_process):
+def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(spares, daemon_process):
     pub, replay, metrics = free_port(), free_port(), free_port()
     source = f"tcp://127.0.0.1:{pub}?engine=eng-ev&namespace=ev&replay=tcp://127.0.0.1:{replay}"
     daemon = daemon_process("--kv-events", source, "--metrics-listen", f"127.0.0.1:{metrics}")
-    (engine,) = engines(("--prefix-cache", "blocks", "--cache-blocks", "6", "--engine-id", "eng-ev",
-                         "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"))
+    engine = configured(spares[0], prefix_cache="blocks", cache_blocks=6, engine_id="eng-ev",
+                        kv_events=f"tcp://127.0.0.1:{pub}", kv_events_replay=f"tcp://127.0.0.1:{replay}")
 
     def subscribed() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
@@ -266,10 +302,10 @@ def test_kv_events_make_the_daemon_index_the_engine_as_a_holder(engines, daemon_
         assert engine.complete(first, max_tokens=1)["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCK
 
 
-def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_process, trio):
+def test_the_pool_gives_one_replica_the_prefix_another_computed(spares, daemon_process, trio):
     daemon = daemon_process("--node-id", "node-a")
-    a, b = engines(*[("--prefix-cache", "blocks", "--strata", daemon.target, "--namespace", "pool", "--engine-id", n)
-                     for n in ("rep-a", "rep-b")])
+    a, b = (configured(e, prefix_cache="blocks", strata=daemon.target, namespace="pool", engine_id=n)
+            for e, n in zip(spares, ("rep-a", "rep-b")))
     prompt = _tokens(21, 6 * BLOCK + 9)
     cold = a.complete(prompt, max_tokens=10)
     assert cold["strata"]["cached_pool"] == 0
@@ -294,6 +330,42 @@ def test_the_pool_gives_one_replica_the_prefix_another_computed(engines, daemon_
     # Now replica b's own cache has them: a second time is a local hit.
     again = b.complete(prompt, max_tokens=10)
     assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b"}
+
+
+def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(spares, daemon_process, trio):
+    """The benchmark reuses one engine across phases (POST /admin/reconfigure): after it, a prompt the
+    engine computed before is a miss in its own cache and in the pool (a new namespace), its first
+    token equal to a cold engine's, and its metrics count from zero."""
+    daemon = daemon_process("--node-id", "node-r")
+    engine = configured(spares[0], prefix_cache="blocks", engine_id="phase-1", strata=daemon.target,
+                        namespace="phase-1")
+    prompt = _tokens(31, 4 * BLOCK + 5)
+    cold = engine.complete(prompt)
+    assert engine.complete(prompt)["strata"]["cached_local"] == 4 * BLOCK  # the engine's cache holds it
+    keys = [event_key_bytes(h) for h in BlockHasher(BLOCK, SEED).chain(prompt)]
+    with Client(daemon.target) as c:
+        wait_until(lambda: len(c.exists("phase-1", keys)) == 4, what="the prompt's blocks stored in the pool")
+
+    changed = engine.post("/admin/reconfigure", {"engine_id": "phase-2", "namespace": "phase-2"})
+    assert changed["engine_id"] == "phase-2" and changed["prefix_cache"] == "blocks"
+    assert engine.metric("e2e_engine_prompt_tokens_total") == 0
+    after = engine.complete(prompt)
+    assert after["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-2"}
+    assert after["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    assert engine.metric("e2e_engine_prompt_tokens_total") == len(prompt)
+
+    # Another mode, the pool off: the one-slot cache of policy (a), empty too.
+    engine.post("/admin/reconfigure", {"engine_id": "phase-3", "prefix_cache": "last", "strata": "", "namespace": ""})
+    assert engine.complete(prompt)["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-3"}
+    assert engine.complete(prompt)["strata"]["cached_local"] == len(prompt) - 1  # the slot: all but the last
+    for body, words in [({"block_size": 32}, "cannot change without a restart"),
+                        ({"strata": daemon.target, "namespace": ""}, "needs both")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            engine.post("/admin/reconfigure", body)
+        assert e.value.code == 400 and words in json.load(e.value)["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:  # only an engine started with --admin serves it
+        trio["none"].post("/admin/reconfigure", {"engine_id": "x"})
+    assert e.value.code in (404, 405)
 
 
 # ---- in-process: the block cache's order and the events' wire -------------------------------------

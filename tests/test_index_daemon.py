@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import urllib.request
 
 import grpc
@@ -170,24 +171,33 @@ def test_vllm_kv_events_reach_router_scores(make_daemon):
         ctx.term()
 
 
-def test_index_cli(daemon_process, tmp_path):
-    import subprocess
-    import sys
+def _index_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``strata index ARGS`` through the CLI's own entry point, in this process: (exit status, stdout, stderr)."""
+    from kvstore.cli.main import main
 
+    capsys.readouterr()
+    try:
+        status = main(["index", *args])
+    except SystemExit as e:  # a refusal: as the interpreter exits, a message goes to stderr with status 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        status = 1 if isinstance(e.code, str) else e.code or 0
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_index_cli(daemon_process, capsys):
     d = daemon_process("--node-id", "node-cli")
     with Client(d.target) as c:
         put_chain(c, KEYS[:3])
         wait_until(lambda: score_of(c, "node-cli", keys=KEYS)[0] == 3, what="publication")
-    cli = [sys.executable, "-m", "kvstore.cli.main", "index"]
     tokens = ",".join(map(str, TOKENS))
-    r = subprocess.run([*cli, "lookup", "m", "--tokens", tokens, "--hash-seed", "42", "--target", d.target],
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.startswith("node-cli\t3 blocks\thost"), r.stdout + r.stderr
-    r = subprocess.run([*cli, "holders", "--hex", "--target", d.target, "m", *(k.hex() for k in KEYS[:4])],
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.splitlines()[3] == "block 3\tnobody", r.stdout + r.stderr
-    r = subprocess.run([*cli, "lookup", "m", "--tokens", tokens, "--target", d.target], capture_output=True, text=True)
-    assert r.returncode != 0 and "--hash-seed" in r.stderr
+    status, out, err = _index_cli(capsys, "lookup", "m", "--tokens", tokens, "--hash-seed", "42", "--target", d.target)
+    assert status == 0 and out.startswith("node-cli\t3 blocks\thost"), out + err
+    status, out, err = _index_cli(capsys, "holders", "--hex", "--target", d.target, "m", *(k.hex() for k in KEYS[:4]))
+    assert status == 0 and out.splitlines()[3] == "block 3\tnobody", out + err
+    status, out, err = _index_cli(capsys, "lookup", "m", "--tokens", tokens, "--target", d.target)
+    assert status != 0 and "--hash-seed" in err
 
 
 @pytest.mark.skipif(not redis_servers.available(), reason="redis-server is not installed (apt-get install redis-server)")

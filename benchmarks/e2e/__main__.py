@@ -3,9 +3,10 @@
 Run as ``python -m benchmarks.e2e [--quick] [--replicas N] [--policies a,b,...] [--no-faults]``.
 
 A private Redis, one ``strata serve`` per replica (the prefix index and the
-shared pool) and, per policy, fresh engines (``benchmarks.e2e.engine``,
-one compute thread each) behind ``strata route``, all as child processes
-on loopback (:mod:`benchmarks.e2e.fleet`). Each policy
+shared pool), one engine per replica (``benchmarks.e2e.engine``, one compute
+thread each, started once and reconfigured with an empty cache for each
+policy) and, per policy, ``strata route`` in front of them, all as child
+processes on loopback (:mod:`benchmarks.e2e.fleet`). Each policy
 (:mod:`benchmarks.e2e.policies`) serves the same seeded workload
 (:mod:`benchmarks.e2e.workload`): 8 sessions × 5 turns, a 1,000-token
 system prompt, 200 user tokens and 50 generated per turn, exponential think
@@ -51,7 +52,7 @@ import aiohttp
 from benchmarks.e2e import driver
 from benchmarks.e2e.client import completion_body, monotonic_clock, stream_completion
 from benchmarks.e2e.faults import FaultInjector, FaultPlan, fault_report
-from benchmarks.e2e.fleet import Fleet, FleetSpec, Nodes, Phase, StartFailed
+from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase, StartFailed
 from benchmarks.e2e.policies import POLICIES, parse_policies
 from benchmarks.e2e.report import engine_summary, router_summary, table, targets, targets_table
 from benchmarks.e2e.stats import PolicyStats, RequestRecord
@@ -87,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the bench model)")
     p.add_argument("--model-size", default="bench", choices=("tiny", "bench"))
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--fresh-engines", action="store_true",
+                   help="start new engines for every phase instead of reconfiguring the running ones "
+                        "(the set-up cost that reuse saves)")
     p.add_argument("--no-prefix-4k", action="store_true", help="leave out the 4,096-token prefix-hit measurement")
     args = p.parse_args(argv)
     if args.replicas < 1:
@@ -156,12 +160,15 @@ def prefix_4k(model_dir: Path, rounds: int, threads: int) -> dict:
             **{k: r[k] for k in keep if k in r}, "seconds": round(time.monotonic() - started, 1)}
 
 
-def run_phase(nodes: Nodes, phase: Phase, workload_for, state: dict, fault_plan: FaultPlan | None) -> dict:
+def run_phase(nodes: Nodes, engines: Engines, phase: Phase, workload_for, state: dict,
+              fault_plan: FaultPlan | None) -> dict:
     started = time.monotonic()
     out: dict = {"policy": phase.policy.name, "namespace": phase.namespace}
     try:
-        with Fleet(nodes, phase) as fleet:
-            out["start_s"] = round(time.monotonic() - started, 1)
+        with Fleet(nodes, phase, engines) as fleet:
+            # Set-up: engines started or reconfigured, the router started, every engine in rotation.
+            out["setup_s"] = round(time.monotonic() - started, 1)
+            out["engine_starts"] = fleet.engine_starts
             rng = random.Random(f"warm-{phase.name}")
             vocab = model_vocab(nodes.spec.model_dir)
             warm_up(fleet, vocab, rng)
@@ -225,6 +232,7 @@ def _main(args: argparse.Namespace) -> int:
         vocab = model_vocab(model_dir)
         spec = FleetSpec(model_dir=model_dir, replicas=args.replicas, load_weight=args.load_weight)
         nodes = stack.enter_context(Nodes(spec, phases))
+        engines = stack.enter_context(Engines(nodes, reuse=not args.fresh_engines))
         state: dict = {"calibration": None, "workload": None}
 
         def workload_for(fleet: Fleet) -> Workload:
@@ -244,8 +252,9 @@ def _main(args: argparse.Namespace) -> int:
         for phase in phases:
             log.info("phase %s: %s", phase.name, phase.policy.name)
             plan = FaultPlan() if phase.name == "faults" else None
-            results[phase.name] = run_phase(nodes, phase, workload_for, state, plan)
+            results[phase.name] = run_phase(nodes, engines, phase, workload_for, state, plan)
             log.info("phase %s took %.0f s", phase.name, results[phase.name]["seconds"])
+        engines.close()  # the 4k measurement has the machine to itself, as when each phase stopped its own
         if args.no_prefix_4k:
             prefix = None
         else:
@@ -279,6 +288,7 @@ def build_document(args, results: dict, state: dict, prefix: dict | None, spec: 
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
         "run_seconds": round(seconds, 1),
+        "setup": setup_summary(results, args.fresh_engines),
         "replicas": spec.replicas,
         "workload": None if w is None else {**{k: v for k, v in vars(w.spec).items()}},
         "calibration": cal,
@@ -297,7 +307,18 @@ def build_document(args, results: dict, state: dict, prefix: dict | None, spec: 
             entry["requests"] = [r.to_json() for r in res["records"]]
         doc["policies"][key] = entry
     print(f"\nran in {seconds:.0f} s: " + ", ".join(f"{k} {v['seconds']:.0f} s" for k, v in results.items()))
+    setup = doc["setup"]
+    print(f"set-up: {setup['engine_starts']} engine start-ups, {setup['setup_s']:.0f} s in all "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in setup['setup_s_by_phase'].items())})")
     return doc
+
+
+def setup_summary(results: dict, fresh: bool) -> dict:
+    """Each phase's set-up time (engines started or reconfigured, router ready) and engine start-ups."""
+    by_phase = {k: v["setup_s"] for k, v in results.items() if "setup_s" in v}
+    return {"engines": "fresh per phase" if fresh else "reused across phases",
+            "engine_starts": sum(v.get("engine_starts", 0) for v in results.values()),
+            "setup_s": round(sum(by_phase.values()), 1), "setup_s_by_phase": by_phase}
 
 
 def write(doc: dict, results: dict, out_dir: Path, state: dict) -> None:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -59,6 +59,7 @@ class EngineConfig:
     max_queue: int = 64
     max_tokens_limit: int = 4096
     threads: int = 0  # torch threads; 0 keeps torch's default
+    admin: bool = False  # serve POST /admin/reconfigure (the benchmark's reuse of an engine across phases)
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -69,6 +70,11 @@ class EngineConfig:
             raise ValueError("--max-queue must be 0 or more (requests waiting beyond the one computing)")
         if self.max_tokens_limit < 1:
             raise ValueError("--max-tokens-limit must be at least 1")
+
+
+# What a running engine may change (Engine.reconfigure); the rest is fixed by the loaded model and the socket.
+RECONFIGURABLE = frozenset({"engine_id", "prefix_cache", "cache_blocks", "kv_events", "kv_events_replay", "strata",
+                            "namespace", "pool_max_pending", "max_queue"})
 
 
 @dataclass
@@ -90,9 +96,15 @@ class Engine:
 
     def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or EngineMetrics()
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
         self.runner = ModelRunner(config.model, config.block_size, config.threads or None)
+        self._compute = threading.Lock()
+        self._build(metrics or EngineMetrics())
+
+    def _build(self, metrics: EngineMetrics) -> None:
+        """What one configuration of the engine holds: metrics, the KV-event sink, the cache, the pool."""
+        config = self.config
+        self.metrics = metrics
         self.events: EventSink = (
             ZmqEventPublisher(config.kv_events, config.kv_events_replay or None) if config.kv_events else EventSink()
         )
@@ -104,7 +116,28 @@ class Engine:
                       max_pending_blocks=config.pool_max_pending)
             if config.strata else None
         )
-        self._compute = threading.Lock()
+
+    def reconfigure(self, **changes) -> EngineConfig:
+        """Start over as a fresh engine of another configuration, keeping only the loaded model.
+
+        For the benchmark, which reuses one engine process across phases: the prefix cache is
+        a new, empty one (of ``prefix_cache`` mode), the KV-event publisher and the pool client
+        are closed and opened anew as ``changes`` says (a new namespace: an empty pool), and the
+        metrics start from zero. Runs between requests (it takes the compute lock). Only the
+        fields in :data:`RECONFIGURABLE` may change: the others are the loaded model's.
+        """
+        fixed = sorted(set(changes) - RECONFIGURABLE)
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)} cannot change without a restart; "
+                             f"reconfigurable: {', '.join(sorted(RECONFIGURABLE))}")
+        config = replace(self.config, **changes)  # validated before anything is closed
+        with self._compute:
+            self.close()
+            self.config = config
+            self._build(EngineMetrics())
+        log.info("engine reconfigured: %s (prefix cache %s, pool %s, KV events %s)", config.engine_id,
+                 config.prefix_cache, config.namespace or "off", config.kv_events or "off")
+        return config
 
     @property
     def max_model_len(self) -> int:
@@ -226,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting beyond the one computing")
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--admin", action="store_true",
+                   help="serve POST /admin/reconfigure: a fresh cache, pool namespace and KV-event endpoint "
+                        "without reloading the model (benchmark only; loopback)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -235,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             block_size=a.block_size, hash_seed=a.hash_seed, prefix_cache=a.prefix_cache, cache_blocks=a.cache_blocks,
             kv_events=a.kv_events, kv_events_replay=a.kv_events_replay, strata=a.strata, namespace=a.namespace,
             pool_max_pending=a.pool_max_pending, max_queue=a.max_queue, max_tokens_limit=a.max_tokens_limit,
-            threads=a.threads,
+            threads=a.threads, admin=a.admin,
         )
     except ValueError as e:
         p.error(str(e))

@@ -13,17 +13,20 @@ deployed (separate GILs: the engines compute while the client times them).
   subscribed to the KV events of the engines of the phases that route by
   cache.
 
-A :class:`Fleet` is one phase's (one policy's) serving side, started
-fresh, so every policy begins with cold engine caches:
-
-- per replica, the reference engine (``engine-<i>-<phase>``), one compute
-  thread, in front of its node's daemon;
-- the router (``strata route``) in front of the engines.
+:class:`Engines`, the reference engines, one per replica (one compute
+thread each, in front of its node's daemon), are started once too and
+reconfigured for each phase (``POST /admin/reconfigure``): an engine's
+start-up is torch, transformers and the model's load, the same for every
+policy, while what a policy changes (the prefix cache's mode, the pool's
+namespace, the KV-event endpoint, the engine id ``engine-<i>-<phase>``) is
+set anew, empty, without a restart. A :class:`Fleet` is one phase's (one
+policy's) serving side: the engines so configured, every cache cold, and a
+router (``strata route``) of its own in front of them.
 
 Each child gets ``PR_SET_PDEATHSIG`` (it dies with the benchmark, even a
 SIGKILLed one), a log file in the scratch directory (its tail is shown when
 it fails to start), and a readiness check that must pass before the next
-part starts. :meth:`Fleet.close` stops the router, then the engines;
+part starts. :meth:`Fleet.close` stops the router; :meth:`Engines.close` the engines;
 :meth:`Nodes.close` the daemons, then Redis, and removes the scratch
 directories.
 """
@@ -285,17 +288,133 @@ class Replica:
     url: str
 
 
-class Fleet:
-    """One phase's engines (one per node) and router; :attr:`url` is the router's base URL."""
+def engine_settings(spec: FleetSpec, phase: Phase, node: Node) -> dict:
+    """What a phase's engine on ``node`` is configured with beyond the model: every field
+    :meth:`benchmarks.e2e.engine.Engine.reconfigure` may change, "" where the policy leaves a part off."""
+    policy = phase.policy
+    publish, replay = node.events[phase.name] if policy.kv_events else ("", "")
+    return {"engine_id": phase.engine_id(node.index), "prefix_cache": policy.prefix_cache,
+            "cache_blocks": spec.cache_blocks, "max_queue": spec.max_queue,
+            "kv_events": publish, "kv_events_replay": replay,
+            "strata": node.target if policy.pool else "", "namespace": phase.namespace if policy.pool else ""}
 
-    def __init__(self, nodes: Nodes, phase: Phase) -> None:
+
+_FLAGS = {"engine_id": "--engine-id", "prefix_cache": "--prefix-cache", "cache_blocks": "--cache-blocks",
+          "max_queue": "--max-queue", "kv_events": "--kv-events", "kv_events_replay": "--kv-events-replay",
+          "strata": "--strata", "namespace": "--namespace"}
+
+
+class Engines:
+    """The reference engines, one per node, kept across phases.
+
+    An engine's start-up (torch and transformers imports, the model's load) is most of a phase's
+    set-up, and nothing of it depends on the policy: each phase after the first reconfigures the
+    running engines (``POST /admin/reconfigure``, :meth:`Engine.reconfigure`) instead. That gives
+    each phase what a fresh process had: an empty prefix cache of the policy's mode, its own engine
+    id, the pool client on the phase's own namespace (empty in every daemon) or none, and the KV
+    events on the phase's own endpoint (the one its daemon subscribed to for that engine id and
+    namespace) or none; metrics from zero. An engine that is dead (the fault phase kills one), or
+    that cannot be reconfigured, is started anew. ``reuse=False`` starts fresh engines every phase
+    (``--fresh-engines``: what the set-up cost before). :attr:`starts` counts start-ups.
+    """
+
+    def __init__(self, nodes: Nodes, *, reuse: bool = True, reconfigure_timeout_s: float = 60.0) -> None:
+        self.nodes = nodes
+        self.spec = nodes.spec
+        self.reuse = reuse
+        self.reconfigure_timeout_s = reconfigure_timeout_s
+        self.replicas: list[Replica] = []
+        self.starts = 0
+        self.home = nodes.scratch / "engines"
+        self.home.mkdir(exist_ok=True)
+
+    def begin(self, phase: Phase) -> list[Replica]:
+        """Every node's engine configured for ``phase``: live ones reconfigured, the others spawned
+        (not yet ready: :meth:`wait_ready`, so a router can start meanwhile)."""
+        old = {r.index: r for r in self.replicas}
+        self.replicas = []
+        for node in self.nodes.nodes:
+            settings = engine_settings(self.spec, phase, node)
+            r = old.get(node.index)
+            if r is not None and self.reuse and r.engine.alive and self._reconfigure(r, settings):
+                self.replicas.append(Replica(node.index, node, r.engine, settings["engine_id"], r.url))
+                continue
+            if r is not None:
+                r.engine.stop()
+            self.replicas.append(self._spawn(node, settings))
+        return self.replicas
+
+    def wait_ready(self) -> None:
+        for r in self.replicas:
+            r.engine.wait_ready()
+
+    def _spawn(self, node: Node, settings: dict) -> Replica:
+        spec = self.spec
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(spec.model_dir), "--host", "127.0.0.1",
+                "--port", str(port), "--block-size", str(BLOCK_SIZE), "--hash-seed", HASH_SEED,
+                "--threads", str(spec.engine_threads), "--admin"]
+        for field, value in settings.items():
+            if value != "":
+                argv += [_FLAGS[field], str(value)]
+        engine = Child(f"engine-{node.index}", argv, self.home / f"engine-{node.index}.log",
+                       lambda u=url: http_ok(u + "/health"), start_timeout_s=240)
+        engine.spawn()
+        self.starts += 1
+        return Replica(node.index, node, engine, settings["engine_id"], url)
+
+    def _reconfigure(self, r: Replica, settings: dict) -> bool:
+        """POST the phase's settings; an engine still busy (a stream the last phase's router cut that
+        has not reached its next token) answers 409 and is asked again until it is idle."""
+        body = json.dumps(settings).encode()
+        end = time.monotonic() + self.reconfigure_timeout_s
+        while True:
+            req = urllib.request.Request(r.url + "/admin/reconfigure", body, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.reconfigure_timeout_s) as resp:
+                    json.loads(resp.read())
+                return True
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:500]
+                if e.code != 409 or time.monotonic() > end:
+                    log.warning("engine %s refused its reconfiguration (%s %s): starting a new one", r.engine_id,
+                                e.code, detail)
+                    return False
+            except (urllib.error.URLError, OSError) as e:
+                log.warning("engine %s could not be reconfigured (%s): starting a new one", r.engine_id, e)
+                return False
+            time.sleep(0.1)  # polling an engine that said it is busy
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.engine.stop()
+
+    def __enter__(self) -> Engines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Fleet:
+    """One phase's engines (one per node) and router; :attr:`url` is the router's base URL.
+
+    The engines are ``engines``' (kept across phases), or without it the fleet's own, started
+    with it and stopped with it.
+    """
+
+    def __init__(self, nodes: Nodes, phase: Phase, engines: Engines | None = None) -> None:
         self.nodes = nodes
         self.spec = nodes.spec
         self.phase = phase
+        self._own_engines = engines is None
+        self.engines = engines if engines is not None else Engines(nodes)
         self.replicas: list[Replica] = []
         self.router: Child | None = None
         self.url = ""
         self.model = ""
+        self.engine_starts = 0  # engine start-ups this phase's set-up needed
         self.home = nodes.scratch / f"phase-{phase.name}"
         self.home.mkdir(exist_ok=True)
 
@@ -303,12 +422,12 @@ class Fleet:
         try:
             # The router starts beside the engines (both import torch or transformers: seconds each);
             # the fleet is ready when every engine answers and the router has them all in rotation.
-            self.replicas = [self._replica(n) for n in self.nodes.nodes]
+            starts = self.engines.starts
+            self.replicas = self.engines.begin(self.phase)
+            self.engine_starts = self.engines.starts - starts
             self.router = self._router()
-            for child in [*(r.engine for r in self.replicas), self.router]:
-                child.spawn()
-            for r in self.replicas:
-                r.engine.wait_ready()
+            self.router.spawn()
+            self.engines.wait_ready()
             self.router.wait_ready()
             self._wait_all_in_rotation()
             self.model = model_name(self.url)
@@ -317,27 +436,6 @@ class Fleet:
             raise
         return self
 
-    def _replica(self, node: Node) -> Replica:
-        spec, policy, i = self.spec, self.phase.policy, node.index
-        engine_id = self.phase.engine_id(i)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [
-            sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(spec.model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--engine-id", engine_id, "--block-size", str(BLOCK_SIZE),
-            "--hash-seed", HASH_SEED, "--prefix-cache", policy.prefix_cache, "--max-queue", str(spec.max_queue),
-        ]
-        if policy.prefix_cache == "blocks":
-            argv += ["--cache-blocks", str(spec.cache_blocks)]
-        if policy.kv_events:
-            publish, replay = node.events[self.phase.name]
-            argv += ["--kv-events", publish, "--kv-events-replay", replay]
-        if policy.pool:
-            argv += ["--strata", node.target, "--namespace", self.phase.namespace]
-        argv += ["--threads", str(spec.engine_threads)]
-        engine = Child(engine_id, argv, self.home / f"{engine_id}.log", lambda u=url: http_ok(u + "/health"),
-                       start_timeout_s=240)
-        return Replica(i, node, engine, engine_id, url)
 
     def _router(self) -> Child:
         spec, policy = self.spec, self.phase.policy
@@ -385,8 +483,8 @@ class Fleet:
     def close(self) -> None:
         if self.router is not None:
             self.router.stop()
-        for r in self.replicas:
-            r.engine.stop()
+        if self._own_engines:
+            self.engines.close()
 
     def logs(self) -> dict[str, str]:
         """Each process's log tail, for a failure report."""

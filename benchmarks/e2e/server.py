@@ -1,8 +1,10 @@
 """The engine's OpenAI-compatible HTTP API (aiohttp), with SSE streaming and a bounded queue.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Response and chunk shapes are vLLM's/OpenAI's; ``usage``
-carries ``prompt_tokens_details.cached_tokens`` (KV from the engine's cache or the pool) and a
+``GET /health``, ``GET /metrics``, and with ``--admin`` ``POST /admin/reconfigure`` (the
+benchmark's reuse of one engine process across phases: :meth:`Engine.reconfigure`).
+Response and chunk shapes are vLLM's/OpenAI's; ``usage`` carries
+``prompt_tokens_details.cached_tokens`` (KV from the engine's cache or the pool) and a
 non-standard ``strata: {cached_local, cached_pool}``. A stream ends with a usage chunk
 (``choices: []``, as with ``stream_options.include_usage``) and ``data: [DONE]``.
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from benchmarks.e2e.engine import Engine, EngineConfig, Generation
+from benchmarks.e2e.engine import RECONFIGURABLE, Engine, EngineConfig, Generation
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class EngineServer:
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
+        if c.admin:
+            self.app.add_routes([web.post("/admin/reconfigure", self.reconfigure)])
         self.app.on_cleanup.append(self._cleanup)
 
     async def _cleanup(self, app) -> None:
@@ -83,6 +87,27 @@ class EngineServer:
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.engine.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def reconfigure(self, request: web.Request) -> web.Response:
+        """``POST /admin/reconfigure`` ``{field: value, ...}`` (:data:`RECONFIGURABLE`): the engine starts
+        over (empty cache, new pool namespace and KV-event endpoint, metrics from zero) on the compute
+        thread, after what it computes now. Refused with 409 while any request is admitted: a phase's
+        engine is reconfigured between phases, never under load."""
+        try:
+            changes = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"the body must be a JSON object of fields to change: {e}", "BadRequestError")
+        if not isinstance(changes, dict):
+            return _error(400, "the body must be a JSON object of fields to change", "BadRequestError")
+        if self._admitted:
+            return _error(409, f"{self._admitted} requests admitted: reconfigure an idle engine", "ConflictError")
+        loop = asyncio.get_running_loop()
+        try:
+            config = await loop.run_in_executor(self._executor, lambda: self.engine.reconfigure(**changes))
+        except (ValueError, TypeError) as e:
+            return _error(400, str(e), "BadRequestError")
+        self._served, self._busy_s = 0, 0.0
+        return web.json_response({k: getattr(config, k) for k in sorted(RECONFIGURABLE)})
 
     # ---- generation ------------------------------------------------------------
 
