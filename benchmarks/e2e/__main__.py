@@ -160,12 +160,23 @@ def prefix_4k(model_dir: Path, rounds: int, threads: int) -> dict:
             **{k: r[k] for k in keep if k in r}, "seconds": round(time.monotonic() - started, 1)}
 
 
+def ttft_priors(calibration: dict | None) -> list[str]:
+    """The router's TTFT priors from the calibration, as an operator sets them from a measurement of
+    their hardware: a cold prompt's TTFT over its tokens per token; a request ahead costs its decode
+    (service time less TTFT) beyond the prefill the backlog counts. None before the calibration ran."""
+    if not calibration:
+        return []
+    per_token = calibration["cold_ttft_s"] / calibration["prompt_tokens"]
+    ahead = max(0.0, calibration["service_s"] - calibration["cold_ttft_s"])
+    return ["--ttft-prefill-seconds-per-token", f"{per_token:.3g}", "--ttft-seconds-per-request-ahead", f"{ahead:.3g}"]
+
+
 def run_phase(nodes: Nodes, engines: Engines, phase: Phase, workload_for, state: dict,
               fault_plan: FaultPlan | None) -> dict:
     started = time.monotonic()
     out: dict = {"policy": phase.policy.name, "namespace": phase.namespace}
     try:
-        with Fleet(nodes, phase, engines) as fleet:
+        with Fleet(nodes, phase, engines, router_args=ttft_priors(state["calibration"])) as fleet:
             # Set-up: engines started or reconfigured, the router started, every engine in rotation.
             out["setup_s"] = round(time.monotonic() - started, 1)
             out["engine_starts"] = fleet.engine_starts

@@ -404,8 +404,10 @@ class Fleet:
     with it and stopped with it.
     """
 
-    def __init__(self, nodes: Nodes, phase: Phase, engines: Engines | None = None) -> None:
+    def __init__(self, nodes: Nodes, phase: Phase, engines: Engines | None = None, *,
+                 router_args: list[str] | None = None) -> None:
         self.nodes = nodes
+        self.router_args = list(router_args or [])  # more flags for a cache-aware router (its TTFT priors)
         self.spec = nodes.spec
         self.phase = phase
         self._own_engines = engines is None
@@ -455,7 +457,7 @@ class Fleet:
         if policy.router_policy == "cache-aware":
             # Any daemon answers for the whole fleet (they share the index): the first node's, so a fault
             # on that daemon is one the router must ride out.
-            argv += ["--index", self.nodes.nodes[0].target]
+            argv += ["--index", self.nodes.nodes[0].target, *self.router_args]
         return Child("router", argv, self.home / "router.log", lambda: http_ok(self.url + "/health"),
                      start_timeout_s=60)
 

@@ -17,7 +17,8 @@ Proxy /v1/completions and /v1/chat/completions (streaming byte for byte) to one 
 cache-aware (default --cache-aware-score estimated-ttft) sends each request where its estimated time
 to first token is smallest (ties: more cached, then lower load, then round-robin):
     ttft     = overhead + per_token * (uncached + backlog) + per_request * ahead
-    uncached = the prompt's tokens the endpoint does not hold (the index's Score RPC, best of its ids)
+    uncached = the prompt's tokens the endpoint does not hold (the index's Score RPC: its engine's prefix,
+               then what its node daemon holds beyond it, tier-weighted)
     backlog  = uncached prefill tokens the router sent there whose first byte has not come back
     ahead    = requests the router has outstanding at the endpoint, or its scraped queue
                (--queue-metric) where that is longer

@@ -17,6 +17,7 @@ would otherwise stall every other request on the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,32 @@ from kvstore.router.errors import BadRequest
 log = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_dir: str | Path):
-    """``transformers.AutoTokenizer`` of ``model_dir``, without any network access."""
+# Tokenizer classes whose whole behaviour is tokenizer.json's: loaded as that class directly, the one
+# AutoTokenizer would build. AutoTokenizer's own import pulls torch in wherever torch is installed
+# (its model registry), about 4 s of a router's start and hundreds of MB it never uses.
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _tokenizer_class(model_dir: Path) -> str | None:
     try:
-        from transformers import AutoTokenizer
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None  # AutoTokenizer says what is wrong with the directory
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of ``model_dir`` as ``transformers.AutoTokenizer`` builds it, without network access."""
+    model_dir = Path(model_dir)
+    try:
+        if _tokenizer_class(model_dir) in _GENERIC_CLASSES and (model_dir / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as loader
+        else:
+            from transformers import AutoTokenizer as loader
     except ImportError:
         raise RuntimeError("the cache-aware router needs transformers: pip install 'strata[router]'") from None
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return loader.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as err:
         raise RuntimeError(
             f"cannot load a tokenizer from {model_dir}: {err}; give --model-dir the model's local directory "
