@@ -117,6 +117,9 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> Req
     return r
 
 
+MODEL_BUILD_TIMEOUT_S = 300.0  # how long prestarted engines wait for the model being built
+
+
 def warm_up(fleet: Fleet, vocab: int, rng: random.Random) -> None:
     """One short request per engine, straight to it: first-call costs stay out of the measurement."""
     for r in fleet.replicas:
@@ -232,18 +235,22 @@ def _main(args: argparse.Namespace) -> int:
         phases.append(Phase("faults", POLICIES["e"]))
 
     with contextlib.ExitStack() as stack:
-        model_dir = args.model_dir
-        if model_dir is None:
-            from benchmarks.e2e import model as model_builder
-
+        model_dir, build_model = args.model_dir, args.model_dir is None
+        if build_model:
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-e2e-model-")))
-            t = time.monotonic()
-            model_dir = model_builder.build(home / "model", size=args.model_size)
-            log.info("built the %s model in %.1f s", args.model_size, time.monotonic() - t)
-        vocab = model_vocab(model_dir)
+            model_dir = home / "model"
         spec = FleetSpec(model_dir=model_dir, replicas=args.replicas, load_weight=args.load_weight)
         nodes = stack.enter_context(Nodes(spec, phases))
         engines = stack.enter_context(Engines(nodes, reuse=not args.fresh_engines))
+        if build_model:
+            from benchmarks.e2e import model as model_builder
+
+            if phases:  # the first phase's engines import torch and transformers while the model is built
+                engines.prestart(phases[0], wait_for_model_s=MODEL_BUILD_TIMEOUT_S)
+            t = time.monotonic()
+            model_builder.build(model_dir, size=args.model_size)
+            log.info("built the %s model in %.1f s", args.model_size, time.monotonic() - t)
+        vocab = model_vocab(model_dir)
         state: dict = {"calibration": None, "workload": None}
 
         def workload_for(fleet: Fleet) -> Workload:

@@ -24,6 +24,7 @@ import argparse
 import logging
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +34,7 @@ from kvstore.index.keys import BlockHasher
 
 from benchmarks.e2e.events import EventSink, ZmqEventPublisher
 from benchmarks.e2e.metrics import EngineMetrics
+from benchmarks.e2e.model import MODEL_MARKER
 from benchmarks.e2e.pool import DEFAULT_MAX_PENDING_BLOCKS, BlockPool
 from benchmarks.e2e.prefix_cache import PREFIX_CACHES, CacheOptions, make_prefix_cache
 from benchmarks.e2e.runner import ModelRunner, cache_of, kv_of
@@ -60,6 +62,7 @@ class EngineConfig:
     max_tokens_limit: int = 4096
     threads: int = 0  # torch threads; 0 keeps torch's default
     admin: bool = False  # serve POST /admin/reconfigure (the benchmark's reuse of an engine across phases)
+    wait_for_model_s: float = 0.0  # wait this long for a model directory still being written (its marker file)
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -262,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--admin", action="store_true",
                    help="serve POST /admin/reconfigure: a fresh cache, pool namespace and KV-event endpoint "
                         "without reloading the model (benchmark only; loopback)")
+    p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to SECONDS for --model to be complete (python -m benchmarks.e2e.model writes "
+                        f"{MODEL_MARKER} last), so an engine's imports overlap the model's build")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -271,16 +277,27 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             block_size=a.block_size, hash_seed=a.hash_seed, prefix_cache=a.prefix_cache, cache_blocks=a.cache_blocks,
             kv_events=a.kv_events, kv_events_replay=a.kv_events_replay, strata=a.strata, namespace=a.namespace,
             pool_max_pending=a.pool_max_pending, max_queue=a.max_queue, max_tokens_limit=a.max_tokens_limit,
-            threads=a.threads, admin=a.admin,
+            threads=a.threads, admin=a.admin, wait_for_model_s=a.wait_for_model,
         )
     except ValueError as e:
         p.error(str(e))
 
 
+def wait_for_model(config: EngineConfig) -> None:
+    """Until the model directory's marker exists (its builder writes it after every other file), at most
+    ``config.wait_for_model_s``; then the load says what is missing, as without the wait."""
+    marker = Path(config.model) / MODEL_MARKER
+    end = time.monotonic() + config.wait_for_model_s
+    while not marker.exists() and time.monotonic() < end:
+        time.sleep(0.05)  # polling a file another process is about to write
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.e2e.server import serve
 
-    serve(parse_args(argv))
+    config = parse_args(argv)
+    wait_for_model(config)
+    serve(config)
 
 
 if __name__ == "__main__":

@@ -325,12 +325,33 @@ class Engines:
         self.reconfigure_timeout_s = reconfigure_timeout_s
         self.replicas: list[Replica] = []
         self.starts = 0
+        self._prestarted = ""  # the phase whose engines prestart spawned and begin has not yet handed out
+        self._prestart_count = 0
+        self.wait_for_model_s = 0.0
         self.home = nodes.scratch / "engines"
         self.home.mkdir(exist_ok=True)
+
+    def prestart(self, phase: Phase, wait_for_model_s: float) -> None:
+        """Spawn ``phase``'s engines before their model directory is complete: their imports (torch,
+        transformers: most of a start-up) overlap the model's build, and each waits up to
+        ``wait_for_model_s`` for the directory before it loads it. :meth:`begin` of that phase then
+        hands them out as they are."""
+        self.wait_for_model_s, before = wait_for_model_s, self.starts
+        try:
+            self.begin(phase)
+        finally:
+            self.wait_for_model_s = 0.0
+        # Counted when begin hands them out, so the phase's set-up reports the start-ups it used.
+        self._prestarted, self._prestart_count, self.starts = phase.name, self.starts - before, before
 
     def begin(self, phase: Phase) -> list[Replica]:
         """Every node's engine configured for ``phase``: live ones reconfigured, the others spawned
         (not yet ready: :meth:`wait_ready`, so a router can start meanwhile)."""
+        if self._prestarted:
+            prestarted, self._prestarted = self._prestarted, ""
+            self.starts += self._prestart_count
+            if prestarted == phase.name and all(r.engine.alive for r in self.replicas):
+                return self.replicas
         old = {r.index: r for r in self.replicas}
         self.replicas = []
         for node in self.nodes.nodes:
@@ -355,6 +376,8 @@ class Engines:
         argv = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(spec.model_dir), "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", str(BLOCK_SIZE), "--hash-seed", HASH_SEED,
                 "--threads", str(spec.engine_threads), "--admin"]
+        if self.wait_for_model_s:
+            argv += ["--wait-for-model", str(self.wait_for_model_s)]
         for field, value in settings.items():
             if value != "":
                 argv += [_FLAGS[field], str(value)]

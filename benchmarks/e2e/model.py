@@ -95,6 +95,9 @@ def _corpus(seed: int, n_words: int = 60000) -> list[str]:
     return lines
 
 
+MODEL_MARKER = "strata_e2e_model.json"  # written last: the directory is complete once it exists
+
+
 def build_tokenizer(vocab_size: int, seed: int = SEED):
     """A byte-level BPE tokenizer with the special tokens first (ids 0..3)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -138,7 +141,7 @@ def build(out_dir: str | Path, size: str = "tiny", *, seed: int = SEED) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "strata_e2e_model.json").write_text(json.dumps({"size": size, "seed": seed}) + "\n")
+    (out / MODEL_MARKER).write_text(json.dumps({"size": size, "seed": seed}) + "\n")
     return out
 
 
