@@ -14,8 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.block import BlockKey, BlockMeta, TierName, checksum
+from kvstore.block import BlockKey, BlockMeta, checksum
 from kvstore.client.sync import Client
 from kvstore.errors import TierFull
 from kvstore.node import NodeIdentity

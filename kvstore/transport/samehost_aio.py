@@ -24,7 +24,7 @@ import msgpack
 
 from kvstore.block import TierName, checksum
 from kvstore.errors import (
-    ArenaUnusable, DaemonUnavailable, DeadlineExceeded, InvalidArgument, LeaseExpired, StrataError,
+    DaemonUnavailable, DeadlineExceeded, InvalidArgument, LeaseExpired, StrataError,
 )
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io, frames, regions
