@@ -24,7 +24,9 @@ says what was wrong and what to do about it.
     │   ├── SlotAlreadyCommitted    a second commit of the same slot
     │   ├── LeaseOwnedElsewhere     a lease or slot ended by a client other than its owner
     │   ├── UnknownHandoff          a handoff id this daemon never issued (or another namespace's)
-    │   └── HandoffEnded            a handoff already completed or expired
+    │   ├── HandoffEnded            a handoff already completed or expired
+    │   └── ArenaReplaced           a Lookup or Allocate names an arena token that is not the
+    │                               daemon's arena's (it restarted): attach again
     ├── ResourceExhausted           RESOURCE_EXHAUSTED, carries retry_after_s
     │   ├── TierFull                no space even after eviction
     │   │   ├── NamespaceFull       full for one namespace only (an object quota): others still fit
@@ -142,6 +144,11 @@ class UnknownHandoff(LeaseError):
 
 class HandoffEnded(LeaseError):
     pass
+
+
+class ArenaReplaced(LeaseError):
+    """The arena file a gRPC-arena client mapped is not the daemon's any more: offsets and leases
+    it would be given are of another file. The client attaches again (:class:`StaleAttachment`)."""
 
 
 class ResourceExhausted(StrataError):

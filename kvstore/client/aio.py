@@ -43,7 +43,7 @@ from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName
 from kvstore.client import codec, tensors
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
-from kvstore.errors import ArenaUnusable, DaemonUnavailable, StaleAttachment, StrataError
+from kvstore.errors import ArenaReplaced, ArenaUnusable, DaemonUnavailable, StaleAttachment, StrataError
 from kvstore.shm.arena import ShmArena
 from kvstore.transport.samehost_aio import AsyncSameHostTransport
 
@@ -160,6 +160,15 @@ class AsyncClient:
     async def _call(self, method: str, request):
         fn = getattr(self._stub, method)
         return await self._retrying(method, lambda: fn(request, timeout=self.timeout))
+
+    async def _arena_call(self, attached: _Attached, method: str, request):
+        """Lookup or Allocate of the arena under gRPC control. A daemon that restarted with a new arena
+        refuses the token this client mapped: the arena is dropped, and the retry attaches again."""
+        try:
+            return await self._call(method, request)
+        except ArenaReplaced as err:
+            self._drop(attached.name)
+            raise codec.replaced(err) from None
 
     async def _off_loop(self, nbytes: int, fn: Callable[..., T], *args) -> T:
         """Run ``fn(*args)`` inline when it moves few bytes, else in a worker thread.
@@ -297,7 +306,8 @@ class AsyncClient:
 
     async def _put_shm(self, attached: _Attached, namespace: str, checked) -> list[bool]:
         arena = attached.arena
-        alloc = await self._call("Allocate", codec.allocate_request(namespace, checked, self._lease_ms, attached.name))
+        request = codec.allocate_request(namespace, checked, self._lease_ms, attached.name, arena.token)
+        alloc = await self._arena_call(attached, "Allocate", request)
         received = codec.now_ms()
         commits: list[asyncio.Task] = []
         try:
@@ -386,9 +396,9 @@ class AsyncClient:
         if attached.same_host is not None:
             return await attached.same_host.get_into(namespace, keys, place, self.timeout)
         arena = attached.arena
-        response = await self._call(
-            "Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms, arena=attached.name)
-        )
+        request = pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms, arena=attached.name,
+                                   arena_token=arena.token)
+        response = await self._arena_call(attached, "Lookup", request)
         received = codec.now_ms()
         try:
             placed = None if place is None else codec.place_lookup(response, place)

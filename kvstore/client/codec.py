@@ -21,8 +21,8 @@ from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, Placement,
 from kvstore.transport.grpc_blocks import (  # noqa: F401
     CHANNEL_OPTIONS, DEFAULT_CHUNK, MAX_MESSAGE_BYTES, ArenaRead, GetAssembler, allocate_request, arena_batch_bytes,
     batches_by_bytes, check_gets, check_puts, copy_into_slots, drop_expired, info_of, leased_bytes, lookup_lease_ids,
-    open_arena, place_lookup, put_requests, put_results, read_located, read_lookup, refetch_placement, slot_groups,
-    slot_ids, stream_put_results,
+    open_arena, place_lookup, put_requests, put_results, read_located, read_lookup, refetch_placement, replaced,
+    slot_groups, slot_ids, stream_put_results,
 )
 
 DEFAULT_TIMEOUT_S = 10.0

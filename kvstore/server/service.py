@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.cluster.pin_copies import PinCopies
 from kvstore.cluster.replicator import ReplicationReport
-from kvstore.errors import ArenaUnusable, BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
+from kvstore.errors import ArenaReplaced, ArenaUnusable, BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
 from kvstore.handoff.metrics import HandoffCounts
 from kvstore.node import NodeIdentity
 from kvstore.peer.served import ServedBytes
@@ -152,11 +153,18 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     # ---- shared-memory path -------------------------------------------------
 
-    def _mapped(self, arena_name: str) -> StoreGroup:
+    def _mapped(self, arena_name: str, token: bytes = b"") -> StoreGroup:
         """The one arena a caller of Allocate or Lookup mapped (empty: the default arena, what an
-        older client mapped): offsets are only ever handed out into that arena."""
+        older client mapped): offsets are only ever handed out into that arena, and, when the
+        caller says which file it mapped (``token``, empty from older clients), into that file."""
         name = arena_name or self._store.default.name
         view = self._store.only(name)  # an unknown name: WrongArena
+        shm = self._store.arena(name).shm
+        if token and not hmac.compare_digest(token, shm.token):
+            raise ArenaReplaced(
+                f"the arena {name!r} this client mapped is not the daemon's any more (the daemon restarted "
+                "and its arena has a new token): attach again to map the new one"
+            )
         if not self._may_attach(None, self._store.arena(name)):
             # The same answer as for an unknown arena's offsets: this caller streams its bytes.
             raise PermissionDenied(
@@ -186,7 +194,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
         lease_s = _lease_s(request.lease_ms)
-        mapped = self._mapped(request.arena)
+        mapped = self._mapped(request.arena, request.arena_token)
         if mapped.member.gpu is not None:  # gRPC never hands out device offsets (kvstore.transport.regions)
             raise ArenaUnusable("this daemon's slots are in the gpu tier, which only same-host clients with the "
                                 "gpu capability write: use the streamed Put")
@@ -222,7 +230,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         lease_s = _lease_s(request.lease_ms)
-        mapped = self._mapped(request.arena)
+        mapped = self._mapped(request.arena, request.arena_token)
         found = mapped.lookup(request.namespace, list(request.keys), lease_s, _deadline(context), owner_of(context))
         if mapped.member.gpu is not None:  # leased in device memory: found, read through the stream
             mapped.release([loc.lease_id for loc in found if loc is not None and loc.lease_id], owner_of(context))

@@ -16,7 +16,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
-from kvstore.errors import ArenaUnusable
+from kvstore.errors import ArenaReplaced, ArenaUnusable
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import grpc_blocks as codec
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
@@ -35,7 +35,9 @@ class GrpcArenaTransport(Transport):
                  arena_name: str = "") -> None:
         self._stub = kv_pb2_grpc.KVServiceStub(channel)
         self._arena = arena
-        self._arena_name = arena_name  # sent with Allocate and Lookup: offsets only ever of this arena
+        # Sent with Allocate and Lookup, with the token of the file mapped: offsets only ever of this arena, in
+        # this file. A daemon that restarted with a new arena refuses the token: the client attaches again.
+        self._arena_name = arena_name
         self._fallback = fallback
         self._in_place = True  # False once the daemon refused a slot in the arena: puts stream
         self._lease_ms = lease_ms
@@ -67,7 +69,11 @@ class GrpcArenaTransport(Transport):
         return results
 
     def _put_group(self, namespace: str, checked, deadline: Deadline) -> list[bool]:
-        alloc = call_grpc(deadline, self._stub.Allocate, codec.allocate_request(namespace, checked, self._lease_ms, self._arena_name))
+        request = codec.allocate_request(namespace, checked, self._lease_ms, self._arena_name, self._arena.token)
+        try:
+            alloc = call_grpc(deadline, self._stub.Allocate, request)
+        except ArenaReplaced as err:
+            raise codec.replaced(err) from None
         received = codec.now_ms()
         in_flight: list[grpc.Future] = []
         try:
@@ -93,9 +99,12 @@ class GrpcArenaTransport(Transport):
         keys = list(keys)
         if not keys:
             return []
-        response = call_grpc(deadline, self._stub.Lookup,
-                             pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms,
-                                             arena=self._arena_name))
+        request = pb.LookupRequest(namespace=namespace, keys=keys, lease_ms=self._lease_ms, arena=self._arena_name,
+                                   arena_token=self._arena.token)
+        try:
+            response = call_grpc(deadline, self._stub.Lookup, request)
+        except ArenaReplaced as err:
+            raise codec.replaced(err) from None
         received = codec.now_ms()
         try:
             placed = None if place is None else codec.place_lookup(response, place)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.block import BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
-from kvstore.errors import ArenaUnusable, CorruptBlock, LeaseExpired
+from kvstore.errors import ArenaReplaced, ArenaUnusable, CorruptBlock, LeaseExpired, StaleAttachment
 from kvstore.shm.arena import ArenaMismatch, ShmArena
 from kvstore.transport import arena_io
 from kvstore.transport.arena_io import commit_groups, lease_held, now_ms  # noqa: F401 - grpc_arena uses it from here
@@ -151,6 +151,12 @@ def open_arena(attach: pb.AttachResponse) -> ShmArena:
         raise ArenaUnusable(f"cannot map the daemon's arena {attach.arena_path}: {err}") from None
 
 
+def replaced(err: ArenaReplaced) -> StaleAttachment:
+    """What a gRPC-arena client raises when the daemon refused the token of the file it mapped:
+    the client's retry loop attaches again (maps the new arena) and tries the call once more."""
+    return StaleAttachment(str(err))
+
+
 def arena_batch_bytes(arena: ShmArena) -> int:
     """The most arena bytes one Allocate asks for (see :func:`batches_by_bytes`)."""
     return arena.size // 4
@@ -163,10 +169,12 @@ def batches_by_bytes(items: list, limit: int) -> Iterator[list]:
 
 
 def allocate_request(namespace: str, items: list[tuple[BlockPut, memoryview, BlockMeta]], lease_ms: int,
-                     arena: str = "") -> pb.AllocateRequest:
-    """``arena``: the one the caller mapped (Attach's ``arena_name``); the daemon refuses other arenas' namespaces."""
+                     arena: str = "", arena_token: bytes = b"") -> pb.AllocateRequest:
+    """``arena``: the one the caller mapped (Attach's ``arena_name``); the daemon refuses other arenas' namespaces.
+    ``arena_token``: the mapped file's; the daemon refuses another file's (ArenaReplaced)."""
     return pb.AllocateRequest(
         arena=arena,
+        arena_token=arena_token,
         namespace=namespace,
         blocks=[
             pb.BlockHeader(key=item.key, size=len(view), parent_key=item.parent or b"", layout=item.layout)

@@ -117,16 +117,18 @@ class AttachResponse(_message.Message):
     def __init__(self, arena_path: _Optional[str] = ..., arena_token: _Optional[bytes] = ..., arena_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., control_socket: _Optional[str] = ..., arena_name: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace", "blocks", "lease_ms", "arena")
+    __slots__ = ("namespace", "blocks", "lease_ms", "arena", "arena_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
     lease_ms: int
     arena: str
-    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
+    arena_token: bytes
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., arena: _Optional[str] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("key", "present", "slot_id", "offset", "size")
@@ -180,16 +182,18 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ms", "arena")
+    __slots__ = ("namespace", "keys", "lease_ms", "arena", "arena_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
     arena: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., arena: _Optional[str] = ...) -> None: ...
+    arena_token: bytes
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., arena: _Optional[str] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
 
 class Located(_message.Message):
     __slots__ = ("found", "block", "offset", "lease_id", "tier")
