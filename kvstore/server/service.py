@@ -159,17 +159,16 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         caller says which file it mapped (``token``, empty from older clients), into that file."""
         name = arena_name or self._store.default.name
         view = self._store.only(name)  # an unknown name: WrongArena
-        shm = self._store.arena(name).shm
-        if token and not hmac.compare_digest(token, shm.token):
-            raise ArenaReplaced(
-                f"the arena {name!r} this client mapped is not the daemon's any more (the daemon restarted "
-                "and its arena has a new token): attach again to map the new one"
-            )
         if not self._may_attach(None, self._store.arena(name)):
             # The same answer as for an unknown arena's offsets: this caller streams its bytes.
             raise PermissionDenied(
                 "this identity may not map the arena of this namespace: use the streamed Put and Get "
                 "(Attach answers without an arena path)"
+            )
+        if token and not hmac.compare_digest(token, self._store.arena(name).shm.token):
+            raise ArenaReplaced(
+                f"the arena {name!r} this client mapped is not the daemon's any more (the daemon restarted "
+                "and its arena has a new token): attach again to map the new one"
             )
         return view
 
