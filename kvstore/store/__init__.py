@@ -3,7 +3,8 @@
 from kvstore.store.chain import TierChain
 from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.limits import EdgePolicy, StoreLimits
-from kvstore.store.tiered import Located, Listed, SlotGrant, StoreStats, TieredStore
+from kvstore.store.holds import Located
+from kvstore.store.tiered import Listed, SlotGrant, StoreStats, TieredStore
 
 __all__ = [
     "EdgePolicy", "Lease", "LeaseKind", "Listed", "Located", "SlotGrant", "StoreLimits", "StoreStats", "TierChain",

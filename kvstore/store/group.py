@@ -43,7 +43,8 @@ from kvstore.metrics import StoreMetrics
 from kvstore.shm.arena import ShmArena
 from kvstore.store.leases import MAX_ID_TAG, Lease, LeaseKind, tag_of
 from kvstore.store.namespace_rules import EVERYTHING_ELSE, NamespaceRules
-from kvstore.store.tiered import Located, Listed, SlotGrant, StoreStats, TieredStore
+from kvstore.store.holds import Located
+from kvstore.store.tiered import Listed, SlotGrant, StoreStats, TieredStore
 from kvstore.tiers.base import TierStats
 
 MAX_ARENAS = MAX_ID_TAG + 1

@@ -11,14 +11,16 @@ Policy lives here; the tiers only hold bytes. The store composes its parts:
 - :mod:`~kvstore.store.demotion`: the bounded write-behind queue and its workers;
 - :mod:`~kvstore.store.recovery`: what persistent tiers kept from the last run;
 - :mod:`~kvstore.store.leases`: pins, reads in place, arena slots, and any kind
-  a component defines; :mod:`~kvstore.store.slots`: the slot protocol of
+  a component defines; :mod:`~kvstore.store.holds`: reads in place and the
+  leases of any kind on stored blocks; :mod:`~kvstore.store.slots`: the slot protocol of
   same-host writers; :mod:`~kvstore.store.writer`: streamed blocks written in
   place as they arrive; :mod:`~kvstore.store.checks`: every input limit;
 - :mod:`~kvstore.store.state`: the facts all parts decide on, under one lock,
   and the bookkeeping on them; :mod:`~kvstore.store.placement` (room in the
   head, adoption, promotion), :mod:`~kvstore.store.reads` (reads down the
   chain and through to remote tiers) and :mod:`~kvstore.store.copies` (the
-  write-behind work) each do one job on it.
+  write-behind work) each do one job on it; :mod:`~kvstore.store.upkeep`: the
+  reaper's rounds (recency written back, tier health checked again).
 
 This class is the facade: the public operations (the streamed and the slot
 data paths, reads in place, leases, listing, stats, lifecycle), each a short
@@ -56,7 +58,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvstore.block import (
     MAX_KEY_BYTES,
@@ -66,14 +68,7 @@ from kvstore.block import (
     validate_key,
     validate_namespace,
 )
-from kvstore.errors import (
-    CorruptBlock,
-    InvalidArgument,
-    LeaseError,
-    LeaseOwnedElsewhere,
-    StrataError,
-    TierUnavailable,
-)
+from kvstore.errors import CorruptBlock, InvalidArgument, StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.store.chain import TierChain
 from kvstore.store.copies import CopyDown
@@ -82,11 +77,12 @@ from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.limits import EdgePolicy, StoreLimits
 from kvstore.store.placement import HeadPlacement
 from kvstore.store.reads import ChainReader
-from kvstore.store.recency import TOUCH_BATCH_BLOCKS
 from kvstore.store.recovery import recover
 from kvstore.store.events import Removed
+from kvstore.store.holds import BlockHolds, Located
 from kvstore.store.slots import SlotGrant, SlotProtocol
 from kvstore.store.state import EventSink, StorePart, StoreState
+from kvstore.store.upkeep import Upkeep
 from kvstore.store.writer import BlockWriter, StreamedWrites
 from kvstore.tiers.base import Tier, TierStats
 
@@ -97,21 +93,6 @@ EXISTS_THROUGH_KEYS = 64  # keys past a local miss that Exists asks a remote tie
 MAX_LIST_PAGE = 10000
 
 __all__ = ["Located", "Listed", "SlotGrant", "StoreLimits", "StoreStats", "TieredStore"]
-
-
-@dataclass(frozen=True, slots=True)
-class Located:
-    """A block found by :meth:`TieredStore.lookup`.
-
-    ``lease_id`` 0 means the block exists but could not be brought into the
-    head (it is full of pinned blocks): read it with :meth:`TieredStore.get`.
-    """
-
-    key: BlockKey
-    meta: BlockMeta
-    tier: TierName
-    offset: int = 0
-    lease_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +153,9 @@ class TieredStore(StorePart):
         self._reader = ChainReader(state, self._place)
         self._slots = SlotProtocol(state, self._place)
         self._writes = StreamedWrites(state, self._place, self.put)
+        self._holds = BlockHolds(state, self._place, self._reader)
         self._copies.fit_capacity()
-        self._was_degraded: dict = {lvl.name: bool(lvl.tier.stats().degraded) for lvl in chain}
+        self._upkeep = Upkeep(state)
         if watch_tiers:
             self.metrics.watch_tiers(self.tier_stats, self.demotion_queue_depth)
         for level in chain.remote():
@@ -297,87 +279,13 @@ class TieredStore(StorePart):
         self, namespace: str, keys: list[bytes], lease_s: float | None = None, deadline: float | None = None,
         owner: str = "", *, local_only: bool = False,
     ) -> list[Located | None]:
-        """Lease each present block in place in the head (None for a miss).
-
-        A block only below the head is promoted first; the reader then copies
-        it out of the arena, verifies its checksum and releases the lease.
-        ``local_only`` as for :meth:`get` (a peer's read over the peer data plane).
-        """
-        self.check_batch(keys)
-        lease_s = self._s.checks.lease_seconds(lease_s, self.limits.lease_s)
-        with self._cond:
-            self._s.readable_namespace(namespace)
-        out: list[Located | None] = []
-        for key_bytes in keys:
-            key = BlockKey(namespace, validate_key(key_bytes))
-            located = self._lease_in_head(key, lease_s, owner)
-            if located is not None:
-                self.metrics.hits.labels(self._head.name.label).inc()
-                out.append(located)
-                continue
-            with self._cond:
-                entry = self._catalog.live(key)
-                if entry is not None:
-                    entry.pins += 1
-            if entry is None:
-                got = None if local_only else self._reader.read_through(key, deadline)
-                if got is None:
-                    self.metrics.misses.inc()
-                    out.append(None)
-                    continue
-                located = self._lease_in_head(key, lease_s, owner, found_in=got[2])
-                out.append(located or Located(key, got[1], got[2]))
-                continue
-            try:
-                found = self._reader.read_best(key, entry, local_only=local_only)
-            except CorruptBlock:
-                found = None  # dropped and counted; for a batch read it is a miss
-            finally:
-                with self._s.locked():
-                    self._s.unpin_locked(key, entry)
-            if found is None:
-                self.metrics.misses.inc()
-                out.append(None)
-                continue
-            data, tier = found
-            self.metrics.hits.labels(tier.label).inc()
-            if self._chain.is_head(tier) or (self._chain.promotes(tier) and self._place.promote(key, data, entry.meta, deadline, tier)):
-                located = self._lease_in_head(key, lease_s, owner, found_in=tier)
-            out.append(located or Located(key, entry.meta, tier))
-        return out
-
-    def _lease_in_head(self, key: BlockKey, lease_s: float, owner: str, found_in: TierName | None = None) -> Located | None:
-        with self._cond:
-            self._s.expire_locked()
-            entry = self._catalog.live(key)
-            if entry is None or self._head.name not in entry.tiers:
-                return None
-            loc = self._head.locate(key)
-            if loc is None:
-                return None
-            lease = self._leases.issue(LeaseKind.READ, self._clock() + lease_s, keys=[key], owner=owner)
-            entry.pins += 1
-            self._s.touch_locked(key, entry)
-            self.metrics.bytes_out.labels(self._head.name.label).inc(entry.meta.size)
-            return Located(key, entry.meta, found_in or self._head.name, loc[0], lease.id)
+        """Lease each present block in place in the head (None for a miss; see :mod:`kvstore.store.holds`).
+        ``local_only`` as for :meth:`get` (a peer's read over the peer data plane)."""
+        return self._holds.lookup(namespace, keys, lease_s, deadline, owner, local_only=local_only)
 
     def release(self, lease_ids: Iterable[int], owner: str = "") -> list[bool]:
         """End read leases; per lease, whether it was still valid (the bytes read were stable)."""
-        lease_ids = list(lease_ids)
-        self.check_batch(lease_ids)
-        out = []
-        with self._s.locked():
-            self._s.expire_locked()
-            now = self._clock()
-            for lease_id in lease_ids:
-                try:
-                    lease = self._leases.take(lease_id, LeaseKind.READ, now, owner)
-                except LeaseError:
-                    out.append(False)
-                    continue
-                self._s.end_pins_locked(lease)
-                out.append(True)
-        return out
+        return self._holds.release(lease_ids, owner)
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[TierName]:
         """Tiers of the leading present keys of a chain (stops at the first miss).
@@ -481,41 +389,12 @@ class TieredStore(StorePart):
         self, namespace: str, keys: list[bytes], kind: LeaseKind, lease_s: float | None = None, owner: str = "",
     ) -> tuple[Lease, list[bytes]]:
         """Hold present blocks under a lease of ``kind`` (never evicted until it ends); returns (lease, missing keys).
-
-        Any component defines its own kind (a handoff, a replication copy, a
-        weights reader) and ends it with :meth:`end_lease`.
-        """
-        if kind in (LeaseKind.READ, LeaseKind.SLOT):
-            raise InvalidArgument(f"{kind.value} leases come from lookup and allocate, not from lease()")
-        if not keys:
-            raise InvalidArgument(f"a {kind.value} lease needs at least one key: name the blocks to hold")
-        self.check_batch(keys)
-        keys = [validate_key(k) for k in keys]
-        lease_s = self._s.checks.lease_seconds(lease_s, self.limits.pin_lease_s)
-        with self._cond:
-            self._s.expire_locked()
-            self._s.known_namespace(namespace)
-            present, missing = [], []
-            for k in keys:
-                key = BlockKey(namespace, k)
-                (missing.append(k) if self._catalog.live(key) is None else present.append(key))
-            lease = self._leases.issue(kind, self._clock() + lease_s, keys=present, owner=owner)
-            for key in present:
-                self._catalog.entries[key].pins += 1
-            return lease, missing
+        Any component defines its own kind and ends it with :meth:`end_lease`."""
+        return self._holds.lease(namespace, keys, kind, lease_s, owner)
 
     def end_lease(self, lease_id: int, kind: LeaseKind, owner: str = "") -> bool:
         """End a lease early; False when it already ended (expired or released)."""
-        with self._s.locked():
-            self._s.expire_locked()
-            try:
-                lease = self._leases.take(lease_id, kind, self._clock(), owner)
-            except LeaseOwnedElsewhere:
-                raise
-            except LeaseError:
-                return False
-            self._s.end_pins_locked(lease)
-            return True
+        return self._holds.end_lease(lease_id, kind, owner)
 
     def meta(self, key: BlockKey) -> BlockMeta | None:
         """A stored block's metadata (size, checksum, parent, layout); None when it is not stored."""
@@ -526,9 +405,7 @@ class TieredStore(StorePart):
     def extend_lease(self, lease_id: int, kind: LeaseKind, lease_s: float) -> float:
         """Move a live lease's deadline to ``lease_s`` from now (never earlier); returns the deadline.
         Raises LeaseExpired or UnknownLease when it already ended."""
-        with self._s.locked():
-            self._s.expire_locked()
-            return self._leases.extend(lease_id, kind, self._clock() + lease_s, self._clock()).deadline
+        return self._holds.extend_lease(lease_id, kind, lease_s)
 
     def pin(self, namespace: str, keys: list[bytes], lease_s: float | None = None, owner: str = "") -> tuple[Lease, list[bytes]]:
         """Protect present blocks from eviction until the lease ends; returns (lease, missing keys)."""
@@ -538,28 +415,12 @@ class TieredStore(StorePart):
         return self.end_lease(lease_id, LeaseKind.PIN, owner)
 
     def tier_stats(self) -> list[TierStats]:
-        """Each tier's occupancy; ``degraded`` says why a tier cannot do its job now: its own
-        reason (a full filesystem), or the store's (a write failed and it is skipped for a while)."""
-        out = []
-        now = self._clock()
-        for lvl in self._chain:
-            stats = lvl.tier.stats()
-            if not stats.degraded and now < self._s.unhealthy_until.get(lvl.name, 0.0):
-                stats = replace(stats, degraded=f"a write failed, skipped for now: {self._s.unhealthy_reason.get(lvl.name, '')}")
-            out.append(stats)
-        return out
+        """Each tier's occupancy; ``degraded`` says why a tier cannot do its job now (see :mod:`kvstore.store.upkeep`)."""
+        return self._upkeep.tier_stats()
 
     def upkeep(self) -> None:
-        """Let every tier check its device again (the reaper does this every second). A tier that
-        has room again ends the store's full period for it at once, not after ``tier_retry_s``."""
-        for lvl in self._chain:
-            lvl.tier.upkeep()
-            degraded = bool(lvl.tier.stats().degraded)
-            if self._was_degraded.get(lvl.name) and not degraded:
-                with self._cond:
-                    self._s.full_until.pop(lvl.name, None)
-                    self._s.no_headroom_until.pop(lvl.name, None)
-            self._was_degraded[lvl.name] = degraded
+        """Let every tier check its device again (the reaper does this every second)."""
+        self._upkeep.upkeep()
 
     def demotion_queue_depth(self) -> int:
         return self._demoter.depth()
@@ -616,19 +477,7 @@ class TieredStore(StorePart):
 
     def flush_recency(self) -> int:
         """Write the recency of persistent tiers back to them now (the reaper does this every second)."""
-        written = 0
-        while True:
-            with self._cond:
-                touched = self._recency.take_touched(TOUCH_BATCH_BLOCKS)
-            if not touched:
-                return written
-            for tier, key in touched:
-                try:
-                    self._chain.tier(tier).touch(key)
-                except TierUnavailable as err:  # the order is a hint: a failed stamp loses no block
-                    log.warning("could not record the use of %s in tier %s: %s", key, tier.label, err)
-                    return written
-                written += 1
+        return self._upkeep.flush_recency()
 
     def persist_ram(self, deadline: float, evict: bool = True) -> int:
         """Write blocks held only in the head down the chain, most recent first, until ``deadline``.
