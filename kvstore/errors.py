@@ -44,7 +44,7 @@ says what was wrong and what to do about it.
     │                               token or size differ)                                 [shm.arena]
     ├── TableMismatch               an arena's block table is not this arena's, or of
     │                               another format: the RAM tier starts empty             [shm.table]
-    ├── DaemonError                 the daemon cannot start as configured                 [server.daemon]
+    ├── DaemonError                 the daemon cannot start as configured              [server.endpoints]
     ├── DaemonUnavailable           client side: the daemon cannot be reached
     │   └── StaleAttachment         client side: the daemon restarted since this client attached
     │                               its arena; the client attaches again
@@ -73,7 +73,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "FrameError": "kvstore.transport.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "TableMismatch": "kvstore.shm.table",
-    "DaemonError": "kvstore.server.daemon",
+    "DaemonError": "kvstore.server.endpoints",
     "WrongArena": "kvstore.store.group",
     "PolicyError": "kvstore.auth.policy",
     "UcxUnavailable": "kvstore.peer.ucx_link",

@@ -29,7 +29,7 @@ from kvstore.auth.credentials import ChannelSecurity
 from kvstore.client.aio import AsyncClient
 from kvstore.client.codec import CHANNEL_OPTIONS
 from kvstore.errors import PermissionDenied, Unauthenticated, UnknownLease, UnknownNamespace
-from kvstore.server.daemon import DaemonError
+from kvstore.server.endpoints import DaemonError
 from kvstore.transport import frames
 from kvstore.transport.base import Deadline
 from kvstore.transport.samehost_conn import _Connection

@@ -393,7 +393,7 @@ def test_in_place_reads_release_their_leases(make_daemon):
 
 
 def test_a_daemon_that_cannot_start_says_why_and_leaves_nothing(make_daemon, tmp_path):
-    from kvstore.server.daemon import DaemonError
+    from kvstore.server.endpoints import DaemonError
 
     first = make_daemon()
     with pytest.raises(DaemonError, match="pick a free address with --listen"):

@@ -27,7 +27,7 @@ from kvstore.peer import PeerAddress, open_peer_transport
 from kvstore.peer import wire
 from kvstore.peer.tcp import TcpPeerClient
 from kvstore.remote.base import ReadStatus, WriteStatus
-from kvstore.server.daemon import DaemonError
+from kvstore.server.endpoints import DaemonError
 from kvstore.transport import BlockPut, Deadline, open_transport
 from conftest import DaemonProcess, wait_until
 from test_auth import TOKEN_A, TOKEN_ADMIN, policy_text

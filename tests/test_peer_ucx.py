@@ -23,7 +23,7 @@ from kvstore.errors import InvalidArgument, TierUnavailable, Unauthenticated
 from kvstore.peer import open_peer_transport
 from kvstore.peer.ucx_link import ucx_available
 from kvstore.remote.base import ReadStatus, WriteStatus
-from kvstore.server.daemon import DaemonError
+from kvstore.server.endpoints import DaemonError
 from kvstore.transport import BlockPut, Deadline, open_transport
 from conftest import DaemonProcess, free_port, wait_until
 from test_auth import TOKEN_ADMIN, policy_text

@@ -318,7 +318,7 @@ def test_an_extent_given_to_another_block_is_noticed_and_the_block_read_again(ma
 
 
 def test_an_unusable_socket_path_stops_the_daemon_saying_what_to_change(make_daemon, tmp_path):
-    from kvstore.server.daemon import DaemonError
+    from kvstore.server.endpoints import DaemonError
 
     with pytest.raises(DaemonError, match="set --same-host-socket"):
         make_daemon(same_host_socket=str(tmp_path / "no-such-dir" / "s.sock"))

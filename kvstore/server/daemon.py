@@ -8,6 +8,10 @@ NOT_SERVING, in-flight RPCs get ``grace_seconds``, RAM-only blocks are
 copied to disk, then the store closes. Each arena and its table of committed
 blocks stay in the shared-memory directory (``[tiers.ram] keep_on_exit``),
 so the next start, after an upgrade or a crash, re-adopts the RAM blocks.
+
+The listeners served next to the gRPC port (same-host sockets, the peer data
+plane over TCP, UCX and UCX shared memory), protected mode and the TLS
+credentials are :mod:`kvstore.server.endpoints`'s, with :class:`DaemonError`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import fcntl
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from concurrent import futures
@@ -32,9 +35,8 @@ from kvstore.api.v1 import kv_pb2, kv_pb2_grpc
 from kvstore.api.v1 import index_pb2, index_pb2_grpc
 from kvstore.api.v1 import handoff_pb2, handoff_pb2_grpc
 from kvstore.auth import Authority
-from kvstore.auth.exposure import refusal, split_host
+from kvstore.auth.exposure import split_host
 from kvstore.auth.interceptor import AuthInterceptor
-from kvstore.auth.peers import PeerGate
 from kvstore.block import TierName
 from kvstore.cluster.replicator import Replicator, open_replicator
 from kvstore.config import Settings
@@ -43,14 +45,14 @@ from kvstore.index.agent import IndexAgent
 from kvstore.index.scoring import ScoringPolicy
 from kvstore.server.index_service import IndexServicer
 from kvstore.server.handoff_service import HandoffServicer
-from kvstore.errors import StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.node import NodeIdentity
-from kvstore.peer.base import PeerAddress
 from kvstore.peer.served import ServedBytes
 from kvstore.peer.server import PeerServer
 from kvstore.server.admission import AdmissionInterceptor
+from kvstore.server import endpoints
 from kvstore.server.budget import ByteBudget
+from kvstore.server.endpoints import DaemonError
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.server.stores import open_stores
@@ -73,10 +75,6 @@ INDEX_SERVICE_NAME = index_pb2.DESCRIPTOR.services_by_name["IndexService"].full_
 HANDOFF_SERVICE_NAME = handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name
 TIER_HEALTH_PREFIX = "strata.tier."  # + a tier's label: one health service per tier
 TIER_CHECK_SECONDS = 1.0
-
-
-class DaemonError(StrataError):
-    """The daemon cannot start as configured; the message says what to change."""
 
 
 class Daemon:
@@ -146,7 +144,7 @@ class Daemon:
 
     def _start(self) -> Daemon:
         s = self.settings
-        self.authority = self._authority()
+        self.authority = endpoints.authority(s)
         state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
         self._state_dir = state_dir
         self._lock_state_dir(state_dir)
@@ -193,48 +191,18 @@ class Daemon:
             options=options,
         )
         if s.server.same_host_socket != "off":
-            for named in self.store.arenas:  # one socket per arena, serving that arena's namespaces only
-                arena = named.shm
-                auto = os.path.join(os.path.dirname(arena.path), "samehost-" + os.path.basename(arena.path) + ".sock")
-                path = auto if s.server.same_host_socket == "auto" else s.server.same_host_socket
-                if named.index and s.server.same_host_socket != "auto":
-                    path = f"{path}.{named.name}"
-                same_host = self._same_hosts[named.name] = SameHostServer(
-                    self.store.only(named.name), path, arena.token, metrics=self.metrics,
-                    max_connections=s.server.same_host_max_connections, idle_s=s.server.same_host_idle_seconds,
-                    gate=PeerGate(self.authority), mode=s.auth.mode,
-                )
-                try:
-                    same_host.start()
-                except OSError as err:
-                    raise DaemonError(
-                        f"cannot serve the same-host socket at {path} ({err.strerror or err}): "
-                        "set --same-host-socket to a writable path, or 'off'"
-                    ) from None
+            endpoints.start_same_host_sockets(s, self.store, self.authority, self.metrics, self._same_hosts)
             self._same_host = self._same_hosts[self.store.default.name]
         if s.peers.listen:
-            self.peer_server = PeerServer(
-                self.store, s.peers.listen, authority=self.authority, metrics=self.metrics,
-                max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
-                in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
-                served=self.served,
-            )
-            try:
-                self.peer_server.start()
-            except (OSError, ValueError) as err:
-                self.peer_server = None
-                raise DaemonError(
-                    f"cannot serve the peer data plane on {s.peers.listen} ({err}): pick a free address with "
-                    "--peer-listen, or leave it empty to turn it off"
-                ) from None
+            self.peer_server = endpoints.start_peer_server(s, self.store, self.authority, self.metrics, self.served)
         if s.peers.ucx_listen:
-            self.ucx_server = self._ucx_server()
+            self.ucx_server = endpoints.start_ucx_server(s, self.store, self.authority, self.metrics, self.served)
         elif "peer" in s.tiers.chain and "ucx" in s.tiers.peer.transports:
-            self._start_ucx("--peer-transports ucx")
+            endpoints.start_ucx("--peer-transports ucx")
         if s.peers.ucx_shm:
-            self.ucx_shm_server = self._ucx_shm_server()
+            self.ucx_shm_server = endpoints.start_ucx_shm_server(s, self.store, self.authority, self.metrics)
         elif "peer" in s.tiers.chain and "ucx-shm" in s.tiers.peer.transports:
-            self._start_ucx("--peer-transports ucx-shm", shared_memory=True)
+            endpoints.start_ucx("--peer-transports ucx-shm", shared_memory=True)
         self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
@@ -264,7 +232,7 @@ class Daemon:
             server,
         )
         try:
-            tls = self._server_credentials()
+            tls = endpoints.server_credentials(s)
             if tls is None:
                 self.port = server.add_insecure_port(s.server.listen)
             else:
@@ -319,82 +287,12 @@ class Daemon:
         )
         return self
 
-    @staticmethod
-    def _start_ucx(why: str, *, shared_memory: bool = False) -> None:
-        """Start ucxx's worker now, not on the first peer read (its start can take seconds on a busy
-        host, longer than a read's deadline), and say at once when it cannot be imported."""
-        from kvstore.peer.ucx_link import UcxRuntime, UcxUnavailable
-
-        try:
-            if shared_memory:
-                from kvstore.peer.ucx_shm_link import UcxShmRuntime
-
-                UcxShmRuntime.get()
-            else:
-                UcxRuntime.get()
-        except UcxUnavailable as err:
-            raise DaemonError(f"{err} ({why})") from None
-
-    def _ucx_shm_server(self) -> PeerServer:
-        """The UCX shared-memory peer listener: the same requests, to daemons on this host."""
-        from kvstore.peer.ucx_shm_server import UcxShmPeerServer
-
-        s = self.settings
-        self._start_ucx("--peer-ucx-shm", shared_memory=True)
-        server = UcxShmPeerServer(
-            self.store, "", authority=self.authority, metrics=self.metrics,
-            max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
-            in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
-        )
-        try:
-            return server.start()
-        except OSError as err:
-            raise DaemonError(
-                f"cannot serve UCX shared memory to this host's daemons ({err}): turn --peer-ucx-shm off"
-            ) from None
-
-    def _ucx_server(self) -> PeerServer:
-        """The UCX peer listener: the same requests as the TCP one, over ucxx (the ucx extra)."""
-        from kvstore.peer.ucx_server import UcxPeerServer
-
-        s = self.settings
-        server = UcxPeerServer(
-            self.store, s.peers.ucx_listen, authority=self.authority, metrics=self.metrics,
-            max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
-            in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
-            served=self.served,
-        )
-        self._start_ucx(f"--peer-ucx-listen {s.peers.ucx_listen}")
-        try:
-            return server.start()
-        except Exception as err:  # noqa: BLE001 - ucxx's own errors (a port taken, no usable transport)
-            raise DaemonError(
-                f"cannot serve the UCX peer data plane on {s.peers.ucx_listen} ({type(err).__name__}: {err}): "
-                "pick a free port with --peer-ucx-listen, or leave it empty to turn it off"
-            ) from None
-
     def peer_addresses(self) -> dict[str, str]:
         """The peer data plane's addresses by transport scheme (``{"tcp": "tcp://host:port",
         "ucx": "ucx://host:port"}``), as other daemons reach them: what this node's index record
         advertises, shared memory first (``ucx-shm://<host id>:port``, for daemons on this host).
         Empty when no peer listener is configured (--peer-listen, --peer-ucx-listen, --peer-ucx-shm)."""
-        p = self.settings.peers
-        out = {}
-        if self.ucx_shm_server is not None and self.ucx_shm_server.port is not None:
-            out["ucx-shm"] = self.ucx_shm_server.address
-        for scheme, server, listen, advertise in (("tcp", self.peer_server, p.listen, p.advertise),
-                                                  ("ucx", self.ucx_server, p.ucx_listen, p.ucx_advertise)):
-            if server is None or server.port is None:
-                continue
-            host, port = split_host(advertise or listen)
-            if advertise:
-                port = int(port)
-            else:
-                port = server.port  # the one bound (a listen port of 0 picks one)
-                if host in ("", "0.0.0.0", "::"):
-                    host = socket.gethostname()
-            out[scheme] = str(PeerAddress(scheme, host, port))
-        return out
+        return endpoints.peer_addresses(self.settings, self.peer_server, self.ucx_server, self.ucx_shm_server)
 
     def _handoff_servicer(self) -> HandoffServicer:
         """Both sides of the prefill/decode handoff (kvstore.handoff): the table of handoffs this
@@ -461,48 +359,6 @@ class Daemon:
         shared memory for this host's daemons (--peer-ucx-shm), the TCP peer listener when there is
         one (--peer-listen), the UCX one (--peer-ucx-listen), then gRPC. A reader picks the first of its own ``[tiers.peer] transports`` listed here."""
         return [*self.peer_addresses().values(), f"grpc://{self.advertised}"]
-
-    def _authority(self) -> Authority:
-        """Who may call, and protected mode: refuse to expose an unauthenticated daemon beyond loopback."""
-        a = self.settings.auth
-        why = refusal(self.settings.server.listen, a.authenticated, a.insecure)
-        if why is None and self.settings.peers.listen:
-            why = refusal(self.settings.peers.listen, a.authenticated, a.insecure, flag="--peer-listen")
-        if why is None and self.settings.peers.ucx_listen and not (a.authenticated or a.insecure):
-            why = (f"protected mode: --peer-ucx-listen {self.settings.peers.ucx_listen} is reachable on every "
-                   "interface (ucxx's listener binds a port, not an address) and no authentication is configured: "
-                   "configure authentication (--auth-file with bearer tokens), or pass --insecure to serve every "
-                   "peer that can reach it")
-        if why is not None:
-            raise DaemonError(why)
-        if a.authenticated and a.tls_client_ca and not a.file and self.settings.peers.listen:
-            log.warning("the peer listener authenticates bearer tokens only; with mTLS and no --auth-file "
-                        "no peer can authenticate there: add an --auth-file with a token for the peers")
-        if not a.authenticated and refusal(self.settings.server.listen, False, False) is not None:
-            log.warning(
-                "--insecure: serving %s without authentication; any client that reaches it may read and "
-                "overwrite every namespace", self.settings.server.listen,
-            )
-        trusted = [os.getuid()] if a.trust_own_uid else []
-        authority = Authority(a.file, mtls=bool(a.tls_client_ca), reload_s=a.reload_seconds, trusted_uids=trusted)
-        if a.file and not a.tls_cert and refusal(self.settings.server.listen, False, False) is not None:
-            log.warning("bearer tokens cross %s in plaintext: set --tls-cert and --tls-key", self.settings.server.listen)
-        return authority
-
-    def _server_credentials(self) -> grpc.ServerCredentials | None:
-        a = self.settings.auth
-        if not a.tls_cert:
-            return None
-
-        def read(path: str, flag: str) -> bytes:
-            try:
-                return Path(path).expanduser().read_bytes()
-            except OSError as err:
-                raise DaemonError(f"cannot read {path} ({err.strerror}): check {flag}") from None
-
-        pair = (read(a.tls_key, "--tls-key"), read(a.tls_cert, "--tls-cert"))
-        ca = read(a.tls_client_ca, "--tls-client-ca") if a.tls_client_ca else None
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
     def reload_auth(self) -> bool:
         """Load the auth policy file again (SIGHUP); the old rules stay when it is broken."""
