@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="the GPU tier's tensors need torch (python tests/install.py installs the CPU build)")
 
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable

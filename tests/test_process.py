@@ -7,7 +7,6 @@ import json
 import os
 import urllib.request
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from kvstore import BlockPut, Client, TierName
 from kvstore.errors import InvalidArgument
 from kvstore.config.tiers import arena_name
 from kvstore.transport import frames
+from kvstore.transport.unix import connect_unix
 from conftest import free_port, wait_until
 
 MiB = 1 << 20
@@ -205,8 +205,7 @@ def test_stop_and_start_keeps_the_ram_cache_warm(daemon_process):
     finally:
         stale.close()
     with pytest.raises(InvalidArgument, match="attach again"):  # the daemon's side: the old token is refused
-        with socket.socket(socket.AF_UNIX) as raw:
-            raw.connect(same_host_path(daemon))
+        with connect_unix(same_host_path(daemon), 30) as raw:  # the path may pass sun_path's 107 bytes
             frames.send(raw, frames.encode([frames.HELLO, 1, [frames.PROTOCOL_VERSION, old_token]]))
             _, status, result = frames.FrameReader(raw).read()[0]
             assert status == frames.ERROR

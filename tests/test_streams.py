@@ -6,7 +6,6 @@ Real daemons on real sockets. The idle limit is small; every wait here is
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ from kvstore import Client
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import checksum
+from kvstore.transport.unix import connect_unix
 from store_blocks import MiB, value
 
 IDLE_S = 0.5
@@ -158,9 +158,7 @@ def test_a_same_host_connection_that_stalls_in_a_partial_frame_is_closed(make_da
         kv.put("m", b"kept", value(7, 4096))
     with grpc.insecure_channel(daemon.target) as channel:
         attach = kv_pb2_grpc.KVServiceStub(channel).Attach(pb.AttachRequest(), timeout=10)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.connect(server.path)
-        sock.settimeout(30)
+    with connect_unix(server.path, 30) as sock:  # the path may pass sun_path's 107 bytes
         reader = frames.FrameReader(sock)
         frames.send(sock, frames.encode([frames.HELLO, 1, [frames.PROTOCOL_VERSION, attach.arena_token]]))
         assert reader.read()[0][1] == frames.OK

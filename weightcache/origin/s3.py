@@ -52,11 +52,9 @@ class S3Options:
 
 class S3Origin(Origin):
     def __init__(self, location: str, options: S3Options, revision: str | None = None) -> None:
-        try:
-            import obstore
-            from obstore.store import S3Store
-        except ImportError:
-            raise InvalidArgument("an s3:// origin needs obstore: pip install 'strata[weights]'") from None
+        import obstore
+        from obstore.store import S3Store
+
         parts = urlsplit(location)
         if not parts.netloc:
             raise InvalidArgument(f"{location!r}: an S3 location is s3://bucket/prefix/")
