@@ -118,6 +118,7 @@ class FlipProxy:
     def __init__(self, upstream: tuple[str, int], marker: bytes, host: str = "127.0.0.1") -> None:
         self.upstream = upstream
         self.marker = marker
+        self.enabled = True  # False: forwards unchanged (the path is mended)
         self.flipped = 0
         self._server = socket.create_server((host, 0))
         self.address = f"{host}:{self._server.getsockname()[1]}"
@@ -145,7 +146,7 @@ class FlipProxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                if flip:
+                if flip and self.enabled:
                     buf = bytearray(data)
                     if pending_flip and buf:
                         buf[0] ^= 0xFF

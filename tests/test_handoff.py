@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -55,20 +56,35 @@ def index_url(tmp_path_factory):
 def nodes(tmp_path, index_url):
     started: list[PeerNode] = []
 
-    def start(name: str, *extra: str, peer_listen: bool = False) -> PeerNode:
-        args = list(extra)
+    def start(name: str, *extra: str, peer_listen: bool = False, via: Callable | None = None,
+              via_grpc: Callable | None = None) -> PeerNode:
+        """``via(upstream)`` / ``via_grpc(upstream)``: a proxy in front of the node's TCP peer
+        listener / gRPC port, which the node advertises in the index instead of its own address:
+        a pull goes where the index says, so that is where a test puts what is in between."""
+        node = PeerNode(tmp_path, name, index_url, *extra)
         if peer_listen:
-            node = PeerNode(tmp_path, name, index_url, *args)
             node.peer_port = free_port()
             node.args += ["--peer-listen", f"127.0.0.1:{node.peer_port}"]
-        else:
-            node = PeerNode(tmp_path, name, index_url, *args)
+            if via is not None:
+                node.proxy = via(("127.0.0.1", node.peer_port))
+                node.args += ["--peer-advertise", node.proxy.address]
+        if via_grpc is not None:
+            node.proxy = via_grpc(("127.0.0.1", node.port))
+            node.args += ["--advertise-address", node.proxy.address]
         started.append(node)
         return node.start()
 
     yield start
     for node in started:
         node.kill()
+
+
+class ClosedPort:
+    """An address nobody listens on: connections to it are refused."""
+
+    def __init__(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            self.address = f"127.0.0.1:{server.getsockname()[1]}"
 
 
 def put_chain(client: Client, tag: str, n: int, size: int, prefix: bytes = b"") -> tuple[list[bytes], list[bytes]]:
@@ -225,13 +241,12 @@ class ThrottleProxy:
 def test_decode_side_killed_mid_pull_leaves_nothing_pinned(nodes):
     """D is SIGKILLed while a pull that outlasts the lease runs: its heartbeats kept the handoff open
     while it lived; after one lease without them P holds nothing pinned."""
-    p, d = nodes("p", peer_listen=True), nodes("d")
+    p = nodes("p", peer_listen=True, via=lambda up: ThrottleProxy(up, rate=16 << 20))  # ~4 s for the pull
+    d, proxy = nodes("d"), p.proxy
     with Client(p.target, use_shm=False) as pc:
         keys, _ = put_chain(pc, "killed", 16, 4 << 20)  # 64 MiB
         params, _ = pc.open_handoff(NS, keys, lease_s=1.0)
-        proxy = ThrottleProxy(("127.0.0.1", p.peer_port), rate=16 << 20)  # ~4 s for the whole pull
         routed = params.to_dict()
-        routed["addresses"] = [f"tcp://{proxy.address}"]
         failed: list[BaseException] = []
 
         def pull() -> None:
@@ -257,22 +272,19 @@ def test_decode_side_killed_mid_pull_leaves_nothing_pinned(nodes):
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_bytes_damaged_in_transit_are_never_stored(nodes, transport):
-    p, d = nodes("p", peer_listen=transport == "tcp"), nodes("d")
+    flipper = lambda up: FlipProxy(up, MARKER)  # noqa: E731
+    p = nodes("p", peer_listen=transport == "tcp", **({"via": flipper} if transport == "tcp" else {"via_grpc": flipper}))
+    d, proxy = nodes("d"), p.proxy
     with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
         keys, values = put_chain(pc, "flip", 4, 256 << 10, prefix=MARKER)
         params, _ = pc.open_handoff(NS, keys, lease_s=30)
-        proxy = FlipProxy(("127.0.0.1", p.peer_port if transport == "tcp" else p.port), MARKER)
-        try:
-            routed = params.to_dict()
-            routed["addresses"] = [f"{transport}://{proxy.address}"]
-            with pytest.raises(CorruptBlock):
-                dc.pull_handoff(routed)
-            assert proxy.flipped >= 1
-        finally:
-            proxy.close()
+        with pytest.raises(CorruptBlock):
+            dc.pull_handoff(params.to_dict())
+        assert proxy.flipped >= 1
+        proxy.enabled = False  # the path is mended
         assert dc.exists(NS, keys) == []  # nothing of the failed pull was stored
         assert pc.stats().open_handoffs == 1  # not completed: the decode side may try again
-        result = dc.pull_handoff(params)  # straight to P this time
+        result = dc.pull_handoff(params)
         assert result.stored == 4 and result.completed
         for k, v in zip(keys, values):
             assert dc.get(NS, k) == v
@@ -325,16 +337,14 @@ def test_a_prefill_node_without_a_peer_listener_is_pulled_over_grpc(nodes):
 
 
 def test_a_tcp_listener_that_is_down_falls_back_to_grpc_and_is_counted(nodes):
-    """The params name a TCP listener nobody answers on (P's went down): D falls back to gRPC."""
-    p, d = nodes("p", peer_listen=True), nodes("d")
+    """P advertises a TCP listener nobody answers on (as when it went down): D falls back to gRPC."""
+    p = nodes("p", peer_listen=True, via=lambda up: ClosedPort())
+    d = nodes("d")
     with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False) as dc:
         keys, values = put_chain(pc, "tcp-down", 4, 512 << 10)
         params, _ = pc.open_handoff(NS, keys)
-        routed = params.to_dict()
-        down = socket.create_server(("127.0.0.1", 0))
-        routed["addresses"][0] = f"tcp://127.0.0.1:{down.getsockname()[1]}"
-        down.close()  # the port is free now: connections to it are refused
-        result = dc.pull_handoff(routed)
+        assert params.addresses[0] == f"tcp://{p.proxy.address}"
+        result = dc.pull_handoff(params.to_dict())
         assert (result.stored, result.pulled_bytes) == (4, 2 << 20) and result.completed
         for k, v in zip(keys, values):
             assert dc.get(NS, k) == v
@@ -345,13 +355,12 @@ def test_a_tcp_listener_that_is_down_falls_back_to_grpc_and_is_counted(nodes):
 def test_a_tcp_listener_that_goes_down_mid_pull_falls_back_for_the_rest(nodes):
     """The TCP path breaks off while the bytes flow: the blocks verified over it stay, the rest come
     over gRPC, and what D stores is exactly what P held."""
-    p, d = nodes("p", peer_listen=True), nodes("d")
+    p = nodes("p", peer_listen=True, via=lambda up: CutProxy(up, rate=16 << 20))  # ~2 s over TCP
+    d, proxy = nodes("d"), p.proxy
     with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
         keys, values = put_chain(pc, "tcp-cut", 16, 2 << 20)  # 32 MiB
         params, _ = pc.open_handoff(NS, keys, lease_s=30)
-        proxy = CutProxy(("127.0.0.1", p.peer_port), rate=16 << 20)  # ~2 s over TCP
         routed = params.to_dict()
-        routed["addresses"][0] = f"tcp://{proxy.address}"
         outcome: list = []
         puller = threading.Thread(target=lambda: outcome.append(dc.pull_handoff(routed, timeout=60)))
         puller.start()
@@ -367,3 +376,84 @@ def test_a_tcp_listener_that_goes_down_mid_pull_falls_back_for_the_rest(nodes):
         assert d.metric("strata_handoff_pull_fallbacks_total", transport="tcp", reason="unavailable") == 1
         # The handoff's lease ended; the read lease of the block cut mid-send ends as P's sender sees the reset.
         wait_until(lambda: pc.stats().pinned_blocks == 0, timeout=10, what="P's pins to be released")
+
+
+class Listener:
+    """A port a hostile caller controls: counts the connections made to it and what they sent."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self.connections = 0
+        self.received = b""
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.settimeout(2)
+            try:
+                self.received += conn.recv(1 << 16)
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def hostile(params, address: str, **changes) -> dict:
+    """The params as a caller that rewrote where the prefill side is would send them."""
+    d = params.to_dict()
+    d["addresses"] = [f"tcp://{address}", f"grpc://{address}"]
+    d["control_address"] = address
+    d.update(changes)
+    return d
+
+
+def test_a_pull_never_connects_to_an_address_the_caller_names(nodes):
+    """The decode daemon authenticates its pulls with the node's peer token: params that point it at
+    a port the caller controls must not make it connect there (the token would be the caller's, and
+    every tenant's blocks with it). It pulls from where the index says the prefill node is."""
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    trap = Listener()
+    try:
+        with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
+            keys, values = put_chain(pc, "trap", 3, 64 << 10)
+            params, _ = pc.open_handoff(NS, keys)
+            result = dc.pull_handoff(hostile(params, trap.address))
+            assert result.stored == 3 and result.completed  # from P, as its index record says
+            for k, v in zip(keys, values):
+                assert dc.get(NS, k) == v
+            assert (trap.connections, trap.received) == (0, b"")
+    finally:
+        trap.close()
+
+
+def test_a_pull_naming_a_node_the_index_does_not_know_is_refused_before_any_connection(nodes):
+    """No node, no connection: the same refusal whether the named port is open or closed, so
+    PullHandoff scans no ports either."""
+    p, d = nodes("p", peer_listen=True), nodes("d")
+    trap, closed = Listener(), ClosedPort()
+    try:
+        with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
+            keys, _ = put_chain(pc, "ghost", 2, 4096)
+            params, _ = pc.open_handoff(NS, keys)
+            answers = []
+            for address in (trap.address, closed.address):
+                with pytest.raises(StrataError) as refused:
+                    dc.pull_handoff(hostile(params, address, node_id="ghost"))
+                answers.append((type(refused.value), str(refused.value).replace(address, "ADDR")))
+            assert answers[0] == answers[1], answers
+            assert "does not know" in answers[0][1] and "--index-url" in answers[0][1]
+            with pytest.raises(HandoffEnded, match="another epoch"):  # P's own id, at an epoch it is not at
+                dc.pull_handoff(hostile(params, trap.address, epoch=params.epoch + 1))
+            assert (trap.connections, trap.received) == (0, b"")
+            assert dc.exists(NS, keys) == []
+            assert pc.stats().open_handoffs == 1  # untouched: the real decode side may still pull it
+    finally:
+        trap.close()

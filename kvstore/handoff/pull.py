@@ -34,6 +34,16 @@
    answers (``publish``), so the decode node is a holder when PullHandoff
    returns, then completes the handoff at the prefill daemon.
 
+Where the prefill side is, and over what, comes from this daemon's prefix
+index, never from the caller: the params name the prefill node (``node_id``,
+``epoch``), and the node's index record gives its gRPC address and
+data-plane endpoints. The params' own ``addresses`` and ``control_address``
+are not used to connect. A pull authenticates with this daemon's peer token,
+so an address the caller chose would hand that token (and every tenant's
+blocks with it) to whoever listens there, and would make PullHandoff a port
+scanner. A node the index does not know as live, or knows at another epoch,
+is refused before anything is connected to.
+
 What the prefill side is called with (HeartbeatHandoff, CompleteHandoff)
 goes to its gRPC address with this daemon's peer token.
 """
@@ -54,6 +64,7 @@ from kvstore.errors import (
 )
 from kvstore.handoff.metrics import HandoffMetrics
 from kvstore.handoff.params import HandoffParams
+from kvstore.index.base import NodeInfo
 from kvstore.remote.base import ReadStatus
 
 log = logging.getLogger(__name__)
@@ -87,10 +98,12 @@ class HandoffPuller:
     preference; ``control(address)``: a client of the prefill daemon's gRPC with
     ``heartbeat_handoff`` and ``complete_handoff`` (the caller closes it); ``publish(namespace,
     [(key, tier)], timeout_s)``: adds this node's holdings to the index now, True when the index
-    took them."""
+    took them; ``resolve(node_id, timeout_s)``: the index's record of a node (None when the index
+    does not know it), where the prefill side is reached."""
 
     def __init__(self, store, peers: Mapping[str, object], control: Callable,
                  publish: Callable[[str, list, float], bool], limits: PullLimits,
+                 resolve: Callable[[str, float], NodeInfo | None],
                  metrics: HandoffMetrics | None = None) -> None:
         if not peers:
             raise InvalidArgument("a handoff puller needs at least one peer transport (e.g. tcp, grpc)")
@@ -98,6 +111,7 @@ class HandoffPuller:
         self._peers = dict(peers)
         self._control = control
         self._publish = publish
+        self._resolve = resolve
         self.limits = limits
         self.metrics = metrics or HandoffMetrics()
         self._slots = threading.BoundedSemaphore(limits.max_pulls)
@@ -107,13 +121,33 @@ class HandoffPuller:
         """The schemes this daemon pulls over, preferred first."""
         return list(self._peers)
 
-    def routes(self, params: HandoffParams) -> list[tuple[str, str]]:
+    def routes(self, node: NodeInfo) -> list[tuple[str, str]]:
         """(scheme, address) of every transport both sides have: this daemon's order, each with the
-        first address of its scheme the params offer."""
+        first endpoint of its scheme the prefill node's index record advertises."""
         offered: dict[str, str] = {}
-        for address in params.addresses:
+        for address in node.transports:
             offered.setdefault(address.partition("://")[0], address)
         return [(scheme, offered[scheme]) for scheme in self._peers if scheme in offered]
+
+    def prefill_node(self, params: HandoffParams, timeout_s: float) -> NodeInfo:
+        """The index's record of the node the params name, alive and at the params' epoch."""
+        node = self._resolve(params.node_id, timeout_s)
+        if node is None:
+            raise InvalidArgument(
+                f"the handoff names prefill node {params.node_id!r}, which this daemon's prefix index does not "
+                "know: a handoff is pulled only from nodes of the index (start both daemons with the same "
+                "--index-url), never from an address the caller gives"
+            )
+        if not node.alive or node.epoch != params.epoch:
+            raise HandoffEnded(
+                f"prefill node {params.node_id} is {'not alive' if not node.alive else 'at another epoch'} in the "
+                f"index (epoch {node.epoch}, the handoff's {params.epoch}): it stopped or restarted since it opened "
+                "the handoff, which ended there; nothing was stored"
+            )
+        if not node.address:
+            raise InvalidArgument(f"prefill node {params.node_id} advertises no gRPC address in the index: "
+                                  "nothing to pull from")
+        return node
 
     def pull(self, params: HandoffParams, timeout_s: float | None = None) -> PullResult:
         self._check(params)
@@ -151,17 +185,18 @@ class HandoffPuller:
         from kvstore.transport.base import Deadline
 
         ns = params.namespace
-        route = _Route(self.routes(params), params, self.metrics)
+        node = self.prefill_node(params, max(0.5, min(5.0, deadline_at - time.monotonic())))
+        route = _Route(self.routes(node), params, self.metrics)
         if params.blocks and not route.left:
             raise InvalidArgument(
-                f"prefill node {params.node_id} offers the data planes {list(params.addresses)} and this daemon "
+                f"prefill node {params.node_id} offers the data planes {list(node.transports)} and this daemon "
                 f"pulls over {self.transports} (--handoff-transports): none in common; add grpc here, or "
                 "start the prefill node with --peer-listen"
             )
-        control = self._control(params.control_address)
+        control = self._control(node.address)
         try:
             deadline = Deadline(deadline_at)
-            beat = _Heartbeat(control, params, deadline)
+            beat = _Heartbeat(control, params, node.address, deadline)
             writers = []
             try:
                 for b in params.blocks:
@@ -315,9 +350,10 @@ def _batches(wanted: list[int], params: HandoffParams):
 class _Heartbeat:
     """Extends the handoff's lease every third of it while a pull runs; an ended handoff cancels the pull."""
 
-    def __init__(self, control, params: HandoffParams, deadline) -> None:
+    def __init__(self, control, params: HandoffParams, address: str, deadline) -> None:
         self._control = control
         self._params = params
+        self._address = address
         self._deadline = deadline
         self._every = max(MIN_HEARTBEAT_S, (params.lease_ms or 30_000) / 3000)
         self._stop = threading.Event()
@@ -344,4 +380,4 @@ class _Heartbeat:
                 return
             except StrataError as err:  # the prefill daemon is slow or away: the lease tells
                 log.warning("handoff %s: heartbeat to %s failed: %s", self._params.handoff_id[:8],
-                            self._params.control_address, err)
+                            self._address, err)

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.block import BlockKey, TierName
 from kvstore.errors import StrataError
-from kvstore.index.base import IndexUnavailable, PrefixIndex
+from kvstore.index.base import IndexUnavailable, NodeInfo, PrefixIndex
 from kvstore.store.events import Delivery, Resync
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,15 @@ class IndexAgent:
             return False
         self._m_published.labels("add").inc(len(blocks))
         return True
+
+    def node(self, node_id: str, timeout: float) -> NodeInfo | None:
+        """The index's record of ``node_id`` (None when it knows no such node), from a worker thread.
+        IndexUnavailable when the index does not answer in time."""
+        try:
+            nodes = self.run(self.index.nodes(), timeout)
+        except TimeoutError:
+            raise IndexUnavailable(f"the prefix index did not list its nodes within {timeout:g} s: retry") from None
+        return next((n for n in nodes if n.node_id == node_id), None)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -319,7 +319,8 @@ class Daemon:
         puller = HandoffPuller(
             self.store, self._handoff_peers, lambda address: Client(address, security=security, retries=1, timeout=10),
             self.index_agent.publish,
-            PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds), metrics,
+            PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds),
+            self.index_agent.node, metrics,
         )
         return HandoffServicer(self.handoffs, puller)
 
