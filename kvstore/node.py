@@ -104,7 +104,7 @@ def _read_epoch(ops: FileOps, path: Path) -> int:
 
 
 def _write_file(ops: FileOps, path: str, data: bytes) -> None:
-    fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # the daemon's own
     try:
         _write_all(ops, fd, data)
     finally:

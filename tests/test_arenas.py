@@ -308,7 +308,13 @@ def test_arena_files_blocks_and_sockets_are_private(make_daemon, tmp_path):
         mode = os.stat(got.control_socket).st_mode
         assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
     blocks = [p for p in (tmp_path / "node" / "arenas" / "team-a").rglob("*") if p.is_file() and p.name != "LOCK"]
-    assert blocks and all(os.stat(p).st_mode & 0o777 == 0o600 for p in blocks)
+    assert blocks
+    # Every file of the state directory: blocks, the tiers' locks, the daemon's lock, the epoch.
+    files = [p for p in (tmp_path / "node").rglob("*") if p.is_file()]
+    assert {"epoch", "daemon.lock", "LOCK"} <= {p.name for p in files}
+    readable = [f"{p.relative_to(tmp_path)} {os.stat(p).st_mode & 0o777:o}" for p in files
+                if os.stat(p).st_mode & 0o077]
+    assert not readable, readable
 
 
 def test_without_arenas_the_node_is_one_default_arena(daemon):

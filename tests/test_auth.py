@@ -597,3 +597,36 @@ def test_an_identity_maps_only_the_arenas_whose_every_namespace_it_may_use(make_
     with Client(daemon.target, token=TOKEN_A) as c:
         assert c.put("a", b"x", b"streamed" * 512) and c.put("a-1", b"y", b"mapped" * 512)
         assert c.get("a", b"x") == b"streamed" * 512 and c.get("a-1", b"y") == b"mapped" * 512
+
+
+def test_a_tenants_stats_count_only_its_own_open_handoffs(authed):
+    """Another tenant's handoffs are its activity: a tenant's Stats shows the handoffs open in the
+    namespace it asked about, the admin's the node's."""
+    with Client(authed.target, token=TOKEN_B, use_shm=False) as b:
+        b.put("b", b"k", b"x" * 1000)
+        b.open_handoff("b", [b"k"], lease_s=60)
+        assert b.stats("b").open_handoffs == 1
+    with Client(authed.target, token=TOKEN_A, use_shm=False) as a:
+        a.put("a", b"k", b"y" * 1000)
+        assert a.stats("a").open_handoffs == 0
+        a.open_handoff("a", [b"k"], lease_s=60)
+        assert a.stats("a").open_handoffs == 1
+    with Client(authed.target, token=TOKEN_ADMIN, use_shm=False) as admin:
+        assert admin.stats().open_handoffs == 2
+
+
+def test_attach_tells_a_tenant_nothing_of_another_tenants_arena(make_daemon, policy_file):
+    """Attach naming a namespace the caller may not read answers no arena name and no namespace
+    patterns; a namespace it may read but not map gives the arena's name only (which transport to
+    cache), never what else the arena holds."""
+    daemon = make_daemon(auth_file=str(policy_file), ram_bytes="64MiB", arena=["team-b:b:16MiB", "team-a:a-*:16MiB"])
+    team_a = raw_stub(daemon.target, TOKEN_A)
+    theirs = team_a.Attach(pb.AttachRequest(namespace="b"), timeout=10)
+    assert (theirs.arena_name, list(theirs.namespaces), theirs.arena_path) == ("", [], "")
+    assert theirs.max_block_bytes > 0  # the node's limits are no tenant's secret
+    mine = team_a.Attach(pb.AttachRequest(namespace="a-1"), timeout=10)
+    assert mine.arena_name == "team-a" and list(mine.namespaces) == ["a-*"] and mine.arena_path
+    default = team_a.Attach(pb.AttachRequest(namespace="a"), timeout=10)  # the default arena: not mappable
+    assert default.arena_name and list(default.namespaces) == [] and default.arena_path == ""
+    admin = raw_stub(daemon.target, TOKEN_ADMIN)
+    assert admin.Attach(pb.AttachRequest(namespace="b"), timeout=10).namespaces == ["b"]

@@ -180,6 +180,23 @@ def test_every_pod_runs_non_root_with_least_privilege():
                 assert not added and sc.get("runAsUser", 1) != 0 and sc.get("runAsNonRoot") is not False, at
 
 
+def test_every_strata_listener_is_served_with_authentication():
+    """Safe by default: no manifest turns protected mode off, and every strata server in them (the
+    daemon, a weight node, the router) is given a policy to authenticate its callers by."""
+    servers = 0
+    for overlay, obj in objects(WORKLOADS):
+        for c in containers(pod_spec(obj)):
+            args = [str(a) for a in c.get("command", []) + c.get("args", [])]
+            at = where(overlay, obj, c)
+            assert "--insecure" not in args and not any(a.startswith("--insecure=") for a in args), at
+            assert not any(e.get("name") == "STRATA_INSECURE" for e in c.get("env", [])), at
+            if "strata" in args[:1] and "serve" in args[1:3]:
+                servers += 1
+                configured = "--config" in args  # the node's TOML, whose [auth] file the config tests check
+                assert configured or "--auth-file" in args, f"{at}: serves without --auth-file"
+    assert servers >= 2
+
+
 def test_every_container_has_requests_and_a_memory_limit():
     for overlay, obj in objects(WORKLOADS):
         spec = pod_spec(obj)

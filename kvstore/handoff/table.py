@@ -196,6 +196,11 @@ class HandoffTable:
             log.info("handoff %s expired: its %d blocks of %s are no longer held", h.handoff_id[:8], len(h.keys),
                      h.namespace)
 
+    def open_in(self, namespace: str) -> int:
+        """Handoffs open in ``namespace``: what Stats shows an identity that is not the node's admin."""
+        with self._lock:
+            return sum(1 for h in self._open.values() if h.namespace == namespace)
+
     def sweep(self) -> int:
         """Count handoffs whose lease ran out (the store's reaper ended the lease); how many."""
         now = self._clock()

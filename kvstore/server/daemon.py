@@ -210,7 +210,8 @@ class Daemon:
                        lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
                        self.put_budget, handoffs=lambda: self.handoffs.metrics.counts(), served=self.served,
                        replication=self.replicator.report if self.replicator is not None else None,
-                       pin_copies=self.replicator.pins if self.replicator is not None else None), server
+                       pin_copies=self.replicator.pins if self.replicator is not None else None,
+                       open_handoffs=lambda namespace: self.handoffs.open_in(namespace)), server
         )
         handoff_pb2_grpc.add_HandoffServiceServicer_to_server(self._handoff_servicer(), server)
         weights = {TierName[label.upper()]: w for label, w in s.index.tier_weights().items()}
@@ -389,7 +390,8 @@ class Daemon:
     def _lock_state_dir(self, state_dir: Path) -> None:
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            os.fchmod(fd, 0o600)  # one an older release made readable to all
         except OSError as err:
             raise DaemonError(f"cannot use {state_dir} as the cache directory ({err.strerror}): set --disk-dir") from None
         try:

@@ -11,7 +11,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
-from kvstore.auth import EVERY_NAMESPACE, current_identity, may_attach, owner_of
+from kvstore.auth import EVERY_NAMESPACE, READ, current_identity, may_attach, owner_of
 from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
 from kvstore.cluster.pin_copies import PinCopies
@@ -62,8 +62,9 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                  control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
                  put_budget: ByteBudget | None = None, handoffs: Callable[[], HandoffCounts] | None = None,
                  served: ServedBytes | None = None, replication: Callable[[], ReplicationReport] | None = None,
-                 pin_copies: PinCopies | None = None) -> None:
-        """``handoffs``: the daemon's handoff counts (kvstore.handoff); ``replication``: its
+                 pin_copies: PinCopies | None = None, open_handoffs: Callable[[str], int] | None = None) -> None:
+        """``handoffs``: the daemon's handoff counts (kvstore.handoff); ``open_handoffs(namespace)``:
+        the handoffs open in one namespace (what a tenant's Stats shows); ``replication``: its
         replicator's report (None: it replicates nothing); ``served``: where peer reads are counted;
         ``pin_copies``: copies of pins that ask for replicas (kvstore.cluster; None: not kept)."""
         self._store = store  # every arena's store; each call goes to its namespace's arena
@@ -75,6 +76,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         self._chunk = chunk_bytes
         self._put_budget = put_budget or ByteBudget(1 << 62, "streamed puts", "--put-budget-bytes")
         self._handoffs = handoffs or HandoffCounts
+        self._open_handoffs = open_handoffs or (lambda namespace: 0)
         self._replication = replication
         self._served = served if served is not None else ServedBytes()  # what peers read here (local_only Gets)
         self._pin_copies = pin_copies
@@ -178,14 +180,21 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return may_attach(current_identity(), EVERY_NAMESPACE if arena is self._store.default else arena.namespaces)
 
     def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
-        arena = self._store.arena_of(request.namespace) if request.namespace else self._store.default
+        """Which arena holds the namespace, and its path and token to a caller that may map it.
+
+        The arena's name goes only to a caller that may read the namespace, its namespace
+        patterns only to one that may map it (and so read them all anyway): a tenant naming
+        another's namespace learns nothing of how that tenant is laid out."""
         response = pb.AttachResponse(
             max_block_bytes=self._store.limits.max_block_bytes,
             lease_ms=int(self._store.limits.lease_s * 1000),
-            arena_name=arena.name,
-            namespaces=arena.namespaces,
         )
+        if request.namespace and not current_identity().may(request.namespace, READ):
+            return response  # as for an arena it may not map: it streams, and is refused there by name
+        arena = self._store.arena_of(request.namespace) if request.namespace else self._store.default
+        response.arena_name = arena.name
         if self._may_attach(context, arena):
+            response.namespaces.extend(arena.namespaces)
             shm = arena.shm
             response.arena_path, response.arena_token, response.arena_bytes = shm.path, shm.token, shm.size
             response.control_socket = self._control_sockets.get(arena.name, "")
@@ -320,7 +329,8 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             namespaces=s.namespaces,
             node_id=self._node.node_id,
             epoch=self._node.epoch,
-            open_handoffs=handoffs.open,
+            # Node-wide only for the admin: a tenant sees its namespace's, never the others' activity.
+            open_handoffs=handoffs.open if identity.grant.admin else self._open_handoffs(request.namespace),
         )
         if identity.grant.admin:  # node-wide figures (kvstore.auth.stats)
             response.handoffs.CopyFrom(handoff_stats(handoffs))

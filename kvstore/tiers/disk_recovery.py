@@ -41,7 +41,7 @@ class _Recovery:
                         # A full filesystem: the folder is made by the first put into it.
             # Read-only: flock needs no more, and a file open for writing would
             # keep the filesystem from being remounted read-only after errors.
-            fd = ops.open(f"{self._root_str}/{_LOCK_FILE}", os.O_RDONLY | os.O_CREAT, 0o644)
+            fd = ops.open(f"{self._root_str}/{_LOCK_FILE}", os.O_RDONLY | os.O_CREAT, 0o600)
         except OSError as e:
             raise TierUnavailable(
                 f"cannot use {self._root} as the disk tier directory: {os.strerror(e.errno or 0)}; "
