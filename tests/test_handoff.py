@@ -15,19 +15,23 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import signal
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 
 import redis_servers
 from conftest import free_port, wait_until
+from kvstore.api.v1 import handoff_pb2 as hpb
+from kvstore.api.v1 import handoff_pb2_grpc
 from kvstore.block import TierName
 from kvstore.client.sync import Client
-from kvstore.errors import CorruptBlock, HandoffEnded, Overloaded, StrataError, UnknownHandoff
+from kvstore.errors import CorruptBlock, DeadlineExceeded, HandoffEnded, Overloaded, StrataError, UnknownHandoff
 from kvstore.handoff.params import HandoffParams
 from peer_cluster import FlipProxy, PeerNode
 
@@ -457,3 +461,72 @@ def test_a_pull_naming_a_node_the_index_does_not_know_is_refused_before_any_conn
             assert pc.stats().open_handoffs == 1  # untouched: the real decode side may still pull it
     finally:
         trap.close()
+
+
+def test_a_pull_from_a_stopped_prefill_node_ends_at_the_daemons_cap_not_the_callers_timeout(nodes):
+    """A caller asks for an hour; the decode daemon holds a pull slot no longer than
+    --handoff-pull-seconds, whatever the prefill side does (here it is SIGSTOPped: its sockets accept
+    and nothing answers). Its heartbeats and the completion are bounded by the same deadline."""
+    p = nodes("p", peer_listen=True)
+    d = nodes("d", "--handoff-pull-seconds", "2", "--handoff-max-pulls", "1")
+    with Client(p.target, use_shm=False) as pc, Client(d.target, use_shm=False, retries=0) as dc:
+        keys, _ = put_chain(pc, "stopped", 2, 64 << 10)
+        params, _ = pc.open_handoff(NS, keys, lease_s=60)
+        p.proc.send_signal(signal.SIGSTOP)
+        try:
+            outcome: list = []
+
+            def pull() -> None:
+                try:
+                    dc.pull_handoff(params, timeout=3600)
+                except StrataError as err:
+                    outcome.append(err)
+
+            puller = threading.Thread(target=pull, daemon=True)
+            puller.start()
+            puller.join(120)  # the cap is 2 s; an hour-long wait would outlast this by far
+            assert not puller.is_alive(), "the pull kept its slot past --handoff-pull-seconds"
+            [err] = outcome
+            assert isinstance(err, (DeadlineExceeded, HandoffEnded)), err
+            assert dc.exists(NS, keys) == []
+        finally:
+            p.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_cancelled_pull_gives_its_slot_back(nodes):
+    """The caller of a PullHandoff goes away (its RPC is cancelled): the pull ends with it and the
+    decode daemon's only pull slot is free for the next caller, long before the pull's deadline."""
+    p = nodes("p", peer_listen=True)
+    d = nodes("d", "--handoff-max-pulls", "1")  # the default cap: 120 s
+    with Client(p.target, use_shm=False) as pc:
+        keys, _ = put_chain(pc, "cancelled", 2, 64 << 10)
+        params, _ = pc.open_handoff(NS, keys, lease_s=60)
+        p.proc.send_signal(signal.SIGSTOP)
+        try:
+            with grpc.insecure_channel(d.target) as channel:
+                stub = handoff_pb2_grpc.HandoffServiceStub(channel)
+                request = hpb.PullHandoffRequest(namespace=NS, params=params.to_proto(), timeout_ms=3_600_000)
+                call = stub.PullHandoff.future(request, timeout=3600)
+                with Client(d.target, use_shm=False, retries=0) as dc:
+                    def busy() -> bool:  # a second pull, refused while the first holds the slot
+                        try:
+                            dc.pull_handoff(params, timeout=0.5)
+                        except Overloaded:
+                            return True
+                        except StrataError:
+                            return False
+                        return False
+                    wait_until(busy, timeout=30, what="the first pull to hold the only slot")
+                    call.cancel()
+
+                    def free() -> bool:
+                        try:
+                            dc.pull_handoff(params, timeout=0.5)
+                        except Overloaded:
+                            return False
+                        except StrataError:  # the slot was free: this pull ran (and found P stopped)
+                            return True
+                        return True
+                    wait_until(free, timeout=30, what="the cancelled pull's slot to be given back")
+        finally:
+            p.proc.send_signal(signal.SIGCONT)

@@ -340,14 +340,16 @@ class Client:
             namespace=namespace, keys=list(keys), lease_ms=int(lease_s * 1000), keep_as_cache=keep_as_cache))
         return HandoffParams.from_proto(r.params), list(r.missing)
 
-    def heartbeat_handoff(self, namespace: str, handoff_id: str) -> int:
+    def heartbeat_handoff(self, namespace: str, handoff_id: str, *, timeout: float | None = None) -> int:
         """On the prefill daemon: extend the handoff's lease; the new deadline in unix ms."""
-        r = self._handoff_call("HeartbeatHandoff", hpb.HeartbeatHandoffRequest(namespace=namespace, handoff_id=handoff_id))
+        r = self._handoff_call("HeartbeatHandoff", hpb.HeartbeatHandoffRequest(namespace=namespace, handoff_id=handoff_id),
+                               timeout)
         return r.lease_deadline_unix_ms
 
-    def complete_handoff(self, namespace: str, handoff_id: str) -> tuple[int, int]:
+    def complete_handoff(self, namespace: str, handoff_id: str, *, timeout: float | None = None) -> tuple[int, int]:
         """On the prefill daemon: end the handoff; (blocks deleted, blocks kept as cache)."""
-        r = self._handoff_call("CompleteHandoff", hpb.CompleteHandoffRequest(namespace=namespace, handoff_id=handoff_id))
+        r = self._handoff_call("CompleteHandoff", hpb.CompleteHandoffRequest(namespace=namespace, handoff_id=handoff_id),
+                               timeout)
         return r.deleted, r.kept
 
     def pull_handoff(self, params: HandoffParams | dict, *, timeout: float | None = None) -> PullResult:

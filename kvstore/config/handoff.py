@@ -34,7 +34,9 @@ class HandoffSettings(Section):
         8, "pulls this daemon runs at once as a decode side; one more is refused with RESOURCE_EXHAUSTED",
         ge=1, le=1024,
     )
-    pull_seconds: float = setting(120.0, "deadline of one pull when the caller gives none", gt=0, le=3600)
+    pull_seconds: float = setting(
+        120.0, "the longest one pull may run (and hold a pull slot): the deadline when the caller gives none, "
+        "and the cap on the one it gives", gt=0, le=3600)
     token_file: str = setting(
         "", "file holding the bearer token this daemon presents to prefill daemons when it pulls (their "
         "policy must let it read and write the namespace); empty: [tiers.peer] token_file",

@@ -149,7 +149,11 @@ class HandoffPuller:
                                   "nothing to pull from")
         return node
 
-    def pull(self, params: HandoffParams, timeout_s: float | None = None) -> PullResult:
+    def pull(self, params: HandoffParams, timeout_s: float | None = None,
+             on_cancel: Callable[[Callable[[], None]], object] | None = None) -> PullResult:
+        """``timeout_s`` is capped at ``limits.pull_s`` (--handoff-pull-seconds): a caller cannot hold
+        a pull slot longer. ``on_cancel(callback)``: registers what ends the pull at once when the
+        caller goes away (a cancelled RPC's ``context.add_callback``), so its slot is given back then."""
         self._check(params)
         if not self._slots.acquire(blocking=False):
             raise Overloaded(
@@ -158,7 +162,8 @@ class HandoffPuller:
             )
         started = time.monotonic()
         try:
-            result, by_transport = self._pull(params, started + (timeout_s or self.limits.pull_s))
+            pull_s = min(timeout_s or self.limits.pull_s, self.limits.pull_s)
+            result, by_transport = self._pull(params, started + pull_s, on_cancel)
         except BaseException:
             self.metrics.pull_failed()
             raise
@@ -181,7 +186,8 @@ class HandoffPuller:
                     f"{lim.max_block_bytes} (--max-block-bytes)"
                 )
 
-    def _pull(self, params: HandoffParams, deadline_at: float) -> tuple[PullResult, dict[str, int]]:
+    def _pull(self, params: HandoffParams, deadline_at: float,
+              on_cancel: Callable[[Callable[[], None]], object] | None) -> tuple[PullResult, dict[str, int]]:
         from kvstore.transport.base import Deadline
 
         ns = params.namespace
@@ -196,6 +202,8 @@ class HandoffPuller:
         control = self._control(node.address)
         try:
             deadline = Deadline(deadline_at)
+            if on_cancel is not None:
+                on_cancel(deadline.cancel)
             beat = _Heartbeat(control, params, node.address, deadline)
             writers = []
             try:
@@ -225,8 +233,8 @@ class HandoffPuller:
             held = [(b.key, tier) for b, tier in zip(params.blocks, self._tiers(ns, params))]
             published = bool(held) and self._publish(ns, held, max(0.5, deadline_at - time.monotonic()))
             completed, why = True, ""
-            try:
-                control.complete_handoff(ns, params.handoff_id)
+            try:  # bounded by the pull's deadline: a prefill daemon that stopped answering costs no more
+                control.complete_handoff(ns, params.handoff_id, timeout=_call_s(deadline_at))
             except StrataError as err:
                 completed, why = False, str(err)
                 log.warning("handoff %s: pulled and stored, but the prefill node %s did not confirm the "
@@ -334,6 +342,12 @@ class _Route:
                     address, p.node_id, err, self.current[1])
 
 
+def _call_s(deadline_at: float | None) -> float:
+    """A call's timeout within a pull's deadline: what is left of it, at least a moment."""
+    left = 10.0 if deadline_at is None else deadline_at - time.monotonic()
+    return max(0.25, min(10.0, left))
+
+
 def _batches(wanted: list[int], params: HandoffParams):
     batch, size = [], 0
     for i in wanted:
@@ -366,13 +380,14 @@ class _Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._thread.is_alive():  # a beat in flight ends within its own bound
+            self._thread.join(self._every + 1.0)
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
-            try:
-                self._control.heartbeat_handoff(self._params.namespace, self._params.handoff_id)
+            try:  # each beat bounded by the beat period and the pull's deadline, never the client's default
+                self._control.heartbeat_handoff(self._params.namespace, self._params.handoff_id,
+                                                timeout=min(self._every, _call_s(self._deadline.at)))
                 self.beats += 1
             except (HandoffEnded, UnknownHandoff) as err:
                 self.ended = err

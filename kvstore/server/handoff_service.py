@@ -41,7 +41,8 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout or remaining, remaining)
-        r = self._puller.pull(params, timeout)
+        # A cancelled PullHandoff (the caller went away) ends its pull and gives its slot back.
+        r = self._puller.pull(params, timeout, on_cancel=context.add_callback)
         return hpb.PullHandoffResponse(
             stored=r.stored, present=r.present, pulled_bytes=r.pulled_bytes, completed=r.completed,
             complete_error=r.complete_error, published=r.published,
