@@ -56,6 +56,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import (
@@ -64,8 +65,10 @@ from kvstore.errors import (
 )
 from kvstore.handoff.metrics import HandoffMetrics
 from kvstore.handoff.params import HandoffParams
-from kvstore.index.base import NodeInfo
 from kvstore.remote.base import ReadStatus
+
+if TYPE_CHECKING:  # the settings import this module's limits; they never load the index
+    from kvstore.index.base import NodeInfo
 
 log = logging.getLogger(__name__)
 
