@@ -530,3 +530,40 @@ def test_a_cancelled_pull_gives_its_slot_back(nodes):
                     wait_until(free, timeout=30, what="the cancelled pull's slot to be given back")
         finally:
             p.proc.send_signal(signal.SIGCONT)
+
+
+def test_one_caller_cannot_take_every_pull_slot(nodes):
+    """A caller whose pull hangs (its prefill node stopped) holds its share of the decode daemon's
+    pull slots, and is refused beyond it by name; another caller's pull still gets a slot."""
+    p = nodes("p", peer_listen=True)
+    d = nodes("d", "--handoff-max-pulls", "4", "--handoff-max-pulls-per-identity", "1")
+    with Client(p.target, use_shm=False) as pc:
+        keys, _ = put_chain(pc, "share", 2, 64 << 10)
+        params, _ = pc.open_handoff(NS, keys, lease_s=60)
+    p.proc.send_signal(signal.SIGSTOP)
+    try:
+        with Client(d.target, use_shm=False, retries=0) as greedy:
+            hanging = threading.Thread(target=lambda: pytest.raises(StrataError, greedy.pull_handoff, params, timeout=20),
+                                       daemon=True)
+            hanging.start()
+
+            def refused_by_share() -> bool:
+                try:
+                    greedy.pull_handoff(params, timeout=0.5)
+                except Overloaded as err:
+                    assert "--handoff-max-pulls-per-identity" in str(err)
+                    return True
+                except StrataError:
+                    return False
+                return False
+            wait_until(refused_by_share, timeout=15, what="the greedy caller's second pull to be refused by its share")
+            # Another caller: a connection of its own (unauthenticated callers are told apart by it).
+            with grpc.insecure_channel(d.target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                stub = handoff_pb2_grpc.HandoffServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as theirs:  # a slot, and a pull that finds P stopped
+                    stub.PullHandoff(hpb.PullHandoffRequest(namespace=NS, params=params.to_proto(), timeout_ms=500),
+                                     timeout=30)
+            assert theirs.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, theirs.value.details()
+            hanging.join(60)
+    finally:
+        p.proc.send_signal(signal.SIGCONT)

@@ -29,10 +29,19 @@ class HandoffSettings(Section):
         256, "handoffs open at once on this daemon; one more is refused with RESOURCE_EXHAUSTED and a retry "
         "delay", ge=1, le=65536,
     )
+    max_open_per_identity: int = setting(
+        64, "handoffs one identity (a token, a certificate, or an unauthenticated connection) may hold open at "
+        "once, so that no tenant takes all of --handoff-max-open (one larger than that means all of it)", ge=1,
+        le=65536,
+    )
     max_blocks: int = setting(4096, "blocks one handoff may hold", ge=1, le=65536)
     max_pulls: int = setting(
         8, "pulls this daemon runs at once as a decode side; one more is refused with RESOURCE_EXHAUSTED",
         ge=1, le=1024,
+    )
+    max_pulls_per_identity: int = setting(
+        4, "pulls one identity may run at once on this daemon, so that no caller takes every pull slot (one "
+        "larger than --handoff-max-pulls means all of them)", ge=1, le=1024,
     )
     pull_seconds: float = setting(
         120.0, "the longest one pull may run (and hold a pull slot): the deadline when the caller gives none, "

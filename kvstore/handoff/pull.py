@@ -66,6 +66,7 @@ from kvstore.errors import (
 from kvstore.handoff.metrics import HandoffMetrics
 from kvstore.handoff.params import HandoffParams
 from kvstore.remote.base import ReadStatus
+from kvstore.shares import Shares
 
 if TYPE_CHECKING:  # the settings import this module's limits; they never load the index
     from kvstore.index.base import NodeInfo
@@ -83,6 +84,7 @@ class PullLimits:
     max_blocks: int = 4096
     max_block_bytes: int = 64 << 20
     pull_s: float = 120.0
+    max_pulls_per_identity: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,8 @@ class HandoffPuller:
         self.limits = limits
         self.metrics = metrics or HandoffMetrics()
         self._slots = threading.BoundedSemaphore(limits.max_pulls)
+        self._shares = Shares(min(limits.max_pulls_per_identity, limits.max_pulls), "pulls",
+                              "--handoff-max-pulls-per-identity")
 
     @property
     def transports(self) -> list[str]:
@@ -153,12 +157,15 @@ class HandoffPuller:
         return node
 
     def pull(self, params: HandoffParams, timeout_s: float | None = None,
-             on_cancel: Callable[[Callable[[], None]], object] | None = None) -> PullResult:
+             on_cancel: Callable[[Callable[[], None]], object] | None = None, owner: str = "") -> PullResult:
         """``timeout_s`` is capped at ``limits.pull_s`` (--handoff-pull-seconds): a caller cannot hold
         a pull slot longer. ``on_cancel(callback)``: registers what ends the pull at once when the
-        caller goes away (a cancelled RPC's ``context.add_callback``), so its slot is given back then."""
+        caller goes away (a cancelled RPC's ``context.add_callback``), so its slot is given back then.
+        ``owner``: who asks (:func:`kvstore.auth.owner_of`): no one runs more than its share of pulls."""
         self._check(params)
+        self._shares.take(owner)
         if not self._slots.acquire(blocking=False):
+            self._shares.give(owner)
             raise Overloaded(
                 f"{self.limits.max_pulls} pulls are running on this daemon (--handoff-max-pulls): retry after "
                 "the delay, or pull on another decode node", retry_after_s=0.2,
@@ -172,6 +179,7 @@ class HandoffPuller:
             raise
         finally:
             self._slots.release()
+            self._shares.give(owner)
         self.metrics.pulled(by_transport, time.monotonic() - started)
         return result
 

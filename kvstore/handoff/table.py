@@ -31,6 +31,7 @@ from kvstore.errors import (
 )
 from kvstore.handoff.metrics import HandoffMetrics
 from kvstore.handoff.params import HandoffBlock, HandoffParams
+from kvstore.shares import Shares
 from kvstore.store.leases import LeaseKind
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class HandoffLimits:
     max_total_s: float = 600.0
     max_open: int = 256
     max_blocks: int = 4096
+    max_open_per_identity: int = 64
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class _Open:
     lease_s: float
     deadline: float  # time.monotonic(), as the store's lease
     last_deadline: float  # opened + max_total_s: heartbeats stop there
+    owner: str = ""  # who opened it: its share (kvstore.shares) is given back when it ends
 
 
 def _unix_ms(deadline: float) -> int:
@@ -78,6 +81,8 @@ class HandoffTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
+        self._shares = Shares(min(limits.max_open_per_identity, limits.max_open), "open handoffs",
+                              "--handoff-max-open-per-identity", retry_after_s=0.1)
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> "completed" | "expired"
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="strata-handoff-sweep", daemon=True)
@@ -95,7 +100,10 @@ class HandoffTable:
 
     # ---- the RPCs' work -----------------------------------------------------------
 
-    def open(self, namespace: str, keys: list[bytes], lease_s: float | None, keep_as_cache: bool) -> tuple[HandoffParams, list[bytes]]:
+    def open(self, namespace: str, keys: list[bytes], lease_s: float | None, keep_as_cache: bool,
+             owner: str = "") -> tuple[HandoffParams, list[bytes]]:
+        """``owner``: who opens it (:func:`kvstore.auth.owner_of`); it holds one of its share of
+        open handoffs until the handoff completes or expires."""
         lim = self.limits
         if not keys:
             raise InvalidArgument("a handoff needs at least one key: name the request's blocks")
@@ -116,12 +124,17 @@ class HandoffTable:
                     f"{len(self._open)} handoffs are open, the limit (--handoff-max-open) is {lim.max_open}: "
                     "retry after the delay, or complete handoffs sooner", retry_after_s=0.1,
                 )
-            lease, missing = self._store.lease(namespace, list(keys), HANDOFF, lease_s)
+            self._shares.take(owner)
+            try:
+                lease, missing = self._store.lease(namespace, list(keys), HANDOFF, lease_s)
+            except BaseException:
+                self._shares.give(owner)
+                raise
             handoff_id = secrets.token_urlsafe(16)
             now = self._clock()
             held = [k.key for k in lease.keys]
             self._open[handoff_id] = _Open(handoff_id, namespace, lease.id, held, keep_as_cache, lease_s,
-                                           lease.deadline, now + lim.max_total_s)
+                                           lease.deadline, now + lim.max_total_s, owner)
         self.metrics.opened()
         blocks = []
         for key in held:
@@ -188,6 +201,7 @@ class HandoffTable:
     def _end_locked(self, h: _Open, why: str) -> None:
         if self._open.pop(h.handoff_id, None) is None:
             return
+        self._shares.give(h.owner)
         self._ended[h.handoff_id] = why
         while len(self._ended) > MAX_REMEMBERED:
             self._ended.popitem(last=False)

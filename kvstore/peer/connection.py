@@ -55,8 +55,14 @@ class PeerConnection:
         self.broken = False
         self._deadline = deadline
         self._ids = itertools.count(1)
+        # The Hello is bounded as the connect is (a peer that accepts and never answers, stopped or
+        # hostile, costs CONNECT_TIMEOUT_S, not the whole call's deadline), and a cancellation wakes it.
+        handshake = Deadline(min(deadline.at, time.monotonic() + CONNECT_TIMEOUT_S) if deadline.at is not None
+                             else time.monotonic() + CONNECT_TIMEOUT_S)
+        forget = deadline.on_cancel(handshake.cancel) if deadline.cancellable else (lambda: None)
+        forget_handshake = handshake.on_cancel(self.shutdown)
         try:
-            self.bound(deadline)
+            self.bound(handshake)
             rid = self.send(wire.HELLO, [wire.PROTOCOL_VERSION, token])
             status, result = self.reply(rid)
             if status != wire.OK:
@@ -64,10 +70,18 @@ class PeerConnection:
             self.max_meta, self.max_block, self.max_batch, self.request_bytes = result
         except Broken as broken:
             self.close()
-            raise broken.err from None
+            err = broken.err
+            if isinstance(err, DeadlineExceeded) and (deadline.at is None or time.monotonic() < deadline.at):
+                err = TierUnavailable(f"peer {address} accepted the connection but did not answer Hello within "
+                                      f"{CONNECT_TIMEOUT_S:g} s: it may be stopped or overloaded; try another holder")
+            raise err from None
         except BaseException:
             self.close()
             raise
+        finally:
+            forget_handshake()
+            forget()
+        self._deadline = deadline
 
     @staticmethod
     def _open(address: PeerAddress, timeout: float):

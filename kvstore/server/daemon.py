@@ -310,7 +310,8 @@ class Daemon:
         metrics = HandoffMetrics(self.metrics.registry, h.transports)
         self.handoffs = HandoffTable(
             self.store, lambda: (self.node.node_id, self.node.epoch, self.peer_transports(), self.advertised),
-            HandoffLimits(h.lease_seconds, h.max_lease_seconds, h.max_total_seconds, h.max_open, h.max_blocks),
+            HandoffLimits(h.lease_seconds, h.max_lease_seconds, h.max_total_seconds, h.max_open, h.max_blocks,
+                          h.max_open_per_identity),
             metrics,
         ).start()
         token_file = h.token_file or s.tiers.peer.token_file
@@ -320,7 +321,8 @@ class Daemon:
         puller = HandoffPuller(
             self.store, self._handoff_peers, lambda address: Client(address, security=security, retries=1, timeout=10),
             self.index_agent.publish,
-            PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds),
+            PullLimits(h.max_pulls, h.max_blocks, int(s.store.max_block_bytes), h.pull_seconds,
+                       h.max_pulls_per_identity),
             self.index_agent.node, metrics,
         )
         return HandoffServicer(self.handoffs, puller)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvstore.api.v1 import handoff_pb2 as hpb
 from kvstore.api.v1 import handoff_pb2_grpc
+from kvstore.auth import owner_of
 from kvstore.block import validate_namespace
 from kvstore.errors import InvalidArgument
 from kvstore.handoff.params import HandoffParams
@@ -19,7 +20,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
     def OpenHandoff(self, request: hpb.OpenHandoffRequest, context) -> hpb.OpenHandoffResponse:
         params, missing = self._table.open(
             validate_namespace(request.namespace), list(request.keys),
-            request.lease_ms / 1000 if request.lease_ms else None, request.keep_as_cache,
+            request.lease_ms / 1000 if request.lease_ms else None, request.keep_as_cache, owner_of(context),
         )
         return hpb.OpenHandoffResponse(params=params.to_proto(), missing=missing)
 
@@ -42,7 +43,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         if remaining is not None:
             timeout = min(timeout or remaining, remaining)
         # A cancelled PullHandoff (the caller went away) ends its pull and gives its slot back.
-        r = self._puller.pull(params, timeout, on_cancel=context.add_callback)
+        r = self._puller.pull(params, timeout, on_cancel=context.add_callback, owner=owner_of(context))
         return hpb.PullHandoffResponse(
             stored=r.stored, present=r.present, pulled_bytes=r.pulled_bytes, completed=r.completed,
             complete_error=r.complete_error, published=r.published,
