@@ -37,6 +37,10 @@ misses its target (that is a figure, reported as ``target_met``).
 memory with small blocks, on any machine, so the script is known to run
 before device time is spent; its figures say nothing about a GPU and are
 never written to benchmarks/results.
+
+``--smoke`` is the dry run at its smallest (1 MiB blocks, one timed run per
+figure), writing no JSON anywhere: the check that this script still runs,
+as ``python -m benchmarks.gpu_check --smoke``, in seconds.
 """
 
 from __future__ import annotations
@@ -95,10 +99,10 @@ def timed(fn, repeats: int, warmup: int = 2) -> float:
 
 class Check:
     def __init__(self, args) -> None:
-        self.memory = "host" if args.dry_run else "cuda"
-        self.dry = args.dry_run
-        self.sizes = [1, 4] if args.dry_run else [1, 16, 64]
-        self.repeats = 3 if args.dry_run else args.repeats
+        self.dry = args.dry_run or args.smoke
+        self.memory = "host" if self.dry else "cuda"
+        self.sizes = [1] if args.smoke else [1, 4] if self.dry else [1, 16, 64]
+        self.repeats = 1 if args.smoke else 3 if self.dry else args.repeats
         self.scratch = tempfile.mkdtemp(prefix="strata-gpu-check-")
         self.failures: list[str] = []
         self.result: dict = {"memory": self.memory, "dry_run": self.dry, "target_ratio": TARGET}
@@ -187,6 +191,7 @@ class Check:
         log = open(os.path.join(self.scratch, "daemon.log"), "wb")
         daemon = subprocess.Popen(args, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
+            _wait_listening(daemon, port, 120)
             self._daemon_step(daemon, target, size)
         finally:
             daemon.kill()
@@ -447,6 +452,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_listening(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
+    """Until the daemon's port accepts (or it exits, or the time is up): a gRPC channel whose first
+    connection is refused waits out its reconnect backoff, seconds after the daemon is up."""
+    import socket
+
+    end = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
 def summary(result: dict) -> str:
     lines = [f"gpu check ({'DRY RUN, host stand-in' if result['dry_run'] else result['memory']}): "
              f"{'ok' if result['ok'] else 'FAILED'}", f"environment: {result.get('environment')}"]
@@ -485,6 +504,8 @@ def summary(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the host stand-in, small blocks, any machine")
+    parser.add_argument("--smoke", action="store_true", help="the dry run at its smallest (1 MiB, one timed run "
+                                                             "per figure), writing no JSON: checks the script runs")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per figure (more for small blocks)")
     parser.add_argument("--out", default="", help="where the JSON goes (default $OUT/gpu.json or "
                                                   "benchmarks/results/gpu.json; a dry run writes only here)")
@@ -505,13 +526,18 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(check.scratch, ignore_errors=True)
     check.result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    check.result["command"] = "python3 benchmarks/gpu_check.py" + (" --dry-run" if args.dry_run else "")
+    check.result["command"] = "python3 benchmarks/gpu_check.py" + (" --smoke" if args.smoke else
+                                                                    " --dry-run" if args.dry_run else "")
     out = args.out or (os.path.join(os.environ["OUT"], "gpu.json") if os.environ.get("OUT") else "")
     if not out and not args.dry_run:
         out = str(REPO / "benchmarks" / "results" / "gpu.json")
-    if out:
+    if out and not args.smoke:
         Path(out).write_text(json.dumps(check.result, indent=2) + "\n")
     print(summary(check.result), flush=True)
+    if args.smoke:
+        from benchmarks.harness import smoke_line
+
+        print(smoke_line("gpu"), flush=True)
     return code
 
 

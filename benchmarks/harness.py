@@ -11,6 +11,13 @@ Servers the benchmarks compare against run as private child processes on
 free loopback ports and are stopped when the benchmark ends: a private
 ``redis-server`` (never the machine's 6379) and a Strata daemon in its own
 process, as it is deployed, so the client and the daemon do not share a GIL.
+
+Every benchmark has three plans: the full run, ``--quick`` (under a minute)
+and ``--smoke``: every case once, at tiny sizes, in seconds, so that a test
+can run each benchmark and a benchmark cannot rot unnoticed. A smoke run's
+figures mean nothing (tiny blocks, the fewest rounds, a test runner beside
+it), so it writes no results: ``benchmarks/results/`` keeps the last real
+run's.
 """
 
 from __future__ import annotations
@@ -53,6 +60,16 @@ def size_label(n: int) -> str:
 def gbps(nbytes: int, seconds: float) -> float:
     """Throughput in GB/s (10^9 bytes per second)."""
     return nbytes / seconds / 1e9
+
+
+SMOKE_HELP = ("every case once, at tiny sizes, in seconds: checks that the benchmark runs; its figures mean "
+              "nothing and no results are written")
+
+
+def smoke_line(name: str) -> str:
+    """What a smoke run prints instead of writing ``results/<name>.json``."""
+    return (f"smoke run: its figures mean nothing; no results written "
+            f"(benchmarks/results/{name}.json left as it was)")
 
 
 def _sig(x: float | None, digits: int = 4) -> float | None:
@@ -145,19 +162,32 @@ _COLUMNS = (("case", 36), ("GB/s", 8), ("baseline", 26), ("GB/s", 8), ("ratio", 
 
 
 class Benchmark:
-    """Parses ``--quick``, prints rows as cases finish, writes ``results/<name>.json``."""
+    """Parses ``--quick`` and ``--smoke``, prints rows as cases finish, writes ``results/<name>.json``
+    (except after ``--smoke``)."""
 
     def __init__(self, name: str, description: str, argv: list[str] | None = None) -> None:
         parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
-        parser.add_argument("--quick", action="store_true", help="fewer, smaller rounds: finishes in under 60 s")
+        size = parser.add_mutually_exclusive_group()
+        size.add_argument("--quick", action="store_true", help="fewer, smaller rounds: finishes in under 60 s")
+        size.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
         self.args = parser.parse_args(argv)
         self.name = name
         self.quick: bool = self.args.quick
-        self.command = f"python -m benchmarks.{name}" + (" --quick" if self.quick else "")
+        self.smoke: bool = self.args.smoke
+        self.command = f"python -m benchmarks.{name}" + self.mode_flag
         self.when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.cases: list[Case] = []
         self._started = time.monotonic()
         self._header_printed = False
+
+    @property
+    def mode_flag(self) -> str:
+        """The size flag of this run as it appears in its command: " --quick", " --smoke" or ""."""
+        return " --smoke" if self.smoke else " --quick" if self.quick else ""
+
+    def plan(self, full, quick, smoke):
+        """The plan this run asked for, of the benchmark's three."""
+        return smoke if self.smoke else quick if self.quick else full
 
     def add(self, case: Case) -> None:
         if not self._header_printed:
@@ -181,8 +211,20 @@ class Benchmark:
     def _print_row(cells: list[str]) -> None:
         print("  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _COLUMNS)).rstrip(), flush=True)
 
-    def finish(self) -> Path:
-        """Write the JSON results and print a summary; returns the results path."""
+    def finish(self) -> Path | None:
+        """Write the JSON results and print a summary; returns the results path (None after ``--smoke``,
+        which writes nothing)."""
+        judged = [c for c in self.cases if c.meets_target is not None]
+        missed = [c.case for c in judged if not c.meets_target]
+        print(
+            f"\n{len(self.cases)} cases in {time.monotonic() - self._started:.0f} s; "
+            f"targets met {len(judged) - len(missed)} of {len(judged)}"
+            + (f"; missed: {', '.join(missed)}" if missed else ""),
+            flush=True,
+        )
+        if self.smoke:
+            print(smoke_line(self.name), flush=True)
+            return None
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         path = RESULTS_DIR / f"{self.name}.json"
         doc = {
@@ -193,14 +235,6 @@ class Benchmark:
             "cases": [c.to_json() for c in self.cases],
         }
         path.write_text(json.dumps(doc, indent=2) + "\n")
-        judged = [c for c in self.cases if c.meets_target is not None]
-        missed = [c.case for c in judged if not c.meets_target]
-        print(
-            f"\n{len(self.cases)} cases in {time.monotonic() - self._started:.0f} s; "
-            f"targets met {len(judged) - len(missed)} of {len(judged)}"
-            + (f"; missed: {', '.join(missed)}" if missed else ""),
-            flush=True,
-        )
         print(f"results: {path}", flush=True)
         return path
 

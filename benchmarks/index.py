@@ -1,6 +1,6 @@
 """The prefix index: chain lookups, KV-event ingestion and Redis memory, against llm-d's layout.
 
-Run as ``python -m benchmarks.index [--quick]``. One private ``redis-server``
+Run as ``python -m benchmarks.index [--quick | --smoke]``. One private ``redis-server``
 holds two copies of the same holdings, each in a database of its own (as each
 layout would be deployed alone: the baseline's 100k keys do not lengthen the
 key lookups of Strata's 2.5k buckets, nor the reverse):
@@ -14,7 +14,7 @@ key lookups of Strata's 2.5k buckets, nor the reverse):
   HGETALL per block of the chain, the client cutting the chain at the first
   miss and counting each pod's leading blocks.
 
-The holdings: ``blocks`` distinct blocks (100k; 20k with ``--quick``) over 32
+The holdings: ``blocks`` distinct blocks (100k; 20k with ``--quick``, 1k with ``--smoke``) over 32
 nodes, keyed by the 8-byte event form of real ``sha256_cbor`` chains
 (:class:`~kvstore.index.keys.BlockHasher`). Chains are a shared prefix (a
 "system prompt", 4-32 blocks) followed by a suffix of their own (24-96
@@ -29,8 +29,9 @@ Cases, each measured alternately in the same rounds after a warm-up:
   redis-py (the issue: at least 3x faster), and vs the same pattern through a
   lean client (pre-encoded RESP, hiredis parser; the simplest correct
   client-side design with as little client work as Python allows, closer to
-  what a compiled client like llm-d's Go one pays; the issue: Strata faster),
-  p50 and p99 per round, median over rounds;
+  what a compiled client like llm-d's Go one pays; the issue: Strata faster;
+  without hiredis installed, these rows say so), p50 and p99 per round,
+  median over rounds;
 - the same lookup on the embedded MemoryIndex vs a bare dict walk doing the
   same leading-count computation (the index's own overhead);
 - KV-event ingestion: vLLM ``BlockStored`` batches as vLLM publishes them
@@ -55,7 +56,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-import hiredis
 import msgpack
 from redis.asyncio import Redis
 
@@ -92,10 +92,12 @@ class Plan:
     lookups: int  # Redis lookups per method per round
     mem_lookups: int  # MemoryIndex lookups per method per round
     events: int  # BlockStored events ingested per method per round
+    queries: int = 512  # distinct 64-block chains asked (each checked against the baseline before timing)
 
 
 FULL = Plan(blocks=100_000, rounds=9, warmup=1, lookups=2000, mem_lookups=5000, events=2000)
 QUICK = Plan(blocks=20_000, rounds=5, warmup=1, lookups=300, mem_lookups=1500, events=400)
+SMOKE = Plan(blocks=1000, rounds=1, warmup=0, lookups=4, mem_lookups=4, events=2 * EVENTS_PER_BATCH, queries=8)
 
 
 # ---- the holdings ---------------------------------------------------------------
@@ -146,7 +148,7 @@ class Holdings:
         # Lookups: the first 64 blocks of a stored chain; a shorter chain goes on with blocks
         # nobody holds (a conversation that grew since), so the walk stops at a miss.
         self.queries: list[list[bytes]] = []
-        for _ in range(512):
+        for _ in range(plan.queries):
             chain = rng.choice(chains)[:CHAIN_BLOCKS]
             self.queries.append(chain + [rng.randbytes(8) for _ in range(CHAIN_BLOCKS - len(chain))])
 
@@ -253,6 +255,15 @@ def redispy_lookup(r: Redis) -> LatencyFn:
     return lookup
 
 
+def lean_unavailable() -> str | None:
+    """Why the lean baseline cannot run here (its parser, hiredis, is not installed), or None."""
+    try:
+        import hiredis  # noqa: F401
+    except ImportError as err:
+        return f"hiredis is not installed ({err}): pip install -e '.[bench]'"
+    return None
+
+
 class LeanClient:
     """One connection, commands encoded by hand, replies parsed by hiredis: the pipeline with
     as little client work as Python allows (a compiled client such as llm-d's does less still)."""
@@ -266,6 +277,8 @@ class LeanClient:
         return cls(*await asyncio.open_connection("127.0.0.1", port))
 
     async def lookup(self, chain: Sequence[bytes]) -> list[Match]:
+        import hiredis
+
         self._writer.write(
             b"".join(b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%s\r\n" % (len(BASELINE_PREFIX) + len(k), BASELINE_PREFIX + k)
                      for k in chain)
@@ -464,7 +477,8 @@ async def bench_ingestion(bench: IndexBenchmark, plan: Plan, redis_ix, r: Redis 
 IndexBenchmark = UnitBenchmark
 
 
-def lookup_cases(bench: IndexBenchmark, samples: dict, h: Holdings, server: str) -> None:
+def lookup_cases(bench: IndexBenchmark, samples: dict, h: Holdings, server: str,
+                 lean_why_not: str | None = None) -> None:
     ms = 1e3
     base = "llm-d: pipelined 64x HGETALL, redis-py"
     lean = "llm-d: pipelined 64x HGETALL, raw RESP+hiredis"
@@ -489,8 +503,9 @@ def lookup_cases(bench: IndexBenchmark, samples: dict, h: Holdings, server: str)
     for label, which in (("p50", 0), ("p99", 1)):
         bench.add(Case(
             f"lookup 64-block chain redis {label} vs lean", _median(samples["strata"], which, ms), lean,
-            _median(samples["lean"], which, ms), target_ratio=LEAN_TARGET, higher_is_better=False,
-            metric="latency", unit="ms", note=lean_why,
+            None if lean_why_not else _median(samples["lean"], which, ms), target_ratio=LEAN_TARGET,
+            higher_is_better=False, metric="latency", unit="ms",
+            note=f"the lean baseline could not run here: {lean_why_not}" if lean_why_not else lean_why,
         ))
 
 
@@ -512,11 +527,12 @@ async def run(bench: IndexBenchmark, plan: Plan) -> None:
             ix = RedisIndex.from_url(strata_url, prefix=PREFIX)
             r = Redis.from_url(f"redis://127.0.0.1:{port}/{BASELINE_DB}")
             rs = Redis.from_url(strata_url)
-            lean = await LeanClient.connect(port)
+            lean = None if lean_unavailable() else await LeanClient.connect(port)
             try:
                 await run_redis(bench, plan, h, mem, ix, r, rs, lean)
             finally:
-                await lean.close()
+                if lean is not None:
+                    await lean.close()
                 await rs.aclose()
                 await r.aclose()
                 await ix.close()
@@ -537,8 +553,9 @@ async def run(bench: IndexBenchmark, plan: Plan) -> None:
 
 
 async def run_redis(bench: IndexBenchmark, plan: Plan, h: Holdings, mem: MemoryIndex, ix, r: Redis, rs: Redis,
-                    lean: LeanClient) -> None:
-    """``r`` speaks to the baseline's database (and to the server: memory, statistics), ``rs`` to Strata's."""
+                    lean: LeanClient | None) -> None:
+    """``r`` speaks to the baseline's database (and to the server: memory, statistics), ``rs`` to Strata's;
+    ``lean`` is None where the lean baseline cannot run (its cases say why)."""
     # Bytes per entry: the namespace, its mirror and the scripts exist before the first reading.
     for node in h.nodes:
         await ix.join(node, 1, TTL_S)
@@ -555,7 +572,9 @@ async def run_redis(bench: IndexBenchmark, plan: Plan, h: Holdings, mem: MemoryI
     hashtables, buckets = await bucket_encodings(rs)
     print(f"loaded Redis: Strata in {loaded_s:.1f} s, {buckets} buckets", flush=True)
 
-    fns = {"strata": index_lookup(ix), "redispy": redispy_lookup(r), "lean": lean.lookup}
+    fns = {"strata": index_lookup(ix), "redispy": redispy_lookup(r)}
+    if lean is not None:
+        fns["lean"] = lean.lookup
     await check_answers(h, {**fns, "memory": index_lookup(mem)})
     rtt = await ping_ms(r)
     await r.config_resetstat()
@@ -565,7 +584,7 @@ async def run_redis(bench: IndexBenchmark, plan: Plan, h: Holdings, mem: MemoryI
     lookup_cases(bench, samples, h, (
         f"Server time a lookup: Strata's script {usec.get('evalsha', 0):.0f} us, the baseline's 64 HGETALLs "
         f"{CHAIN_BLOCKS * usec.get('hgetall', 0):.0f} us; a bare PING round trip through redis-py "
-        f"{rtt:.3f} ms here"))
+        f"{rtt:.3f} ms here"), None if lean is not None else lean_unavailable())
     await bench_memory_lookup(bench, plan, h, mem)
 
     per_entry = strata_bytes / h.entries
@@ -600,7 +619,7 @@ async def bench_memory_lookup(bench: IndexBenchmark, plan: Plan, h: Holdings, me
 
 def main(argv: list[str] | None = None) -> int:
     bench = IndexBenchmark(NAME, __doc__.splitlines()[0], argv)
-    plan = QUICK if bench.quick else FULL
+    plan = bench.plan(FULL, QUICK, SMOKE)
     asyncio.run(run(bench, plan))
     bench.finish()
     return 0

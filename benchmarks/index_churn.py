@@ -1,6 +1,6 @@
 """Index churn: how often the prefix index names a holder that lacks the block, or misses one that has it.
 
-Run as ``python -m benchmarks.index_churn [--quick] [--seconds N]``. Three
+Run as ``python -m benchmarks.index_churn [--quick | --smoke] [--seconds N]``. Three
 ``strata serve`` processes share one private ``redis-server`` index, each
 with a small RAM and disk tier (so puts evict), while a driver loop
 
@@ -32,6 +32,9 @@ figures are written to ``benchmarks/results/index_churn.json``. They are
 measurements of this machine and this load, not claims about a fleet: the
 publication lag the raw rates include is the index agent's batching
 (``flush_s`` 50 ms) plus the Redis round trips, on 2 shared cores.
+
+``--smoke`` churns about a second, long enough for one restart of each kind
+(SIGKILL, then SIGTERM) and a few samples, and writes no results.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.harness import RESULTS_DIR, free_port, private_redis
+from benchmarks.harness import RESULTS_DIR, SMOKE_HELP, free_port, private_redis, smoke_line
 from kvstore.client.sync import Client
 from kvstore.errors import StrataError
 
@@ -67,6 +70,7 @@ KEYS = 1200  # the key space: about four times what the three nodes hold togethe
 SAMPLE_KEYS = 48
 FULL = dict(seconds=180, restart_every_s=10.0, sample_every_s=0.5)
 QUICK = dict(seconds=40, restart_every_s=6.0, sample_every_s=0.5)
+SMOKE = dict(seconds=1, restart_every_s=0.2, sample_every_s=0.1, min_restarts=2)  # one SIGKILL, one SIGTERM
 TTL_S = 3.0
 START_TIMEOUT_S = 60.0
 
@@ -232,7 +236,8 @@ def drive(nodes: list[Node], plan: dict, rng: random.Random) -> Counts:
         end = time.monotonic() + plan["seconds"]
         next_restart = time.monotonic() + plan["restart_every_s"]
         kill = True
-        while time.monotonic() < end:
+        restarts = 0
+        while time.monotonic() < end or restarts < plan.get("min_restarts", 0):
             if time.monotonic() >= next_restart:
                 victim = rng.choice(nodes)
                 victim.stop(signal.SIGKILL if kill else signal.SIGTERM)
@@ -240,6 +245,7 @@ def drive(nodes: list[Node], plan: dict, rng: random.Random) -> Counts:
                 for _ in range(3):  # sample while it is down
                     sample(nodes, rng, counts)
                 victim.start()
+                restarts += 1
                 kill = not kill
                 next_restart = time.monotonic() + plan["restart_every_s"]
             sample(nodes, rng, counts)
@@ -252,11 +258,14 @@ def drive(nodes: list[Node], plan: dict, rng: random.Random) -> Counts:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK['seconds']} s of churn instead of {FULL['seconds']}")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help=f"{QUICK['seconds']} s of churn instead of {FULL['seconds']}")
+    size.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--seconds", type=float, help="how long to churn (overrides --quick)")
     parser.add_argument("--seed", type=int, default=1729)
     args = parser.parse_args(argv)
-    plan = dict(QUICK if args.quick else FULL)
+    plan = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
     if args.seconds:
         plan["seconds"] = args.seconds
     rng = random.Random(args.seed)
@@ -280,15 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         "counts": asdict(counts),
         "rates": {k: (None if v is None else float(f"{v:.4g}")) for k, v in rates.items()},
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{NAME}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = None
+    if not args.smoke:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = RESULTS_DIR / f"{NAME}.json"
+        path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{counts.samples} samples ({counts.skipped_samples} dropped), {counts.puts} puts, {counts.deletes} deletes, "
           f"restarts {counts.restarts}, in {time.monotonic() - started:.0f} s")
     print(f"named (key, node) pairs {counts.named}, held pairs {counts.held}, named while down {counts.named_down}")
     for k, v in rates.items():
         print(f"  {k:26} {'n/a' if v is None else f'{100 * v:.3f}%'}")
-    print(f"results: {path}")
+    print(smoke_line(NAME) if path is None else f"results: {path}")
     return 0
 
 

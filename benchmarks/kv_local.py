@@ -1,7 +1,9 @@
 """Same-host block throughput: the daemon's transports, Redis, the disk tier.
 
-Run as ``python -m benchmarks.kv_local [--quick]``. For each block size
-(64 KiB, 1 MiB, 4 MiB, 16 MiB) it measures, alternately in the same rounds:
+Run as ``python -m benchmarks.kv_local [--quick | --smoke] [--auth]``. For
+each block size (64 KiB, 1 MiB, 4 MiB, 16 MiB; ``--smoke``: 64 KiB and 1 MiB,
+which take every path: inline puts and puts in place, the targets of 1 MiB
+and up) it measures, alternately in the same rounds:
 
 - puts and gets through a daemon running in its own process, through each
   transport a client can take (:mod:`kvstore.transport`): ``shm``, the
@@ -89,10 +91,15 @@ class Plan:
     max_calls: int  # ... but at most this many calls: small blocks cost ~1 ms of RPCs per call
     rounds: int
     warmup: int
+    sizes: tuple[int, ...] = SIZES
+    floor_calls: int = 200  # bare messages timed for the RPC floors the notes quote
 
 
 FULL = Plan(round_bytes=64 * MiB, max_calls=256, rounds=9, warmup=2)
 QUICK = Plan(round_bytes=8 * MiB, max_calls=128, rounds=5, warmup=1)
+# Every case once, in seconds: the smallest size (inline puts) and the smallest with targets (puts in place).
+SMOKE = Plan(round_bytes=1 * MiB, max_calls=2, rounds=5, warmup=0, sizes=(64 * KiB, SHM_TARGET_MIN_BYTES),
+             floor_calls=5)
 
 
 class Workload:
@@ -273,11 +280,14 @@ def control_rpc_us(client: Client, n: int = 200) -> float:
 
 def socket_round_trip_us(client: Client, n: int = 500) -> float:
     """Median round trip of the smallest same-host message (a Release of nothing): the floor under every
-    same-host call."""
-    from kvstore.transport import frames
-    from kvstore.transport.base import Deadline
+    same-host call.
 
-    transport = client._data()
+    No public call sends a bare message, so this reaches into the client's same-host transport of the
+    benchmark's namespace (the one its rounds use) and one of its connections.
+    """
+    from kvstore.transport import frames
+
+    transport = client._data(NS)
     conn = transport._take()
     times = []
     try:
@@ -656,12 +666,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--auth" in argv:
         argv.remove("--auth")
         bench = Benchmark(NAME + "_auth", "What authentication costs per call (--auth)", argv)
-        bench.command = f"python -m benchmarks.{NAME} --auth" + (" --quick" if bench.quick else "")
-        bench_auth(bench, QUICK if bench.quick else FULL)
+        bench.command = f"python -m benchmarks.{NAME} --auth" + bench.mode_flag
+        bench_auth(bench, bench.plan(FULL, QUICK, SMOKE))
         bench.finish()
         return 0
     bench = Benchmark(NAME, __doc__.splitlines()[0], argv)
-    plan = QUICK if bench.quick else FULL
+    plan = bench.plan(FULL, QUICK, SMOKE)
     with scratch_dir("kv") as scratch:
         fs = f"on {filesystem_of(scratch)}"
         with redis_baseline() as redis_side, strata_daemon(
@@ -675,14 +685,15 @@ def main(argv: list[str] | None = None) -> int:
                 asking = stack.enter_context(open_transport("same-host", target=target, locations=0))
             except StrataError as err:
                 raise SystemExit(f"a transport cannot be measured here: {err}") from None
-            rpc_us = {"grpc": control_rpc_us(clients["shm"]), "socket": socket_round_trip_us(clients["shm"])}
-            for seed, size in enumerate(SIZES):  # one size's buffers at a time
+            rpc_us = {"grpc": control_rpc_us(clients["shm"], plan.floor_calls),
+                      "socket": socket_round_trip_us(clients["shm"], 5 * plan.floor_calls // 2)}
+            for seed, size in enumerate(plan.sizes):  # one size's buffers at a time
                 bench_daemon(bench, plan, Workload(size, plan, seed), clients, asking, redis_side, rpc_us)
         tier = DiskTier(scratch / "tier", 4 * GiB, fsync=False)
         files = scratch / "files"
         files.mkdir()
         try:
-            for seed, size in enumerate(SIZES):
+            for seed, size in enumerate(plan.sizes):
                 bench_disk(bench, plan, Workload(size, plan, seed), tier, files, fs)
         finally:
             tier.close()

@@ -1,6 +1,6 @@
 """Object tier: read-through and write-back against an S3-compatible server, and a fleet's cold restart.
 
-Run as ``python -m benchmarks.kv_object [--quick]``. moto's S3 server runs
+Run as ``python -m benchmarks.kv_object [--quick | --smoke]``. moto's S3 server runs
 in a child process on loopback (the tests' ``tests/s3_servers.py``); every
 case and its baseline talk to that same server, in the same rounds, so the
 ratios measure what Strata adds over a bare client, not S3.
@@ -23,6 +23,9 @@ ratios measure what Strata adds over a bare client, not S3.
   daemon is SIGKILLed; three new daemons, each with an empty RAM arena and
   an empty disk, read every block, each the blocks another daemon wrote.
   A hit is the block's own bytes. Target: every block served (1.0).
+
+``--smoke`` runs every case once at 1 MiB, with a fleet of two daemons
+(each reads what the other wrote), and writes no results.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from kvstore.remote.object.metrics import ObjectMetrics
 NAME = "kv_object"
 TARGET = 0.8
 SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
-QUICK = {"rounds": 5, "warmup": 1, "round_bytes": 16 * MiB, "restart_blocks": 24}
-FULL = {"rounds": 9, "warmup": 2, "round_bytes": 64 * MiB, "restart_blocks": 96}
+QUICK = {"rounds": 5, "warmup": 1, "round_bytes": 16 * MiB, "restart_blocks": 24, "sizes": SIZES, "fleet": 3}
+FULL = {"rounds": 9, "warmup": 2, "round_bytes": 64 * MiB, "restart_blocks": 96, "sizes": SIZES, "fleet": 3}
+SMOKE = {"rounds": 5, "warmup": 0, "round_bytes": 2 * MiB, "restart_blocks": 2, "sizes": (1 * MiB,), "fleet": 2}
 UPLOADS = 8
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -137,7 +141,6 @@ def requests_of(metrics: ObjectMetrics, ops: tuple[str, ...]) -> int:
     return total
 
 
-FLEET = 3
 FLEET_BLOCK = 1 * MiB
 
 
@@ -160,7 +163,7 @@ def cold_restart(env, prefix: str, plan: dict) -> Case:
 
     import s3_servers
 
-    n = plan["restart_blocks"]
+    n, fleet = plan["restart_blocks"], plan["fleet"]
     data = [os.urandom(FLEET_BLOCK) for _ in range(n)]
     keys = [b"block-%d" % i for i in range(n)]
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
@@ -168,22 +171,22 @@ def cold_restart(env, prefix: str, plan: dict) -> Case:
     nodes = []
     try:
         with tempfile.TemporaryDirectory(prefix="strata-object-fleet-") as home:
-            first = [_fleet_node(env, Path(home) / "first", f"fill{j}", prefix).start() for j in range(FLEET)]
+            first = [_fleet_node(env, Path(home) / "first", f"fill{j}", prefix).start() for j in range(fleet)]
             nodes += first
             for i, (k, d) in enumerate(zip(keys, data)):
-                first[i % FLEET].client.put("fleet", k, d)
+                first[i % fleet].client.put("fleet", k, d)
             end = time.monotonic() + 120
             while len(env.keys(f"{prefix}/fleet/")) < n and time.monotonic() < end:
                 time.sleep(0.1)
             stored = len(env.keys(f"{prefix}/fleet/"))
             for node in first:
                 node.stop(signal.SIGKILL)
-            fresh = [_fleet_node(env, Path(home) / "fresh", f"cold{j}", prefix).start() for j in range(FLEET)]
+            fresh = [_fleet_node(env, Path(home) / "fresh", f"cold{j}", prefix).start() for j in range(fleet)]
             nodes += fresh
             hits = 0
             t0 = time.perf_counter()
             for i, (k, d) in enumerate(zip(keys, data)):
-                hits += fresh[(i + 1) % FLEET].client.get("fleet", k) == d  # another node wrote it
+                hits += fresh[(i + 1) % fleet].client.get("fleet", k) == d  # another node wrote it
             seconds = time.perf_counter() - t0
     finally:
         for node in nodes:
@@ -193,10 +196,10 @@ def cold_restart(env, prefix: str, plan: dict) -> Case:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return Case(case=f"hit rate after a cold restart ({FLEET} daemons, {n} x 1MiB)", value=hits / n,
+    return Case(case=f"hit rate after a cold restart ({fleet} daemons, {n} x 1MiB)", value=hits / n,
                 baseline="every block", baseline_value=1.0, target_ratio=1.0, metric="hit_rate", unit="ratio", note=(
-                    f"{FLEET} strata serve processes (ram, disk, object; write-through) store the blocks; once the "
-                    f"bucket lists {stored} of {n}, all are SIGKILLed; {FLEET} new daemons with empty RAM and disk "
+                    f"{fleet} strata serve processes (ram, disk, object; write-through) store the blocks; once the "
+                    f"bucket lists {stored} of {n}, all are SIGKILLed; {fleet} new daemons with empty RAM and disk "
                     f"read every block, each one another daemon wrote ({n / seconds:.0f} blocks/s); a hit is the "
                     "block's own bytes"))
 
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = UnitBenchmark(NAME, __doc__.splitlines()[0], argv)
     bench.baseline_width = 30
-    plan = QUICK if bench.quick else FULL
+    plan = bench.plan(FULL, QUICK, SMOKE)
     with tempfile.TemporaryDirectory(prefix="strata-moto-") as moto_home, contextlib.ExitStack() as stack:
         env = s3_servers.S3Env(s3_servers.start_moto(Path(moto_home)))
         stack.callback(env.close)
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(tier.close)
         raw = _raw_store(env)
         read_mib = write_mib = 0.0
-        for size in SIZES:
+        for size in plan["sizes"]:
             L = size_label(size)
             n = max(2, plan["round_bytes"] // size)
             data = os.urandom(size)

@@ -1,6 +1,6 @@
 """Cluster KV pool: block reads from another daemon over the TCP peer transport.
 
-Run as ``python -m benchmarks.kv_pool [--quick]``. A Strata daemon runs in
+Run as ``python -m benchmarks.kv_pool [--quick | --smoke]``. A Strata daemon runs in
 its own process with its peer listener on loopback (``--peer-listen``),
 holding 1 MiB, 4 MiB and 16 MiB blocks in RAM. This process reads them as a
 peer daemon's fetch does (:class:`kvstore.peer.tcp.TcpPeerClient`: one
@@ -19,13 +19,15 @@ store: the floor of moving these bytes over loopback TCP from Python.
 The handoff case (``--handoff`` adds it, ``--handoff-only`` runs it alone):
 a prefill daemon P (peer listener on loopback) holds a 32k-token request's
 KV, 16 blocks × 16 MiB; each round opens a handoff on P and asks a decode
-daemon D to pull it (PullHandoff: D reads the blocks over P's peer listener
+daemon D to pull it (PullHandoff: D finds P in the prefix index the daemons
+share, a private ``redis-server``, reads the blocks over P's peer listener
 into its arena slots, verifies, stores, publishes, and completes the
 handoff at P), timed from OpenHandoff to PullHandoff's answer; and the same
-handoff with the params offering P's gRPC address only (what a prefill node
-without ``--peer-listen`` hands out: D pulls over gRPC). Between rounds D
-deletes the blocks, untimed. The baseline is the plain socket moving the
-same 256 MiB in one request, in the same rounds.
+handoff pulled by a decode daemon with ``--handoff-transports grpc`` (what
+any pull from a prefill node without ``--peer-listen`` takes: gRPC). Between
+rounds the decode daemons delete the blocks, untimed. The baseline is the
+plain socket moving the same 256 MiB in one request, in the same rounds.
+Without ``redis-server`` the handoff rows say so.
 
 The UCX peer transport (:class:`kvstore.peer.ucx.UcxPeerClient`) over the
 same daemon's ``--peer-ucx-listen``, in the same rounds, where ucxx can be
@@ -54,12 +56,14 @@ The target is ≥ 0.8× the plain socket, and ≥ 2× Mooncake. Not measured yet
 a daemon fetching from a daemon through its peer tier (this process stands
 for the fetching daemon). The index churn rates are
 ``benchmarks.index_churn``.
+
+``--smoke`` runs every case once with 1 MiB blocks (a handoff of 2 of them)
+and writes no results.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import socket
@@ -69,7 +73,18 @@ import time
 from collections.abc import Iterator
 
 from benchmarks import mooncake_store
-from benchmarks.harness import MiB, Benchmark, compare, free_port, interleave, size_label, strata_daemon
+from benchmarks.harness import (
+    MiB,
+    Benchmark,
+    Case,
+    ServerUnavailable,
+    compare,
+    free_port,
+    interleave,
+    private_redis,
+    size_label,
+    strata_daemon,
+)
 from kvstore.block import BlockMeta, checksum
 from kvstore.errors import UnknownNamespace
 from kvstore.peer.tcp import TcpPeerClient
@@ -82,8 +97,10 @@ SIZES = [1 * MiB, 4 * MiB, 16 * MiB]
 BATCH = 16
 TARGET = 0.8
 MOONCAKE_SEGMENT = 1 << 30  # the holder's segment: one size's 16 blocks and a put round, 512 MiB at most
-FULL = dict(rounds=9, warmup=2, round_bytes=256 * MiB)
-QUICK = dict(rounds=5, warmup=1, round_bytes=64 * MiB)
+HANDOFF = dict(handoff_blocks=16, handoff_block=16 * MiB)  # a 32k-token request's KV
+FULL = dict(rounds=9, warmup=2, round_bytes=256 * MiB, sizes=SIZES, **HANDOFF)
+QUICK = dict(rounds=5, warmup=1, round_bytes=64 * MiB, sizes=SIZES, **HANDOFF)
+SMOKE = dict(rounds=5, warmup=0, round_bytes=1 * MiB, sizes=[1 * MiB], handoff_blocks=2, handoff_block=1 * MiB)
 _REQUEST = struct.Struct("<Q")
 
 
@@ -198,7 +215,7 @@ def run_mooncake(bench: Benchmark, plan: dict, mc, client: TcpPeerClient, addres
 
     The plain socket's reads run in them too: the floor both sides' reads are held to (rows without a target).
     """
-    for size in SIZES:
+    for size in plan["sizes"]:
         L = size_label(size)
         sources = [os.urandom(size) for _ in range(BATCH)]
         sources = [(data, BlockMeta(size, checksum(data))) for data in sources]
@@ -228,20 +245,12 @@ def run_mooncake(bench: Benchmark, plan: dict, mc, client: TcpPeerClient, addres
         control.delete("bench", keys)
 
 
-HANDOFF_BLOCKS = 16
-HANDOFF_BLOCK = 16 * MiB
-
-
-def handoff_round(prefill, decode, keys: list[bytes], only: str = ""):
-    """``only``: keep just the params' addresses of that scheme (``grpc``: as from a prefill node
-    without a TCP peer listener)."""
+def handoff_round(prefill, decode, keys: list[bytes]):
     def run() -> tuple[int, float]:
         with contextlib.suppress(UnknownNamespace):  # untimed: every round pulls the whole request again
             decode.delete("bench", keys)
         t0 = time.perf_counter()
         params, _ = prefill.open_handoff("bench", keys, lease_s=30)
-        if only:
-            params = dataclasses.replace(params, addresses=tuple(a for a in params.addresses if a.startswith(only)))
         result = decode.pull_handoff(params, timeout=120)
         elapsed = time.perf_counter() - t0
         if result.stored != len(keys) or not result.completed:
@@ -251,37 +260,70 @@ def handoff_round(prefill, decode, keys: list[bytes], only: str = ""):
     return run
 
 
+def wait_for_node(client, node_id: str, timeout_s: float = 30.0) -> None:
+    """Until the daemon's prefix index knows ``node_id`` as live: a pull goes only where the index says the
+    prefill node is (its record is published just after it starts)."""
+    end = time.monotonic() + timeout_s
+    while not any(n.node_id == node_id and n.alive for n in client.nodes()):
+        if time.monotonic() > end:
+            raise SystemExit(f"the decode daemon's index never listed {node_id} as live")
+        time.sleep(0.05)
+
+
 def run_handoff(bench: Benchmark, plan: dict) -> None:
+    blocks, block = plan["handoff_blocks"], plan["handoff_block"]
+    what = f"{blocks}x{size_label(block)}"
+    with contextlib.ExitStack() as stack:
+        try:  # the daemons' shared index: a decode daemon pulls only from a prefill node its index knows
+            index_url = f"redis://127.0.0.1:{stack.enter_context(private_redis())}/0"
+        except ServerUnavailable as err:
+            for case in (f"handoff {what}", f"handoff {what} grpc"):
+                bench.add(Case(case, None, f"plain socket {what}", None, target_ratio=TARGET,
+                               note=f"the handoff needs a prefix index the daemons share: {err}"))
+            return
+        _handoff_cases(bench, plan, stack, index_url, blocks, block, what)
+
+
+def _handoff_cases(bench: Benchmark, plan: dict, stack: contextlib.ExitStack, index_url: str, blocks: int,
+                   block: int, what: str) -> None:
     from kvstore.client.sync import Client
 
-    import tempfile
-
     peer_port = free_port()
-    total = HANDOFF_BLOCKS * HANDOFF_BLOCK
-    home = tempfile.TemporaryDirectory(prefix="strata-handoff-bench-")
-    common = dict(ram_bytes="768MiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True)
-    with home, strata_daemon(node_id="prefill", disk_dir=f"{home.name}/p", shm_dir=home.name,
-                             peer_listen=f"127.0.0.1:{peer_port}", **common) as p_target, \
-            strata_daemon(node_id="decode", disk_dir=f"{home.name}/d", shm_dir=f"{home.name}/d", **common) as d_target, \
-            plain_socket(total) as plain, \
-            Client(p_target, use_shm=False, timeout=120) as prefill, Client(d_target, use_shm=False, timeout=120) as decode:
-        keys = [b"handoff-%d" % i for i in range(HANDOFF_BLOCKS)]
-        for i, key in enumerate(keys):
-            prefill.put("bench", key, os.urandom(HANDOFF_BLOCK), parent=keys[i - 1] if i else None)
-        buffers = [memoryview(bytearray(HANDOFF_BLOCK)) for _ in range(HANDOFF_BLOCKS)]
-        fns = {
-            "handoff 16x16MiB": handoff_round(prefill, decode, keys),
-            "handoff 16x16MiB grpc": handoff_round(prefill, decode, keys, only="grpc://"),
-            "plain socket 16x16MiB": plain_round(plain, buffers, HANDOFF_BLOCK, 1),
-        }
-        s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
-        bench.add(compare(s, "handoff 16x16MiB", "plain socket 16x16MiB", target_ratio=TARGET, note=(
-            "OpenHandoff on P to PullHandoff's answer from D: D pulls over P's TCP peer listener into its "
-            "arena, verifies, stores, publishes itself as holder, completes at P; two daemon processes; the "
-            "baseline moves the same 256 MiB unframed and unverified in one request")))
-        bench.add(compare(s, "handoff 16x16MiB grpc", "plain socket 16x16MiB", target_ratio=TARGET, note=(
-            "the same handoff with P's params offering gRPC only (a prefill node without --peer-listen): D "
-            "pulls through P's KVService Get, each message copied into the arena slot and hashed there")))
+    total = blocks * block
+    home = stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-handoff-bench-"))
+    common = dict(ram_bytes="768MiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
+                  index_url=index_url)
+    p_target = stack.enter_context(strata_daemon(node_id="prefill", disk_dir=f"{home}/p", shm_dir=home,
+                                                 peer_listen=f"127.0.0.1:{peer_port}", **common))
+    d_target = stack.enter_context(strata_daemon(node_id="decode", disk_dir=f"{home}/d", shm_dir=f"{home}/d",
+                                                 **common))
+    # Pulls over gRPC only, as every decode daemon does from a prefill node without --peer-listen.
+    g_target = stack.enter_context(strata_daemon(node_id="decode-grpc", disk_dir=f"{home}/g", shm_dir=f"{home}/g",
+                                                 handoff_transports="grpc", **common))
+    plain = stack.enter_context(plain_socket(total))
+    prefill = stack.enter_context(Client(p_target, use_shm=False, timeout=120))
+    decode = stack.enter_context(Client(d_target, use_shm=False, timeout=120))
+    decode_grpc = stack.enter_context(Client(g_target, use_shm=False, timeout=120))
+    keys = [b"handoff-%d" % i for i in range(blocks)]
+    for i, key in enumerate(keys):
+        prefill.put("bench", key, os.urandom(block), parent=keys[i - 1] if i else None)
+    for client in (decode, decode_grpc):
+        wait_for_node(client, "prefill")
+    buffers = [memoryview(bytearray(block)) for _ in range(blocks)]
+    fns = {
+        f"handoff {what}": handoff_round(prefill, decode, keys),
+        f"handoff {what} grpc": handoff_round(prefill, decode_grpc, keys),
+        f"plain socket {what}": plain_round(plain, buffers, block, 1),
+    }
+    s = interleave(fns, rounds=plan["rounds"], warmup=plan["warmup"])
+    bench.add(compare(s, f"handoff {what}", f"plain socket {what}", target_ratio=TARGET, note=(
+        "OpenHandoff on P to PullHandoff's answer from D: D finds P in the shared index and pulls over its TCP "
+        "peer listener into its arena, verifies, stores, publishes itself as holder, completes at P; each daemon "
+        f"in its own process; the baseline moves the same {size_label(total)} unframed and unverified in one request")))
+    bench.add(compare(s, f"handoff {what} grpc", f"plain socket {what}", target_ratio=TARGET, note=(
+        "the same handoff pulled by a decode daemon with --handoff-transports grpc (what every pull from a "
+        "prefill node without --peer-listen takes): it pulls through P's KVService Get, each message copied "
+        "into the arena slot and hashed there")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     mooncake = "off" if "--no-mooncake" in argv else "on" if "--mooncake" in argv else "auto"
     argv = [a for a in argv if a not in ("--handoff", "--handoff-only", "--mooncake", "--no-mooncake")]
     bench = Benchmark(NAME + "_handoff" if only else NAME, __doc__.splitlines()[0], argv)
-    plan = QUICK if bench.quick else FULL
+    plan = bench.plan(FULL, QUICK, SMOKE)
     if only:
         run_handoff(bench, plan)
         bench.finish()
@@ -308,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     home = tempfile.TemporaryDirectory(prefix="strata-pool-bench-")  # its own state dir: another daemon may run here
     with home, strata_daemon(ram_bytes="1GiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
                              peer_listen=f"127.0.0.1:{peer_port}", disk_dir=home.name, **extra) as target, \
-            plain_socket(BATCH * max(SIZES)) as plain, Client(target, use_shm=False, timeout=120) as control, \
+            plain_socket(BATCH * max(plan["sizes"])) as plain, Client(target, use_shm=False, timeout=120) as control, \
             mooncake_store.optional_cluster(mooncake, MOONCAKE_SEGMENT) as (mc, mc_why):
         if mc is None:
             print(f"Mooncake cases left out: {mc_why}")
@@ -324,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if mc is not None:  # first: an open UCX endpoint keeps both ends' progress threads busy
                 run_mooncake(bench, plan, mc, client, address, control, plain)
-            for seed, size in enumerate(SIZES):
+            for seed, size in enumerate(plan["sizes"]):
                 L = size_label(size)
                 keys = [b"%s-%d" % (L.encode(), i) for i in range(BATCH)]
                 blocks = []

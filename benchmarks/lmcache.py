@@ -1,6 +1,6 @@
 """LMCache on Strata against LMCache's own remote backends: store, lookup, retrieve through LMCacheEngine.
 
-Run as ``python -m benchmarks.lmcache [--quick]``. One LMCacheEngine per
+Run as ``python -m benchmarks.lmcache [--quick | --smoke]``. One LMCacheEngine per
 backend, all built the same way (LMCache's own engine on CPU, its
 ``MockGPUConnector`` made to copy into and out of a CPU tensor, as in
 ``tests/test_lmcache.py``), each with one remote backend:
@@ -17,7 +17,8 @@ backend, all built the same way (LMCache's own engine on CPU, its
 
 LMCache's ``local_cpu`` is off, so its CPU backend is only an allocator and
 every lookup and retrieve goes to the remote backend. The workload is a
-token sequence of 8k, 16k and 32k tokens (8k only with ``--quick``) in
+token sequence of 8k, 16k and 32k tokens (8k only with ``--quick``; 512, two
+chunks, in one round and no warm-up with ``--smoke``, which writes no results) in
 256-token chunks of a small model's KV (8 layers, 4 KV heads of 64, bf16:
 8 KiB a token, 2 MiB a chunk). Per backend and size: ``store`` (timed until
 the remote backend has no put task left), ``lookup`` (hit tokens must equal
@@ -76,6 +77,7 @@ class Plan:
 
 FULL = Plan(sizes=(8192, 16384, 32768), rounds=5, warmup=1, op_timeout_s=120.0, close_timeout_s=10.0)
 QUICK = Plan(sizes=(8192,), rounds=3, warmup=1, op_timeout_s=10.0, close_timeout_s=3.0)
+SMOKE = Plan(sizes=(2 * CHUNK,), rounds=1, warmup=0, op_timeout_s=5.0, close_timeout_s=1.0)
 
 
 class LMCacheBenchmark(UnitBenchmark):
@@ -398,7 +400,7 @@ def report(bench: LMCacheBenchmark, backends: list[Backend], plan: Plan) -> None
     strata, floor = backends[0], backends[-1]
     others = backends[1:-1]
     for size in plan.sizes:
-        label = f"{size // 1024}k tokens"
+        label = f"{size // 1024}k tokens" if size % 1024 == 0 else f"{size} tokens"
         for op, unit, higher in (("store", "tokens/s", True), ("lookup", "ms", False), ("retrieve", "tokens/s", True)):
             mine = median(strata, op, size)
             for b in others:
@@ -433,7 +435,7 @@ def report(bench: LMCacheBenchmark, backends: list[Backend], plan: Plan) -> None
 
 def main(argv: list[str] | None = None) -> int:
     bench = LMCacheBenchmark(NAME, __doc__.splitlines()[0], argv)
-    plan = QUICK if bench.quick else FULL
+    plan = bench.plan(FULL, QUICK, SMOKE)
     logging.getLogger("lmcache").setLevel(logging.ERROR)
     torch = _lmcache()[0]
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Strata as a vLLM secondary tier against vLLM's own fs tier and a plain memory copy, through vLLM's real tiering manager.
 
-Run as ``python -m benchmarks.vllm_tier [--quick]`` (needs vLLM's Python
+Run as ``python -m benchmarks.vllm_tier [--quick | --smoke]`` (needs vLLM's Python
 layers: see the README, the ``vllm`` extra). One ``TieringOffloadingManager``
 per candidate, built by vLLM's ``TieringOffloadingSpec`` on CPU, each with a
 CPU primary tier of exactly the chunks loaded and one secondary tier:
@@ -23,7 +23,8 @@ first round checks every byte. Load throughput is chunk bytes over that
 time. Lookup cost is the scheduler thread's time inside the tier's own
 ``lookup()`` per call the manager makes (the first, RETRY, and the one
 that finds the chunk), over the same rounds. Candidates take turns in a rotating order after a warm-up
-round; medians are reported.
+round; medians are reported. ``--smoke`` loads 4 chunks in one round (the
+one that checks every byte) and writes no results.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Plan:
 
 FULL = Plan(chunks=(64, 256), rounds=7, warmup=1)
 QUICK = Plan(chunks=(64,), rounds=5, warmup=1)
+SMOKE = Plan(chunks=(4,), rounds=1, warmup=0)
 
 
 def _config(tier: dict, chunks: int):
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vLLM's tiering code cannot be imported ({err}): install the vllm extra (README)", file=sys.stderr)
         return 2
     try:
-        run(bench, QUICK if bench.quick else FULL)
+        run(bench, bench.plan(FULL, QUICK, SMOKE))
     except ServerUnavailable as err:
         print(err, file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Model weights: time to first tensor, warm and cold loads against their baselines, and swarms of weight nodes.
 
-Run as ``python -m benchmarks.weights [--quick]``. A model of ``--shards``
+Run as ``python -m benchmarks.weights [--quick | --smoke]``. A model of ``--shards``
 safetensors files (written by the safetensors library: float16 matrices of
 4 MiB, 16 MiB a file; 64 files, 1 GiB, by default) is published with 4 MiB
 chunks into a scratch folder, and the same files and manifest are uploaded
@@ -35,7 +35,8 @@ one run, each case's baseline alternating with it in rotating order
 
 Figures go to ``benchmarks/results/weights.json`` (shared BENCHMARKS.md
 format, plus the raw figures): measurements of this machine, not claims
-about a fleet.
+about a fleet. ``--smoke`` runs every case once on one file (16 MiB) with a
+swarm of 2, no warm-up, and writes no results.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ PREFIX = "bench/rev1"
 TARGETS = {"first_over_all": 0.05, "first_over_all_goal": 0.02, "warm_vs_safe_open": 1.0,
            "warm_vs_sequential": 0.8, "cold_s3_vs_raw": 0.8, "swarm_origin": 1.1, "swarm_origin_goal": 1.05}
 sys.path.insert(0, str(ROOT / "tests"))
+SMOKE = dict(shards=1, rounds=1, nodes=[2], warmup=0)
 
 
 def write_model(folder: Path, shards: int, seed: int = 0) -> int:
@@ -261,10 +263,23 @@ class Nodes:
         self.stubs = [pb_grpc.WeightServiceStub(c) for c in self.channels]
 
     def wait_ready(self) -> None:
+        import socket
+
         import grpc
 
         from weightcache.api.v1 import weights_pb2 as pb
 
+        # The port first: a channel whose first connection is refused waits out gRPC's reconnect backoff
+        # (seconds) before it tries again, long after the node is up.
+        for a, p in zip(self.members, self.procs):
+            host, port = a.rsplit(":", 1)
+            end = time.monotonic() + 60
+            while p.poll() is None and time.monotonic() < end:
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.02)
         for s in self.stubs:
             for _ in range(1200):
                 try:
@@ -370,15 +385,24 @@ def _r(x, digits: int = 4):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 files (64 MiB), 5 rounds, a swarm of 4 only")
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.harness import SMOKE_HELP, smoke_line
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="4 files (64 MiB), 5 rounds, a swarm of 4 only")
+    size.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP} (1 file, 1 round, a swarm of 2)")
     parser.add_argument("--shards", type=int, default=64, help="safetensors files of 16 MiB each [64: 1 GiB]")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per alternating case [5]")
     parser.add_argument("--nodes", type=int, action="append", help="swarm sizes [4 and 8]")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    warmup = 1
     if args.quick:
         args.shards, args.nodes = 4, args.nodes or [4]
+    if args.smoke:
+        args.shards, args.rounds, args.nodes, warmup = (SMOKE[k] for k in ("shards", "rounds", "nodes", "warmup"))
     nodes = args.nodes or [4, 8]
     import s3_servers
 
@@ -415,7 +439,7 @@ def main() -> int:
         runai_note = runai_available()
         if runai_note is None:
             warm_fns["runai"] = lambda: load_runai(folder, out)
-        warm = {k: statistics.median(v) for k, v in rotate(warm_fns, args.rounds).items()}
+        warm = {k: statistics.median(v) for k, v in rotate(warm_fns, args.rounds, warmup).items()}
         raw["warm_s"] = {k: _r(v) for k, v in warm.items()}
         print(f"warm: {raw['warm_s']}", file=sys.stderr)
 
@@ -430,7 +454,8 @@ def main() -> int:
             shutil.rmtree(scratch / "cold-s3", ignore_errors=True)
             return load_strata(location, manifest.digest, scratch / "cold-s3", out, s3=s3)
 
-        s3_runs = rotate({"strata": cold_s3, "raw": lambda: raw_ranged_gets(manifest, moto.endpoint)}, args.rounds)
+        s3_runs = rotate({"strata": cold_s3, "raw": lambda: raw_ranged_gets(manifest, moto.endpoint)}, args.rounds,
+                         warmup)
         s3_strata = statistics.median(a for _, a in s3_runs["strata"])
         s3_first = statistics.median(f / a for f, a in s3_runs["strata"])
         s3_raw = statistics.median(s3_runs["raw"])
@@ -513,7 +538,7 @@ def main() -> int:
                                             "links of their own"))
     doc = {
         "benchmark": NAME,
-        "command": " ".join(["python -m benchmarks." + NAME, *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks." + NAME, *argv]),
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "model": {"files": len(manifest.files), "bytes": total, "tensors": len(out), "chunk_bytes": CHUNK},
@@ -527,13 +552,15 @@ def main() -> int:
         "raw": raw,
         "swarms": swarms,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{NAME}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = None
+    if not args.smoke:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = RESULTS_DIR / f"{NAME}.json"
+        path.write_text(json.dumps(doc, indent=2) + "\n")
     for c in cases:
         print(f"{c['case']:<58} {c['value']!s:>9} vs {c['baseline_value']!s:>9}  ratio {c['ratio']!s:>7}  "
               f"target {c['target_ratio']!s:>5}  {'met' if c['meets_target'] else ('-' if c['meets_target'] is None else 'MISSED')}")
-    print(f"results: {path}")
+    print(smoke_line(NAME) if path is None else f"results: {path}")
     return 0
 
 

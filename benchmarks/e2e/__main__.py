@@ -1,6 +1,6 @@
 """End to end: multi-turn chat TTFT over a fleet of reference engines, per routing and caching policy.
 
-Run as ``python -m benchmarks.e2e [--quick] [--replicas N] [--policies a,b,...] [--no-faults]``.
+Run as ``python -m benchmarks.e2e [--quick | --smoke] [--replicas N] [--policies a,b,...] [--no-faults]``.
 
 A private Redis, one ``strata serve`` per replica (the prefix index and the
 shared pool), one engine per replica (``benchmarks.e2e.engine``, one compute
@@ -25,6 +25,13 @@ machine and a slow one.
 
 Writes ``benchmarks/results/e2e.json`` (every request's timing included)
 and ``benchmarks/results/e2e_ttft.png`` (:mod:`benchmarks.e2e.plot`).
+
+``--smoke`` runs every code path once and writes nothing: the tiny model,
+one session of two turns (the second finds the first's KV cached), policy
+(a) (round robin, last prompt cached, no events, no pool) and the fault
+phase, which runs (e) (cache-aware, block cache, KV events, the shared
+pool) with a daemon down for a second, then the prefix-hit measurement on
+a 256-token prompt.
 """
 
 from __future__ import annotations
@@ -57,23 +64,35 @@ from benchmarks.e2e.policies import POLICIES, parse_policies
 from benchmarks.e2e.report import engine_summary, router_summary, table, targets, targets_table
 from benchmarks.e2e.stats import PolicyStats, RequestRecord
 from benchmarks.e2e.workload import Workload, WorkloadSpec
-from benchmarks.harness import RESULTS_DIR
+from benchmarks.harness import RESULTS_DIR, smoke_line
 
 log = logging.getLogger("benchmarks.e2e")
 
 NAME = "e2e"
-FULL = dict(sessions=8, turns=5, think_factor=3.0, calibration_prompts=3, prefix_rounds=3)
-QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1)
 PREFIX_TOKENS = 4096
 PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
 PREFIX_TIMEOUT_S = 600
+PREFIX_4K = dict(prefix_tokens=PREFIX_TOKENS, prefix_cached=PREFIX_CACHED)
+FULL = dict(sessions=8, turns=5, think_factor=3.0, calibration_prompts=3, prefix_rounds=3, model_size="bench",
+            policies="all", faults={}, **PREFIX_4K)
+QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1, model_size="bench",
+             policies="all", faults={}, **PREFIX_4K)
+# (a) and the fault phase's (e) between them take every branch: prefix cache last and blocks, KV events
+# and the index off and on, the pool off and on, round robin and cache-aware routing.
+SMOKE = dict(sessions=1, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1, model_size="tiny",
+             policies="a", faults=dict(daemon_down_s=1.0), prefix_tokens=256, prefix_cached=240)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="4 sessions × 2 turns, shorter think times, one round of the 4k measurement")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="4 sessions × 2 turns, shorter think times, one round of the 4k measurement")
+    size.add_argument("--smoke", action="store_true",
+                      help="every code path once, in seconds, writing no results: the tiny model, 1 session × 2 "
+                           "turns, policy a and the fault phase, a 256-token prefix measurement")
     p.add_argument("--replicas", type=int, default=2, help="engines (each with its own daemon); default 2")
-    p.add_argument("--policies", default="all", help="which of a,b,c,d,e to run (default all)")
+    p.add_argument("--policies", help="which of a,b,c,d,e to run (default all; a with --smoke)")
     p.add_argument("--no-faults", action="store_true", help="leave out the fault phase")
     p.add_argument("--faults-only", action="store_true", help="run only the fault phase")
     p.add_argument("--seed", type=int, default=0)
@@ -86,7 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-weight", type=float, default=FleetSpec.load_weight,
                    help=f"the router's --load-weight for (c) and (e) (default {FleetSpec.load_weight})")
     p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the bench model)")
-    p.add_argument("--model-size", default="bench", choices=("tiny", "bench"))
+    p.add_argument("--model-size", choices=("tiny", "bench"),
+                   help="the model built (default bench; tiny with --smoke)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--fresh-engines", action="store_true",
                    help="start new engines for every phase instead of reconfiguring the running ones "
@@ -142,14 +162,15 @@ def model_vocab(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-def prefix_4k(model_dir: Path, rounds: int, threads: int) -> dict:
+def prefix_4k(model_dir: Path, rounds: int, threads: int, prompt_tokens: int = PREFIX_TOKENS,
+              cached_tokens: int = PREFIX_CACHED) -> dict:
     """The engine's own single-prompt measurement (:mod:`benchmarks.e2e.ttft`): a 4,096-token prompt cold,
-    then one sharing its first 4,032 tokens with them cached; in a process of its own, on ``threads``
-    torch threads (those of one replica)."""
+    then one sharing its first 4,032 tokens with them cached (by default); in a process of its own, on
+    ``threads`` torch threads (those of one replica)."""
     with tempfile.TemporaryDirectory(prefix="strata-e2e-ttft-") as tmp:
         out = Path(tmp) / "ttft.json"
         argv = [sys.executable, "-m", "benchmarks.e2e.ttft", "--model", str(model_dir), "--prompt-tokens",
-                str(PREFIX_TOKENS), "--cached-tokens", str(PREFIX_CACHED), "--rounds", str(rounds),
+                str(prompt_tokens), "--cached-tokens", str(cached_tokens), "--rounds", str(rounds),
                 "--threads", str(threads), "--out", str(out)]
         started = time.monotonic()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=PREFIX_TIMEOUT_S)
@@ -225,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     t_start = time.monotonic()
-    mode = QUICK if args.quick else FULL
+    mode = SMOKE if args.smoke else QUICK if args.quick else FULL
     sessions = args.sessions or mode["sessions"]
     turns = args.turns or mode["turns"]
     think_factor = args.think_factor or mode["think_factor"]
-    policies = [] if args.faults_only else parse_policies(args.policies)
+    model_size = args.model_size or mode["model_size"]
+    policies = [] if args.faults_only else parse_policies(args.policies or mode["policies"])
     phases = [Phase(p.key, p) for p in policies]
     if not args.no_faults:
         phases.append(Phase("faults", POLICIES["e"]))
@@ -248,8 +270,8 @@ def _main(args: argparse.Namespace) -> int:
             if phases:  # the first phase's engines import torch and transformers while the model is built
                 engines.prestart(phases[0], wait_for_model_s=MODEL_BUILD_TIMEOUT_S)
             t = time.monotonic()
-            model_builder.build(model_dir, size=args.model_size)
-            log.info("built the %s model in %.1f s", args.model_size, time.monotonic() - t)
+            model_builder.build(model_dir, size=model_size)
+            log.info("built the %s model in %.1f s", model_size, time.monotonic() - t)
         vocab = model_vocab(model_dir)
         state: dict = {"calibration": None, "workload": None}
 
@@ -269,17 +291,21 @@ def _main(args: argparse.Namespace) -> int:
         results = {}
         for phase in phases:
             log.info("phase %s: %s", phase.name, phase.policy.name)
-            plan = FaultPlan() if phase.name == "faults" else None
+            plan = FaultPlan(**mode["faults"]) if phase.name == "faults" else None
             results[phase.name] = run_phase(nodes, engines, phase, workload_for, state, plan)
             log.info("phase %s took %.0f s", phase.name, results[phase.name]["seconds"])
         engines.close()  # the 4k measurement has the machine to itself, as when each phase stopped its own
         if args.no_prefix_4k:
             prefix = None
         else:
-            log.info("the 4,096-token prefix-hit measurement")
-            prefix = prefix_4k(model_dir, mode["prefix_rounds"], spec.engine_threads)
+            log.info("the %s-token prefix-hit measurement", f"{mode['prefix_tokens']:,}")
+            prefix = prefix_4k(model_dir, mode["prefix_rounds"], spec.engine_threads, mode["prefix_tokens"],
+                               mode["prefix_cached"])
         doc = build_document(args, results, state, prefix, spec, time.monotonic() - t_start)
-    write(doc, results, args.results_dir, state)
+    if args.smoke:
+        print(smoke_line(NAME), flush=True)
+    else:
+        write(doc, results, args.results_dir, state)
     return 0
 
 
@@ -300,7 +326,7 @@ def build_document(args, results: dict, state: dict, prefix: dict | None, spec: 
     w = state["workload"]
     doc = {
         "benchmark": NAME,
-        "command": "python -m benchmarks.e2e" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.e2e" + (" --smoke" if args.smoke else " --quick" if args.quick else ""),
         "argv": sys.argv[1:],
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
