@@ -176,6 +176,22 @@ def test_protected_mode_and_missing_secret_files_fail(tmp_path):
     assert "missing.token" in unmounted[1].summary and "Secret" in unmounted[1].fix
 
 
+def test_every_listener_reachable_beyond_loopback_without_authentication_is_named(tmp_path):
+    """--insecure starts the daemon, and the doctor still warns, per listener; the UCX listener binds
+    every interface whatever host it names; /metrics has no authentication at all."""
+    found = run_checks(settings(tmp_path, listen="0.0.0.0:50051", peer_listen="0.0.0.0:50061", insecure=True,
+                                metrics_listen="0.0.0.0:9464"), Host(), ["auth"])
+    warned = [f.summary for f in found if f.status is Status.WARN]
+    assert not [f for f in found if f.status is Status.FAIL]
+    assert any("--listen 0.0.0.0:50051" in w and "--insecure" in w for w in warned), warned
+    assert any("--peer-listen 0.0.0.0:50061" in w for w in warned), warned
+    assert any("--metrics-listen 0.0.0.0:9464" in w for w in warned), warned
+    ucx = run_checks(settings(tmp_path, peer_ucx_listen="127.0.0.1:50071"), Host(), ["auth"])
+    assert ucx[0].status is Status.FAIL and "--peer-ucx-listen" in ucx[0].summary
+    local = run_checks(settings(tmp_path, metrics_listen="127.0.0.1:9464"), Host(), ["auth"])
+    assert [f.status for f in local] == [Status.OK]
+
+
 def test_a_running_daemon_on_the_directory_and_its_ports_are_found(tmp_path, daemon_process):
     d = daemon_process()
     found = run_checks(settings(tmp_path, disk_dir=str(d.disk_dir), listen=d.target), Host(), ["disk", "ports"])

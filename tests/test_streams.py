@@ -41,8 +41,10 @@ def test_put_streams_that_send_nothing_or_stall_after_a_header_are_ended(make_da
     """Idle Put streams fill every admitted slot and the put budget; each is ended with
     DEADLINE_EXCEEDED naming the setting, and then new work is admitted, the budget is whole
     again and nothing of the stalled blocks was stored."""
-    daemon = _idle_daemon(make_daemon, workers=6, put_budget_bytes="16MiB", max_block_bytes="8MiB")
+    daemon = _idle_daemon(make_daemon, workers=6, put_budget_bytes="16MiB", max_block_bytes="8MiB",
+                          max_streams=4, max_streams_per_identity=4)  # streams may take every slot here
     admitted = daemon.settings.server.admitted_rpcs
+    assert daemon.settings.server.admitted_streams == admitted
     release = threading.Event()
     headers_sent = threading.Semaphore(0)
 
@@ -92,8 +94,59 @@ def test_put_streams_that_send_nothing_or_stall_after_a_header_are_ended(make_da
     assert ended == len(calls)
 
 
+def _own_channel(target: str) -> grpc.Channel:
+    """A channel with a connection of its own: unauthenticated callers are told apart by it."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_idle_streams_never_take_the_workers_of_unary_calls_nor_another_callers_streams(make_daemon):
+    """By default streams may hold half the admitted RPCs and one caller half of those: a caller
+    that opens idle Put streams is refused beyond its share by name, another caller still opens
+    streams until the daemon's stream limit, and unary calls are answered all along."""
+    daemon = make_daemon()  # the default limits, and the default 30 s stream watchdog
+    with Client(daemon.target, use_shm=False) as kv:
+        kv.put("m", b"kept", value(7, 4096))
+    server = daemon.settings.server
+    streams, share = server.admitted_streams, server.streams_per_identity
+    assert 1 <= share < streams < server.admitted_rpcs
+    release = threading.Event()
+
+    def silent():
+        release.wait(60)
+        yield from ()
+
+    channels = [_own_channel(daemon.target) for _ in range(3)]
+    try:
+        stubs = [kv_pb2_grpc.KVServiceStub(c) for c in channels]
+        for stub in stubs:  # each channel's connection is up before any stream is counted
+            _stats(stub)
+        greedy = [stubs[0].Put.future(silent(), timeout=60) for _ in range(share)]
+        wait_until(lambda: daemon._watchdog.watched == share, timeout=30, what="the greedy caller's streams")
+        with pytest.raises(grpc.RpcError) as info:
+            stubs[0].Put(silent(), timeout=30)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams-per-identity" in info.value.details()
+        others = [stubs[1 + i // share].Put.future(silent(), timeout=60) for i in range(streams - share)]
+        wait_until(lambda: daemon._watchdog.watched == streams, timeout=30, what="the other callers' streams")
+        with pytest.raises(grpc.RpcError) as info:
+            stubs[2].Put(silent(), timeout=30)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-streams" in info.value.details() or "--max-streams-per-identity" in info.value.details()
+        for stub in stubs:  # every stream is taken: unary calls still find a worker
+            assert _stats(stub).node_id
+            assert stub.Exists(pb.ExistsRequest(namespace="m", keys=[b"x"]), timeout=10).prefix_blocks == 0
+        release.set()
+        for call in greedy + others:
+            call.result(timeout=30)  # an empty Put stream ends well once its client lets it
+    finally:
+        release.set()
+        for channel in channels:
+            channel.close()
+    with Client(daemon.target, use_shm=False) as kv:  # every stream and share was given back
+        assert all(kv.put("m", b"after-%d" % i, value(i, MiB)) for i in range(3))
+
+
 def test_a_get_whose_client_stops_reading_is_ended(make_daemon):
-    daemon = _idle_daemon(make_daemon, workers=4)
+    daemon = _idle_daemon(make_daemon, workers=4, max_streams=2, max_streams_per_identity=2)
     data = value(5, 8 * MiB)
     with Client(daemon.target, use_shm=False) as kv:
         kv.put("m", b"big", data)
@@ -213,7 +266,7 @@ def test_slow_streams_write_their_chunks_into_the_arena_not_into_buffers(daemon_
     n, size, chunk = 6, 16 * MiB, 256 << 10
     sent = size - MiB
     proc = daemon_process("--ram-bytes", "256MiB", "--max-block-bytes", "16MiB", "--put-budget-bytes", "96MiB",
-                          "--stream-idle-seconds", "120")
+                          "--stream-idle-seconds", "120", "--max-streams", str(n), "--max-streams-per-identity", str(n))
     with Client(proc.target, use_shm=False) as kv:
         kv.put("m", b"warm", value(1, 64 << 10))
     pid = proc.proc.pid

@@ -53,6 +53,15 @@ class ServerSettings(Section):
         64, "RPCs served at once, at most workers - 2 (the two left answer health checks); more get "
         "RESOURCE_EXHAUSTED with a retry delay, never a queue", ge=1, le=1 << 16
     )
+    max_streams: int = setting(
+        0, "streamed RPCs (Put, Get) served at once, each holding a worker while its client sends or reads; "
+        "more get RESOURCE_EXHAUSTED with a retry delay. 0: half of the admitted RPCs, so that idle streams "
+        "never leave unary calls without a worker", ge=0, le=1 << 16,
+    )
+    max_streams_per_identity: int = setting(
+        0, "streams one identity (a token, a certificate, an unauthenticated connection) may hold open at "
+        "once, so that no caller takes every stream; 0: half of --max-streams", ge=0, le=1 << 16,
+    )
     chunk_bytes: ByteSize = setting(ByteSize(1 << 20), "chunk size of streamed values")
     put_budget_bytes: ByteSize = setting(
         ByteSize(1 << 30),
@@ -99,6 +108,16 @@ class ServerSettings(Section):
         """RPCs admitted at once: never more than the workers that can run them, less the
         two kept for health checks, so work beyond capacity is refused instead of queued."""
         return min(self.max_in_flight, self.workers - HEALTH_WORKERS)
+
+    @property
+    def admitted_streams(self) -> int:
+        """Streams served at once: --max-streams, by default half the admitted RPCs (at least one),
+        never more than those."""
+        return max(1, min(self.max_streams or self.admitted_rpcs // 2, self.admitted_rpcs))
+
+    @property
+    def streams_per_identity(self) -> int:
+        return max(1, min(self.max_streams_per_identity or self.admitted_streams // 2, self.admitted_streams))
 
     @property
     def max_message_bytes(self) -> int:

@@ -56,6 +56,7 @@ from kvstore.server.endpoints import DaemonError
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.server.stores import open_stores
+from kvstore.server.streams import StreamLimiter
 from kvstore.server.watchdog import StreamWatchdog
 from kvstore.store.events import EventBus
 from kvstore.store.group import StoreGroup
@@ -184,6 +185,8 @@ class Daemon:
         interceptors = [AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)]
         if self.authority.required:  # inside admission: its refusals become statuses there
             interceptors.append(AuthInterceptor(self.authority))
+        # After auth: a tenant's streams count together, on whichever connection they come.
+        interceptors.append(StreamLimiter(s.server.admitted_streams, s.server.streams_per_identity, self.metrics))
         interceptors.append(self._watchdog)  # last: a call admission or auth refused is never watched
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
