@@ -173,7 +173,8 @@ class _RamRecoveryCollector(Collector):
                                  labels=["arena"])
         unrecorded = CounterMetricFamily(
             "strata_ram_unrecorded_blocks",
-            "Blocks stored without a record in the block table (full or failed): they would not survive a crash",
+            "Blocks refused (never stored, never acknowledged) because the block table could not record them: "
+            "its shared-memory directory full, or the table failed",
             labels=["arena"],
         )
         for arena, tier in self._tiers.items():

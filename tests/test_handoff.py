@@ -543,8 +543,17 @@ def test_one_caller_cannot_take_every_pull_slot(nodes):
     p.proc.send_signal(signal.SIGSTOP)
     try:
         with Client(d.target, use_shm=False, retries=0) as greedy:
-            hanging = threading.Thread(target=lambda: pytest.raises(StrataError, greedy.pull_handoff, params, timeout=20),
-                                       daemon=True)
+            def hold() -> None:  # one pull that hangs on P; the probe below may hold the share a moment
+                while True:
+                    try:
+                        greedy.pull_handoff(params, timeout=20)
+                    except Overloaded:
+                        time.sleep(0.05)
+                        continue
+                    except StrataError:
+                        return
+
+            hanging = threading.Thread(target=hold, daemon=True)
             hanging.start()
 
             def refused_by_share() -> bool:

@@ -224,22 +224,6 @@ def test_a_record_is_cleared_before_its_extent_is_reused(tmp_path):
         t2.close()
 
 
-def test_a_full_table_still_stores_blocks_and_counts_the_unrecorded(tmp_path):
-    t = ram(tmp_path, 64 * PAGE)  # 64 units of 256 bytes
-    layout = "x" * 1000
-    n = 20
-    for i in range(n):  # records of ~2.1 KB (9 units): only 7 fit
-        v = value(i, 100)
-        t.put(BlockKey("ns", b"%04d" % i + b"k" * 1000), v, meta(v, None, layout))
-    assert t.unrecorded_blocks == n - 7
-    assert all(t.get(BlockKey("ns", b"%04d" % i + b"k" * 1000)) == value(i, 100) for i in range(n))
-    t2 = ram(tmp_path)
-    try:
-        assert t2.recovery.adopted_blocks == 7
-    finally:
-        t2.close()
-
-
 def test_corrupt_bytes_in_the_arena_are_discarded_not_served(tmp_path):
     t = ram(tmp_path)
     good, bad = value(1, 5000), value(2, 5000)

@@ -16,7 +16,12 @@ for those keys: the store reads each through its verifying path, which
 drops a corrupt copy, so the next read finds a sound copy or a miss (bytes
 corrupted in transit leave the holder's sound copy where it is). A write reserves arena slots for the blocks (Allocate), receives
 their bytes straight into the slots and commits each with the writer's
-checksum, which the store verifies. A HOLD pins blocks held here under a
+checksum, which the store verifies. Bytes go into a slot only while its
+lease is live, inside the store's ``writing``, which keeps the extent from
+reuse while they land: a writer late with its Data frame (slow, or on
+purpose) would otherwise write over whatever block the arena gave that
+extent to since. A block whose lease lapsed first is read off the socket
+and dropped, and answered LeaseExpired. A HOLD pins blocks held here under a
 lease of kind :data:`REPLICA_LEASE` on behalf of another node's pin (the
 copies it made of a pinned prefix, see :mod:`kvstore.cluster.pin_copies`);
 the hold is bound to the caller's principal, not to its connection, so the
@@ -65,7 +70,7 @@ from kvstore.auth import READ, WRITE, Authority
 from kvstore.auth.identity import Caller, Identity
 from kvstore.block import BlockKey, validate_namespace
 from kvstore.errors import (
-    DeadlineExceeded, InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError, UnknownNamespace,
+    DeadlineExceeded, InvalidArgument, LeaseExpired, LeaseOwnedElsewhere, Overloaded, StrataError, UnknownNamespace,
 )
 from kvstore.metrics import StoreMetrics
 from kvstore.peer import wire
@@ -100,6 +105,18 @@ def _list(value, what: str) -> list:
     if not isinstance(value, list):
         raise InvalidArgument(f"malformed peer request: {what} is not a list")
     return value
+
+
+def _put_block(value) -> tuple[bytes, int, int, bytes | None, str]:
+    """A PUT's ``[key, size, checksum, parent, layout]``, each field of the type the store takes."""
+    key, size, sum_, parent, layout = _fields(value, 5, "Put block")
+    if not isinstance(key, bytes):
+        raise InvalidArgument("malformed peer Put block: the key is not bytes")
+    if parent is not None and not isinstance(parent, bytes):
+        raise InvalidArgument("malformed peer Put block: the parent key is neither bytes nor nil")
+    if not isinstance(layout, str):
+        raise InvalidArgument(f"malformed peer Put block: the layout is a {type(layout).__name__}, not a string")
+    return key, _int(size, "size"), _int(sum_, "checksum"), parent or None, layout
 
 
 class _Refused(Exception):
@@ -399,9 +416,7 @@ class PeerServer:
         namespace = self._check(caller.identity, namespace, WRITE)
         blocks = _list(blocks, "blocks")
         self._store.check_batch(blocks)
-        blocks = [_fields(b, 5, "Put block") for b in blocks]
-        for b in blocks:
-            _int(b[1], "size"), _int(b[2], "checksum")
+        blocks = [_put_block(b) for b in blocks]
         total = sum(b[1] for b in blocks)
         if total > self._request_bytes:
             raise InvalidArgument(
@@ -413,7 +428,7 @@ class PeerServer:
         self._budget.take(total)
         try:
             grants = self._store.allocate(
-                namespace, [(key, size, parent or None, layout or "") for key, size, _, parent, layout in blocks],
+                namespace, [(key, size, parent, layout) for key, size, _, parent, layout in blocks],
                 lease_s, deadline, caller.owner,
             )
             try:
@@ -437,23 +452,21 @@ class PeerServer:
         if payload != expect:
             raise InvalidArgument(f"the Data frame carries {payload} bytes; the blocks not present hold {expect}")
         arena = self._store.arena_of(namespace)
+        lapsed: dict[int, LeaseExpired] = {}
         for block, grant in zip(blocks, grants):
             if grant.present:
                 continue
-            if arena.gpu is not None:  # a slot in device memory: received on the host, then copied in
-                buf = memoryview(bytearray(block[1]))
-                link.read_into(buf)
-                arena.gpu.write_extent(grant.offset, buf)
-            else:
-                view = arena.shm.view(grant.offset, block[1])
-                try:
-                    link.read_into(view)
-                finally:
-                    view.release()
+            try:
+                self._receive_block(link, arena, caller, grant, block[1])
+            except LeaseExpired as err:
+                lapsed[grant.slot_id] = err
             self.bytes_received += block[1]
         out = []
         for block, grant in zip(blocks, grants):
             if grant.present:
+                continue
+            if grant.slot_id in lapsed:
+                out.append([None, wire.error_result(lapsed[grant.slot_id])])
                 continue
             try:
                 [(_, stored, tier)] = self._store.commit([(grant.slot_id, block[2])], caller.owner)
@@ -461,6 +474,35 @@ class PeerServer:
             except StrataError as err:
                 out.append([None, wire.error_result(err)])
         return out
+
+    def _receive_block(self, link: wire.Wire, arena, caller: Caller, grant, size: int) -> None:
+        """One block's bytes into its slot, written only while the slot's lease is live.
+
+        The store holds the slot's extent for as long as a write into it lasts
+        (:meth:`~kvstore.store.group.StoreGroup.writing`): a slot whose lease
+        lapsed may already be another block's, so checking the lease and then
+        writing would not do. The lease is checked again before each chunk
+        lands; once it has lapsed, the rest of the block's bytes are read and
+        thrown away (the stream stays in step) and LeaseExpired says to put
+        the block again.
+        """
+        left = link.pending
+        try:
+            if arena.gpu is not None:  # a slot in device memory: received on the host, then copied in
+                buf = memoryview(bytearray(size))
+                link.read_into(buf)
+                with self._store.writing(grant.slot_id, caller.owner):
+                    arena.gpu.write_extent(grant.offset, buf)
+                return
+            with self._store.writing(grant.slot_id, caller.owner) as slot:
+                view = arena.shm.view(grant.offset, size)
+                try:
+                    link.read_into(view, before=slot.check)
+                finally:
+                    view.release()
+        except LeaseExpired:
+            link.skip(size - (left - link.pending))
+            raise
 
     # ---- HOLD / RELEASE ------------------------------------------------------------
 

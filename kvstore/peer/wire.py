@@ -132,7 +132,9 @@ class Wire:
 
     def read_into(self, dst: memoryview, hasher: Checksummer | None = None, before=None) -> None:
         """Take ``len(dst)`` payload bytes into ``dst``, hashing each chunk as it lands;
-        ``before()`` runs before each wait on the socket (a deadline's check).
+        ``before()`` runs before each wait on the socket (a deadline's check, a slot's lease).
+        ``pending`` counts down as the bytes are taken, so after a ``before`` that raised it
+        still says how much of the frame is left (for :meth:`skip`).
 
         Without a hasher or ``before`` there is nothing to do between chunks:
         the bytes are taken in one ``recv_into`` (``MSG_WAITALL``)."""
@@ -146,6 +148,7 @@ class Wire:
             if hasher is not None:
                 hasher.update(dst[:held])
             self._start += held
+            self.pending -= held
             at = held
         step = CHUNK_BYTES if hasher is not None or before is not None else n
         while at < n:
@@ -158,7 +161,7 @@ class Wire:
             if hasher is not None:
                 hasher.update(dst[at : at + got])
             at += got
-        self.pending -= n
+            self.pending -= got
 
     def skip(self, n: int | None = None) -> None:
         """Throw away ``n`` payload bytes (all that is left of the frame when None)."""

@@ -218,6 +218,16 @@ class ShmArena:
     def closed(self) -> bool:
         return self._mmap is None
 
+    def unbacked_bytes(self) -> int:
+        """Bytes of the file its filesystem has not allocated yet: pages no one has written.
+
+        The file is sparse; a first write into one of these pages needs a free page of the
+        tmpfs, and a page fault that finds none is SIGBUS. What else shares the directory (the
+        block table) keeps this much free.
+        """
+        st = os.stat(self._path)
+        return max(0, st.st_size - st.st_blocks * 512)
+
     def view(self, offset: int, length: int) -> memoryview:
         """A writable view of ``[offset, offset + length)`` of the data region. Release it when done."""
         if self._data is None:

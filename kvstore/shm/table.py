@@ -18,11 +18,12 @@ wrote):
   tore, or that was never finished, fails it and is discarded at load;
 - a block's record is written before its put or commit is acknowledged, so
   a record lost that way was never promised to anyone;
-- a record is cleared (its checksum zeroed: one 8-byte write) *before* its
-  extent goes back to the allocator (:meth:`BlockTable.forget`): a restart
-  can never find a record that points at bytes another block reuses. The
-  checksum check at adoption would catch that too; the order makes it
-  impossible, not unlikely;
+- a record is cleared (zeroed from its checksum on, through its last
+  unit's checksum word, in one write: one cut short has zeroed the checksum
+  first) *before* its extent goes back to the allocator
+  (:meth:`BlockTable.forget`): a restart can never find a record that
+  points at bytes another block reuses. The checksum check at adoption
+  would catch that too; the order makes it impossible, not unlikely;
 - a slot's record becomes a block's record by writing the new record first
   and clearing the old one after; a crash between leaves both, and the load
   keeps the block's;
@@ -40,19 +41,58 @@ and write; the table must not be theirs to scribble on, and the arena's
 format as clients see it stays as it was. Why ``pwrite``, not a mapping:
 the file is sparse, and a store through a mapping into a hole of a full
 tmpfs is SIGBUS (the daemon dies) where ``pwrite`` is ENOSPC (that block
-is not recorded, and the daemon says so).
+is refused, and the daemon says so).
 
-Size: the records live in 256-byte units, one unit per arena page — as
-many as the arena can hold blocks — and a record takes as many units as it
-needs (one for keys of a few dozen bytes and a short layout). Units are
-carved by the same best-fit allocator as the arena. The file is sparse, so
-memory goes only to units in use. When the units run out (one-page blocks
-with long keys and layouts), a block is still stored but would not survive
-a crash: :attr:`BlockTable.unrecorded` counts them and the first is logged.
+Size: the records live in 256-byte units, and a record takes as many
+units as it needs (one for keys of a few dozen bytes and a short layout;
+:data:`MAX_RECORD_UNITS` for the longest namespace, key, parent and layout
+the daemon accepts). Units are carved by the same best-fit allocator as the
+arena. A table starts with one unit per arena page, the size every earlier
+version kept, and *grows* (doubling, by ``ftruncate``) when a record finds
+no room, up to :func:`max_table_units`: room for the longest record of
+every page of the arena, twice over, and a little more. Why that bound:
+each record belongs to one arena extent, so at most one per page is live
+(a slot's and its block's record of one extent overlap for a moment); and
+when no free extent of the units fits a record, each of them is shorter than
+it and sits between two live records, so the free units are fewer than the
+live ones plus a record's length. A table of that size therefore always
+has room: whatever one tenant's keys and layouts, every block the arena
+can hold can be recorded, and no tenant's records crowd out another's.
+
+Why grow rather than size the file for the worst case at once: the file is
+sparse, so its length costs no memory, but the load scans it, and a table
+sized for records of 25 units would make every restart scan 25 times the
+units that typical keys use. A growth is crash-safe by construction: the
+new units are zeros (no record), the header is not touched, and the load
+takes the file's length, within those bounds, as the table's size. So a
+table written before tables grew is one that never did, and is read as
+ever; a daemon older than this one refuses a table that grew (by its
+length) and starts empty, saying why. Before
+it grows, the table checks that the shared-memory directory keeps room for
+the arena's pages not yet written: the arena is sparse on the same tmpfs,
+and a page fault into a full tmpfs is SIGBUS, the very crash the table is
+there for. The load reads only the parts of the file that hold data
+(``SEEK_DATA``) with ``pread``: a read through a mapping would allocate a
+tmpfs page for every hole it touches.
+
+A block that cannot be recorded — the tmpfs is full, the table failed, or a
+record longer than any the daemon's limits allow — is *refused*, never
+stored unrecorded: :meth:`BlockTable.record_block` raises TierFull (with a
+retry delay: RESOURCE_EXHAUSTED) or TierUnavailable (the table failed:
+UNAVAILABLE), and the tier gives the extent back. Why refuse rather than
+store it and say so: a daemon run crash-safe promises that an acknowledged
+put survives a SIGKILL; a block kept without a record breaks that promise
+silently, and only at the next crash, in whichever tenant's blocks came
+last. A KV cache's client already handles a refused put (the value is not
+cached; it recomputes, or retries after the delay), while the put's answer
+has no field that could say "stored, but not crash-safe", and a client
+would have nothing to do with it. :attr:`BlockTable.refused` counts the
+refusals (``strata_ram_unrecorded_blocks_total``) and the first is logged.
 
 Not thread-safe: the tier calls it under its own lock.
 
-Errors, beyond :mod:`kvstore.errors`::
+Errors, beyond :mod:`kvstore.errors` (whose TierFull and TierUnavailable a
+record that cannot be written raises)::
 
     StrataError
     └── TableMismatch    the table file is not this arena's (format, arena id, size)
@@ -60,17 +100,24 @@ Errors, beyond :mod:`kvstore.errors`::
 
 from __future__ import annotations
 
+import errno
 import logging
-import mmap
 import os
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import xxhash
 
-from kvstore.block import BlockKey, BlockMeta
-from kvstore.errors import StrataError
+from kvstore.block import (
+    MAX_KEY_BYTES,
+    MAX_LAYOUT_CHARS,
+    MAX_NAMESPACE_CHARS,
+    BlockKey,
+    BlockMeta,
+)
+from kvstore.errors import StrataError, TierFull, TierUnavailable
 from kvstore.tiers.allocator import ExtentAllocator
 
 log = logging.getLogger(__name__)
@@ -87,6 +134,12 @@ _BODY = struct.Struct("<BxHHHHxxQQQQq")  # kind, lengths (ns, key, parent, layou
 _NO_PARENT = 0xFFFF
 _ZERO = bytes(8)
 BLOCK, SLOT = 1, 2
+# The longest record the daemon's limits allow: namespaces are ASCII, a layout's characters take
+# up to 4 bytes of UTF-8, the parent is a key.
+MAX_RECORD_BYTES = _HEAD.size + _BODY.size + MAX_NAMESPACE_CHARS + 2 * MAX_KEY_BYTES + 4 * MAX_LAYOUT_CHARS
+MAX_RECORD_UNITS = -(-MAX_RECORD_BYTES // UNIT_BYTES)
+_READ_BYTES = 4 << 20  # the load reads the file in pieces of this size
+_RETRY_S = 1.0  # a full tmpfs does not empty itself in a moment
 
 
 class TableMismatch(StrataError):
@@ -116,28 +169,56 @@ class Loaded:
 
 
 def table_units(data_size: int, page: int) -> int:
+    """Units a new table starts with (and its header names): one per arena page."""
     return max(64, data_size // page)
 
 
-class BlockTable:
-    """See the module docstring. Build with :meth:`create` or :meth:`open`."""
+def max_table_units(data_size: int, page: int) -> int:
+    """Units a table may grow to: always room for a record of every arena page (module docstring)."""
+    return max(table_units(data_size, page), (2 * (data_size // page) + 3) * MAX_RECORD_UNITS)
 
-    def __init__(self, path: str, fd: int, units: int, secret: int) -> None:
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+class BlockTable:
+    """See the module docstring. Build with :meth:`create` or :meth:`open`.
+
+    ``keep_free`` says how many bytes of the table's filesystem others still
+    need (the arena's pages not yet written); the table grows only while it
+    leaves them free.
+    """
+
+    def __init__(self, path: str, fd: int, units: int, max_units: int, secret: int,
+                 keep_free: Callable[[], int] | None = None) -> None:
         self._path = path
         self._fd: int | None = fd
         self._secret = secret
-        self._units = ExtentAllocator(units * UNIT_BYTES, page=UNIT_BYTES)
+        self._file_units = units
+        self._keep_free = keep_free or (lambda: 0)
+        # The allocator spans the largest table; each growth step beyond the file's end is held as
+        # one allocated extent, freed (and so merged into the free space) when the file grows over it.
+        self._units = ExtentAllocator(max_units * UNIT_BYTES, page=UNIT_BYTES)
+        self._growth: list[tuple[int, int]] = []  # (start, bytes) of the steps still to come, in order
+        at = units
+        while at < max_units:
+            end = min(max_units, 2 * at)
+            self._growth.append((at * UNIT_BYTES, (end - at) * UNIT_BYTES))
+            at = end
         # Cleared one-unit positions kept for the next one-unit record: most records are one
         # unit, and a list pop is a fraction of a best-fit allocation on the put path.
         self._spare: list[int] = []
         self._at: dict[int, int] = {}  # arena offset -> record position in the units
         self._seq = 0
-        self.unrecorded = 0  # blocks stored without a record (no room, or the table failed)
+        self.refused = 0  # blocks refused because they could not be recorded
 
     # ---- lifecycle -----------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str, arena_id: bytes, data_size: int, page: int) -> BlockTable:
+    def create(cls, path: str, arena_id: bytes, data_size: int, page: int,
+               keep_free: Callable[[], int] | None = None) -> BlockTable:
         """A new, empty table for the arena ``arena_id`` (replacing any file at ``path``)."""
         remove(path)
         units = table_units(data_size, page)
@@ -150,15 +231,20 @@ class BlockTable:
             os.close(fd)
             remove(path)
             raise
-        return cls(path, fd, units, secret)
+        table = cls(path, fd, units, max_table_units(data_size, page), secret, keep_free)
+        table._claim([])
+        return table
 
     @classmethod
-    def open(cls, path: str, arena_id: bytes, data_size: int, page: int) -> tuple[BlockTable, Loaded]:
+    def open(cls, path: str, arena_id: bytes, data_size: int, page: int,
+             keep_free: Callable[[], int] | None = None) -> tuple[BlockTable, Loaded]:
         """The table a previous run left, and its valid records.
 
         Raises FileNotFoundError when there is none, TableMismatch when it is
         not this arena's or has another format. Torn records are counted
-        and cleared; of two records of one extent the block's wins.
+        and cleared; of two records of one extent the block's wins. A table
+        that grew is as long as it grew (its header keeps the size it started
+        with); one written before tables grew is simply one that never did.
         """
         fd = os.open(path, os.O_RDWR)
         try:
@@ -175,9 +261,14 @@ class BlockTable:
                 )
             if file_arena != arena_id or file_size != data_size or units != table_units(data_size, page):
                 raise TableMismatch(f"{path} was written for another arena (arena id or size differ)")
-            if st.st_size != HEADER_BYTES + units * UNIT_BYTES:
-                raise TableMismatch(f"{path} is {st.st_size} bytes; its header says {HEADER_BYTES + units * UNIT_BYTES}")
-            table = cls(path, fd, units, secret)
+            most = max_table_units(data_size, page)
+            grown, rest = divmod(st.st_size - HEADER_BYTES, UNIT_BYTES)
+            if rest or not units <= grown <= most:
+                raise TableMismatch(
+                    f"{path} is {st.st_size} bytes; a table of this arena is {HEADER_BYTES} bytes of header and "
+                    f"{units} to {most} units of {UNIT_BYTES} bytes"
+                )
+            table = cls(path, fd, grown, most, secret, keep_free)
             loaded = table._load()
         except BaseException:
             os.close(fd)
@@ -192,6 +283,11 @@ class BlockTable:
     def broken(self) -> bool:
         return self._fd is None
 
+    @property
+    def units(self) -> int:
+        """Units the file holds now (it grows; it never shrinks)."""
+        return self._file_units
+
     def close(self, unlink: bool = False) -> None:
         """Close the file; ``unlink`` also removes it. Safe to call twice."""
         if unlink:
@@ -202,25 +298,33 @@ class BlockTable:
 
     # ---- records -------------------------------------------------------------
 
-    def record_block(self, offset: int, key: BlockKey, meta: BlockMeta) -> bool:
-        """Record a committed block at ``offset``; False when it could not be (no room, a failed write)."""
+    def record_block(self, offset: int, key: BlockKey, meta: BlockMeta) -> None:
+        """Record a committed block at ``offset``.
+
+        Raises TierFull (the tmpfs has no room for the record) or
+        TierUnavailable (the table failed): the block must then not be
+        stored, as it would not survive a crash.
+        """
         ns, layout, parent = key.namespace.encode(), meta.layout.encode(), meta.parent
         lengths = (len(ns), len(key.key), _NO_PARENT if parent is None else len(parent), len(layout))
         tail = ns + key.key + (parent or b"") + layout
-        if self._write(BLOCK, lengths, offset, meta.size, meta.checksum, 0, tail):
-            return True
-        self.unrecorded += 1
-        if self.unrecorded == 1:
-            log.warning(
-                "the RAM tier's block table could not record block %s (no room left, or the table failed): it is "
-                "stored but would not survive a daemon crash (further ones are counted in "
-                "strata_ram_unrecorded_blocks_total)", key,
-            )
-        return False
+        try:
+            self._write(BLOCK, lengths, offset, meta.size, meta.checksum, 0, tail)
+        except (TierFull, TierUnavailable) as err:
+            self.refused += 1
+            if self.refused == 1:
+                log.warning(
+                    "refused block %s: the RAM tier's block table could not record it (%s); further refusals "
+                    "are counted in strata_ram_unrecorded_blocks_total", key, err,
+                )
+            raise
 
-    def record_slot(self, offset: int, size: int, until: float) -> bool:
-        """Record that a writer outside the daemon may write ``size`` bytes at ``offset`` until ``until`` (unix s)."""
-        return self._write(SLOT, (0, 0, _NO_PARENT, 0), offset, size, 0, int(until * 1000) + 1, b"")
+    def record_slot(self, offset: int, size: int, until: float) -> None:
+        """Record that a writer outside the daemon may write ``size`` bytes at ``offset`` until ``until`` (unix s).
+
+        Raises as :meth:`record_block` does: a slot that is not recorded must not be lent.
+        """
+        self._write(SLOT, (0, 0, _NO_PARENT, 0), offset, size, 0, int(until * 1000) + 1, b"")
 
     def forget(self, offset: int) -> None:
         """Clear the record of the extent at ``offset``, if any. Call it before the extent is reused."""
@@ -228,7 +332,7 @@ class BlockTable:
         if pos is None or self._fd is None:
             return
         try:
-            os.pwrite(self._fd, _ZERO, HEADER_BYTES + pos + 8)
+            self._clear(pos, self._units.size_of(pos))
         except OSError as err:
             self._fail(err)
             return
@@ -250,34 +354,51 @@ class BlockTable:
 
     # ---- internals -------------------------------------------------------------
 
-    def _write(self, kind: int, lengths: tuple, offset: int, size: int, sum_: int, until_ms: int, tail: bytes) -> bool:
+    def _write(self, kind: int, lengths: tuple, offset: int, size: int, sum_: int, until_ms: int, tail: bytes) -> None:
         """Write one record whole, then point ``offset`` at it (clearing the record it replaces)."""
         if self._fd is None:
-            return False
+            raise TierUnavailable(
+                f"the RAM tier's block table {self._path} failed earlier and was removed: nothing more can be made "
+                "crash-safe until the daemon restarts (or run it with --no-ram-crash-safe)"
+            )
         self._seq += 1
         body = _BODY.pack(kind, *lengths, self._seq, offset, size, sum_, until_ms) + tail
-        pos = self._take(_HEAD.size + len(body))
-        if pos is None:
-            return False
         record = _HEAD.pack(self._seq, self._sum(_LENGTH.pack(len(body)) + body), len(body)) + body
+        pos = self._take(len(record))
         try:
-            os.pwrite(self._fd, record, HEADER_BYTES + pos)
+            written = os.pwrite(self._fd, record, HEADER_BYTES + pos)
         except OSError as err:
             self._give(pos)
-            log.warning("could not write to the RAM tier's block table %s: %s", self._path, err)
-            return False
+            raise self._write_error(err) from err
+        if written != len(record):  # cut short (a full tmpfs): its checksum fails at load, but clear what landed
+            try:
+                os.pwrite(self._fd, bytes(max(0, written - 8)), HEADER_BYTES + pos + 8)
+            except OSError:
+                pass  # then it stays as a torn record would: the load discards it
+            self._give(pos)
+            raise self._write_error(OSError(errno.ENOSPC, f"wrote {written} of the record's {len(record)} bytes"))
         old = self._at.get(offset)
         self._at[offset] = pos
         if old is not None:  # a slot's record, now the block's: the new one is whole, so clear the old
             try:
-                os.pwrite(self._fd, _ZERO, HEADER_BYTES + old + 8)
+                self._clear(old, self._units.size_of(old))
             except OSError as err:
                 self._fail(err)
-                return False
+                raise TierUnavailable(f"the RAM tier's block table {self._path} failed ({err}) and was removed") from err
             self._give(old)
-        return True
 
-    def _take(self, nbytes: int) -> int | None:
+    def _write_error(self, err: OSError) -> TierFull | TierUnavailable:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return TierFull(
+                f"the shared-memory directory of the RAM tier's block table {self._path} is full ({err.strerror or err}): "
+                "the block was not stored; retry later, or give the directory more room (docker --shm-size, a larger "
+                "emptyDir) or lower --ram-bytes", retry_after_s=_RETRY_S,
+            )
+        log.warning("could not write to the RAM tier's block table %s: %s", self._path, err)
+        return TierUnavailable(f"could not write to the RAM tier's block table {self._path}: {err}")
+
+    def _take(self, nbytes: int) -> int:
+        """A position for a record of ``nbytes``, growing the file when none is free; raises TierFull."""
         if nbytes <= UNIT_BYTES and self._spare:
             return self._spare.pop()
         pos = self._units.allocate(nbytes)
@@ -286,7 +407,52 @@ class BlockTable:
                 self._units.free(spare)
             self._spare.clear()
             pos = self._units.allocate(nbytes)
+        while pos is None:
+            self._grow(nbytes)
+            pos = self._units.allocate(nbytes)
         return pos
+
+    def _grow(self, nbytes: int) -> None:
+        """Extend the file by its next growth step; raises TierFull when it may not."""
+        if not self._growth:  # unreachable for records within the daemon's limits (module docstring)
+            raise TierFull(
+                f"the RAM tier's block table {self._path} is at its largest ({self._file_units} units) and has no "
+                f"room for a record of {nbytes} bytes (at most {MAX_RECORD_BYTES} within the daemon's limits)",
+                retry_after_s=_RETRY_S,
+            )
+        assert self._fd is not None
+        start, step = self._growth[0]
+        directory = os.path.dirname(self._path) or "."
+        try:
+            free, others = _free_bytes(directory), self._keep_free()
+        except OSError as err:
+            raise self._write_error(err) from err
+        if free - others < step:
+            raise TierFull(
+                f"the RAM tier's block table {self._path} needs {step} more bytes of {directory} for its records, "
+                f"which has {free} free, {others} of them kept for the arena's pages not yet written: the block was "
+                "not stored; give the directory more room (docker --shm-size, a larger emptyDir) or lower --ram-bytes",
+                retry_after_s=_RETRY_S,
+            )
+        try:
+            os.ftruncate(self._fd, HEADER_BYTES + start + step)
+        except OSError as err:
+            raise self._write_error(err) from err
+        self._growth.pop(0)
+        self._units.free(start)
+        self._file_units = (start + step) // UNIT_BYTES
+        log.info("the RAM tier's block table %s grew to %d units of %d bytes (long keys or layouts)",
+                 self._path, self._file_units, UNIT_BYTES)
+
+    def _clear(self, pos: int, nbytes: int) -> None:
+        """Clear the record in the ``nbytes`` of units at ``pos``: its checksum first, in one write.
+
+        Through the checksum word of its last unit, so no part of its body is left where the load
+        looks for a record (a later, shorter record there would leave it to be counted as torn);
+        not past it, so the write finds every page it touches already there (a full tmpfs cannot
+        refuse it).
+        """
+        os.pwrite(self._fd, bytes(nbytes - UNIT_BYTES + 8), HEADER_BYTES + pos + 8)
 
     def _give(self, pos: int) -> None:
         if self._units.size_of(pos) == UNIT_BYTES:
@@ -294,55 +460,81 @@ class BlockTable:
         else:
             self._units.free(pos)
 
+    def _claim(self, records: list[tuple[int, int]]) -> list[bool]:
+        """Take the records' ``(position, bytes)`` and the growth steps beyond the file's end, once."""
+        return self._units.claim_all(records + self._growth)[: len(records)]
+
     def _sum(self, data: bytes) -> int:
         return xxhash.xxh3_64_intdigest(data, seed=self._secret) or 1  # 0 means "no record"
 
     def _fail(self, err: OSError) -> None:
         """A write to the table failed: remove it, so no restart trusts records that may be stale."""
         log.error(
-            "the RAM tier's block table %s failed (%s): removed it; RAM blocks will not survive a crash "
-            "until the daemon restarts", self._path, err,
+            "the RAM tier's block table %s failed (%s): removed it; the RAM tier refuses new blocks until the "
+            "daemon restarts, and its blocks will not survive a crash", self._path, err,
         )
         self.close(unlink=True)
         self._at.clear()
 
+    def _data(self) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of the record area that hold data; holes read as zeros (no record)."""
+        assert self._fd is not None
+        end = HEADER_BYTES + self._file_units * UNIT_BYTES
+        ranges, at = [], HEADER_BYTES
+        try:
+            while at < end:
+                try:
+                    start = os.lseek(self._fd, at, os.SEEK_DATA)
+                except OSError as err:
+                    if err.errno == errno.ENXIO:  # no data past ``at``
+                        break
+                    raise
+                stop = min(end, os.lseek(self._fd, start, os.SEEK_HOLE))
+                if start >= end:
+                    break
+                ranges.append((max(start, HEADER_BYTES) - HEADER_BYTES, stop - HEADER_BYTES))
+                at = stop
+        except OSError as err:  # a filesystem without SEEK_DATA: read it all
+            if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            ranges = [(0, end - HEADER_BYTES)]
+        return [(start // UNIT_BYTES * UNIT_BYTES, stop) for start, stop in ranges if stop > start]
+
     def _load(self) -> Loaded:
         loaded = Loaded()
-        units = self._units.capacity_bytes // UNIT_BYTES
         best: dict[int, tuple] = {}  # arena offset -> (rank, pos, total, record): a block's beats a slot's, then the later
-        dropped: list[int] = []  # positions to clear: torn records, and records another of their extent supersedes
-        with mmap.mmap(self._fd, HEADER_BYTES + units * UNIT_BYTES, prot=mmap.PROT_READ) as mapping:
-            records = memoryview(mapping)[HEADER_BYTES:]
-            sums = records.cast("Q")[1 :: UNIT_BYTES // 8]
-            try:
-                skip = 0
+        dropped: list[tuple[int, int]] = []  # (position, bytes) to clear: torn records (their first unit), and
+        # records another of their extent supersedes
+        skip = 0  # the first position past the last record accepted: positions before it are inside it
+        for start, stop in self._data():
+            for piece in range(max(start, skip), stop, _READ_BYTES):
+                length = min(_READ_BYTES, stop - piece)  # whole units; the rest finishes a record that starts here
+                buf = os.pread(self._fd, length + MAX_RECORD_BYTES, HEADER_BYTES + piece)
+                sums = memoryview(buf)[: min(length, len(buf)) // 8 * 8].cast("Q")[1 :: UNIT_BYTES // 8]
                 for unit, value in enumerate(sums):
-                    if not value or unit < skip:
+                    pos = piece + unit * UNIT_BYTES
+                    if not value or pos < skip:
                         continue
-                    pos = unit * UNIT_BYTES
-                    parsed = self._parse(records, pos)
+                    parsed = self._parse(buf, pos - piece, pos)
                     if parsed is None:
                         loaded.torn += 1
-                        dropped.append(pos)
+                        dropped.append((pos, UNIT_BYTES))
                         continue
                     kind, seq, record, total = parsed
-                    skip = unit + -(-total // UNIT_BYTES)
+                    skip = pos + _units_of(total)
                     self._seq = max(self._seq, seq, getattr(record, "stamp", 0))
                     rank = (kind == BLOCK, seq)
                     other = best.get(record.offset)
                     if other is not None and other[0] > rank:
-                        dropped.append(pos)
+                        dropped.append((pos, _units_of(total)))
                         continue
                     if other is not None:
-                        dropped.append(other[1])
+                        dropped.append((other[1], _units_of(other[2])))
                     best[record.offset] = (rank, pos, total, record)
-            finally:
-                sums.release()
-                records.release()
-        for pos in dropped:
-            os.pwrite(self._fd, _ZERO, HEADER_BYTES + pos + 8)
+        for pos, nbytes in dropped:
+            self._clear(pos, nbytes)
         kept = list(best.values())
-        for (_, pos, _, record), ok in zip(kept, self._units.claim_all([(pos, total) for _, pos, total, _ in kept])):
+        for (_, pos, _, record), ok in zip(kept, self._claim([(pos, total) for _, pos, total, _ in kept])):
             if not ok:  # cannot happen: a forward scan skips the units of every record it accepted
                 os.pwrite(self._fd, _ZERO, HEADER_BYTES + pos + 8)
                 continue
@@ -350,16 +542,19 @@ class BlockTable:
             (loaded.blocks if isinstance(record, BlockRecord) else loaded.slots).append(record)
         return loaded
 
-    def _parse(self, records: memoryview, pos: int):
-        """(kind, seq, record, total bytes) of a valid record at ``pos``, or None."""
-        end = len(records)
-        if pos + _HEAD.size + _BODY.size > end:
+    def _parse(self, buf: bytes, at: int, pos: int):
+        """(kind, seq, record, total bytes) of a valid record at ``pos`` (``buf[at:]``), or None."""
+        end = self._file_units * UNIT_BYTES
+        if pos + _HEAD.size + _BODY.size > end or at + _HEAD.size > len(buf):
             return None
-        stamp, stored, length = _HEAD.unpack_from(records, pos)
+        stamp, stored, length = _HEAD.unpack_from(buf, at)
         total = _HEAD.size + length
         if length < _BODY.size or pos + total > end:
             return None
-        body = bytes(records[pos + _HEAD.size : pos + total])
+        if at + total <= len(buf):
+            body = buf[at + _HEAD.size : at + total]
+        else:  # longer than any record within the daemon's limits: read it on its own
+            body = os.pread(self._fd, length, HEADER_BYTES + pos + _HEAD.size)
         if self._sum(_LENGTH.pack(length) + body) != stored:
             return None
         kind, ns_len, key_len, parent_len, layout_len, seq, offset, size, sum_, until_ms = _BODY.unpack_from(body)
@@ -382,6 +577,11 @@ class BlockTable:
         except UnicodeDecodeError:
             return None
         return kind, seq, BlockRecord(offset, BlockKey(ns, key), BlockMeta(size, sum_, parent, layout), stamp), total
+
+
+def _units_of(nbytes: int) -> int:
+    """Bytes of the whole units a record of ``nbytes`` takes."""
+    return -(-nbytes // UNIT_BYTES) * UNIT_BYTES
 
 
 def remove(path: str) -> None:

@@ -17,7 +17,9 @@ class BlockChecks:
         self._limits = limits
 
     def check_block(self, key: BlockKey, meta: BlockMeta) -> None:
-        """Every limit of a block, at the boundary: nothing past here fails for a field's size."""
+        """Every limit of a block, at the boundary: nothing past here fails for a field's size or type."""
+        if not isinstance(meta.layout, str):
+            raise InvalidArgument(f"block {key} has a layout of type {type(meta.layout).__name__}: it must be a string")
         if len(meta.layout) > MAX_LAYOUT_CHARS:
             raise InvalidArgument(
                 f"block {key} has a layout of {len(meta.layout)} characters; the limit is {MAX_LAYOUT_CHARS}: "

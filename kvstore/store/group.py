@@ -35,6 +35,7 @@ import copy
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName, validate_namespace
@@ -44,7 +45,7 @@ from kvstore.shm.arena import ShmArena
 from kvstore.store.leases import MAX_ID_TAG, Lease, LeaseKind, tag_of
 from kvstore.store.namespace_rules import EVERYTHING_ELSE, NamespaceRules
 from kvstore.store.holds import Located
-from kvstore.store.tiered import Listed, SlotGrant, StoreStats, TieredStore
+from kvstore.store.tiered import Listed, SlotGrant, SlotWrite, StoreStats, TieredStore
 from kvstore.tiers.base import TierStats
 
 MAX_ARENAS = MAX_ID_TAG + 1
@@ -212,6 +213,13 @@ class StoreGroup:
             )
         [store] = by_store or [self._by_name[self._member or self.default.name].store]  # none: the store says why
         return store.commit(items, owner)
+
+    def writing(self, slot_id: int, owner: str = "") -> AbstractContextManager[SlotWrite]:
+        """The daemon's own write into a slot, in the store that issued it (see :meth:`TieredStore.writing`)."""
+        store = self._by_id(slot_id)
+        if store is None:
+            raise UnknownLease(f"no slot lease {slot_id}: it was never issued by this daemon (it may have restarted)")
+        return store.writing(slot_id, owner)
 
     def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
         slot_ids = list(slot_ids)

@@ -74,6 +74,22 @@ class Lease:
     block: BlockKey | None = None
     offset: int = 0
     meta: BlockMeta | None = None
+    # SLOT only: writes the daemon itself is making into the extent (a peer's PUT receiving
+    # into it). While one is in progress the extent is not freed, even when the lease ends;
+    # ``ended`` then says it did, and the last writer frees the extent (kvstore.store.slots).
+    writing: int = 0
+    ended: bool = False
+
+
+def _expired(kind: LeaseKind, lease_id: int) -> LeaseExpired:
+    if kind == LeaseKind.SLOT:
+        return LeaseExpired(
+            f"slot lease {lease_id} expired before it was committed: nothing was stored; "
+            "put the block again (finish sooner, or ask for a longer lease_ms)"
+        )
+    return LeaseExpired(
+        f"{kind.value} lease {lease_id} expired before it was used: ask for a longer lease_ms or finish sooner"
+    )
 
 
 def _never_issued(kind: LeaseKind, lease_id: int) -> UnknownLease:
@@ -139,10 +155,7 @@ class LeaseTable:
         if lease is None or lease.kind != kind:
             ended = self._ended.get(lease_id)
             if ended == "expired":
-                raise LeaseExpired(
-                    f"{kind.value} lease {lease_id} expired before it was used: "
-                    "ask for a longer lease_ms or finish sooner"
-                )
+                raise _expired(kind, lease_id)
             if ended == "taken" and kind == LeaseKind.SLOT:
                 raise SlotAlreadyCommitted(f"slot {lease_id} was already committed or aborted: allocate a new slot")
             if ended == "taken":
@@ -150,12 +163,18 @@ class LeaseTable:
             raise _never_issued(kind, lease_id)
         if lease.deadline <= now:
             # Let the caller treat it as expired; expire() does the reclaiming.
-            raise LeaseExpired(
-                f"{kind.value} lease {lease_id} expired before it was used: "
-                "ask for a longer lease_ms or finish sooner"
-            )
+            raise _expired(kind, lease_id)
         del self._leases[lease_id]
         self._remember(lease_id, "taken")
+        return lease
+
+    def live(self, lease_id: int, kind: LeaseKind, now: float, owner: str = "") -> Lease:
+        """A live lease, left in the table; raise as :meth:`take` does when it ended, never
+        existed or is another's."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind != kind or lease.deadline <= now or (lease.owner and owner != lease.owner):
+            self.take(lease_id, kind, now, owner)  # raises the reason
+            raise AssertionError("unreachable")  # pragma: no cover
         return lease
 
     def extend(self, lease_id: int, kind: LeaseKind, deadline: float, now: float) -> Lease:

@@ -24,12 +24,16 @@ writer waits on, until its deadline, as before.
 
 from __future__ import annotations
 
+import logging
+
 from kvstore.block import BlockKey, BlockMeta, TierName
-from kvstore.errors import TierFull
+from kvstore.errors import TierFull, TierUnavailable
 from kvstore.store.demotion import Demoter
 from kvstore.store.entries import Entry
 from kvstore.store.eviction import plan_eviction
 from kvstore.store.state import StorePart, StoreState
+
+log = logging.getLogger(__name__)
 
 WAIT_S = 0.05  # one wait for copies in flight (real time): the condition wakes it sooner when one ends
 MAX_FRUITLESS_ROUNDS = 3  # waits in a row whose copies all ended without landing below
@@ -154,7 +158,12 @@ class HeadPlacement(StorePart):
                 self._head.unreserve(offset)
                 self._cond.notify_all()
                 return entry is not None and head in entry.tiers
-            self._head.commit(key, offset, meta, verify=False)
+            try:
+                self._head.commit(key, offset, meta, verify=False)
+            except (TierFull, TierUnavailable) as err:  # the head could not keep it (it freed the extent)
+                self._cond.notify_all()
+                log.debug("block %s stays in the %s tier, not promoted: %s", key, source.label, err)
+                return False
             entry.tiers.add(head)
             self._recency.add(head, key)
             self._s.moved_locked(key, entry, source, head)

@@ -9,15 +9,27 @@ reclaimed by the store's lease expiry, so a client that dies mid-write
 leaks nothing. Each slot is *lent* to its writer (``MappableTier.lend``):
 a head that survives a daemon crash keeps a lent extent from reuse after a
 restart for as long as the writer of the previous run may still write it.
+
+When the daemon writes a slot itself (a peer's PUT receives its bytes
+straight into the slots it reserved), it writes only inside ``writing``:
+that checks the slot's lease is live and owned by the caller, and keeps the
+extent from being freed until the write ends, even if the lease lapses
+meanwhile (the reaper then only marks it ended, and the write's end frees
+it). Checking the lease and then writing without that hold would leave the
+gap this closes: a slot reaped between the two is another tenant's block by
+the time the bytes land. The writer calls :meth:`SlotWrite.check` between
+steps, so a lapsed lease stops it after the step in progress, and the hold
+never outlasts the lease by more than one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName, validate_key
-from kvstore.errors import CorruptBlock, InvalidArgument, LeaseError
+from kvstore.errors import CorruptBlock, InvalidArgument, LeaseError, LeaseExpired
 from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.placement import HeadPlacement
 from kvstore.store.state import StorePart, StoreState
@@ -36,6 +48,31 @@ class SlotGrant:
 # it from reuse after a restart): the client is told a deadline computed a moment
 # after allocate returns, and may be mid-copy at it.
 LEND_MARGIN_S = 2.0
+
+
+def _lapsed(slot_id: int) -> LeaseExpired:
+    return LeaseExpired(
+        f"slot {slot_id}'s lease expired before its bytes were written: nothing was stored and no byte "
+        "went into the slot; put the block again (sooner, or with a longer timeout)"
+    )
+
+
+class SlotWrite:
+    """The daemon's own write into one live slot (see the module docstring): where it is, and
+    :meth:`check`, which the writer calls before each step."""
+
+    __slots__ = ("_clock", "_lease", "offset", "size", "slot_id")
+
+    def __init__(self, lease: Lease, clock: Callable[[], float]) -> None:
+        self.slot_id, self.offset, self.size = lease.id, lease.offset, lease.meta.size
+        self._lease = lease
+        self._clock = clock
+
+    def check(self) -> None:
+        """Raise LeaseExpired once the slot's lease has lapsed (reaped or not): write no more.
+        No lock: the extent is held while the write lasts, this only says when to stop."""
+        if self._lease.ended or self._lease.deadline <= self._clock():
+            raise _lapsed(self.slot_id)
 
 
 class SlotProtocol(StorePart):
@@ -90,6 +127,27 @@ class SlotProtocol(StorePart):
             raise
         return grants
 
+    @contextmanager
+    def writing(self, slot_id: int, owner: str = "") -> Iterator[SlotWrite]:
+        """``with`` it around the daemon's own write into a slot: LeaseExpired (or the reason the
+        slot cannot be written: unknown, committed, another's) when its lease is not live; while
+        the block runs, the extent is not freed, whatever happens to the lease."""
+        with self._cond:
+            self._s.expire_locked()
+            try:
+                lease = self._s.leases.live(slot_id, LeaseKind.SLOT, self._clock(), owner)
+            except LeaseExpired:
+                raise _lapsed(slot_id) from None
+            lease.writing += 1
+        try:
+            yield SlotWrite(lease, self._clock)
+        finally:
+            with self._s.locked():
+                lease.writing -= 1
+                if lease.ended and not lease.writing:  # it ended while written: given back only now
+                    self._head.unreserve(lease.offset)
+                    self._cond.notify_all()
+
     def commit(self, items: list[tuple[int, int | None]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
         """Turn written slots into blocks; ``items`` holds (slot_id, the writer's checksum).
 
@@ -98,7 +156,9 @@ class SlotProtocol(StorePart):
         someone else, would otherwise be stored as a valid block.
         All or nothing: every slot must be live, else nothing is committed
         and the live slots stay open. A mismatch frees every slot of the
-        request and raises CorruptBlock.
+        request and raises CorruptBlock. A block the head refuses to keep
+        (a crash-safe RAM tier that cannot record it) ends the commit with
+        its error: the slots after it are given back, not committed.
         """
         self._s.checks.check_batch(items)
         if any(declared is None for _, declared in items):
@@ -113,7 +173,11 @@ class SlotProtocol(StorePart):
             try:
                 for slot_id, _ in items:
                     taken.append(self._s.leases.take(slot_id, LeaseKind.SLOT, now, owner))
-            except LeaseError:
+                    if taken[-1].writing:
+                        raise InvalidArgument(
+                            f"slot {slot_id} is still being written: commit it once its bytes are in"
+                        )
+            except (LeaseError, InvalidArgument):
                 for lease in taken:  # put them back untouched
                     self._s.leases.restore(lease)
                 raise
@@ -134,10 +198,20 @@ class SlotProtocol(StorePart):
                 f"{len(bad)} slot(s) hold bytes that do not match their checksum (first: {bad[0]}); "
                 "nothing was committed: write the blocks again"
             )
-        done = [(lease.block, *self._place.adopt(lease.block, lease.offset, meta, verify=False)) for lease, meta in zip(taken, metas)]
-        with self._s.locked():
-            for lease in taken:
-                self._s.end_pins_locked(lease)
+        done: list[tuple[BlockKey, bool, TierName]] = []
+        try:
+            for lease, meta in zip(taken, metas):
+                done.append((lease.block, *self._place.adopt(lease.block, lease.offset, meta, verify=False)))
+        except BaseException:  # the head refused one (it gave that extent back): the rest are not committed
+            with self._s.locked():
+                for lease in taken[len(done) + 1 :]:
+                    self._head.unreserve(lease.offset)
+                self._cond.notify_all()
+            raise
+        finally:
+            with self._s.locked():
+                for lease in taken:
+                    self._s.end_pins_locked(lease)
         return done
 
     def abort(self, slot_ids: Iterable[int], owner: str = "") -> None:
@@ -150,6 +224,6 @@ class SlotProtocol(StorePart):
                     lease = self._s.leases.take(slot_id, LeaseKind.SLOT, now, owner)
                 except LeaseError:
                     continue  # expired or unknown: already given back
-                self._head.unreserve(lease.offset)
+                self._s.free_slot_locked(lease)
                 self._s.end_pins_locked(lease)
             self._cond.notify_all()

@@ -226,10 +226,19 @@ class StoreState:
         for lease in expired:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
             if lease.kind == LeaseKind.SLOT:
-                self.head.unreserve(lease.offset)
+                self.free_slot_locked(lease)
             self.end_pins_locked(lease)
         if expired:
             self.cond.notify_all()
+
+    def free_slot_locked(self, lease: Lease) -> None:
+        """Give back the extent of a slot that ended uncommitted (expired or aborted), unless the
+        daemon is writing into it right now: then the last of those writes gives it back when it
+        ends (:meth:`~kvstore.store.slots.SlotProtocol.writing`). Freed at once, the extent could
+        be another block's before those bytes stop landing."""
+        lease.ended = True
+        if not lease.writing:
+            self.head.unreserve(lease.offset)
 
     def pin_parent_locked(self, key: BlockKey, meta: BlockMeta) -> list[BlockKey]:
         """Pin the parent of a block being written, so eviction cannot take it meanwhile."""

@@ -58,6 +58,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from kvstore.block import (
@@ -80,7 +81,7 @@ from kvstore.store.reads import ChainReader
 from kvstore.store.recovery import recover
 from kvstore.store.events import Removed
 from kvstore.store.holds import BlockHolds, Located
-from kvstore.store.slots import SlotGrant, SlotProtocol
+from kvstore.store.slots import SlotGrant, SlotProtocol, SlotWrite
 from kvstore.store.state import EventSink, StorePart, StoreState
 from kvstore.store.upkeep import Upkeep
 from kvstore.store.writer import BlockWriter, StreamedWrites
@@ -92,7 +93,7 @@ DEFAULT_LIST_PAGE = 1000
 EXISTS_THROUGH_KEYS = 64  # keys past a local miss that Exists asks a remote tier about, in one lookup
 MAX_LIST_PAGE = 10000
 
-__all__ = ["Located", "Listed", "SlotGrant", "StoreLimits", "StoreStats", "TieredStore"]
+__all__ = ["Located", "Listed", "SlotGrant", "SlotWrite", "StoreLimits", "StoreStats", "TieredStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +265,11 @@ class TieredStore(StorePart):
     ) -> list[SlotGrant]:
         """Reserve head extents for blocks a same-host client writes itself (see :mod:`kvstore.store.slots`)."""
         return self._slots.allocate(namespace, blocks, lease_s, deadline, owner)
+
+    def writing(self, slot_id: int, owner: str = "") -> AbstractContextManager[SlotWrite]:
+        """Around the daemon's own write into a slot: only while its lease is live, and the extent
+        is kept until the write ends (see :mod:`kvstore.store.slots`)."""
+        return self._slots.writing(slot_id, owner)
 
     def commit(self, items: list[tuple[int, int]], owner: str = "") -> list[tuple[BlockKey, bool, TierName]]:
         """Turn written slots into blocks; ``items`` holds (slot_id, the writer's checksum)."""

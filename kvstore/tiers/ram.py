@@ -19,10 +19,13 @@ bytes still match its checksum: a daemon killed with SIGKILL comes back
 with its RAM blocks, as long as the host (and its tmpfs) stayed up. The
 order that keeps a restart honest: a block's record is written before its
 put or commit returns, and cleared before its extent can be handed out
-again. Slots lent to writers outside the daemon (:meth:`lend`) are
-recorded too, and a restart keeps their extents out of reuse until their
-writers' leases are over: a client of the previous run may still be
-copying into one. Nothing else survives: reservations the daemon itself
+again. A block the table cannot record (its tmpfs is full, or the table
+failed) is refused — TierFull with a retry delay, or TierUnavailable —
+and its extent given back: an acknowledged block is a recorded one (why
+refuse, not store it unrecorded: :mod:`kvstore.shm.table`). Slots lent to
+writers outside the daemon (:meth:`lend`) are recorded too, and a restart
+keeps their extents out of reuse until their writers' leases are over: a
+client of the previous run may still be copying into one. Nothing else survives: reservations the daemon itself
 was filling are free again, and leases and pins are the store's, not the
 tier's.
 
@@ -262,6 +265,8 @@ class HostRamTier(MappableTier):
         Recorded in the table, so that a restart within that time keeps the
         extent from other blocks while the writer may still be copying in.
         An extent no longer reserved (its slot's lease already lapsed) is not lent.
+        Raises TierFull or TierUnavailable when the table cannot record it:
+        the slot must not be handed out (the extent stays reserved).
         """
         with self._lock:
             if offset in self._reserved and self._table is not None:
@@ -320,16 +325,22 @@ class HostRamTier(MappableTier):
         """Turn a reserved, filled extent into block ``key``; frees it when ``key`` won a race.
 
         The block's record is written before this returns, so before any
-        put or commit of it is acknowledged.
+        put or commit of it is acknowledged; a block the table cannot record
+        is not stored (its extent is freed) and the table's TierFull or
+        TierUnavailable goes to the caller.
         """
         with self._lock:
             self._take_reservation(offset)
             if key in self._blocks:
                 self._free_locked(offset)
                 return False
-            self._blocks[key] = (offset, meta)
             if self._table is not None:
-                self._table.record_block(offset, key, meta)
+                try:
+                    self._table.record_block(offset, key, meta)
+                except (TierFull, TierUnavailable):
+                    self._free_locked(offset)
+                    raise
+            self._blocks[key] = (offset, meta)
             return True
 
     def _free_locked(self, offset: int) -> None:
@@ -352,8 +363,8 @@ class HostRamTier(MappableTier):
 
     @property
     def unrecorded_blocks(self) -> int:
-        """Blocks stored without a record in the table (it was full or failed): they would not survive a crash."""
-        return 0 if self._table is None else self._table.unrecorded
+        """Blocks refused because the table could not record them (its tmpfs full, or the table failed)."""
+        return 0 if self._table is None else self._table.refused
 
     # ---- start: a new arena, or the one a previous run left ----------------------
 
@@ -369,7 +380,7 @@ class HostRamTier(MappableTier):
             arena, reason = None, str(err)
         if arena is not None:
             try:
-                table, loaded = BlockTable.open(table_path, arena.arena_id, capacity, page)
+                table, loaded = BlockTable.open(table_path, arena.arena_id, capacity, page, arena.unbacked_bytes)
             except FileNotFoundError:
                 reason = f"{table_path} is missing (the previous run kept no table, or did not finish starting)"
             except (TableMismatch, OSError) as err:
@@ -385,7 +396,7 @@ class HostRamTier(MappableTier):
         block_table.remove(table_path)  # before the arena: a crash in between leaves an arena without a table
         arena = ShmArena.create(capacity, shm_dir, arena_name)
         try:
-            self._table = BlockTable.create(table_path, arena.arena_id, capacity, page)
+            self._table = BlockTable.create(table_path, arena.arena_id, capacity, page, arena.unbacked_bytes)
         except OSError as err:
             arena.close(unlink=True)
             raise TierUnavailable(
