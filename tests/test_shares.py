@@ -55,3 +55,29 @@ def test_one_tenant_cannot_hold_every_handoff_slot(make_daemon, policy_file):
         admin.open_handoff("c", [b"k"], lease_s=60)  # the fifth: the daemon-wide limit is full now
         with pytest.raises(Overloaded, match="--handoff-max-open\\)"):
             admin.open_handoff("c", [b"k"], lease_s=60)
+
+
+def test_one_tenants_pins_cannot_take_every_lease(make_daemon, policy_file):
+    """Pins are leases of the node's table: team-a's long pins stop at its share, by name, while
+    team-b still pins, and an unpin gives the share back. (A READ-only token once took all 65,536.)"""
+    daemon = make_daemon(auth_file=str(policy_file), max_leases=16, max_leases_per_identity=4)
+    with Client(daemon.target, token=TOKEN_A, use_shm=False, retries=0) as a, \
+            Client(daemon.target, token=TOKEN_B, use_shm=False, retries=0) as b:
+        a.put("a", b"k", b"x" * 4096)
+        b.put("b", b"k", b"y" * 4096)
+        pins = [a.pin("a", [b"k"], lease_s=3600) for _ in range(4)]
+        with pytest.raises(Overloaded, match="token:team-a holds 4 leases.*--max-leases-per-identity") as refused:
+            a.pin("a", [b"k"], lease_s=3600)
+        assert refused.value.retry_after_s > 0
+        assert [b.pin("b", [b"k"], lease_s=3600).lease_id for _ in range(4)]  # b's share is its own
+        assert a.unpin(pins[0].lease_id)
+        assert a.pin("a", [b"k"], lease_s=3600).lease_id
+        assert a.get("a", b"k") == b"x" * 4096  # reads that take no lease of their own are untouched
+
+
+def test_the_lease_share_is_a_quarter_of_the_table_unless_set():
+    from kvstore.config import load_settings
+
+    limits = load_settings(environ={}, max_leases=1000).store.limits()
+    assert limits["max_leases_per_owner"] == 250
+    assert load_settings(environ={}, max_leases=1000, max_leases_per_identity=5000).store.limits()["max_leases_per_owner"] == 1000

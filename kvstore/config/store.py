@@ -33,6 +33,10 @@ class StoreSettings(Section):
     pin_lease_seconds: float = setting(300.0, "default lease of Pin", gt=0)
     max_lease_seconds: float = setting(3600.0, "longest lease a client may ask for", gt=0, le=7 * 86400)
     max_leases: int = setting(65536, "open leases (pins, reads, slots) at once", ge=1, le=1 << 24)
+    max_leases_per_identity: int = setting(
+        0, "open leases one identity (a token, a certificate, an unauthenticated connection or same-host process) "
+        "may hold, so that no caller's pins take every lease; 0: a quarter of --max-leases", ge=0, le=1 << 24,
+    )
     demotion_queue_blocks: int = setting(256, "write-behind queue from RAM to disk, in blocks", ge=1, le=1 << 20)
     demotion_threads: int = setting(
         1, "threads writing demoted blocks to disk; 0 demotes inline in the writer (deterministic tests)",
@@ -73,6 +77,7 @@ class StoreSettings(Section):
             "pin_lease_s": self.pin_lease_seconds,
             "max_lease_s": self.max_lease_seconds,
             "max_leases": self.max_leases,
+            "max_leases_per_owner": min(self.max_leases_per_identity or max(1, self.max_leases // 4), self.max_leases),
             "max_batch_blocks": self.max_batch_blocks,
             "demotion_queue_blocks": self.demotion_queue_blocks,
             "demotion_threads": self.demotion_threads,

@@ -98,12 +98,18 @@ def _never_issued(kind: LeaseKind, lease_id: int) -> UnknownLease:
 
 class LeaseTable:
     """``id_tag`` None: ids are 63 random bits. A number: ids carry it in their top
-    ``TAG_BITS`` bits and 55 random bits below (still unguessable)."""
+    ``TAG_BITS`` bits and 55 random bits below (still unguessable).
 
-    def __init__(self, max_leases: int, id_tag: int | None = None) -> None:
+    ``per_owner``: leases one owner (``Lease.owner``: a tenant, a connection, a same-host
+    process) may hold at once, so that no caller's pins take every lease of the node (0: no
+    share). Leases the daemon takes for itself have no owner and count only against the whole."""
+
+    def __init__(self, max_leases: int, id_tag: int | None = None, per_owner: int = 0) -> None:
         if id_tag is not None and not 0 <= id_tag <= MAX_ID_TAG:
             raise ValueError(f"lease id tag {id_tag} is outside 0..{MAX_ID_TAG}")
         self._max = max_leases
+        self._per_owner = per_owner
+        self._owned: dict[str, int] = {}  # owner -> leases held; only owners that hold some
         self._tag = id_tag
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
@@ -127,8 +133,15 @@ class LeaseTable:
                 "release leases you no longer need, or retry shortly",
                 retry_after_s=0.05,
             )
+        owner = fields.get("owner", "")
+        if owner and self._per_owner and self._owned.get(owner, 0) >= self._per_owner:
+            raise Overloaded(
+                f"{owner} holds {self._owned[owner]} leases, its share of this daemon's is {self._per_owner} "
+                "(--max-leases-per-identity): release pins and reads you no longer need (unpin), or retry shortly",
+                retry_after_s=0.2,
+            )
         lease = Lease(self._new_id(), kind, deadline, **fields)
-        self._leases[lease.id] = lease
+        self._add(lease)
         heapq.heappush(self._deadlines, (deadline, lease.id))
         return lease
 
@@ -164,7 +177,7 @@ class LeaseTable:
         if lease.deadline <= now:
             # Let the caller treat it as expired; expire() does the reclaiming.
             raise _expired(kind, lease_id)
-        del self._leases[lease_id]
+        self._drop(lease_id)
         self._remember(lease_id, "taken")
         return lease
 
@@ -192,7 +205,7 @@ class LeaseTable:
 
     def restore(self, lease: Lease) -> None:
         """Put back a lease taken by a request that then failed as a whole."""
-        self._leases[lease.id] = lease
+        self._add(lease)
         self._ended.pop(lease.id, None)
 
     def pop_expired(self, now: float) -> list[Lease]:
@@ -201,10 +214,28 @@ class LeaseTable:
             _, lease_id = heapq.heappop(self._deadlines)
             lease = self._leases.get(lease_id)
             if lease is not None and lease.deadline <= now:  # a later deadline: extended, a later entry
-                del self._leases[lease_id]
+                self._drop(lease_id)
                 expired.append(lease)
                 self._remember(lease_id, "expired")
         return expired
+
+    def _add(self, lease: Lease) -> None:
+        self._leases[lease.id] = lease
+        if lease.owner:
+            self._owned[lease.owner] = self._owned.get(lease.owner, 0) + 1
+
+    def _drop(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id)
+        if lease.owner:
+            left = self._owned[lease.owner] - 1
+            if left:
+                self._owned[lease.owner] = left
+            else:
+                del self._owned[lease.owner]
+
+    def held_by(self, owner: str) -> int:
+        """Leases ``owner`` holds now."""
+        return self._owned.get(owner, 0)
 
     def _remember(self, lease_id: int, why: str) -> None:
         self._ended[lease_id] = why

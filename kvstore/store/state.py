@@ -78,7 +78,7 @@ class StoreState:
         self.cond = threading.Condition(threading.Lock())
         self.catalog = Catalog()
         self.recency = Recency(chain.names, chain.persistent())
-        self.leases = LeaseTable(limits.max_leases, id_tag)
+        self.leases = LeaseTable(limits.max_leases, id_tag, per_owner=limits.max_leases_per_owner)
         self.namespaces = {validate_namespace(ns) for ns in namespaces}
         self.auto_create = auto_create_namespaces
         # Told of every change (under the lock: publish never blocks): the
