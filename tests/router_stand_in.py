@@ -9,7 +9,13 @@ as an engine with prefix caching does. Test-only controls: a request with
 ``"x_hold": TAG`` waits until ``POST /admin/release?tag=TAG`` (``"x_hold_mid_stream"``:
 the same after the first event of a stream);
 ``/admin/health?status=N`` sets what GET /health answers;
-``/admin/queue?n=N`` sets its ``vllm:num_requests_waiting`` gauge.
+``/admin/queue?n=N`` sets its ``vllm:num_requests_waiting`` gauge (N as
+written on the page: ``NaN`` and ``-5`` too). Like vLLM it answers 400 to a
+``max_tokens`` that is not a positive integer.
+
+:class:`RawClient` is the other side: a client on a bare socket that sends
+a request's headers and only part of its body, then as much more as the
+test says, and reads the answer.
 
 It is not the reference engine (benchmarks/e2e/engine.py, a real model):
 it exists so the policy, health and proxy tests run without torch.
@@ -20,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import http.client as http_client
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -88,6 +96,11 @@ def engine_main(argv: list[str]) -> None:
     async def generate(request: web.Request) -> web.StreamResponse:
         api = "chat" if request.path.endswith("chat/completions") else "completions"
         body = await request.json()
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            error = {"object": "error", "message": f"max_tokens must be at least 1, got {max_tokens!r}.",
+                     "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response(error, status=400)
         tag = body.get("x_hold")
         if tag:
             event = state["held"].setdefault(tag, asyncio.Event())
@@ -137,7 +150,7 @@ def engine_main(argv: list[str]) -> None:
         elif what == "health":
             state["health"] = int(q["status"])
         elif what == "queue":
-            state["queue"] = int(q["n"])
+            state["queue"] = q["n"]
         held = sum(1 for e in state["held"].values() if not e.is_set())
         return web.json_response({"served": state["served"], "held_tags": held})
 
@@ -190,6 +203,33 @@ def wait_for(predicate, what: str, timeout: float = 30.0):
         if time.monotonic() > end:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+class RawClient:
+    """A client on a bare socket: the request line and headers, then the body in as many pieces as the test sends."""
+
+    def __init__(self, url: str, path: str, *, content_length: int, timeout: float = 30.0) -> None:
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+                 f"Content-Length: {content_length}"]
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def answered(self) -> bool:
+        """Whether the server has said something (or closed) without waiting for it."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def response(self) -> tuple[int, dict, bytes]:
+        """The server's answer: status, headers, body (read to its Content-Length)."""
+        r = http_client.HTTPResponse(self.sock)
+        r.begin()
+        return r.status, dict(r.getheaders()), r.read()
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class StandIn:
@@ -245,6 +285,15 @@ class RouterThread:
         asyncio.run_coroutine_threadsafe(self.router.start(), self.loop).result(timeout=60)
         self.url = self.router.url
 
+    @staticmethod
+    async def _cancel_the_rest() -> None:
+        """What ``asyncio.run`` does before it closes its loop (``strata route`` runs in one): cancel what is
+        left, e.g. aiohttp's lingering read of a body the router refused unread, which outlives its client."""
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
     def metric(self, name: str, **labels) -> float:
         return self.router.metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -256,6 +305,7 @@ class RouterThread:
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.router.stop(), self.loop).result(timeout=60)
+        asyncio.run_coroutine_threadsafe(self._cancel_the_rest(), self.loop).result(timeout=60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
         self.loop.close()
@@ -280,8 +330,15 @@ class ReferenceEngine(StandIn):
         return self
 
 
-def build_tokenizer(out: Path) -> Path:
-    """A word-level tokenizer with a chat template, saved as a local model directory (no hub)."""
+RECURSIVE_TEMPLATE = ("{% macro show(x) %}{% if x is string %}{{ x }}{% elif x is iterable %}"
+                      "{% for y in x %}{{ show(y) }}{% endfor %}{% endif %}{% endmacro %}"
+                      "{% for m in messages %}{{ m['role'] }} : {{ show(m['content']) }} {% endfor %}")
+
+
+def build_tokenizer(out: Path, chat_template: str | None = None) -> Path:
+    """A word-level tokenizer with a chat template (``chat_template``, or one that checks each message has a
+    role), saved as a local model directory (no hub). :data:`RECURSIVE_TEMPLATE` renders nested content
+    parts by recursion, as templates that walk a message's parts do."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -289,10 +346,10 @@ def build_tokenizer(out: Path) -> Path:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{% if m['role'] is not defined %}"
-                          "{{ raise_exception('every message needs a role') }}{% endif %}"
-                          "{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}assistant : {% endif %}")
+    fast.chat_template = chat_template or ("{% for m in messages %}{% if m['role'] is not defined %}"
+                                           "{{ raise_exception('every message needs a role') }}{% endif %}"
+                                           "{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                                           "{% if add_generation_prompt %}assistant : {% endif %}")
     fast.save_pretrained(str(out))
     return out
 

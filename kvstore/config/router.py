@@ -144,10 +144,23 @@ class RouterSettings(Section):
         "every 0.69 x window samples)", ge=2, le=1 << 20,
     )
     max_in_flight: int = setting(
-        256, "requests the router has outstanding at once; beyond: 429 with Retry-After", ge=1, le=1 << 16
+        256, "requests the router has outstanding at once, each from its whole body read to the end of its "
+        "response; beyond: 429 with Retry-After", ge=1, le=1 << 16
     )
     retry_after_seconds: int = setting(1, "the Retry-After of a 429 or 503 the router answers", ge=1, le=3600)
     max_body_bytes: ByteSize = setting(ByteSize(8 << 20), "largest request body accepted; beyond: 413")
+    body_timeout_seconds: float = setting(
+        30.0, "time a client has to send its whole request body, from its headers to the last byte; beyond: 408 "
+        "and the connection closed. A deadline for the whole body, not for the gap between two reads (a client "
+        "trickling a byte at a time cannot stretch it); a body still arriving holds no --max-in-flight slot",
+        gt=0, le=3600,
+    )
+    max_body_reads: int = setting(
+        256, "requests whose body is still arriving, at once (a body that came whole with its headers does not "
+        "count); they wait apart from --max-in-flight, so slow uploads never hold the slots of requests already "
+        "read; beyond: 429 with Retry-After. At most this x --max-body-bytes is buffered for them",
+        ge=1, le=1 << 16,
+    )
     max_prompt_tokens: int = setting(
         65536, "tokens of a prompt hashed for the index (a longer prompt is scored on its head)", ge=1, le=1 << 20
     )

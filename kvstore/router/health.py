@@ -8,13 +8,17 @@ passes. A proxied request whose connection is refused takes it out at once
 
 The queue gauge (vLLM's ``vllm:num_requests_waiting`` by default) is
 summed over its samples (one per model name) and added to the endpoint's
-load; an engine without that gauge counts a queue of 0.
+load; an engine without that gauge counts a queue of 0, and so does one
+whose sum is not a count at all (negative, NaN or infinite): a NaN load
+compares neither less nor more than any other and a negative one draws
+every request, so either would steer the policies by an engine's bug.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,13 +32,15 @@ MAX_METRICS_BYTES = 4 << 20  # an engine's /metrics page read for its queue gaug
 
 
 def queue_depth(text: str, metric: str) -> float | None:
-    """The sum of ``metric``'s samples in a Prometheus text page; None when it is absent or does not parse."""
+    """The sum of ``metric``'s samples in a Prometheus text page; None when it is absent, does not parse,
+    or is not a finite count of zero or more."""
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError:
         return None
     values = [s.value for f in families for s in f.samples if s.name == metric]
-    return float(sum(values)) if values else None
+    total = float(sum(values)) if values else None
+    return total if total is not None and math.isfinite(total) and total >= 0 else None
 
 
 class HealthChecker:

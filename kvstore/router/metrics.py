@@ -43,6 +43,9 @@ class RouterMetrics:
             "Proxied requests that failed at an engine: connect (refused, before any byte), disconnect, timeout",
             ["endpoint", "kind"], registry=r)
         self.in_flight = Gauge("strata_router_in_flight_requests", "Requests the router has outstanding", registry=r)
+        self.reading = Gauge(
+            "strata_router_reading_body_requests",
+            "Requests whose body is still arriving (not yet counted in strata_router_in_flight_requests)", registry=r)
         self.endpoint_in_flight = Gauge(
             "strata_router_endpoint_in_flight_requests", "Requests outstanding per endpoint", ["endpoint"], registry=r)
         self.endpoint_healthy = Gauge(

@@ -9,6 +9,17 @@ true); a chat's messages rendered through the tokenizer's chat template
 tokens, because the template writes them. A prompt given as token ids is
 used as it is.
 
+The template is always the model's own. A request's ``chat_template`` (its
+own field, or a key of ``chat_template_kwargs``) is Jinja code from the
+client; rendering it would run that code on the router, where ``{{ 1/0 }}``
+was a 500 and nested ``range`` loops held a worker thread as long as the
+client liked. vLLM
+refuses such a request unless started with ``--trust-request-chat-template``
+and drops ``chat_template`` and ``tokenize`` from ``chat_template_kwargs``
+(``resolve_chat_template_kwargs``); the router drops both too and scores the
+prompt as the model's template renders it: for an engine that does trust
+the request's template that is a misestimate of the prefix, never an error.
+
 The tokenizer is loaded from a local directory only (``local_files_only``),
 never from a hub, and tokenizing runs in a worker thread: a long prompt
 would otherwise stall every other request on the event loop.
@@ -25,6 +36,10 @@ from typing import Any
 from kvstore.router.errors import BadRequest
 
 log = logging.getLogger(__name__)
+
+# chat_template_kwargs never passed on to apply_chat_template: a client's template code, and a flag that
+# would make it return token ids where the router asks for text (vLLM drops the same two).
+IGNORED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 
 
 # Tokenizer classes whose whole behaviour is tokenizer.json's: loaded as that class directly, the one
@@ -112,7 +127,7 @@ class PromptTokenizer:
 
     def _chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> list[int]:
         kwargs = body.get("chat_template_kwargs")
-        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        kwargs = {k: v for k, v in kwargs.items() if k not in IGNORED_TEMPLATE_KWARGS} if isinstance(kwargs, dict) else {}
         continue_final = body.get("continue_final_message") is True
         from jinja2 import TemplateError
 
@@ -123,4 +138,6 @@ class PromptTokenizer:
             )
         except (TemplateError, ValueError, TypeError, KeyError) as err:  # a template's raise_exception, bad fields
             raise BadRequest(f"the chat template cannot render these messages: {err}") from None
+        except RecursionError:  # a template that recurses into content nested as deep as the JSON parser allows
+            raise BadRequest("the chat template cannot render these messages: they nest too deeply for it") from None
         return self._encode(text, special=False)

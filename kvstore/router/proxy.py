@@ -6,7 +6,11 @@ does not decompress (``auto_decompress=False``) and adds no
 ``Accept-Encoding`` of its own, and the body is copied chunk by chunk as
 it arrives, so an SSE stream reaches the client event by event, byte for
 byte. ``Transfer-Encoding`` is per hop: a body the engine chunked is
-chunked again here, one with a ``Content-Length`` keeps it.
+chunked again here, one with a ``Content-Length`` keeps it. A request is
+the exception to "bytes unchanged": the router's server decodes a gzip,
+deflate, brotli or zstd request body to parse it, and forwards the decoded
+bytes, so their ``Content-Encoding`` is not forwarded with them (an engine
+would try to decode plain JSON again and fail).
 
 Failures are told apart by how far the request got:
 
@@ -42,6 +46,8 @@ HOP_BY_HOP = frozenset({
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
 CHUNK_BYTES = 64 << 10
+# The request codings aiohttp's server decodes (its parser's own list); any other is passed through encoded.
+DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 
 
 class EndpointRefused(Exception):
@@ -50,6 +56,14 @@ class EndpointRefused(Exception):
 
 def forwarded_headers(headers) -> CIMultiDict:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+
+
+def request_headers(headers) -> CIMultiDict:
+    """A client's request headers as sent on to an engine with the body as the router read it (decoded)."""
+    out = forwarded_headers(headers)
+    if out.get("Content-Encoding", "").strip().lower() in DECODED_CODINGS:
+        del out["Content-Encoding"]
+    return out
 
 
 class Upstream:
@@ -61,7 +75,7 @@ class Upstream:
     async def open(self, e: Endpoint, method: str, path: str, headers, body: bytes | None) -> aiohttp.ClientResponse:
         """The engine's response, its headers read and its body not yet."""
         try:
-            return await self._session.request(method, e.url + path, data=body, headers=forwarded_headers(headers))
+            return await self._session.request(method, e.url + path, data=body, headers=request_headers(headers))
         except aiohttp.ClientConnectorError as err:
             self._metrics.upstream_errors.labels(e.label, "connect").inc()
             raise EndpointRefused(f"{e.url}: {err}") from None

@@ -5,24 +5,29 @@
     GET  /health                                 200 while some endpoint is in rotation, else 503
     GET  /metrics                                the router's own Prometheus metrics
 
-A request's way: admission (at most ``max_in_flight`` outstanding, beyond
-that 429 with Retry-After), its body read up to ``max_body_bytes`` (413),
-parsed as a JSON object (400), its prompt tokenized and scored against the
-index (cache-aware only), an endpoint picked among the healthy ones, the
-request forwarded. When the pick refuses the connection it is taken out of
-rotation and the request goes to another endpoint, at most ``retries``
-times; once any byte went to an engine it is never sent again.
+A request's way: its body read up to ``max_body_bytes`` (413) within
+``body_timeout_seconds`` (408), among at most ``max_body_reads`` bodies
+arriving at once (429; :mod:`kvstore.router.body` says why the body is read
+before admission); admission (at most ``max_in_flight`` outstanding, beyond
+that 429 with Retry-After, checked before the body too, so a full router
+does not read bodies it will refuse); the body parsed as a JSON object
+(400), its prompt tokenized and scored against the index (cache-aware only),
+an endpoint picked among the healthy ones, the request forwarded. When the
+pick refuses the connection it is taken out of rotation and the request goes
+to another endpoint, at most ``retries`` times; once any byte went to an
+engine it is never sent again.
 
 ``Router(settings)`` runs inside an existing event loop (``await
 router.start()``, ``router.port``, ``await router.stop()``); ``run`` is the
-``strata route`` process around it.
+``strata route`` process around it. Every answer the router gives itself,
+an unknown path or method included, is an OpenAI-style JSON error body
+(:mod:`kvstore.router.errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import signal
 import time
@@ -34,8 +39,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.config.router import RouterSettings
 from kvstore.index.keys import BlockHasher
+from kvstore.router.body import BodyReader, parse_object
 from kvstore.router.endpoint import Endpoint
-from kvstore.router.errors import BadRequest, BodyTooLarge, NoEndpoint, RequestRefused, TooManyRequests, UpstreamUnreachable
+from kvstore.router.errors import (
+    BadRequest, MethodNotAllowed, NoEndpoint, NotFound, RequestRefused, TooManyRequests, UpstreamUnreachable,
+)
 from kvstore.router.health import HealthChecker
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.policy import CacheAware, Decision, PromptSize, make_policy
@@ -48,12 +56,18 @@ log = logging.getLogger(__name__)
 
 OFF_LOOP_TOKENS = 2048
 APIS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
 
 
 def error_body(err: RequestRefused) -> web.Response:
-    headers = {"Retry-After": str(int(err.retry_after_s))} if err.retry_after_s else None
+    headers = dict(err.headers)
+    if err.retry_after_s:
+        headers["Retry-After"] = str(int(err.retry_after_s))
     body = {"error": {"message": str(err), "type": err.kind, "code": err.status}}
-    return web.json_response(body, status=err.status, headers=headers)
+    response = web.json_response(body, status=err.status, headers=headers)
+    if err.body_unread:  # the rest of the body is not worth reading: no next request on this connection
+        response.force_close()
+    return response
 
 
 class Router:
@@ -105,9 +119,11 @@ class Router:
                                     timeout_s=s.health_timeout_seconds, queue_metric=s.queue_metric)
         await self.health.check_all()
         self._health_task = asyncio.create_task(self.health.run(), name="strata-router-health")
-        app = web.Application(client_max_size=int(s.max_body_bytes) + 1)
-        app.router.add_post("/v1/completions", self._route)
-        app.router.add_post("/v1/chat/completions", self._route)
+        self._bodies = BodyReader(self.metrics, max_bytes=int(s.max_body_bytes), timeout_s=s.body_timeout_seconds,
+                                  max_reads=s.max_body_reads, retry_after_s=s.retry_after_seconds)
+        app = web.Application(client_max_size=int(s.max_body_bytes) + 1, middlewares=[self._unrouted])
+        for path, api in APIS.items():
+            app.router.add_post(path, functools.partial(self._route, api))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -133,19 +149,36 @@ class Router:
 
     # ---- handlers ------------------------------------------------------------
 
-    async def _route(self, request: web.Request) -> web.StreamResponse:
-        api = APIS[request.path]
+    @web.middleware
+    async def _unrouted(self, request: web.Request, handler) -> web.StreamResponse:
+        """aiohttp's own 404 and 405 as the router's JSON error bodies, like every other answer it gives."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            err: RequestRefused = NotFound(f"the router serves no {request.path[:200]!r}; it serves {', '.join(ROUTES)}")
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            err = MethodNotAllowed(f"{request.path} takes {allowed}, not {request.method}", headers={"Allow": allowed})
+        self.metrics.refused.labels(str(err.status)).inc()
+        return error_body(err)
+
+    def _admit(self) -> None:
+        if self._in_flight >= self.settings.max_in_flight:
+            raise TooManyRequests(
+                f"{self.settings.max_in_flight} requests are already in flight (--max-in-flight); retry later",
+                retry_after_s=self.settings.retry_after_seconds)
+
+    async def _route(self, api: str, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         status = 500
         try:
-            if self._in_flight >= self.settings.max_in_flight:
-                raise TooManyRequests(
-                    f"{self.settings.max_in_flight} requests are already in flight (--max-in-flight); retry later",
-                    retry_after_s=self.settings.retry_after_seconds)
+            self._admit()  # a full router refuses before reading a body it could not forward
+            raw = await self._bodies.read(request)
+            self._admit()  # and again: the slots may have filled while the body arrived
             self._in_flight += 1
             self.metrics.in_flight.inc()
             try:
-                response = await self._proxy(request, api, started)
+                response = await self._proxy(request, api, raw, started)
             finally:
                 self._in_flight -= 1
                 self.metrics.in_flight.dec()
@@ -160,27 +193,11 @@ class Router:
             self.metrics.latency.labels(api, self.settings.policy, f"{status // 100}xx").observe(
                 time.perf_counter() - started)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = int(self.settings.max_body_bytes)
-        too_large = BodyTooLarge(f"the request body is over {limit} bytes (--max-body-bytes); send a shorter prompt "
-                                 "or raise the router's limit")
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
-        parts, size = [], 0
-        async for chunk in request.content.iter_chunked(1 << 16):
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            parts.append(chunk)
-        return b"".join(parts)
-
     def _parse(self, api: str, raw: bytes) -> dict[str, Any]:
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise BadRequest(f"the request body is not valid JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise BadRequest(f"the request body must be a JSON object, not {type(body).__name__}")
+        body = parse_object(raw)
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise BadRequest(f"'model' must be a string (a served model or LoRA adapter name), not "
+                             f"{type(body['model']).__name__}")
         if api == "completions":
             completion_prompt(body)
         else:
@@ -216,8 +233,7 @@ class Router:
         return NoEndpoint(f"no endpoint is in rotation (all {len(self.endpoints)} fail their health checks); "
                           "retry later", retry_after_s=self.settings.retry_after_seconds)
 
-    async def _proxy(self, request: web.Request, api: str, started: float) -> web.StreamResponse:
-        raw = await self._read_body(request)
+    async def _proxy(self, request: web.Request, api: str, raw: bytes, started: float) -> web.StreamResponse:
         body = self._parse(api, raw)
         hits, prompt = await self._hits(api, body) if self._scorer is not None else (None, None)
         healthy = self._healthy()
