@@ -20,6 +20,7 @@ from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import checksum
 from kvstore.transport.unix import connect_unix
 from store_blocks import MiB, value
+from test_auth import policy_file  # noqa: F401  (a fixture)
 
 IDLE_S = 0.5
 
@@ -94,18 +95,15 @@ def test_put_streams_that_send_nothing_or_stall_after_a_header_are_ended(make_da
     assert ended == len(calls)
 
 
-def _own_channel(target: str) -> grpc.Channel:
-    """A channel with a connection of its own: unauthenticated callers are told apart by it."""
-    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
-def test_idle_streams_never_take_the_workers_of_unary_calls_nor_another_callers_streams(make_daemon):
-    """By default streams may hold half the admitted RPCs and one caller half of those: a caller
-    that opens idle Put streams is refused beyond its share by name, another caller still opens
+def test_idle_streams_never_take_the_workers_of_unary_calls_nor_another_tenants_streams(make_daemon, policy_file):
+    """By default streams may hold half the admitted RPCs and one identity half of those: a tenant
+    that opens idle Put streams is refused beyond its share by name, another tenant still opens
     streams until the daemon's stream limit, and unary calls are answered all along."""
-    daemon = make_daemon()  # the default limits, and the default 30 s stream watchdog
-    with Client(daemon.target, use_shm=False) as kv:
-        kv.put("m", b"kept", value(7, 4096))
+    from test_auth import TOKEN_A, TOKEN_ADMIN, TOKEN_B, raw_stub
+
+    daemon = make_daemon(auth_file=str(policy_file))  # the default limits, and the default 30 s watchdog
+    with Client(daemon.target, use_shm=False, token=TOKEN_ADMIN) as kv:
+        kv.put("a", b"kept", value(7, 4096))
     server = daemon.settings.server
     streams, share = server.admitted_streams, server.streams_per_identity
     assert 1 <= share < streams < server.admitted_rpcs
@@ -115,34 +113,58 @@ def test_idle_streams_never_take_the_workers_of_unary_calls_nor_another_callers_
         release.wait(60)
         yield from ()
 
-    channels = [_own_channel(daemon.target) for _ in range(3)]
+    greedy, other, admin = raw_stub(daemon.target, TOKEN_A), raw_stub(daemon.target, TOKEN_B), raw_stub(daemon.target, TOKEN_ADMIN)
     try:
-        stubs = [kv_pb2_grpc.KVServiceStub(c) for c in channels]
-        for stub in stubs:  # each channel's connection is up before any stream is counted
-            _stats(stub)
-        greedy = [stubs[0].Put.future(silent(), timeout=60) for _ in range(share)]
-        wait_until(lambda: daemon._watchdog.watched == share, timeout=30, what="the greedy caller's streams")
+        held = [greedy.Put.future(silent(), timeout=60) for _ in range(share)]
+        wait_until(lambda: daemon._watchdog.watched == share, timeout=30, what="the greedy tenant's streams")
         with pytest.raises(grpc.RpcError) as info:
-            stubs[0].Put(silent(), timeout=30)
+            greedy.Put(silent(), timeout=30)
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams-per-identity" in info.value.details()
-        others = [stubs[1 + i // share].Put.future(silent(), timeout=60) for i in range(streams - share)]
-        wait_until(lambda: daemon._watchdog.watched == streams, timeout=30, what="the other callers' streams")
+        for i in range(streams - share):  # another tenant's share, then the admin's, up to the daemon's limit
+            held.append((other if i < share else admin).Put.future(silent(), timeout=60))
+        wait_until(lambda: daemon._watchdog.watched == streams, timeout=30, what="the other tenants' streams")
         with pytest.raises(grpc.RpcError) as info:
-            stubs[2].Put(silent(), timeout=30)
-        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--max-streams" in info.value.details() or "--max-streams-per-identity" in info.value.details()
-        for stub in stubs:  # every stream is taken: unary calls still find a worker
-            assert _stats(stub).node_id
-            assert stub.Exists(pb.ExistsRequest(namespace="m", keys=[b"x"]), timeout=10).prefix_blocks == 0
+            admin.Put(silent(), timeout=30)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams)" in info.value.details()
+        for stub, ns in ((greedy, "a"), (admin, "a")):  # every stream is taken: unary calls still find a worker
+            assert stub.Exists(pb.ExistsRequest(namespace=ns, keys=[b"kept"]), timeout=10).prefix_blocks == 1
+        assert _stats(admin).node_id
         release.set()
-        for call in greedy + others:
+        for call in held:
             call.result(timeout=30)  # an empty Put stream ends well once its client lets it
     finally:
         release.set()
-        for channel in channels:
-            channel.close()
-    with Client(daemon.target, use_shm=False) as kv:  # every stream and share was given back
-        assert all(kv.put("m", b"after-%d" % i, value(i, MiB)) for i in range(3))
+    with Client(daemon.target, use_shm=False, token=TOKEN_A) as kv:  # every stream and share was given back
+        assert all(kv.put("a", b"after-%d" % i, value(i, MiB)) for i in range(share + 1))
+
+
+def test_without_authentication_streams_are_bounded_daemon_wide_only(make_daemon):
+    """One trust domain on loopback: one client may multiplex every stream on its connection; the
+    daemon-wide stream limit still leaves unary calls their workers."""
+    daemon = make_daemon()
+    with Client(daemon.target, use_shm=False) as kv:
+        kv.put("m", b"kept", value(7, 4096))
+    streams = daemon.settings.server.admitted_streams
+    release = threading.Event()
+
+    def silent():
+        release.wait(60)
+        yield from ()
+
+    with grpc.insecure_channel(daemon.target) as channel:
+        stub = kv_pb2_grpc.KVServiceStub(channel)
+        try:
+            held = [stub.Put.future(silent(), timeout=60) for _ in range(streams)]
+            wait_until(lambda: daemon._watchdog.watched == streams, timeout=30, what="one client's streams")
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Put(silent(), timeout=30)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams)" in info.value.details()
+            assert stub.Exists(pb.ExistsRequest(namespace="m", keys=[b"kept"]), timeout=10).prefix_blocks == 1
+            release.set()
+            for call in held:
+                call.result(timeout=30)
+        finally:
+            release.set()
 
 
 def test_a_get_whose_client_stops_reading_is_ended(make_daemon):

@@ -14,6 +14,10 @@ watchdog, which stays the bound on how long a stalled stream is kept.
 Beyond either, RESOURCE_EXHAUSTED with a retry delay, naming the setting.
 This interceptor runs after authentication, so that a tenant's streams
 count together whichever connection they come on (:func:`kvstore.auth.owner_of`).
+The share is per authenticated identity: a daemon without authentication
+serves one trust domain on loopback, where one client (an engine's) may
+rightly multiplex every stream on its one connection; there the daemon-wide
+limit alone applies.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import threading
 
 import grpc
 
-from kvstore.auth import owner_of
+from kvstore.auth import current_identity, owner_of
 from kvstore.errors import Overloaded
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for, to_status
@@ -53,13 +57,14 @@ class StreamLimiter(grpc.ServerInterceptor):
         return handler  # unary calls end by themselves; the services have no bidirectional streams
 
     def _enter(self, context, op: str) -> str:
-        owner = owner_of(context)
+        owner = owner_of(context) if current_identity().authenticated else ""
         try:
-            self._shares.take(owner)
+            self._take_share(owner)
         except Overloaded as err:
             self._refuse(context, op, err)
         if not self._slots.acquire(blocking=False):
-            self._shares.give(owner)
+            if owner:
+                self._shares.give(owner)
             self._refuse(context, op, Overloaded(
                 f"{op}: {self._max} streams are already open (--max-streams); retry after the delay",
                 retry_after_s=self._retry_after_s))
@@ -67,7 +72,12 @@ class StreamLimiter(grpc.ServerInterceptor):
 
     def _leave(self, owner: str) -> None:
         self._slots.release()
-        self._shares.give(owner)
+        if owner:
+            self._shares.give(owner)
+
+    def _take_share(self, owner: str) -> None:
+        if owner:
+            self._shares.take(owner)
 
     def _refuse(self, context, op: str, err: Overloaded) -> None:
         self._metrics.rejected.labels("streams").inc()
