@@ -141,3 +141,44 @@ def test_a_cached_manifest_is_trusted_only_under_its_digest(tmp_path, manifest):
     again = _fetch(folder, m, tmp_path / "c", None)
     for k, v in got.items():
         np.testing.assert_array_equal(again[k], v)
+
+
+def test_an_unpinned_handle_does_not_hold_its_model_and_a_partial_fetch_is_never_evicted(tmp_path):
+    """A serving handle (``pinned=False``) leaves its complete model idle: the cache evicts it for a
+    new model and the handle then says so (``leased()`` is False), even though the folder is fetched
+    again with a new life. A partial model whose fetch has it open is never evicted: the cache is full."""
+    models = []
+    for i in range(3):
+        folder = write_numpy_model(tmp_path / f"m{i}", [layered_tensors(seed=30 + i, layers=3)])
+        models.append((folder, weightcache.publish_model(str(folder), chunk_bytes=CHUNK)))
+    cache_dir = tmp_path / "cache"
+    bound = int(models[0][1].files[-1].size * 2.5)
+    _fetch(*models[0], cache_dir, bound)
+    cache = NodeCache(cache_dir, bound)
+    try:
+        served = cache.open(models[0][1], pinned=False)
+        with served.leased() as here:
+            assert here and served.read(1, 0, 8) == (models[0][0] / models[0][1].files[1].path).read_bytes()[:8]
+        partial = cache.open(models[1][1])  # pinned, as a fetch holds it: one chunk written of many
+        f = len(models[1][1].files) - 1
+        start, end = models[1][1].files[f].chunk_span(0, CHUNK)
+        data = (models[1][0] / models[1][1].files[f].path).read_bytes()[start:end]
+        assert partial.store(f, 0, memoryview(data))
+        with cache.locked():
+            cache.reserve(models[2][1].digest, models[2][1].files[-1].size)  # evicts m0: idle though served
+        assert not served.current()
+        with served.leased() as here:
+            assert not here
+        assert (cache_dir / "models" / models[1][1].digest).is_dir()
+        with cache.locked(), pytest.raises(CacheFull) as info:
+            cache.reserve(models[0][1].digest, models[0][1].files[-1].size * 2)
+        assert f"{models[1][1].digest[:12]} ({models[1][1].model} @ {models[1][1].revision}" in str(info.value)
+        assert "in use" in str(info.value) and f"bound of {bound} bytes (--cache-bytes)" in str(info.value)
+        partial.close()
+        again = cache.open(models[0][1])  # m0's folder back, a new life: the old handle stays stale
+        with served.leased() as here:
+            assert not here
+        again.close()
+        served.close()
+    finally:
+        cache.close()

@@ -79,6 +79,11 @@ BAD = {
                           "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"x" * 6),
     "metadata not strings": _file({"__metadata__": {"a": 1}}),
     "entry not an object": _file({"a": [1, 2]}),
+    "nested deeper than JSON's parser goes": _file(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "a number of 5000 digits": _file(b'{"a": {"dtype": "U8", "shape": [' + b"7" * 5000 + b'], "data_offsets": [0, 0]}}'),
+    "zero-size with a dimension of 2**70": _file({"a": {"dtype": "F32", "shape": [0, 2 ** 70], "data_offsets": [0, 0]}}),
+    "zero-size, its other dimensions overflowing": _file(
+        {"a": {"dtype": "U8", "shape": [0, 2 ** 32, 2 ** 32, 2 ** 32], "data_offsets": [0, 0]}}),
 }
 
 
@@ -96,6 +101,51 @@ def test_messages_name_the_tensor_and_the_fix():
         parse_file(BAD["past the file"])
     with pytest.raises(HeaderError, match="truncated.*re-upload"):
         parse_file(BAD["length past the file"])
+
+
+def test_a_shape_no_framework_can_describe_is_refused_by_name():
+    with pytest.raises(HeaderError, match=r"tensor 'a': shape \[0, 1180591620717411303424\] of F32 is over 1 PiB"):
+        parse_file(BAD["zero-size with a dimension of 2**70"])
+    with pytest.raises(HeaderError, match="nests too deeply"):
+        parse_file(BAD["nested deeper than JSON's parser goes"])
+
+
+def test_every_accepted_shape_makes_a_numpy_view_and_a_torch_tensor():
+    """What the parser accepts, the frameworks build: a zero-size tensor at the bound is made, not refused."""
+    from weightcache.safetensors_header import MAX_TENSOR_BYTES
+    from weightcache.tensors import numpy_tensor
+
+    blob = _file({"a": {"dtype": "U8", "shape": [0, MAX_TENSOR_BYTES], "data_offsets": [0, 0]},
+                  "b": {"dtype": "F4", "shape": [MAX_TENSOR_BYTES, 0, 2], "data_offsets": [0, 0]}})
+    for t in parse_file(blob).tensors:
+        assert numpy_tensor(t, b"", 0).size == 0
+    torch = pytest.importorskip("torch")
+    from weightcache.tensors import torch_tensor
+
+    for t in parse_file(blob).tensors:
+        assert torch_tensor(t, b"", 0).numel() == 0 and torch is not None
+
+
+def test_publish_refuses_a_hostile_header_naming_the_file_without_a_traceback(tmp_path):
+    """``strata weights publish`` of a nested or oversized header: exit 1, the file and the reason."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for case, reason in (("nested deeper than JSON's parser goes", "nests too deeply"),
+                         ("zero-size with a dimension of 2**70", "over 1 PiB")):
+        folder = tmp_path / case.replace(" ", "_").replace("*", "")
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(BAD[case])
+        done = subprocess.run([sys.executable, "-m", "weightcache", "publish", str(folder), "--no-progress"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert "Traceback" not in done.stderr
+        assert f"{folder}/model.safetensors" in done.stderr and reason in done.stderr
+        assert not (folder / ".strata" / "latest").exists()
 
 
 def test_gaps_and_zero_sized_tensors_are_accepted():

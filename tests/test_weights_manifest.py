@@ -154,6 +154,26 @@ def test_malformed_manifests_are_refused(model_dir, change, match):
         Manifest.from_bytes(_edit(m, change))
 
 
+def test_a_hostile_manifest_or_shard_index_is_refused_not_a_recursion_error(model_dir):
+    deep = b'{"format": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ManifestError, match="nests too deeply"):
+        Manifest.from_bytes(deep)
+    with pytest.raises(ManifestError, match="not JSON"):
+        Manifest.from_bytes(b'{"chunk_bytes": ' + b"9" * 5000 + b"}")
+    (model_dir / "model.safetensors.index.json").write_bytes(b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    with pytest.raises(ManifestError, match="weight_map"):
+        weightcache.publish_model(str(model_dir), chunk_bytes=CHUNK)
+
+
+def test_a_manifest_with_a_shape_no_framework_can_describe_is_refused(model_dir):
+    m = weightcache.publish_model(str(model_dir), chunk_bytes=CHUNK)
+    doc = _doc(m)
+    shard = next(f for f in doc["files"] if "safetensors" in f)
+    shard["safetensors"]["tensors"].append(["ghost", "F32", [0, 2 ** 70], 0, 0])
+    with pytest.raises(ManifestError, match="over 1 PiB"):
+        Manifest.from_bytes(json.dumps(doc).encode())
+
+
 def test_one_tensor_in_two_files_is_refused(model_dir):
     m = weightcache.publish_model(str(model_dir), chunk_bytes=CHUNK)
     doc = _doc(m)

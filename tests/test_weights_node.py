@@ -188,3 +188,127 @@ def test_a_swarm_member_never_asked_for_the_model_costs_only_its_join_wait(tmp_p
             me_server.stop(0).wait()
         idle_server.stop(0).wait()
         idle.close()
+
+
+def test_waiting_chunk_reads_are_bounded_so_status_and_prefetch_always_answer(tmp_path, model):
+    """200 peers wait on a model this node does not have: the first ``max_waiting`` wait, the rest are
+    refused at once as overloaded (with a retry delay), and Status and Prefetch still get a worker."""
+    import time
+
+    from kvstore.errors import ResourceExhausted
+    from kvstore.rpc.status import from_rpc_error
+
+    folder, m, _ = model
+    prefetcher = Prefetcher(tmp_path / "node", limits=FAST, join_wait_s=600)  # waits that would never end
+    server, port = serve(prefetcher, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.WeightServiceStub(channel)
+    calls, refused = [], []
+    try:
+        absent = "a" * 64
+        calls = [stub.ReadChunk.future(pb.ReadChunkRequest(digest=absent, file=0, chunk=i, wait_ms=60_000), timeout=90)
+                 for i in range(200)]
+        time.sleep(1.0)  # sequencing, not a claim: the reads reach the node before Status does
+        s = stub.Status(pb.StatusRequest(digest=m.digest), timeout=10)  # a worker is free for it
+        assert s.state == pb.PREFETCH_STATE_UNKNOWN
+        cap = prefetcher.max_waiting
+        wait_until(lambda: sum(c.done() for c in calls) >= len(calls) - cap, timeout=60,
+                   what="the reads past the waiting bound refused")
+        refused = [c for c in calls if c.done()]
+        assert len(refused) == len(calls) - cap
+        for c in refused:
+            assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            err = from_rpc_error(c.exception())
+            assert isinstance(err, ResourceExhausted) and err.retry_after_s > 0
+            assert "ask again" in c.details()
+        started = stub.Prefetch(pb.PrefetchRequest(location=folder, digest=m.digest), timeout=30)
+        assert started.digest == m.digest
+        wait_until(lambda: stub.Status(pb.StatusRequest(digest=m.digest), timeout=10).state
+                   == pb.PREFETCH_STATE_COMPLETE, what="the prefetch beside the waiting reads")
+        assert not any(c.done() for c in calls if c not in refused)  # the waiting ones still wait
+    finally:
+        prefetcher.close()  # ends every wait: the waiting reads answer "not here"
+        for c in calls:
+            if c not in refused:
+                assert not c.result(timeout=30).found
+        channel.close()
+        server.stop(0).wait()
+
+
+def test_a_wait_that_runs_out_says_pending_and_the_join_window_counts_from_the_first_ask(tmp_path):
+    """A caller asks again every few seconds while it waits: "not yet" is an answer of its own, and a
+    node never asked for the model stops saying it once the caller has waited ``join_wait_s`` in all."""
+    prefetcher = Prefetcher(tmp_path / "node", limits=FAST, join_wait_s=30)
+    try:
+        absent = "b" * 64
+        first = prefetcher.read_chunk(absent, 0, 0, wait_s=0.01)
+        assert first.data is None and first.pending
+        late = prefetcher.read_chunk(absent, 0, 0, wait_s=0.01, waited_s=30)
+        assert late.data is None and not late.pending
+    finally:
+        prefetcher.close()
+
+
+@pytest.fixture
+def three_models(tmp_path):
+    out = []
+    for i in range(3):
+        t = layered_tensors(seed=20 + i, layers=3)
+        folder = write_numpy_model(tmp_path / f"src{i}", [t])
+        out.append((str(folder), weightcache.publish_model(str(folder), chunk_bytes=CHUNK), t))
+    return out
+
+
+def _warm(stub, folder: str, digest: str) -> pb.StatusResponse:
+    stub.Prefetch(pb.PrefetchRequest(location=folder, digest=digest), timeout=30)
+
+    def done():
+        s = stub.Status(pb.StatusRequest(digest=digest), timeout=10)
+        return s if s.state in (pb.PREFETCH_STATE_COMPLETE, pb.PREFETCH_STATE_FAILED) else None
+
+    return wait_until(done, timeout=60, what=f"the prefetch of {digest[:12]} to end")
+
+
+def test_a_node_evicts_idle_models_for_the_next_prefetch_and_never_one_in_use(tmp_path, three_models):
+    """Two complete models no engine uses fill the node cache: a third is prefetched by evicting the
+    least recently used one (the node serving them to peers does not hold them); with both in use by
+    engines, the prefetch fails naming the bound (--cache-bytes) and the models holding it."""
+    bound = int(three_models[0][1].total_bytes * 2.5)
+    prefetcher = Prefetcher(tmp_path / "node", cache_bytes=bound, limits=FAST)
+    server, port = serve(prefetcher, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.WeightServiceStub(channel)
+    (a, ma, ta), (b, mb, tb), (c, mc, tc) = three_models
+    try:
+        for folder, m, _ in three_models[:2]:
+            assert _warm(stub, folder, m.digest).state == pb.PREFETCH_STATE_COMPLETE
+            assert stub.ReadChunk(pb.ReadChunkRequest(digest=m.digest, file=0, chunk=0), timeout=10).found
+        s = _warm(stub, c, mc.digest)
+        assert s.state == pb.PREFETCH_STATE_COMPLETE, s.error
+        assert stub.Status(pb.StatusRequest(digest=ma.digest), timeout=10).state == pb.PREFETCH_STATE_UNKNOWN
+        assert not stub.ReadChunk(pb.ReadChunkRequest(digest=ma.digest, file=0, chunk=0), timeout=10).found
+        assert stub.Status(pb.StatusRequest(digest=mb.digest), timeout=10).state == pb.PREFETCH_STATE_COMPLETE
+        again = _warm(stub, a, ma.digest)  # evicted, so asked for again it is fetched again (b goes)
+        assert again.state == pb.PREFETCH_STATE_COMPLETE, again.error
+        with weightcache.open_model(a, ma.digest, cache_dir=tmp_path / "node", cache_bytes=bound) as engine_a, \
+                weightcache.open_model(c, mc.digest, cache_dir=tmp_path / "node", cache_bytes=bound) as engine_c:
+            refused = _warm(stub, b, mb.digest)
+            assert refused.state == pb.PREFETCH_STATE_FAILED
+            assert f"bound of {bound} bytes (--cache-bytes)" in refused.error
+            assert f"{ma.digest[:12]} ({ma.model} @ {ma.revision}" in refused.error and "in use" in refused.error
+            assert mc.digest[:12] in refused.error
+            for reader, want in ((engine_a, ta), (engine_c, tc)):  # the models in use are whole
+                got = dict(reader)
+                assert reader.stats.cached == reader.stats.planned
+                for k, v in want.items():
+                    np.testing.assert_array_equal(got[k], v)
+        retried = _warm(stub, b, mb.digest)  # nothing in use now: a failed prefetch is retried, and evicts
+        assert retried.state == pb.PREFETCH_STATE_COMPLETE, retried.error
+        with weightcache.open_model(b, mb.digest, cache_dir=tmp_path / "node", cache_bytes=bound) as r:
+            got = dict(r)
+        for k, v in tb.items():
+            np.testing.assert_array_equal(got[k], v)
+    finally:
+        channel.close()
+        server.stop(0).wait()
+        prefetcher.close()

@@ -114,3 +114,93 @@ def test_a_peer_killed_while_a_node_waits_on_it_leaves_that_node_to_the_origin(t
         got = dict(r)
     for k, v in t.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+def test_a_hung_peer_times_out_per_chunk_and_the_prefetch_completes_from_the_origin(tmp_path, published, s3_gate):
+    """A swarm member stopped (SIGSTOP: its port still accepts, nothing answers) while this node waits
+    on the chunks it owns: each read of it ends at its own deadline, the chunk comes from the origin
+    in the same round, the member is passed over, and the prefetch completes with the right bytes."""
+    url, m, t, gate = published
+    stuck = s3_gate()
+    stuck.hold_after(0)  # the member owns chunks it never gets: this node waits on it, as on a slow owner
+    peer, me = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    child = start_node(tmp_path / "peer", peer, [peer, me], stuck.endpoint)
+    limits = FetchLimits(max_in_flight=4, origin_concurrency=4, backoff_base_s=0.001, backoff_max_s=0.01,
+                         poll_interval_s=0.005)
+    prefetcher = Prefetcher(tmp_path / "me", limits=limits, s3=s3_options(gate.endpoint),
+                            swarm=Swarm([peer, me], me, wait_s=60))
+    server, _ = serve(prefetcher, me)
+    try:
+        wait_until(lambda: up(peer), what="the peer up")
+        stub(peer).Prefetch(pb.PrefetchRequest(location=url, digest=m.digest), timeout=60)
+        prefetcher.prefetch(url, m.digest)
+        mine = sum(1 for f in m.files for c in f.chunks if Swarm([peer, me], me).owner(c) == me)
+        wait_until(lambda: prefetcher.status(m.digest).verified_chunks == mine and stuck.held > 0,
+                   what="this node done with its own chunks, waiting on the peer's")
+        child.send_signal(signal.SIGSTOP)
+        wait_until(lambda: prefetcher.status(m.digest).state == "complete", timeout=120,
+                   what="the hung peer's chunks from the origin")
+        s = prefetcher.status(m.digest)
+        assert s.bytes_by_source["origin"] == m.total_bytes and not s.bytes_by_source.get("peer")
+        assert child.poll() is None  # still there, still stopped: nothing here depended on it ending
+    finally:
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+        child.wait(30)
+        stuck.release()
+        server.stop(0).wait()
+        prefetcher.close()
+    with weightcache.open_model(url, m.digest, cache_dir=tmp_path / "me", s3=s3_options(gate.endpoint)) as r:
+        got = dict(r)
+        assert r.stats.cached == r.stats.planned
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_a_peer_read_waits_past_one_poll_for_a_chunk_its_owner_is_still_fetching(tmp_path, published, s3_gate):
+    """The owner's origin answers nothing for a while: the reader's short calls keep asking (the owner
+    says "not yet") and take the chunk from the owner once it has it, not from the origin."""
+    import asyncio
+    import time
+
+    from weightcache.peers import POLL_S, PeerSource
+    from weightcache.sources import ChunkRef
+
+    url, m, t, _ = published
+    stuck = s3_gate()
+    stuck.hold_after(0)
+    limits = FetchLimits(max_in_flight=4, origin_concurrency=4, poll_interval_s=0.005)
+    owner = Prefetcher(tmp_path / "owner", limits=limits, s3=s3_options(stuck.endpoint))
+    server, port = serve(owner, "127.0.0.1:0")
+    got = {}
+    f = m.file_index(next(e.path for e in m.files if e.path.endswith(".safetensors")))
+    ref = ChunkRef.of(m, f, 2)
+
+    def read():
+        async def go():
+            source = PeerSource(f"127.0.0.1:{port}", m.digest, wait_s=60)
+            try:
+                view = await source.read(ref, memoryview(bytearray(ref.length)))
+                got["data"] = None if view is None else bytes(view)
+            finally:
+                await source.close()
+
+        asyncio.run(go())
+
+    reader = threading.Thread(target=read)
+    try:
+        owner.prefetch(url, m.digest)
+        wait_until(lambda: stuck.held > 0, what="the owner's fetch held at its origin")
+        reader.start()
+        time.sleep(POLL_S * 2.5)  # sequencing, not a claim: the read outlives more than one poll
+        assert reader.is_alive() and "data" not in got
+        stuck.release()
+        reader.join(60)
+        wait_until(lambda: owner.status(m.digest).state == "complete", what="the owner's prefetch")
+    finally:
+        stuck.release()
+        reader.join(60)
+        server.stop(0).wait()
+        owner.close()
+    source = (tmp_path / "src" / m.files[f].path).read_bytes()
+    assert got["data"] == source[ref.start:ref.start + ref.length]  # from the owner: the reader has no origin

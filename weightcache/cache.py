@@ -22,6 +22,15 @@ is held) and never the one asking; if that is not enough, the file is
 refused: :class:`~weightcache.errors.CacheFull` (the configured bound) or
 :class:`~kvstore.errors.DiskFull` (the filesystem), each saying what to change.
 
+"In use" means leased: a process that reads or fetches a model holds its
+lease from open to close, so a model being fetched (complete or not) is
+never evicted. A handle that only *serves* verified chunks (the weight
+node's peer data plane, its status) is opened unpinned
+(``open(..., pinned=False)``) and takes the lease only for each read: a
+weight node that has finished a prefetch does not hold the model against
+the next one. A model no process has open, complete or left partial by a
+fetch that stopped, is idle, and idle models go least recently used first.
+
 An eviction renames the model's folder into ``trash/`` under the cache
 lock, so no process ever opens a half-deleted model; a crash mid-delete
 leaves only trash, emptied at the next start. Admission and eviction take
@@ -95,8 +104,10 @@ class NodeCache:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def open(self, manifest: Manifest):
-        """The model's cache entry, leased (it cannot be evicted until closed)."""
+    def open(self, manifest: Manifest, *, pinned: bool = True):
+        """The model's cache entry, leased until closed (it cannot be evicted meanwhile). Unpinned,
+        it holds no lease: :meth:`CachedModel.leased` takes one around each read, and says when
+        the model was evicted since."""
         from weightcache.cached_model import CachedModel
 
         folder = self.models_dir / manifest.digest
@@ -106,9 +117,14 @@ class NodeCache:
             if not stored.exists():
                 _write_atomically(stored, manifest.encoded)
             lease = os.open(folder / "lease", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            fcntl.flock(lease, fcntl.LOCK_SH)
-            (folder / "used").touch()
-        return CachedModel(self, folder, manifest, lease)
+            if pinned:
+                fcntl.flock(lease, fcntl.LOCK_SH)
+                (folder / "used").touch()
+            identity = lease_token(lease)
+            if not pinned:
+                os.close(lease)
+                lease = -1
+        return CachedModel(self, folder, manifest, lease, identity)
 
     def stored_manifest(self, digest: str) -> Manifest | None:
         """The manifest of a cached model (None when not cached), checked against its digest, so a
@@ -144,10 +160,28 @@ class NodeCache:
                         retry_after_s=5.0,
                     )
                 raise CacheFull(
-                    f"weight cache {self.root}: a {nbytes}-byte file does not fit in its {self.capacity_bytes} "
-                    f"bytes ({reserved} held by models in use): raise the cache's capacity, or close a model",
+                    f"weight cache {self.root}: a {nbytes}-byte file of model {asking[:12]} does not fit in the "
+                    f"cache's bound of {self.capacity_bytes} bytes (--cache-bytes): {reserved} bytes are held by "
+                    f"{self._holding(asking)}, and a model in use is never evicted; raise the cache's capacity "
+                    "(--cache-bytes), or stop the engines using those models (strata weights ls --cache "
+                    f"{self.root} shows them)",
                     retry_after_s=5.0,
                 )
+
+    def _holding(self, asking: str, most: int = 8) -> str:
+        """What holds the cache's bytes, for CacheFull's message: the largest models first."""
+        held = sorted(((*_folder_usage(f), f) for f in self._folders()), key=lambda u: -u[0])
+        parts = []
+        for reserved, _, folder in held[:most]:
+            if folder.name == asking:
+                parts.append(f"{folder.name[:12]} (this model, {reserved} bytes so far)")
+                continue
+            manifest = self.stored_manifest(folder.name)
+            name = f"{manifest.model} @ {manifest.revision}, " if manifest is not None else ""
+            parts.append(f"{folder.name[:12]} ({name}{reserved} bytes, {'in use' if _in_use(folder) else 'idle'})")
+        if len(held) > most:
+            parts.append(f"{len(held) - most} more")
+        return "; ".join(parts) or "no model"
 
     def _usage(self) -> tuple[int, int]:
         reserved = allocated = 0
@@ -235,6 +269,17 @@ def _folder_usage(folder: Path) -> tuple[int, int]:
             reserved += st.st_size
             allocated += min(st.st_size, st.st_blocks * 512)
     return reserved, allocated
+
+
+def lease_token(fd: int) -> bytes:
+    """The id of one life of a model's folder, kept in its lease file (written when the file is new;
+    call with the cache lock held). A folder evicted and fetched again gets a new one: its inode
+    number may well be the old one's, freed and reused."""
+    token = os.pread(fd, 64, 0)
+    if not token:
+        token = uuid.uuid4().hex.encode()
+        os.pwrite(fd, token, 0)
+    return token
 
 
 def _in_use(folder: Path) -> bool:

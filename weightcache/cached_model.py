@@ -14,15 +14,25 @@ is about to be fetched, after the node cache admits them (capacity and the
 disk's free space). A write that still finds the disk full raises
 :class:`~kvstore.errors.DiskFull`; the record stays as it was, so a later
 run resumes from the chunks verified so far.
+
+A model is normally opened pinned: its lease is held until :meth:`close`,
+so the node cache never evicts it under a reader. A weight node's serving
+handle is opened unpinned (:meth:`NodeCache.open`): it holds no lease
+between reads, so a model the node only serves to peers can be evicted,
+and :meth:`leased` takes the lease for one read and answers False once
+the model's folder is no longer the one this handle opened (evicted, or
+evicted and fetched again): the handle is stale, and its owner drops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvstore.errors import DiskFull, TierUnavailable
@@ -32,11 +42,12 @@ from weightcache.record import ChunkRecord
 
 
 class CachedModel:
-    def __init__(self, cache, folder: Path, manifest: Manifest, lease_fd: int) -> None:
+    def __init__(self, cache, folder: Path, manifest: Manifest, lease_fd: int, identity: bytes = b"") -> None:
         self.cache = cache
         self.folder = folder
         self.manifest = manifest
-        self._lease_fd = lease_fd
+        self._lease_fd = lease_fd  # -1: unpinned (see leased)
+        self._identity = identity  # the lease token of the folder's life this handle opened
         self.record = ChunkRecord(folder / "verified.log", manifest)
         self.claims = Claims(folder / "claims")
         self._present = [bytearray(len(f.chunks)) for f in manifest.files]
@@ -69,6 +80,49 @@ class CachedModel:
 
     def global_index(self, file: int, chunk: int) -> int:
         return self.manifest.first_chunk[file] + chunk
+
+    # ---- the lease -----------------------------------------------------------------
+
+    @property
+    def pinned(self) -> bool:
+        return self._lease_fd >= 0
+
+    def current(self) -> bool:
+        """Whether the cache's folder for this digest is still the one this handle opened."""
+        if self.pinned:
+            return True
+        try:
+            fd = os.open(self.folder / "lease", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            return os.pread(fd, 64, 0) == self._identity
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def leased(self) -> Iterator[bool]:
+        """The model's lease for the block (a pinned handle already holds it). False: the model was
+        evicted, or is being evicted now, since this handle was opened; nothing may be read."""
+        if self.pinned:
+            yield True
+            return
+        try:
+            fd = os.open(self.folder / "lease", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # an eviction holds it exclusively: the folder is leaving
+                yield False
+                return
+            # Ours, and still at its path (not renamed into the trash between our open and our lock):
+            # while this descriptor is open its inode cannot be reused, so equal inodes are the same file.
+            yield os.pread(fd, 64, 0) == self._identity and _same_file(fd, self.folder / "lease")
+        finally:
+            os.close(fd)
 
     # ---- writing -----------------------------------------------------------------
 
@@ -155,12 +209,23 @@ class CachedModel:
             self._fds.clear()
         self.record.close()
         self.claims.close()
+        if not self.pinned:  # it never counted as a use: the LRU order is the readers'
+            return
         try:
             (self.folder / "used").touch()
         except OSError:
             pass
         fcntl.flock(self._lease_fd, fcntl.LOCK_UN)
         os.close(self._lease_fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _io_error(err: OSError, path: Path) -> Exception:

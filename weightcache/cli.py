@@ -212,14 +212,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     security = _security(args, client_cert=(args.tls_cert, args.tls_key) if args.tls_client_ca else None)
     if args.peer and args.index:
         raise SystemExit("strata weights serve: give --peer (a fixed swarm) or --index-url (members from the index), not both")
-    swarm = (Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait, security=security)
-             if args.peer else None)
+    swarm = (Swarm([me, *[p for p in args.peer if p != me]], me, wait_s=args.peer_wait,
+                   read_timeout_s=args.peer_read_timeout, security=security) if args.peer else None)
     if args.index:
         from kvstore.index import open_index
         from weightcache.index_swarm import IndexSwarm
 
         swarm = IndexSwarm(open_index(args.index), args.node_id or me, me, ttl_s=args.index_ttl,
-                           wait_s=args.peer_wait, security=security)
+                           wait_s=args.peer_wait, read_timeout_s=args.peer_read_timeout, security=security)
     limits = FetchLimits(max_in_flight=args.concurrency, origin_concurrency=args.concurrency)
     ram = None
     if args.ram_dir:
@@ -230,7 +230,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ram = RamCopy(args.ram_dir, args.ram_bytes)
         ram.drop_stale_copies()
     prefetcher = Prefetcher(args.cache, cache_bytes=args.cache_bytes, limits=limits, s3=_s3(args), swarm=swarm,
-                            metrics=metrics, max_uploads=args.max_uploads, join_wait_s=args.peer_join_wait, ram=ram)
+                            metrics=metrics, max_uploads=args.max_uploads, max_waiting=args.max_waiting_reads,
+                            join_wait_s=args.peer_join_wait, ram=ram)
     if args.index:
         swarm.attach(prefetcher.verified)
     server, port = serve(prefetcher, args.listen, authority=authority, credentials=credentials,
@@ -439,7 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how long to wait for a chunk's owner to have it before the origin [120s]")
     srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,
                      help="how long a peer asked for a model it was not told to prefetch waits for that [5s]")
+    srv.add_argument("--peer-read-timeout", type=_seconds, default=10.0,
+                     help="how long one chunk read from a peer may take beyond its wait before the chunk is read "
+                     "elsewhere and the peer passed over for a while (a hung node) [10s]")
     srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
+    srv.add_argument("--max-waiting-reads", type=int, default=32,
+                     help="peer chunk reads that may wait at once for chunks this node is still fetching; more are "
+                     "refused as overloaded, so Status and Prefetch always find a worker [32]")
     srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
     srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     srv.add_argument("--ram-dir", metavar="DIR",

@@ -56,7 +56,7 @@ from kvstore.errors import IndexUnavailable, InvalidArgument, StrataError
 from kvstore.index.base import MAX_CHAIN_BLOCKS, PrefixIndex
 from weightcache.errors import OriginThrottled, OriginUnavailable
 from weightcache.manifest import Manifest, digest_of
-from weightcache.peers import PeerSource
+from weightcache.peers import DEFAULT_READ_TIMEOUT_S, PeerSource
 from weightcache.sources import AdaptiveLimit, ChunkRef, ChunkSource
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,12 @@ class _Model:
 class IndexSwarm:
     def __init__(self, index: PrefixIndex, node_id: str, address: str, *, ttl_s: float = 10.0,
                  refresh_s: float = 0.25, settle_s: float = 1.0, wait_s: float = 120.0, concurrency: int = 4,
-                 security: ChannelSecurity = NONE, clock: Callable[[], float] = time.monotonic) -> None:
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, security: ChannelSecurity = NONE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.5 <= ttl_s <= 3600 or not 0.01 <= refresh_s <= ttl_s:
             raise InvalidArgument("the index swarm's ttl_s must be 0.5..3600 s and refresh_s 0.01 s..ttl_s")
+        if not 0 < read_timeout_s:
+            raise InvalidArgument("the index swarm's peer read timeout must be > 0 s (--peer-read-timeout)")
         self.index = index
         self.node_id = node_id
         self.me = node_id  # members are node ids
@@ -101,6 +104,7 @@ class IndexSwarm:
         self.settle_s = settle_s  # how long a new model's members are given to show up before planning
         self.wait_s = wait_s
         self.concurrency = concurrency
+        self.read_timeout_s = read_timeout_s  # one ReadChunk's deadline beyond its wait (weightcache.peers)
         self.security = security
         self._clock = clock
         self._models: dict[str, _Model] = {}
@@ -140,7 +144,7 @@ class IndexSwarm:
                 return None
             if node not in peers:
                 peers[node] = PeerSource(address, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s,
-                                         security=self.security)
+                                         read_timeout_s=self.read_timeout_s, security=self.security)
             return peers[node]
 
         owner_source = _OwnerSource(self, model, peer)

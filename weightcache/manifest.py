@@ -140,8 +140,10 @@ class Manifest:
                 )
         try:
             doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except ValueError as err:  # not UTF-8, not JSON, or a number past Python's 4300-digit limit
             raise ManifestError(f"{where}: not JSON ({err})") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: its JSON nests too deeply to parse: not a manifest strata wrote") from None
         return _decode(doc, bytes(raw), where)
 
 

@@ -15,7 +15,22 @@ popular node slows its callers instead of queueing without bound). A node
 asked for a model it has no prefetch of waits only ``join_wait_s`` for one
 to start (the members of a swarm are asked at about the same time, not at
 once), so a member that was never asked costs its peers that long, not
-their whole wait.
+their whole wait; the window counts from the caller's first ask
+(``waited_s``), as a caller asks again every few seconds while it waits.
+
+A read that must wait holds one of ``max_waiting`` places (and, in the
+gRPC server, one worker thread) for as long as it waits; beyond them it is
+refused at once (RESOURCE_EXHAUSTED with a retry delay), so readers
+waiting on a model this node does not have can never take every worker
+and starve Status and Prefetch (:func:`weightcache.service.serve` sizes
+its pool from these bounds). A wait that runs out while the chunk may still
+come answers "not yet" (:attr:`ChunkAnswer.pending`), not "not here".
+
+The serving handles (one per model, for status and peer reads) are opened
+unpinned (:meth:`NodeCache.open`): a model this node only serves is idle
+in the cache and may be evicted for the next prefetch; a read takes the
+model's lease for its own duration, and a handle whose model was evicted
+is dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +51,14 @@ log = logging.getLogger(__name__)
 
 RUNNING, COMPLETE, FAILED, UNKNOWN = "running", "complete", "failed", "unknown"
 MAX_WAIT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkAnswer:
+    """What :meth:`Prefetcher.read_chunk` found: the bytes, or none and whether to ask again."""
+
+    data: bytes | None  # None: not here now
+    pending: bool = False  # not here yet, but a prefetch here may still bring it: ask again
 
 
 @dataclass
@@ -63,9 +86,9 @@ class _Job:
 class Prefetcher:
     def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
                  s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
-                 max_uploads: int = 8, join_wait_s: float = 5.0, ram=None) -> None:
-        if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024):
-            raise ValueError("max_jobs and max_uploads must be 1..1024")
+                 max_uploads: int = 8, max_waiting: int = 32, join_wait_s: float = 5.0, ram=None) -> None:
+        if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024 and 1 <= max_waiting <= 1024):
+            raise ValueError("max_jobs, max_uploads and max_waiting must be 1..1024")
         if not 0 <= join_wait_s <= MAX_WAIT_S:
             raise ValueError(f"join_wait_s must be 0..{MAX_WAIT_S:g}")
         self.join_wait_s = join_wait_s
@@ -79,9 +102,13 @@ class Prefetcher:
         if ram is not None and metrics is not None:
             metrics.ram_bytes.set_function(ram.used_bytes)
         self.max_jobs = max_jobs
+        self.max_uploads = max_uploads
+        self.max_waiting = max_waiting
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._uploads = threading.BoundedSemaphore(max_uploads)
+        self._waiting = threading.BoundedSemaphore(max_waiting)
+        self._closing = threading.Event()  # ends every wait in read_chunk
         self._cache = NodeCache(self.cache_dir, cache_bytes if cache_bytes is not None else 1 << 62)
         self._serving: dict[str, object] = {}  # digest -> CachedModel opened for peer reads
 
@@ -94,8 +121,9 @@ class Prefetcher:
         if digest:
             catalog.check_digest(digest)
             with self._lock:
-                if digest in self._jobs and self._jobs[digest].error is None:
-                    return digest, False
+                job = self._jobs.get(digest)
+            if self._holds(job, self._served(digest) if job is not None else None):
+                return digest, False
         with self._lock:
             live = sum(1 for j in self._jobs.values() if not j.done.is_set())
             if live >= self.max_jobs:
@@ -106,12 +134,26 @@ class Prefetcher:
                             revision=revision or None, limits=self.limits, s3=self.s3, metrics=self.metrics,
                             include="*", route=route, ram_dir=self.ram.root if self.ram is not None else None)
         with self._lock:
-            if reader.digest in self._jobs and self._jobs[reader.digest].error is None:
+            if self._holds(self._jobs.get(reader.digest), reader.model):
                 reader.close()
                 return reader.digest, False
-            job = self._jobs[reader.digest] = _Job(reader)  # a failed one before it is closed: retried
+            job = self._jobs[reader.digest] = _Job(reader)  # a failed or evicted one before it: fetched again
         threading.Thread(target=self._drive, args=(job,), name=f"prefetch-{reader.digest[:12]}", daemon=True).start()
         return reader.digest, True
+
+    @staticmethod
+    def _holds(job: _Job | None, model) -> bool:
+        """Whether there is nothing to start: a job for the model runs, or one ended well and the
+        cache (``model``: a handle on it, or None) still holds every chunk. An evicted model is
+        fetched again when asked for."""
+        if job is None or job.error is not None:
+            return False
+        if not job.done.is_set():
+            return True
+        if model is None:
+            return False
+        model.refresh()
+        return model.verified_chunks() == model.manifest.total_chunks
 
     def _drive(self, job: _Job) -> None:
         try:
@@ -159,14 +201,24 @@ class Prefetcher:
     # ---- the peer data plane -----------------------------------------------------------
 
     def _served(self, digest: str):
+        """The model's serving handle (unpinned), None when the cache does not hold it."""
         with self._lock:
             model = self._serving.get(digest)
+            if model is not None and not model.current():  # evicted since: drop the stale handle
+                self._serving.pop(digest).close()
+                model = None
             if model is None:
                 manifest = self._cache.stored_manifest(digest)
                 if manifest is None:
                     return None
-                model = self._serving[digest] = self._cache.open(manifest)
+                model = self._serving[digest] = self._cache.open(manifest, pinned=False)
             return model
+
+    def _drop(self, digest: str, model) -> None:
+        with self._lock:
+            if self._serving.get(digest) is model:
+                del self._serving[digest]
+                model.close()
 
     def verified(self, digest: str) -> list[tuple[int, int]]:
         """(file, chunk) of every verified chunk of the model here: what an index swarm announces."""
@@ -177,34 +229,60 @@ class Prefetcher:
         return [(f, c) for f, entry in enumerate(model.manifest.files) for c in range(len(entry.chunks))
                 if model.is_present(f, c)]
 
-    def read_chunk(self, digest: str, file: int, chunk: int, wait_s: float = 0.0) -> bytes | None:
-        """A verified chunk's bytes, None when this node does not hold it (after waiting up to
-        ``wait_s`` while a prefetch here may still bring it)."""
+    def read_chunk(self, digest: str, file: int, chunk: int, wait_s: float = 0.0,
+                   waited_s: float = 0.0) -> ChunkAnswer:
+        """A verified chunk's bytes, or none: after waiting up to ``wait_s`` while a prefetch here
+        may still bring it, and then ``pending`` if it still may. ``waited_s``: how long the caller
+        has waited on this chunk already (earlier asks), counted against ``join_wait_s``."""
         catalog.check_digest(digest)
         now = time.monotonic()
         deadline = now + min(max(wait_s, 0.0), MAX_WAIT_S)
-        joined = now + min(max(wait_s, 0.0), self.join_wait_s)  # by then a prefetch here should have begun
-        while True:
-            model = self._served(digest)
-            if model is not None:
-                entry = model.manifest.files[file] if file < len(model.manifest.files) else None
-                if entry is None or chunk >= len(entry.chunks):
-                    raise InvalidArgument(f"manifest {digest} has no chunk {chunk} of file {file}")
-                model.refresh()
-                if model.is_present(file, chunk):
-                    break
-            with self._lock:
-                job = self._jobs.get(digest)
-            now = time.monotonic()
-            if (job is not None and job.done.is_set()) or now >= deadline or (job is None and now >= joined):
-                return None
-            time.sleep(self.limits.poll_interval_s)
+        joined = now + max(0.0, self.join_wait_s - min(max(waited_s, 0.0), MAX_WAIT_S))  # a prefetch should have begun
+        waiting = False
+        try:
+            while True:
+                model = self._served(digest)
+                if model is not None:
+                    entry = model.manifest.files[file] if file < len(model.manifest.files) else None
+                    if entry is None or chunk >= len(entry.chunks):
+                        raise InvalidArgument(f"manifest {digest} has no chunk {chunk} of file {file}")
+                    model.refresh()
+                    if model.is_present(file, chunk):
+                        return ChunkAnswer(self._upload(digest, model, file, chunk))
+                with self._lock:
+                    job = self._jobs.get(digest)
+                coming = not job.done.is_set() if job is not None else now < joined
+                if not coming or self._closing.is_set():
+                    return ChunkAnswer(None)
+                if now >= deadline:
+                    return ChunkAnswer(None, pending=True)
+                if not waiting:
+                    if not self._waiting.acquire(blocking=False):
+                        raise ResourceExhausted(
+                            f"{self.max_waiting} chunk reads are already waiting on this node for chunks it is "
+                            "still fetching: ask again shortly, or read the chunk from another source",
+                            retry_after_s=0.5,
+                        )
+                    waiting = True
+                self._closing.wait(min(self.limits.poll_interval_s, max(0.0, deadline - now)))
+                now = time.monotonic()
+        finally:
+            if waiting:
+                self._waiting.release()
+
+    def _upload(self, digest: str, model, file: int, chunk: int) -> bytes | None:
+        """The bytes of a chunk recorded as verified, read under the model's lease; None when the
+        model was evicted meanwhile (the handle is dropped: the chunk is not here any more)."""
         if not self._uploads.acquire(blocking=False):
             raise ResourceExhausted("this node is serving its most chunks at once: try another source",
                                     retry_after_s=0.05)
         try:
-            start, end = entry.chunk_span(chunk, model.manifest.chunk_bytes)
-            data = model.read(file, start, end)
+            with model.leased() as here:
+                if not here:
+                    self._drop(digest, model)
+                    return None
+                start, end = model.manifest.files[file].chunk_span(chunk, model.manifest.chunk_bytes)
+                data = model.read(file, start, end)
         finally:
             self._uploads.release()
         if self.metrics is not None:
@@ -212,6 +290,7 @@ class Prefetcher:
         return data
 
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             jobs, self._jobs = list(self._jobs.values()), {}
             serving, self._serving = list(self._serving.values()), {}

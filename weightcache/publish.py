@@ -101,7 +101,7 @@ async def check_shard_index(origin: Origin, path: str, manifest: Manifest) -> No
     raw = await origin.get(path, MAX_INDEX_BYTES)
     try:
         weight_map = json.loads(raw or b"{}").get("weight_map", {})
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         raise ManifestError(f"{where}: not a JSON object with a weight_map") from None
     if not isinstance(weight_map, dict):
         raise ManifestError(f"{where}: weight_map is not an object")

@@ -8,13 +8,23 @@ A file is ``u64 little-endian N``, then ``N`` bytes of JSON, then the data::
 with offsets relative to byte ``8 + N``. The format carries no checksum, so
 what can be checked is checked before any offset is trusted: the length
 fits the file and :data:`MAX_HEADER_BYTES`; the JSON is an object with no
-repeated key; every dtype is known (:mod:`weightcache.dtypes`); every shape
-is a list of non-negative integers whose byte size equals its range; no two
-ranges overlap and none reaches past the end of the file. A header that
+repeated key and nests no deeper than JSON's own parser can follow (a
+table is three levels deep; a hostile file nests millions); every dtype is
+known (:mod:`weightcache.dtypes`); every shape is a list of non-negative
+integers whose byte size equals its range; no two ranges overlap and none
+reaches past the end of the file. A header that
 breaks any of these raises :class:`~weightcache.errors.HeaderError` naming
 the file and the tensor. Ranges may leave gaps: bytes no tensor claims are
 still covered by the manifest's chunk digests, so a gap cannot hide a
 changed byte, and refusing it would refuse files safetensors itself reads.
+
+A shape is bounded as well as matched to its range: a zero-size tensor
+(``[0, 2**70]``) spans no bytes whatever its other dimensions, yet numpy and
+torch refuse to build a view whose dimensions (its zeros taken as one)
+overflow a signed 64-bit size. So the product of a shape's dimensions, each
+zero counted as one, must be at most :data:`MAX_TENSOR_BYTES` in bytes: every
+tensor a header describes can then be made, in both frameworks, and
+Python's integers compute the product without overflow.
 
 The same checks run on a manifest's tensor table (:func:`check_table`), so a
 hand-edited manifest cannot point a reader outside the file either.
@@ -25,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +45,7 @@ from weightcache.errors import HeaderError
 LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_RANK = 64
+MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: far past any real tensor, far below a 64-bit size or stride
 METADATA_KEY = "__metadata__"
 
 
@@ -90,6 +102,15 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
         raise HeaderError(f"{where}: the header is not JSON ({err.msg} at byte {err.pos}): a corrupt or truncated file") from None
     except _Repeated as err:
         raise HeaderError(f"{where}: the header names {err.args[0]!r} twice") from None
+    except ValueError:  # the one other refusal of json: an integer past Python's limit on digits
+        raise HeaderError(
+            f"{where}: the header holds a number of over {sys.get_int_max_str_digits()} digits: a corrupt or hostile file"
+        ) from None
+    except RecursionError:
+        raise HeaderError(
+            f"{where}: the header's JSON nests too deeply to parse (a safetensors tensor table is 3 levels deep): "
+            "a corrupt or hostile file; re-export it with the safetensors library"
+        ) from None
     if not isinstance(doc, dict):
         raise HeaderError(f"{where}: the header is JSON but not an object")
     metadata = doc.pop(METADATA_KEY, {})
@@ -144,11 +165,11 @@ def _entry(name: str, value: object, where: str) -> TensorEntry:
         raise HeaderError(f"{where}: tensor {name!r} is not an object with dtype, shape and data_offsets")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-        raise HeaderError(f"{where}: tensor {name!r}: shape must be a list of integers, not {shape!r}")
+        raise HeaderError(f"{where}: tensor {name!r}: shape must be a list of integers, not {shape!r:.200}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
-        raise HeaderError(f"{where}: tensor {name!r}: data_offsets must be [begin, end], not {offsets!r}")
+        raise HeaderError(f"{where}: tensor {name!r}: data_offsets must be [begin, end], not {offsets!r:.200}")
     if not isinstance(dtype, str):
-        raise HeaderError(f"{where}: tensor {name!r}: dtype must be a string, not {dtype!r}")
+        raise HeaderError(f"{where}: tensor {name!r}: dtype must be a string, not {dtype!r:.200}")
     return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
@@ -157,7 +178,12 @@ def _check_entry(e: TensorEntry, where: str) -> None:
     if dtype is None:
         raise HeaderError(f"{where}: tensor {e.name!r} has dtype {e.dtype!r}; known: {', '.join(DTYPES)}")
     if len(e.shape) > MAX_RANK or any(d < 0 for d in e.shape):
-        raise HeaderError(f"{where}: tensor {e.name!r}: shape {list(e.shape)} is not up to {MAX_RANK} sizes >= 0")
+        raise HeaderError(f"{where}: tensor {e.name!r}: shape {_shown(e.shape)} is not up to {MAX_RANK} sizes >= 0")
+    if math.prod(max(d, 1) for d in e.shape) * dtype.bits > MAX_TENSOR_BYTES * 8:
+        raise HeaderError(
+            f"{where}: tensor {e.name!r}: shape {_shown(e.shape)} of {e.dtype} is over {MAX_TENSOR_BYTES >> 50} PiB "
+            "even with its zero dimensions taken as 1, too large for numpy or torch to describe: a corrupt header"
+        )
     if not 0 <= e.begin <= e.end:
         raise HeaderError(f"{where}: tensor {e.name!r}: data_offsets [{e.begin}, {e.end}] must have 0 <= begin <= end")
     size = dtype.nbytes(e.shape)
@@ -167,9 +193,15 @@ def _check_entry(e: TensorEntry, where: str) -> None:
         )
     if size != e.nbytes:
         raise HeaderError(
-            f"{where}: tensor {e.name!r}: shape {list(e.shape)} of {e.dtype} is {size} bytes but its "
+            f"{where}: tensor {e.name!r}: shape {_shown(e.shape)} of {e.dtype} is {size} bytes but its "
             f"data_offsets span {e.nbytes}: a corrupt header"
         )
+
+
+def _shown(shape: tuple[int, ...]) -> str:
+    """A shape for a message, cut short: a hostile one may hold 64 numbers of any length."""
+    text = str(list(shape))
+    return text if len(text) <= 200 else f"{text[:200]}...]"
 
 
 def _is_int(x: object) -> bool:

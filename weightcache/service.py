@@ -14,6 +14,17 @@ origin cannot take the KV cache down with it, each is restarted alone, and
 the weight node is the one process that both fills the node cache and
 serves its chunks to peers. It runs beside the daemon (a second container
 of the same pod, the same image).
+
+Every call holds one of the server's worker threads until it is answered,
+and a ``ReadChunk`` may wait (for a chunk the node is still fetching). So
+the pool is sized from the prefetcher's bounds: its most waiting reads
+(``max_waiting``), its most uploads, and :data:`SPARE_WORKERS` that no
+ReadChunk can take; a read past those bounds is refused at once
+(RESOURCE_EXHAUSTED with a retry delay), and Status and Prefetch always
+find a worker. A wait that ends while the chunk may still come is answered
+``found=false`` with the trailing metadata ``strata-chunk-pending: 1``
+(:data:`weightcache.peers.PENDING_KEY`); the caller says how long it has
+waited already in ``strata-waited-ms`` (:data:`weightcache.peers.WAITED_KEY`).
 """
 
 from __future__ import annotations
@@ -27,10 +38,12 @@ from kvstore.errors import StrataError
 from kvstore.rpc.status import to_status
 from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
-from weightcache.peers import CHANNEL_OPTIONS
-from weightcache.prefetch import COMPLETE, FAILED, RUNNING, UNKNOWN, Prefetcher
+from weightcache.peers import CHANNEL_OPTIONS, PENDING_KEY, WAITED_KEY
+from weightcache.prefetch import COMPLETE, FAILED, MAX_WAIT_S, RUNNING, UNKNOWN, Prefetcher
 
 log = logging.getLogger(__name__)
+
+SPARE_WORKERS = 16  # worker threads no waiting or uploading ReadChunk can hold: Status, Prefetch, quick reads
 
 STATES = {
     UNKNOWN: pb.PREFETCH_STATE_UNKNOWN, RUNNING: pb.PREFETCH_STATE_RUNNING,
@@ -62,8 +75,24 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 wait = min(wait, max(0.0, remaining - 1.0))  # answer a miss before the caller gives up
-            data = self.prefetcher.read_chunk(request.digest, request.file, request.chunk, wait)
-            return pb.ReadChunkResponse(found=False) if data is None else pb.ReadChunkResponse(found=True, data=data)
+            answer = self.prefetcher.read_chunk(request.digest, request.file, request.chunk, wait,
+                                                waited_s=_waited_s(context.invocation_metadata()))
+            if answer.data is not None:
+                return pb.ReadChunkResponse(found=True, data=answer.data)
+            if answer.pending:
+                context.set_trailing_metadata(((PENDING_KEY, "1"),))
+            return pb.ReadChunkResponse(found=False)
+
+
+def _waited_s(metadata) -> float:
+    """How long the caller says it has waited on this chunk already (0 when it does not say)."""
+    for key, value in metadata or ():
+        if key == WAITED_KEY:
+            try:
+                return min(max(int(value), 0), int(MAX_WAIT_S * 1000)) / 1000
+            except ValueError:
+                return 0.0
+    return 0.0
 
 
 class _mapped:
@@ -81,14 +110,24 @@ class _mapped:
         return False
 
 
-def serve(prefetcher: Prefetcher, address: str, *, max_workers: int = 64, authority=None,
+def serve(prefetcher: Prefetcher, address: str, *, max_workers: int | None = None, authority=None,
           credentials: grpc.ServerCredentials | None = None, insecure: bool = False) -> tuple[grpc.Server, int]:
     """A started server for the prefetcher on ``address`` (host:port; port 0 picks one); (server, port).
+    ``max_workers`` (default: the prefetcher's waiting and upload bounds, plus :data:`SPARE_WORKERS`)
+    must leave at least :data:`SPARE_WORKERS` beyond those bounds.
     ``authority`` (a :class:`kvstore.auth.Authority` that requires credentials) checks every call
     (:mod:`weightcache.access`); ``credentials`` serve TLS. Beyond loopback, no authority is refused
     unless ``insecure`` (protected mode, as the daemon's)."""
     from weightcache.access import WeightsAuthInterceptor, check_exposure
 
+    held = prefetcher.max_waiting + prefetcher.max_uploads
+    if max_workers is None:
+        max_workers = max(64, held + SPARE_WORKERS)
+    if max_workers < held + SPARE_WORKERS:
+        raise ValueError(
+            f"max_workers {max_workers} leaves fewer than {SPARE_WORKERS} workers beyond the {held} that waiting "
+            "and uploading chunk reads may hold: give more workers, or lower max_waiting / max_uploads"
+        )
     check_exposure(address, authority, insecure)
     interceptors = [WeightsAuthInterceptor(authority)] if authority is not None and authority.required else []
     server = grpc.server(
