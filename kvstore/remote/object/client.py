@@ -163,15 +163,24 @@ class S3Client:
 
     async def get_range(self, path: str, start: int, end: int, deadline: float, op: str = "probe") -> bytes | None:
         """Bytes [start, end) of an object (fewer if it is shorter), or None when it does not exist."""
+        got = await self.get_range_sized(path, start, end, deadline, op)
+        return None if got is None else got[0]
+
+    async def get_range_sized(self, path: str, start: int, end: int, deadline: float,
+                              op: str = "probe") -> tuple[bytes, int] | None:
+        """Bytes [start, end) of an object (fewer if it is shorter) and the object's whole length (the
+        total of S3's ``Content-Range``, from the same answer), or None when it does not exist."""
         async def attempt():
             result = await obstore.get_async(self.store, path, options={"range": (start, end)})
-            return bytes(await result.bytes_async())
+            return bytes(await result.bytes_async()), int(result.meta["size"])
 
         async with self._turns:
             got = await self._retried(op, deadline, attempt)
         if got is MISSING:
             return None
-        self.metrics.bytes.labels("received").inc(len(got))
+        if isinstance(got, bytes):  # a range of an empty object (416): no bytes at all
+            return got, 0
+        self.metrics.bytes.labels("received").inc(len(got[0]))
         return got
 
     @contextlib.asynccontextmanager

@@ -31,10 +31,19 @@ a GC sweep reads without a listing of its own). Unknown fields are ignored,
 so later writers may add fields without a new version; a newer version is
 refused as :class:`UnknownFormat` (a miss, never deleted: a newer daemon
 wrote it), a broken header as :class:`~kvstore.errors.CorruptBlock`.
+
+A header that parses and passes its own checksum can still lie (a damaged
+or forged object): a ``size`` past the object's end, a map longer than the
+object, another block's key, a field out of range. Each of these is
+``CorruptBlock`` too, and :func:`decode_header` checks ``size`` against
+the object's real length (which every reader learns from S3 before any
+payload) so that no reader sizes a buffer, or compares against its largest
+block, by a number the object itself contradicts.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from dataclasses import dataclass
@@ -108,10 +117,12 @@ def header_length(head: bytes | bytearray | memoryview) -> int:
     return FIXED_BYTES + n
 
 
-def decode_header(head: bytes | bytearray | memoryview, expect: BlockKey) -> Header:
-    """The header at the start of an object; ``head`` holds at least :func:`header_length` bytes.
+def decode_header(head: bytes | bytearray | memoryview, expect: BlockKey, object_bytes: int | None = None) -> Header:
+    """The header at the start of an object; ``head`` holds at least :func:`header_length` bytes;
+    ``object_bytes``: the object's whole length as the server reports it (readers always pass it).
 
-    Raises CorruptBlock when it is damaged or names another block, UnknownFormat when newer."""
+    Raises CorruptBlock when it is damaged, names another block or describes an object of another
+    length, UnknownFormat when newer."""
     end = header_length(head)
     if len(head) < end:
         raise CorruptBlock(f"object is {len(head)} bytes, shorter than its own header ({end})")
@@ -122,7 +133,7 @@ def decode_header(head: bytes | bytearray | memoryview, expect: BlockKey) -> Hea
         fields = msgpack.unpackb(packed, raw=False)
         key = BlockKey.checked(fields["ns"], fields["key"])
         parent, layout = fields.get("parent"), fields.get("layout", "")
-        size, digest, at = fields["size"], fields["xxh3"], float(fields.get("at", 0.0))
+        size, digest, at = fields["size"], fields["xxh3"], fields.get("at", 0.0)
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as err:
         raise CorruptBlock(f"block header does not parse: {type(err).__name__}") from None
     except InvalidArgument as err:
@@ -131,12 +142,15 @@ def decode_header(head: bytes | bytearray | memoryview, expect: BlockKey) -> Hea
         isinstance(size, int) and 0 <= size < 1 << 48 and isinstance(digest, int) and 0 <= digest < 1 << 64
         and (parent is None or (isinstance(parent, bytes) and len(parent) <= MAX_KEY_BYTES))
         and isinstance(layout, str) and len(layout) <= MAX_LAYOUT_CHARS
+        and isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) and at >= 0
     )
     if not valid:
         raise CorruptBlock("block header holds values outside their limits")
     if key != expect:
         raise CorruptBlock(f"object at the name of {expect} holds block {key}")
-    return Header(key, BlockMeta(size, digest, parent, layout), at, end)
+    if object_bytes is not None and object_bytes != end + size:
+        raise CorruptBlock(f"object is {object_bytes} bytes; its header says {end + size}")
+    return Header(key, BlockMeta(size, digest, parent, layout), float(at), end)
 
 
 class Framed:

@@ -36,7 +36,13 @@ only parts S3 hides (a bucket lifecycle rule for incomplete multipart
 uploads reclaims them).
 
 Objects of a newer format are misses, never deleted (a newer daemon wrote
-them); objects whose header is broken are deleted as corrupt.
+them); objects whose header is broken, or lies about the object (a size
+past its end, another block's key, a field out of range), are deleted as
+corrupt by whichever call meets them first: read, fetch, lookup, or the
+probe before a write. A header's size is checked against the object's
+length as S3 reports it before anything is sized by it; only then is a
+block larger than ``max_block_bytes`` a miss, left alone (another fleet's
+block, whole and consistent).
 """
 
 from __future__ import annotations
@@ -66,7 +72,6 @@ from kvstore.remote.object.quota import ByteQuota, Quota
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_CORRUPT = object()  # a probe found a damaged object (and deleted it)
 DEFAULT_MULTIPART_BYTES = 64 << 20
 
 
@@ -139,7 +144,7 @@ class ObjectSource(RemoteSource):
     async def lookup(self, keys: Sequence[BlockKey], deadline: float) -> list[BlockMeta | None]:
         async def body() -> list[BlockMeta | None]:
             found = await _gather([self._probe(k, deadline) for k in keys])
-            return [h.meta if isinstance(h, Header) else None for h in found]
+            return [h.meta if isinstance(h, Header) and self._takes(h) else None for h in found]
 
         return await self._whole("lookup", len(keys), deadline, body)
 
@@ -210,25 +215,31 @@ class ObjectSource(RemoteSource):
 
     # One key's work.
 
-    async def _probe(self, key: BlockKey, deadline: float, keep_corrupt: bool = False):
+    def _takes(self, header: Header) -> bool:
+        """Whether this daemon reads the block: a larger one (another fleet's limits) is a miss here."""
+        return header.meta.size <= self._limits.max_block_bytes
+
+    async def _probe(self, key: BlockKey, deadline: float, keep_corrupt: bool = False) -> Header | CorruptBlock | None:
         """The header of ``key``'s object, None when absent (or of a newer format); a damaged one is
-        deleted and reported None, or ``_CORRUPT`` when ``keep_corrupt`` (it was there)."""
+        deleted and reported None, or as its CorruptBlock when ``keep_corrupt`` (it was there)."""
         path = self._layout.path(key)
-        head = await self._client.get_range(path, 0, PROBE_BYTES, deadline)
-        if head is None:
+        got = await self._client.get_range_sized(path, 0, PROBE_BYTES, deadline)
+        if got is None:
             return None
+        head, object_bytes = got
         try:
             need = header_length(head)
             if len(head) < need and len(head) == PROBE_BYTES:  # a long header: ask for all of it
-                head = await self._client.get_range(path, 0, need, deadline)
-                if head is None:
+                got = await self._client.get_range_sized(path, 0, need, deadline)
+                if got is None:
                     return None
-            return decode_header(head, key)
+                head, object_bytes = got
+            return decode_header(head, key, object_bytes)
         except UnknownFormat:
             return None
         except CorruptBlock as err:
-            await self._drop_corrupt(key, path, None, err, deadline)
-            return _CORRUPT if keep_corrupt else None
+            failed = await self._drop_corrupt(key, path, None, err, deadline)
+            return failed.error if keep_corrupt else None
 
     async def _read_one(self, i: int, key: BlockKey, place: Place, deadline: float) -> ReadResult:
         path = self._layout.path(key)
@@ -240,14 +251,12 @@ class ObjectSource(RemoteSource):
             chunks = body.chunks().__aiter__()
             header: Header | None = None
             try:
-                head, header = await _read_header(chunks, key)
-                if header.meta.size > self._limits.max_block_bytes:
+                head, header = await _read_header(chunks, key, body.size)
+                if not self._takes(header):
                     log.warning("%s: block %s is %d bytes, over this daemon's %d: read as a miss", self.name, key,
                                 header.meta.size, self._limits.max_block_bytes)
                     self._misses += 1
                     return MISS
-                if body.size != header.object_bytes:
-                    raise CorruptBlock(f"object is {body.size} bytes; its header says {header.object_bytes}")
                 view = place(i, header.meta)
                 if view is None:
                     return ReadResult.skipped(header.meta)
@@ -278,29 +287,31 @@ class ObjectSource(RemoteSource):
             if body is None:
                 self._misses += 1
                 return None
-            if body.size > self._limits.max_block_bytes + FIXED_BYTES + MAX_MAP_BYTES:
-                log.warning("%s: the object of %s is %d bytes, over this daemon's blocks: read as a miss", self.name,
-                            key, body.size)
-                self._misses += 1
-                return None
-            view = memoryview(await body.whole())
-            try:
-                if len(view) < FIXED_BYTES or len(view) < header_length(view):
-                    raise CorruptBlock(f"object ends after {len(view)} bytes, inside its header")
-                header = decode_header(view[:header_length(view)], key)
-                if header.meta.size > self._limits.max_block_bytes:
+            oversized = body.size > self._limits.max_block_bytes + FIXED_BYTES + MAX_MAP_BYTES
+            if not oversized:  # never a body larger than the largest block in memory
+                view = memoryview(await body.whole())
+                try:
+                    header = decode_header(view, key, len(view))
+                    if not self._takes(header):
+                        self._misses += 1
+                        return None
+                    payload = view[header.header_bytes:]
+                    if xxhash.xxh3_64_intdigest(payload) != header.meta.checksum:
+                        raise CorruptBlock("its bytes failed their xxh3-64 checksum")
+                except UnknownFormat:
                     self._misses += 1
                     return None
-                if len(view) != header.object_bytes:
-                    raise CorruptBlock(f"object is {len(view)} bytes; its header says {header.object_bytes}")
-                payload = view[header.header_bytes:]
-                if xxhash.xxh3_64_intdigest(payload) != header.meta.checksum:
-                    raise CorruptBlock("its bytes failed their xxh3-64 checksum")
-            except UnknownFormat:
-                self._misses += 1
-                return None
-            except CorruptBlock as err:
-                damage = (err, header)
+                except CorruptBlock as err:
+                    damage = (err, header)
+        if oversized:  # the request's turn given back: its header alone says whether it is whole
+            found = await self._probe(key, deadline, keep_corrupt=True)
+            if isinstance(found, CorruptBlock):
+                raise found
+            if found is not None:
+                log.warning("%s: block %s is %d bytes, over this daemon's %d: read as a miss", self.name, key,
+                            found.meta.size, self._limits.max_block_bytes)
+            self._misses += 1
+            return None
         if damage is not None:
             failed = await self._drop_corrupt(key, path, damage[1], damage[0], deadline)
             raise failed.error
@@ -346,7 +357,7 @@ class ObjectSource(RemoteSource):
                             deadline: float) -> ReadResult:
         self._errors += 1
         self._metrics.corrupt.inc()
-        log.error("%s: object of block %s is corrupt (%s): deleting it", self.name, key, err)
+        log.error("%s: object %s of block %s is corrupt (%s): deleting it", self.name, path, key, err)
         try:
             await self._client.delete([path], deadline)
         except StrataError as failed:  # best effort: the next read finds it corrupt again
@@ -475,8 +486,9 @@ async def _gather(coros: list[Awaitable[T]]) -> list[T]:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _read_header(chunks, key: BlockKey) -> tuple[bytes | bytearray, Header]:
-    """The first bytes of a streamed object, holding at least its whole header, and the header."""
+async def _read_header(chunks, key: BlockKey, object_bytes: int) -> tuple[bytes | bytearray, Header]:
+    """The first bytes of a streamed object of ``object_bytes``, holding at least its whole header, and
+    the header (CorruptBlock unless it describes an object of that length)."""
     head: bytes | bytearray = b""
     need = FIXED_BYTES
     while True:
@@ -488,7 +500,7 @@ async def _read_header(chunks, key: BlockKey) -> tuple[bytes | bytearray, Header
         if need == FIXED_BYTES:
             need = header_length(head)
             continue
-        return head, decode_header(head, key)
+        return head, decode_header(head, key, object_bytes)
 
 
 def _writable(name: str, key: BlockKey, view, size: int) -> memoryview | ReadResult:
