@@ -39,7 +39,7 @@ class StoreLimits:
     tier_retry_s: float  # after a lower tier fails a write, evict above by dropping for this long
     verify_commits: bool  # verify checksums of blocks written through the arena
     put_wait_s: float  # longest a writer waits for room when no deadline is given
-    max_leases_per_owner: int = 0  # leases one owner may hold (kvstore.shares' idea, in the table); 0: no share
+    max_leases_per_owner: int  # leases one owner (a tenant, a connection) may hold at once
 
     @classmethod
     def from_settings(cls, store=None, **overrides) -> StoreLimits:
