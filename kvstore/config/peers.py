@@ -33,9 +33,17 @@ class PeerSettings(Section):
         "extra; advertised as ucx-shm://<host id>:<port>, tried first by a reader on this host that lists "
         "ucx-shm in its peer transports); reachable by this user's processes on this host only",
     )
-    max_connections: int = setting(64, "peer connections at once; one more is refused with a retry delay", ge=1, le=4096)
+    max_connections: int = setting(
+        64, "peer connections at once; one more is refused with a retry delay. At most half of them may be "
+        "waiting for their Hello (a quarter from one address): one more closes the oldest waiting", ge=1, le=4096,
+    )
     idle_seconds: float = setting(
-        120.0, "close a peer connection that sends nothing, or stops reading its reply, for this long", gt=0, le=86400
+        120.0, "close a peer connection that sends nothing, or stops reading its reply, for this long, or that "
+        "takes longer than this to send one frame once it began", gt=0, le=86400,
+    )
+    hello_seconds: float = setting(
+        5.0, "close a peer connection that has not finished its Hello (the first frame, with its token) this long "
+        "after it was accepted, however its bytes trickle in", gt=0, le=600,
     )
     in_flight_bytes: ByteSize = setting(
         ByteSize(1 << 30), "block bytes every peer connection together may have in flight (being sent or received) "

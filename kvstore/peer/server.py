@@ -41,11 +41,24 @@ class; beyond a limit ``Overloaded`` with a retry delay, never a queue):
 ``max_connections`` at once; one request in flight per connection; a
 frame's control part within :data:`~kvstore.peer.wire.MAX_META_BYTES`;
 batches within the store's ``max_batch_blocks``; one request's block bytes
-within ``request_bytes``; the block bytes every connection together is
+within ``request_bytes``, a frame's payload too (refused from its header);
+the block bytes every connection together is
 sending or receiving within ``in_flight_bytes`` (a byte budget, taken per
 block on reads and per request on writes); a connection that sends nothing,
 or stops reading its reply, for ``idle_s`` is closed (kernel socket
-timeouts), and one that does not say Hello within :data:`HELLO_TIMEOUT_S`.
+timeouts), and so is one whose frame, once begun, is not whole within
+``idle_s`` (each byte that comes restarts a socket timeout, so a byte now and
+then would otherwise hold the connection for ever).
+
+Before its Hello a connection costs whoever opened it nothing but a TCP
+handshake, so it gets little: its first frame must be a Hello of at most
+:data:`~kvstore.peer.wire.MAX_HELLO_BYTES` and no payload (a header claiming
+more is refused before a byte more is read, never given a buffer of the
+length it claims), whole within ``hello_s`` of the accept however slowly its
+bytes come; and the connections waiting for their Hello share at most half
+of ``max_connections``, a quarter from one address, the oldest closed to
+make room (:mod:`kvstore.peer.hello_gate` says why), so a flood of them
+cannot keep an authenticated peer out.
 
 Authentication: the Hello carries a bearer token, checked against the same
 policy as gRPC (:class:`~kvstore.auth.Authority`); without a token the
@@ -74,6 +87,7 @@ from kvstore.errors import (
 )
 from kvstore.metrics import StoreMetrics
 from kvstore.peer import wire
+from kvstore.peer.hello_gate import HelloGate
 from kvstore.peer.served import ServedBytes
 from kvstore.rpc.status import code_for
 from kvstore.server.budget import ByteBudget
@@ -84,7 +98,7 @@ from kvstore.transport.unix import set_kernel_timeouts
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0
+HELLO_S = 5.0
 REFUSE_RETRY_S = 0.5
 REPLICA_LEASE = LeaseKind("replica")  # a copy pinned here for another node's pin (HOLD)
 
@@ -119,6 +133,14 @@ def _put_block(value) -> tuple[bytes, int, int, bytes | None, str]:
     return key, _int(size, "size"), _int(sum_, "checksum"), parent or None, layout
 
 
+def _stop_reading(conn: socket.socket) -> None:
+    """Wake a thread waiting in ``recv`` on ``conn`` (it reads EOF); it can still send its answer."""
+    try:
+        conn.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass  # already gone
+
+
 class _Refused(Exception):
     """A whole request refused part-way through its reply: the error frame is sent, the connection goes on."""
 
@@ -135,7 +157,7 @@ class PeerServer:
 
     def __init__(self, store: StoreGroup, listen: str, *, authority: Authority | None = None,
                  metrics: StoreMetrics | None = None, max_connections: int = 64, idle_s: float = 120.0,
-                 in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20,
+                 hello_s: float = HELLO_S, in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20,
                  served: ServedBytes | None = None) -> None:
         self._store = store
         self._served = served if served is not None else ServedBytes()
@@ -144,11 +166,15 @@ class PeerServer:
         self._metrics = metrics if metrics is not None else store.metrics
         self._max_connections = max_connections
         self._idle_s = idle_s
+        self._hello_s = hello_s
         self._request_bytes = request_bytes
         self._budget = ByteBudget(in_flight_bytes, "peer transfers", "--peer-in-flight-bytes")
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._connections = ConnectionTable(max_connections)
+        self._hellos = HelloGate(max(1, max_connections // 2), max(1, max_connections // 4))
+        self._links: set = set()  # every served connection's link, for buffered_bytes
+        self._links_lock = threading.Lock()
         self._ids = itertools.count(1)
         self.port: int | None = None
         self.bytes_sent = 0
@@ -161,6 +187,18 @@ class PeerServer:
     @property
     def in_flight_bytes(self) -> int:
         return self._budget.used_bytes
+
+    @property
+    def waiting_for_hello(self) -> int:
+        """Connections accepted that have not said Hello yet."""
+        return len(self._hellos)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """The bytes the served connections' frame buffers hold (block bytes are the budget's)."""
+        with self._links_lock:
+            links = list(self._links)
+        return sum(link.buffer_bytes for link in links)
 
     # ---- listening -------------------------------------------------------------
 
@@ -191,8 +229,8 @@ class PeerServer:
         accept_loop(self._listener, self._connections, name="strata-peer", serve=self._serve, refuse=self._refuse,
                     configure=lambda conn: conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
 
-    def _refuse(self, conn: socket.socket) -> None:
-        err = Overloaded(
+    def _refuse(self, conn: socket.socket, err: Overloaded | None = None) -> None:
+        err = err or Overloaded(
             f"the peer listener serves at most {self._max_connections} connections (--peer-max-connections): "
             "retry after the delay, or read from another holder", retry_after_s=REFUSE_RETRY_S,
         )
@@ -207,10 +245,13 @@ class PeerServer:
     # ---- one connection ----------------------------------------------------------
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        link = wire.Wire(conn)
+        link = wire.Wire(conn, max_meta=wire.MAX_HELLO_BYTES, max_payload=0)
+        self._track(link, True)
         try:
-            caller = self._hello(conn, link, peer)
+            caller = self._greet(conn, link, peer, peer[0], lambda: _stop_reading(conn))
             if caller is not None:
+                link.limit(max_meta=wire.MAX_META_BYTES, max_payload=self._request_bytes)
+                link.frame_s = self._idle_s
                 set_kernel_timeouts(conn, self._idle_s)
                 conn.settimeout(None)
                 self._loop(conn, link, caller)
@@ -221,13 +262,51 @@ class PeerServer:
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("peer connection closed after an unexpected error")
         finally:
+            self._track(link, False)
             conn.close()
 
-    def _hello(self, conn: socket.socket, link: wire.Wire, peer) -> Caller | None:
-        conn.settimeout(HELLO_TIMEOUT_S)
+    def _track(self, link, served: bool) -> None:
+        with self._links_lock:
+            if served:
+                self._links.add(link)
+            else:
+                self._links.discard(link)
+
+    def _greet(self, conn, link, peer, host, wake) -> Caller | None:
+        """The connection's Hello, waited for within the Hello gate's share (``host``: where it
+        came from; ``wake``: ends its wait when the gate closes it), answered OK with this
+        daemon's limits; None when it was refused (and told why)."""
+        deadline = time.monotonic() + self._hello_s
+        with self._hellos.waiting(host, wake) as ticket:
+            try:
+                said = self._hello(conn, link, deadline)
+            except (EOFError, OSError):
+                if not ticket.closed:
+                    raise
+                said = None
+        if ticket.closed:  # closed to make room for a newer connection (even if its Hello came in the meantime)
+            self._refuse(conn, Overloaded(
+                f"too many peer connections were waiting for their Hello (at most {self._hellos.limit}, half of "
+                f"--peer-max-connections, {self._hellos.per_host} from one address): this one, the oldest, was "
+                "closed to make room; retry after the delay", retry_after_s=REFUSE_RETRY_S,
+            ))
+            return None
+        if said is None:
+            return None
+        rid, identity = said
+        conn.settimeout(self._idle_s)  # not what was left of the Hello's deadline
+        limits = [wire.MAX_META_BYTES, self._store.limits.max_block_bytes, self._store.limits.max_batch_blocks,
+                  self._request_bytes]
+        self._reply(conn, rid, wire.OK, limits)
+        return Caller(identity, f"peer:{identity.principal}:{peer[0]}:{peer[1]}:{next(self._ids)}")
+
+    def _hello(self, conn, link, deadline: float) -> tuple[int, Identity] | None:
+        """The Hello's request id and the caller it names, read by ``deadline``; None when it was
+        refused (the error frame is sent)."""
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             try:
-                meta, payload = link.read_meta()
+                meta, payload = link.read_meta(deadline)
                 op, rid, args = _fields(meta, 3, "request")
                 if op != wire.HELLO or payload:
                     raise InvalidArgument("the first frame on a peer connection must be a Hello")
@@ -246,11 +325,7 @@ class PeerServer:
             self._metrics.rpc_errors.labels("PeerHello", code_for(err).name).inc()
             self._reply(conn, 0, wire.ERROR, wire.error_result(err))
             return None
-        limits = [wire.MAX_META_BYTES, self._store.limits.max_block_bytes, self._store.limits.max_batch_blocks,
-                  self._request_bytes]
-        self._reply(conn, rid, wire.OK, limits)
-        host, port = peer[0], peer[1]
-        return Caller(identity, f"peer:{identity.principal}:{host}:{port}:{next(self._ids)}")
+        return rid, identity
 
     def _loop(self, conn: socket.socket, link: wire.Wire, caller: Caller) -> None:
         handlers = {wire.READ: self._read, wire.PUT: self._put, wire.CHECK: self._verify, wire.HOLD: self._hold,

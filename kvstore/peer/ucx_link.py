@@ -46,6 +46,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 import msgpack
@@ -175,8 +176,8 @@ class UcxLink:
         ucxx when a listener connected it."""
         self._rt = runtime
         self.ep = endpoint
-        self._max_meta = max_meta
-        self._head = bytearray(HEADER.size + max_meta)
+        self._head = bytearray(0)  # sized to the limit at the first read (a listener limits it first)
+        self.limit(max_meta=max_meta)
         self._timeout: float | None = None
         self._send_tag = runtime.tag(endpoint._tags["msg_send"] if send_tag is None else send_tag)
         self._recv_tag = runtime.tag(endpoint._tags["msg_recv"] if recv_tag is None else recv_tag)
@@ -285,15 +286,31 @@ class UcxLink:
 
     # ---- the Wire face -------------------------------------------------------------
 
-    def read_meta(self) -> tuple[object, int]:
+    def limit(self, *, max_meta: int, max_payload: int | None = None) -> None:
+        """As :meth:`kvstore.peer.wire.Wire.limit`; the head buffer (one head message) is sized to it."""
+        self._max_meta = max_meta
+        self._max_payload = max_payload
+
+    @property
+    def buffer_bytes(self) -> int:
+        return len(self._head)
+
+    def read_meta(self, deadline: float | None = None) -> tuple[object, int]:
+        """The next frame's head, one message; ``deadline`` (``time.monotonic()``): it must be in by then."""
         if self.pending:
             raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
+        if len(self._head) != HEADER.size + self._max_meta:
+            self._head = bytearray(HEADER.size + self._max_meta)
+        if deadline is not None:
+            self.settimeout(deadline - time.monotonic())
         self._wait(self._recv(self._head))
         meta_len, payload_len = HEADER.unpack_from(self._head)
         if meta_len > self._max_meta:
             raise FrameError(
                 f"a frame's control part of {meta_len} bytes is over the limit of {self._max_meta}: send smaller batches"
             )
+        if self._max_payload is not None and payload_len > self._max_payload:
+            raise FrameError(f"a frame's payload of {payload_len} bytes is over the limit of {self._max_payload} here")
         try:
             meta = msgpack.unpackb(memoryview(self._head)[HEADER.size : HEADER.size + meta_len], use_list=True, raw=False)
         except (ValueError, msgpack.UnpackException) as err:

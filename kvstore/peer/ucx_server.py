@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 
+from kvstore.peer import wire
 from kvstore.peer.server import PeerServer
 from kvstore.peer.ucx_link import UcxLink, UcxRuntime
 from kvstore.server.listeners import Admission
@@ -78,10 +79,15 @@ class UcxPeerServer(PeerServer):
             threading.Thread(target=self._refuse, args=(link,), name="strata-peer-ucx-refuse", daemon=True).start()
 
     def _serve(self, conn: UcxLink, peer) -> None:
-        """As over TCP, with the idle limit as the link's wait limit."""
+        """As over TCP, with the idle limit as the link's wait limit: a message (a frame's head,
+        one block) comes whole within it, so no frame trickles in a byte at a time. The
+        connections waiting for their Hello share the gate with no address (UCX does not say)."""
+        conn.limit(max_meta=wire.MAX_HELLO_BYTES, max_payload=0)
+        self._track(conn, True)
         try:
-            caller = self._hello(conn, conn, peer)
+            caller = self._greet(conn, conn, peer, None, conn.shutdown)
             if caller is not None:
+                conn.limit(max_meta=wire.MAX_META_BYTES, max_payload=self._request_bytes)
                 conn.settimeout(self._idle_s)
                 self._loop(conn, conn, caller)
         except (EOFError, ConnectionError, TimeoutError, BlockingIOError):
@@ -89,6 +95,7 @@ class UcxPeerServer(PeerServer):
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("UCX peer connection closed after an unexpected error")
         finally:
+            self._track(conn, False)
             conn.close()
 
     @staticmethod

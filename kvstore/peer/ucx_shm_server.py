@@ -30,7 +30,7 @@ import threading
 
 from kvstore.errors import InvalidArgument, Overloaded, StrataError, TierUnavailable
 from kvstore.peer import wire
-from kvstore.peer.server import HELLO_TIMEOUT_S, REFUSE_RETRY_S
+from kvstore.peer.server import REFUSE_RETRY_S
 from kvstore.peer.ucx_server import UcxPeerServer
 from kvstore.peer.ucx_shm_link import (
     HANDSHAKE_VERSION, ShmLink, UcxShmRuntime, check_peer_uid, host_id, read_handshake, send_handshake, socket_name,
@@ -122,7 +122,7 @@ class UcxShmPeerServer(UcxPeerServer):
                 conn.close()
 
     def _handshake(self, conn: socket.socket) -> ShmLink | None:
-        conn.settimeout(HELLO_TIMEOUT_S)
+        conn.settimeout(self._hello_s)
         try:
             check_peer_uid(conn, "UCX shared-memory reader")
             request = read_handshake(conn)
@@ -144,7 +144,7 @@ class UcxShmPeerServer(UcxPeerServer):
             if not (isinstance(conn_id, int) and 0 < conn_id < 1 << 63 and not conn_id & 1 and isinstance(address, bytes)):
                 raise InvalidArgument("a malformed UCX shared-memory handshake (connection id or worker address)")
             try:
-                ep = self._runtime.call(self._runtime.endpoint(address), HELLO_TIMEOUT_S)
+                ep = self._runtime.call(self._runtime.endpoint(address), self._hello_s)
             except Exception as err:  # noqa: BLE001 - every way UCX refuses an address (unreachable, malformed)
                 raise TierUnavailable(f"cannot reach the reader's UCX worker ({type(err).__name__}: {err})") from None
             try:

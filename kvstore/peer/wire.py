@@ -36,11 +36,16 @@ Requests ``[op, request_id, args]`` and their replies ``[request_id, status, res
 
 A reply of request id 0 is a refusal of the connection (too many of them,
 a bad Hello, a frame over the limits); the stream cannot go on after it.
+
+Before its Hello a connection may send only the Hello, a frame of at most
+:data:`MAX_HELLO_BYTES` and no payload: the daemon reads nothing more of a
+frame whose header claims more (see :meth:`Wire.limit`).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 
 import msgpack
 
@@ -48,7 +53,8 @@ from kvstore.block import Checksummer
 from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError, encode, error_result, raise_error, send
 
 __all__ = [
-    "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "HOLD", "MAX_META_BYTES", "MISS", "OK",
+    "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "HOLD", "MAX_HELLO_BYTES",
+    "MAX_META_BYTES", "MISS", "OK",
     "OP_NAMES", "PROTOCOL_VERSION", "PUT", "READ", "RELEASE", "FrameError", "Wire", "encode", "error_result", "raise_error", "send",
 ]
 
@@ -60,6 +66,11 @@ OK, ERROR, BLOCK, MISS, FAILED = 0, 1, 2, 3, 4
 HELLO, READ, PUT, DATA, CHECK, HOLD, RELEASE = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {HELLO: "PeerHello", READ: "PeerRead", PUT: "PeerPut", DATA: "PeerData", CHECK: "PeerCheck",
             HOLD: "PeerHold", RELEASE: "PeerRelease"}
+
+# The most a Hello's control part may take (version and bearer token): what gRPC's default
+# metadata limit lets a token be, so a token good for the daemon's gRPC port is good here.
+# A connection not yet authenticated gets no more than this of the daemon's memory.
+MAX_HELLO_BYTES = 8 << 10
 
 # Bytes received per system call and hashed per step by a reader that verifies
 # as it receives: large enough that Python's per-call cost vanishes, small
@@ -75,16 +86,49 @@ class Wire:
 
     A recv for a frame's head may take payload bytes with it; those wait in
     the buffer and are handed out first by :meth:`read_into`.
+
+    ``frame_s``: once a frame's first byte has come, the rest of it (its
+    payload too) must come within this long, or the next wait on the socket
+    raises TimeoutError. The socket's own timeout bounds each wait, and
+    restarts with every byte that comes, so without this a peer sending a
+    byte now and then would hold the connection, and what the frame holds
+    (slots, budget), for ever. It is checked before each wait, so a frame
+    ends within ``frame_s`` and one such wait. None: no limit.
     """
 
-    def __init__(self, sock: socket.socket, *, max_meta: int = MAX_META_BYTES) -> None:
+    def __init__(self, sock: socket.socket, *, max_meta: int = MAX_META_BYTES, max_payload: int | None = None,
+                 frame_s: float | None = None) -> None:
         self.sock = sock
-        self._max_meta = max_meta
+        self.limit(max_meta=max_meta, max_payload=max_payload)
+        self.frame_s = frame_s
         self._buf = bytearray(_BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._deadline: float | None = None  # the frame being read must be whole by then
+        self._cut = False  # each wait is cut to the deadline (the socket's timeout set to what is left)
         self.pending = 0  # payload bytes of the last frame not yet taken
+
+    def limit(self, *, max_meta: int, max_payload: int | None = None) -> None:
+        """The frames taken from now on: a control part of at most ``max_meta`` bytes, a payload
+        of at most ``max_payload`` (None: any). A frame over either is refused from its header
+        (FrameError), before a byte more of it is read or a buffer is sized to it."""
+        self._max_meta = max_meta
+        self._max_payload = max_payload
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes this link's frame buffer holds (what it costs beyond its socket)."""
+        return len(self._buf)
+
+    def _recv_into(self, view: memoryview, nbytes: int = 0, flags: int = 0) -> int:
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the rest of the frame did not come before its deadline")
+            if self._cut:
+                self.sock.settimeout(left)
+        return self.sock.recv_into(view, nbytes, flags)
 
     def _fill(self, need: int) -> None:
         if self._end - self._start >= need:
@@ -99,13 +143,18 @@ class Wire:
                 self._view[:held] = self._view[self._start : self._end]
             self._start, self._end = 0, held
         while self._end - self._start < need:
-            n = self.sock.recv_into(self._view[self._end :])
+            n = self._recv_into(self._view[self._end :])
             if n == 0:
                 raise EOFError("the peer closed the connection")
             self._end += n
 
-    def read_meta(self) -> tuple[object, int]:
-        """The next frame's decoded meta and its payload length (the payload is still to be taken)."""
+    def read_meta(self, deadline: float | None = None) -> tuple[object, int]:
+        """The next frame's decoded meta and its payload length (the payload is still to be taken).
+
+        ``deadline`` (``time.monotonic()``): the frame's head and control part must be in by
+        then, waiting included, however slowly its bytes come: each wait on the socket is cut
+        to what is left (the socket's timeout is set to it), TimeoutError after. Without one, the
+        wait for the frame's first byte is the socket's own (idle) and ``frame_s`` runs from it."""
         if self.pending:
             raise FrameError(f"{self.pending} payload bytes of the last frame were not taken")
         if self._start == self._end:
@@ -113,12 +162,18 @@ class Wire:
             if len(self._buf) > _BUFFER_BYTES:
                 self._buf = bytearray(_BUFFER_BYTES)
                 self._view = memoryview(self._buf)
+        self._deadline, self._cut = deadline, deadline is not None
+        if deadline is None and self.frame_s is not None:
+            self._fill(1)
+            self._deadline = time.monotonic() + self.frame_s
         self._fill(HEADER.size)
         meta_len, payload_len = HEADER.unpack_from(self._buf, self._start)
         if meta_len > self._max_meta:
             raise FrameError(
                 f"a frame's control part of {meta_len} bytes is over the limit of {self._max_meta}: send smaller batches"
             )
+        if self._max_payload is not None and payload_len > self._max_payload:
+            raise FrameError(f"a frame's payload of {payload_len} bytes is over the limit of {self._max_payload} here")
         self._fill(HEADER.size + meta_len)
         at = self._start + HEADER.size
         try:
@@ -128,6 +183,8 @@ class Wire:
         finally:
             self._start = at + meta_len
         self.pending = payload_len
+        if not payload_len:
+            self._deadline = None
         return meta, payload_len
 
     def read_into(self, dst: memoryview, hasher: Checksummer | None = None, before=None) -> None:
@@ -155,13 +212,15 @@ class Wire:
             if before is not None:
                 before()
             end = min(n, at + step)
-            got = self.sock.recv_into(dst[at:end], end - at, socket.MSG_WAITALL)
+            got = self._recv_into(dst[at:end], end - at, socket.MSG_WAITALL)
             if got == 0:
                 raise EOFError("the peer closed the connection in the middle of a block")
             if hasher is not None:
                 hasher.update(dst[at : at + got])
             at += got
             self.pending -= got
+        if not self.pending:
+            self._deadline = None
 
     def skip(self, n: int | None = None) -> None:
         """Throw away ``n`` payload bytes (all that is left of the frame when None)."""

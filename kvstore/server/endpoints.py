@@ -122,7 +122,7 @@ def start_peer_server(settings: Settings, store: StoreGroup, authority: Authorit
     s = settings
     server = PeerServer(
         store, s.peers.listen, authority=authority, metrics=metrics,
-        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
+        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds, hello_s=s.peers.hello_seconds,
         in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
         served=served,
     )
@@ -161,7 +161,7 @@ def start_ucx_shm_server(settings: Settings, store: StoreGroup, authority: Autho
     start_ucx("--peer-ucx-shm", shared_memory=True)
     server = UcxShmPeerServer(
         store, "", authority=authority, metrics=metrics,
-        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
+        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds, hello_s=s.peers.hello_seconds,
         in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
     )
     try:
@@ -180,7 +180,7 @@ def start_ucx_server(settings: Settings, store: StoreGroup, authority: Authority
     s = settings
     server = UcxPeerServer(
         store, s.peers.ucx_listen, authority=authority, metrics=metrics,
-        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds,
+        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds, hello_s=s.peers.hello_seconds,
         in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
         served=served,
     )
