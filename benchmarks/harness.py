@@ -277,10 +277,48 @@ class ServerUnavailable(RuntimeError):
     """A baseline or candidate server could not be started here; the message says why."""
 
 
+# Ports below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default),
+# one slice per pytest-xdist worker.
+_PORTS = (20000, 32000)
+_SLICE = 1500
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on every loopback address now, for a server this process starts next.
+
+    Why not bind port 0: that port comes from the ephemeral range, which every outgoing
+    connection of every process also draws from, so in a parallel test run another process's
+    connection (or its own "free" port) takes it between this check and the server's bind
+    ("Address already in use"). The kernel never hands out ports below that range, so they
+    are taken here in turn, each pytest-xdist worker (``PYTEST_XDIST_WORKER=gwN``) in a slice
+    of its own, from a random start per process, skipping any port bound now.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    first = _PORTS[0] + (index * _SLICE) % (_PORTS[1] - _PORTS[0] - _SLICE)
+    if not _next_port:
+        import random
+
+        _next_port.append(random.randrange(_SLICE))
+    for _ in range(_SLICE):
+        port = first + _next_port[0] % _SLICE
+        _next_port[0] += 1
+        if _bindable(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every port of the slice is taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0")):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def _redis_ping(port: int) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,10 +25,7 @@ from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.harness import free_port  # noqa: E402  (one way to pick a port, outside the ephemeral range)
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):

@@ -167,10 +167,9 @@ def engine_main(argv: list[str]) -> None:
 # ---- the harness ---------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a script: the repo root, for benchmarks
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import free_port  # noqa: E402  (one way to pick a port, outside the ephemeral range)
 
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

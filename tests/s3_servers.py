@@ -54,10 +54,7 @@ def available() -> bool:
     return Path(MOTO_SERVER).exists()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.harness import free_port  # noqa: E402  (one way to pick a port, outside the ephemeral range)
 
 
 def _die_with_parent() -> None:
