@@ -51,6 +51,7 @@ class Smoke:
     programs: tuple[str, ...] = ()  # executables on PATH it cannot run without
     s3: bool = False  # it runs moto's S3 server (tests/s3_servers.py)
     timeout_s: int = TIMEOUT_S
+    covered_by: str = ""  # a test module that runs this benchmark's smallest run already, and checks it
 
     @property
     def id(self) -> str:
@@ -64,7 +65,9 @@ class Smoke:
 SMOKES = [
     # The largest: a fleet of processes (Redis, two daemons, two engines, a router) and the tiny model.
     Smoke("e2e", packages=("torch", "transformers", "aiohttp"), programs=("redis-server",), timeout_s=480),
-    Smoke("gpu_check", results="gpu"),  # its dry run: the host stand-in for device memory
+    # Its dry run (the host stand-in for device memory) runs, results checked, in
+    # tests/test_gpu_settings.py::test_device_check_dry_run_passes_on_the_host_stand_in.
+    Smoke("gpu_check", results="gpu", covered_by="tests/test_gpu_settings.py"),
     Smoke("index"),  # without redis-server or hiredis its Redis cases say so
     Smoke("index_churn", programs=("redis-server",)),
     Smoke("kv_local"),  # without redis-server its Redis cases say so
@@ -90,6 +93,9 @@ def test_every_benchmark_has_a_smoke_run():
     assert not missing, f"benchmarks without a --smoke run in {Path(__file__).name}: {sorted(missing)}"
     gone = {s.module for s in SMOKES} - benchmark_modules()
     assert not gone, f"smoke runs of benchmarks that no longer exist: {sorted(gone)}"
+    for smoke in SMOKES:  # a benchmark whose smallest run another module runs (and checks) already
+        if smoke.covered_by:
+            assert f"{smoke.module}.py" in (REPO / smoke.covered_by).read_text(), smoke.covered_by
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
@@ -119,7 +125,7 @@ def run_smoke(smoke: Smoke) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("smoke", [pytest.param(s, id=s.id, marks=pytest.mark.timeout(s.timeout_s + 60))
-                                   for s in SMOKES])
+                                   for s in SMOKES if not s.covered_by])
 def test_smoke_run_exits_0_and_writes_no_results(smoke: Smoke):
     for package in smoke.packages:
         if importlib.util.find_spec(package) is None:
