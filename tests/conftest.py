@@ -25,6 +25,8 @@ from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
 
 
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # a test module run as a script: the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import free_port  # noqa: E402  (one way to pick a port, outside the ephemeral range)
 
 

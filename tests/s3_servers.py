@@ -54,6 +54,8 @@ def available() -> bool:
     return Path(MOTO_SERVER).exists()
 
 
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # a test module run as a script: the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import free_port  # noqa: E402  (one way to pick a port, outside the ephemeral range)
 
 

@@ -516,7 +516,11 @@ def test_a_cancelled_pull_gives_its_slot_back(nodes):
                         except StrataError:
                             return False
                         return False
-                    wait_until(busy, timeout=30, what="the first pull to hold the only slot")
+                    # The first pull holds the only slot (a probe sent before it got there would
+                    # take the slot itself and make the first one be refused).
+                    wait_until(lambda: d.metric("strata_handoff_pulls_running") == 1, timeout=30,
+                               what="the first pull to run")
+                    assert busy(), "a second pull got a slot while the first held the only one"
                     call.cancel()
 
                     def free() -> bool:

@@ -50,6 +50,9 @@ class HandoffMetrics:
         self._open = Gauge("strata_handoffs_open", "Handoffs open on this daemon now (prefill side)", registry=r)
         self._pulls = Counter("strata_handoff_pulls_total", "Pulls run by this daemon (decode side), by outcome",
                               ["outcome"], registry=r)
+        self.running = Gauge("strata_handoff_pulls_running",
+                             "Pulls running on this daemon now (decode side): each holds one of --handoff-max-pulls",
+                             registry=r)
         self._pulled_bytes = Counter(
             "strata_handoff_pulled_bytes_total",
             "Verified block bytes pulled by this daemon (decode side), by the transport they came over",

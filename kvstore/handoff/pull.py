@@ -171,6 +171,7 @@ class HandoffPuller:
                 "the delay, or pull on another decode node", retry_after_s=0.2,
             )
         started = time.monotonic()
+        self.metrics.running.inc()
         try:
             pull_s = min(timeout_s or self.limits.pull_s, self.limits.pull_s)
             result, by_transport = self._pull(params, started + pull_s, on_cancel)
@@ -178,6 +179,7 @@ class HandoffPuller:
             self.metrics.pull_failed()
             raise
         finally:
+            self.metrics.running.dec()
             self._slots.release()
             self._shares.give(owner)
         self.metrics.pulled(by_transport, time.monotonic() - started)
