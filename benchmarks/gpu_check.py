@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (os.path.join(os.environ["OUT"], "gpu.json") if os.environ.get("OUT") else "")
     if not out and not args.dry_run:
         out = str(REPO / "benchmarks" / "results" / "gpu.json")
-    if out and not args.smoke:
+    if out and (not args.smoke or args.out):  # a smoke run writes only where it is told to (--out)
         Path(out).write_text(json.dumps(check.result, indent=2) + "\n")
     print(summary(check.result), flush=True)
     if args.smoke:

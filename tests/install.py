@@ -113,7 +113,6 @@ def system_packages() -> None:
 
 
 def core() -> None:
-    run([sys.executable, "-m", "pip", "install", "-q", "--upgrade", "pip"])
     pip(TORCH)
     pip("-e", f"{ROOT}[test,lmcache]")
 

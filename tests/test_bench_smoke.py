@@ -64,11 +64,9 @@ class Smoke:
 
 SMOKES = [
     # The largest: a fleet of processes (Redis, two daemons, two engines, a router) and the tiny model.
-    # Its small run (the fleet, the tiny model, the fault phase) runs, results checked, in tests/test_e2e_bench.py.
-    Smoke("e2e", packages=("torch", "transformers", "aiohttp"), programs=("redis-server",), timeout_s=480,
-          covered_by="tests/test_e2e_bench.py"),
-    # Its dry run (the host stand-in for device memory) runs, results checked, in
-    # tests/test_gpu_settings.py::test_device_check_dry_run_passes_on_the_host_stand_in.
+    Smoke("e2e", packages=("torch", "transformers", "aiohttp"), programs=("redis-server",), timeout_s=480),
+    # Its smoke run (the dry run at its smallest, the host stand-in for device memory) runs with its
+    # results checked in tests/test_gpu_settings.py::test_device_check_dry_run_passes_on_the_host_stand_in.
     Smoke("gpu_check", results="gpu", covered_by="tests/test_gpu_settings.py"),
     Smoke("index"),  # without redis-server or hiredis its Redis cases say so
     Smoke("index_churn", programs=("redis-server",)),
