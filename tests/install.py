@@ -14,9 +14,9 @@ What it installs, in order, and why the order:
    elsewhere set ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`` to get the CPU
    wheel.
 3. Strata itself, editable, with the ``test`` and ``lmcache`` extras.
-4. vLLM's Python layers (the vLLM tier and model-loader tests): the wheel without its
-   requirements, which would pull a CUDA torch and GBs of CUDA, then the pure-Python packages it
-   imports, then four that would pull torch or CUDA, again without theirs.
+4. vLLM's Python layers (the vLLM tier and model-loader tests): the pure-Python packages it
+   imports, resolved with step 3; then the wheel without its requirements, which would pull a
+   CUDA torch and GBs of CUDA, and four that would pull torch or CUDA, again without theirs.
 5. ucxx (the UCX peer transport's tests), without its requirements: its rmm-cu12 pins
    cuda-bindings<13 against lmcache's cuda-python, and on a CPU ucxx imports neither.
 6. Mooncake Store's CPU build (the pool benchmark's side-by-side baseline and its test); its
@@ -112,15 +112,14 @@ def system_packages() -> None:
             policy.unlink(missing_ok=True)
 
 
-def core() -> None:
+def core(with_vllm: bool) -> None:
     pip(TORCH)
-    pip("-e", f"{ROOT}[test,lmcache]")
+    # vLLM's pure-Python requirements resolve with Strata's in one pass (one resolver run, not two).
+    pip("-e", f"{ROOT}[test,lmcache]", *(VLLM_PURE if with_vllm else ()))
 
 
 def vllm_layers() -> None:
-    pip("--no-deps", VLLM, timeout=600)
-    pip(*VLLM_PURE, timeout=600)
-    pip("--no-deps", *VLLM_NO_DEPS, timeout=600)
+    pip("--no-deps", VLLM, *VLLM_NO_DEPS, timeout=600)
     if not importable("vllm.v1.kv_offload.tiering.manager"):
         raise StepFailed("vllm.v1.kv_offload.tiering.manager does not import")
 
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 system_packages()
             except (StepFailed, subprocess.TimeoutExpired, OSError) as e:
                 missing.append(f"system packages ({e})")
-        core()
+        core(with_vllm=not args.no_vllm)
         for name, step, skip in (("vLLM's Python layers", vllm_layers, args.no_vllm), ("ucxx", ucx, args.no_ucx),
                                  ("Mooncake Store", mooncake, args.no_mooncake)):
             if skip:
