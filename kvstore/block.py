@@ -40,6 +40,8 @@ class TierName(enum.IntEnum):
 
 
 def validate_namespace(namespace: str) -> str:
+    if not isinstance(namespace, str):
+        raise InvalidNamespace(f"namespace must be a string, not {type(namespace).__name__}")
     if not namespace:
         raise InvalidNamespace("namespace is empty: pass a model or tenant name such as 'llama-3-8b'")
     if len(namespace) > MAX_NAMESPACE_CHARS:

@@ -26,11 +26,9 @@ checksum, and the kept blocks' own bytes; a probe request at the end is
 answered unless the stream was refused; a new connection reads the blocks
 stored before the run, unchanged, and gRPC health answers.
 
-What the fuzz found is kept at the end of this module as strict xfail tests
-(:data:`KNOWN`, :data:`REFUSAL_ENDS_THE_STREAM`); the drawn conversations
-are built to avoid those inputs, and an example that reaches one anyway
-(mutated or random bytes, junk in place of a whole argument list) only
-rejects itself.
+What the fuzz found is kept at the end of this module as explicit
+regression tests (each failed before its fix), and the drawn conversations
+reach those inputs again.
 
 Bounded for CI: a fixed number of examples per test, derandomized, no
 example database. ``STRATA_FUZZ_EXAMPLES=2000`` runs longer locally (and
@@ -55,7 +53,7 @@ from kvstore.config import load_settings
 from kvstore.peer import wire
 from kvstore.server.daemon import Daemon
 from raw_frames import (
-    BINARY, NUMBERS, TEXT, VALUES, Defect, ErrorRecords, Frame, check_error, converse, lists_of, mangled, mutations,
+    BINARY, NUMBERS, TEXT, VALUES, ErrorRecords, Frame, check_error, converse, lists_of, mangled, mutations,
     or_junk, request, reshaped, same, smuggled, weighted,
 )
 from store_blocks import value
@@ -74,17 +72,6 @@ PROBE = 987_654_321
 SMUGGLED = 555_000_555
 STATUSES = {wire.OK, wire.ERROR, wire.BLOCK, wire.MISS, wire.FAILED}
 
-# Defects the fuzz found, each kept by a strict xfail test at the end of this module; the drawn
-# conversations avoid them, random bytes that reach one only reject their example.
-KNOWN = (
-    Defect(TypeError, "_loop", "test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame"),
-    Defect((TypeError, ValueError, OverflowError, MemoryError), "_verify",
-           "test_a_check_of_a_key_that_is_not_bytes_gets_an_answer"),
-)
-# A refusal with id 0 after the Hello (a request that is not [op, id, args] with a positive id) is
-# followed by more answers: see test_a_refusal_with_id_0_ends_the_connection. Until then the judge
-# lets the stream go on after one.
-REFUSAL_ENDS_THE_STREAM = False
 
 
 @dataclass
@@ -148,8 +135,6 @@ NAMESPACES = or_junk(st.sampled_from(["m", "m", "fuzz", "kept"]), st.one_of(TEXT
 BYTE_KEYS = st.one_of(st.sampled_from([*KEYS, *KEPT]), st.binary(min_size=1, max_size=40), BINARY)
 KEY = or_junk(BYTE_KEYS, VALUES, odds=4)
 KEY_LISTS = lists_of(KEY, [b"k%d" % i for i in range(4097)])
-# Check's keys are bytes until the daemon refuses others: see test_a_check_of_a_key_that_is_not_bytes_gets_an_answer.
-CHECK_KEYS = lists_of(BYTE_KEYS, [b"k%d" % i for i in range(4097)])
 IDS = lists_of(NUMBERS, list(range(1, 4098)))
 MILLIS = or_junk(st.sampled_from([0, 0, 50, 1000, 3000]), NUMBERS)
 LAYOUTS = or_junk(weighted((6, st.just("")), (2, st.just("L")), (1, st.just("x" * 2000))), VALUES)
@@ -162,16 +147,14 @@ def _args(*fields) -> st.SearchStrategy:
 
 ARGS = {
     wire.READ: _args(NAMESPACES, KEY_LISTS, MILLIS, or_junk(st.booleans())),
-    wire.CHECK: _args(NAMESPACES, CHECK_KEYS),
+    wire.CHECK: _args(NAMESPACES, KEY_LISTS),
     wire.HOLD: _args(NAMESPACES, KEY_LISTS, MILLIS),
     wire.RELEASE: _args(IDS),
     wire.DATA: VALUES,  # a Data frame of no Put
     wire.HELLO: VALUES,  # a second Hello
 }
-# An operation that is a list or a map is left out until the daemon refuses it: see
-# test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame.
 OPS = weighted((10, st.sampled_from([*ARGS, wire.PUT, wire.PUT])), (1, st.sampled_from([0, 8, 255, -1, 1 << 32])),
-               (1, VALUES.filter(lambda v: not isinstance(v, (list, dict)))))
+               (1, VALUES))
 
 
 @st.composite
@@ -226,8 +209,9 @@ def frames_after_hello(draw, at: int) -> list[Frame]:
     if kind == "not-a-request":
         return [Frame(draw(VALUES.filter(lambda v: not (isinstance(v, list) and len(v) == 3))))]
     frames = draw(requests(rid))
-    if kind == "not-msgpack":  # the request's own (a Put's, not its Data frame's: see the xfail tests below)
-        frames[0] = draw(mangled(frames[0]))
+    if kind == "not-msgpack":  # the request's own, or a Put's Data frame
+        i = draw(st.integers(0, len(frames) - 1))
+        frames[i] = draw(mangled(frames[i]))
     return frames
 
 
@@ -270,8 +254,8 @@ def _judge_replies(frames: list[tuple[object, bytes]], sent: dict | None = None,
     """Every reply is [rid, status, result] of a known status, each error meaningful; a block's
     bytes match its checksum (and a kept block's own bytes); only a block carries a payload; no
     request carried inside a payload is answered (``drawn``: the frames were drawn whole; in
-    mutated bytes that is the defect test_a_data_frame_that_is_not_msgpack_... keeps, and the
-    example is rejected)."""
+    mutated bytes a length prefix that lies makes a payload read as frames, which no server can
+    tell, and the example is rejected)."""
     for n, (meta, payload) in enumerate(frames):
         assert isinstance(meta, list) and len(meta) == 3, f"a reply that is not [rid, status, result]: {meta!r:.200}"
         rid, status, result = meta
@@ -281,7 +265,7 @@ def _judge_replies(frames: list[tuple[object, bytes]], sent: dict | None = None,
         assert not same(rid, SMUGGLED), "a frame carried inside a payload was answered: the stream lost step"
         if status == wire.ERROR:
             check_error(result)
-            if REFUSAL_ENDS_THE_STREAM and same(rid, 0):
+            if same(rid, 0):
                 assert n == len(frames) - 1, f"the daemon refused the stream (id 0) and went on: {frames[n:]!r:.300}"
         elif status == wire.FAILED:
             assert isinstance(result, list) and len(result) == 2, meta
@@ -339,7 +323,7 @@ def test_conversations_get_answers_in_order_and_never_a_broken_frame(fuzzed):
         fuzzed.errors.take()  # a failed example before this one may have left its records
         with _connect(fuzzed) as sock:
             replies = converse(sock, _wire(hello, rest))
-        fuzzed.errors.assert_none(f"for {conversation!r:.300}", KNOWN)
+        fuzzed.errors.assert_none(f"for {conversation!r:.300}")
         _judge_conversation(hello, taken, rest, replies)
         _alive(fuzzed, f"for {conversation!r:.300}")
 
@@ -355,7 +339,7 @@ def test_mutated_conversations_get_error_frames_or_a_close(fuzzed):
         fuzzed.errors.take()
         with _connect(fuzzed) as sock:
             replies = converse(sock, data)
-        fuzzed.errors.assert_none(f"for {data!r:.300}", KNOWN)
+        fuzzed.errors.assert_none(f"for {data!r:.300}")
         _judge_replies(replies.frames, drawn=False)
         _alive(fuzzed, f"for {data!r:.300}")
 
@@ -369,7 +353,7 @@ def test_random_bytes_before_and_after_a_hello_get_error_frames_or_a_close(fuzze
         fuzzed.errors.take()
         with _connect(fuzzed) as sock:
             replies = converse(sock, (HELLO.encode() if greet else b"") + data)
-        fuzzed.errors.assert_none(f"for {data!r:.300}", KNOWN)
+        fuzzed.errors.assert_none(f"for {data!r:.300}")
         _judge_replies(replies.frames, drawn=False)
         if greet:
             assert replies.metas[0][:2] == [1, wire.OK]
@@ -419,10 +403,6 @@ def _after_hello(fuzzed: Fuzzed, *frames: Frame) -> list:
     return replies.metas[1:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvstore/peer/server.py:347 looks the operation up with ops.get(op, ...): an op that is a msgpack array or "
-    "map is unhashable, the TypeError ends the connection without an error frame (logged as 'closed after an "
-    "unexpected error')"))
 @pytest.mark.parametrize("op", [[wire.READ], {"op": 2}], ids=["list", "map"])
 def test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame(fuzzed, op):
     metas = _after_hello(fuzzed, request(op, 7, ["m", [b"a"], 0, False]))
@@ -430,11 +410,6 @@ def test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame(fuzzed, op):
     assert metas[1] == [PROBE, wire.OK, []]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvstore/peer/server.py:484-485 (_verify) logs a key that failed BlockKey.checked as bytes(key).hex(): "
-    "for a key that is a str, nil, a float or a list that raises TypeError and the connection ends without "
-    "an answer; for an int key N it allocates N bytes, and 2N for the hex, so a Check of [2**33] costs the "
-    "daemon 24 GiB (not sent here)"))
 @pytest.mark.parametrize("key", ["k", None, 1.5, ["k"]], ids=["str", "nil", "float", "list"])
 def test_a_check_of_a_key_that_is_not_bytes_gets_an_answer(fuzzed, key):
     metas = _after_hello(fuzzed, request(wire.CHECK, 7, ["m", [key]]))
@@ -442,11 +417,6 @@ def test_a_check_of_a_key_that_is_not_bytes_gets_an_answer(fuzzed, key):
     assert metas[-1] == [PROBE, wire.OK, []]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvstore/peer/wire.py:179-185 (Wire.read_meta) raises FrameError for a control part that is not msgpack "
-    "before it records the frame's payload as pending, so when a Put's Data frame is such a frame, "
-    "kvstore/peer/server.py:357-361 sees no pending bytes, answers the Put's id and goes on: the Data frame's "
-    "payload is read as frames, and a request inside it is served"))
 def test_a_data_frame_that_is_not_msgpack_ends_the_connection_and_its_payload_is_never_served(fuzzed):
     data = b"abc"
     put = request(wire.PUT, 7, ["fuzz", 0, [[b"smuggler", len(data), checksum(data), None, ""]]])
@@ -457,11 +427,6 @@ def test_a_data_frame_that_is_not_msgpack_ends_the_connection_and_its_payload_is
     assert metas[-1][:2] == [0, wire.ERROR], metas
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvstore/peer/wire.py:37-38: a reply of request id 0 is a refusal of the connection, after which the "
-    "stream cannot go on (the client closes on one: kvstore/peer/connection.py:164-165); but "
-    "kvstore/peer/server.py:341-361 (_loop) answers a frame that is not [op, positive id, args] with id 0 "
-    "and goes on serving the connection"))
 @pytest.mark.parametrize("meta", [[1, 2], None, [wire.RELEASE, 0, [[]]]], ids=["short", "nil", "id-0"])
 def test_a_refusal_with_id_0_ends_the_connection(fuzzed, meta):
     metas = _after_hello(fuzzed, Frame(meta))

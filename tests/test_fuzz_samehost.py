@@ -19,10 +19,9 @@ with request id 0, and closed it), payload bytes are never taken for
 frames, the daemon logs no unexpected error, answers a new connection and
 gRPC health, and the blocks stored before the run read back unchanged.
 
-What the fuzz found is kept at the end of this module as strict xfail tests
-(:data:`KNOWN`); the drawn conversations are built to avoid those
-inputs, and an example that reaches one anyway (mutated or random bytes,
-junk in place of a whole argument list) only rejects itself.
+What the fuzz found is kept at the end of this module as explicit
+regression tests (each failed before its fix), and the drawn conversations
+reach those inputs again.
 
 Bounded for CI: a fixed number of examples per test, derandomized, no
 example database. ``STRATA_FUZZ_EXAMPLES=2000`` runs longer locally (and
@@ -48,7 +47,7 @@ from kvstore.server.daemon import Daemon
 from kvstore.transport import frames
 from kvstore.transport.unix import connect_unix
 from raw_frames import (
-    BINARY, NUMBERS, TEXT, VALUES, Defect, ErrorRecords, Frame, check_error, converse, lists_of, mangled, mutations,
+    BINARY, NUMBERS, TEXT, VALUES, ErrorRecords, Frame, check_error, converse, lists_of, mangled, mutations,
     or_junk, request, reshaped, same, smuggled, weighted,
 )
 from store_blocks import value
@@ -64,11 +63,6 @@ RAW = settings(FUZZ, max_examples=RAW_EXAMPLES)
 # one of their keys with other bytes stores nothing).
 KEYS = [b"a", b"b", b"c"]
 KEPT = {b"k%d" % i: value(100 + i, (i + 1) * 40_000) for i in range(3)}
-# Defects the fuzz found, each kept by a strict xfail test at the end of this module.
-KNOWN = (
-    Defect(TypeError, "_loop", "test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame"),
-    Defect(TypeError, "validate_namespace", "test_a_namespace_that_is_not_a_string_gets_an_error_frame"),
-)
 PROBE = 987_654_321  # the request id of the Release [[]] that ends every drawn conversation
 SMUGGLED = 555_000_555  # the request id of frames carried inside payloads: never to be answered
 
@@ -134,9 +128,7 @@ def _alive(fuzzed: Fuzzed, what: str) -> None:
 
 # ---- strategies ---------------------------------------------------------------------------------
 
-# A namespace that is not a string is left out until the daemon refuses it: see
-# test_a_namespace_that_is_not_a_string_gets_an_error_frame below.
-NAMESPACES = or_junk(st.sampled_from(["m", "m", "fuzz", "kept"]), TEXT)
+NAMESPACES = or_junk(st.sampled_from(["m", "m", "fuzz", "kept"]), st.one_of(TEXT, VALUES))
 KEY = st.one_of(st.sampled_from([*KEYS, *KEPT]), st.binary(min_size=1, max_size=40), BINARY, VALUES)
 KEY_LISTS = lists_of(KEY, [b"k%d" % i for i in range(4097)])
 IDS = lists_of(NUMBERS, list(range(1, 4098)))
@@ -159,10 +151,8 @@ ARGS = {
     frames.TOUCH: _args(NAMESPACES, KEY_LISTS),
     frames.HELLO: VALUES,  # a second Hello, after the first
 }
-# An operation that is a list or a map is left out until the daemon refuses it: see
-# test_an_operation_that_is_a_list_gets_an_error_frame below.
 OPS = weighted((10, st.sampled_from([*ARGS, frames.PUT, frames.PUT])), (1, st.sampled_from([0, 9, 255, -1, 1 << 32])),
-               (1, VALUES.filter(lambda v: not isinstance(v, (list, dict)))))
+               (1, VALUES))
 
 
 @st.composite
@@ -297,7 +287,7 @@ def test_conversations_get_one_answer_per_request_and_keep_the_connection(fuzzed
         fuzzed.errors.take()  # a failed example before this one may have left its records
         with _connect(fuzzed) as sock:
             replies = converse(sock, _wire(hello, rest))
-        fuzzed.errors.assert_none(f"for {conversation!r:.300}", KNOWN)
+        fuzzed.errors.assert_none(f"for {conversation!r:.300}")
         _judge_conversation(hello, taken, rest, replies.metas)
         _alive(fuzzed, f"for {conversation!r:.300}")
 
@@ -313,7 +303,7 @@ def test_mutated_conversations_get_error_frames_or_a_close(fuzzed):
         fuzzed.errors.take()
         with _connect(fuzzed) as sock:
             replies = converse(sock, data)
-        fuzzed.errors.assert_none(f"for {data!r:.300}", KNOWN)
+        fuzzed.errors.assert_none(f"for {data!r:.300}")
         _judge_replies(replies.metas)
         _alive(fuzzed, f"for {data!r:.300}")
 
@@ -329,7 +319,7 @@ def test_random_bytes_before_and_after_a_hello_get_error_frames_or_a_close(fuzze
         fuzzed.errors.take()
         with _connect(fuzzed) as sock:
             replies = converse(sock, (hello if greet else b"") + data)
-        fuzzed.errors.assert_none(f"for {data!r:.300}", KNOWN)
+        fuzzed.errors.assert_none(f"for {data!r:.300}")
         _judge_replies(replies.metas)
         if greet:
             assert replies.metas[0][:2] == [1, frames.OK]
@@ -374,10 +364,6 @@ def _one_request(fuzzed: Fuzzed, frame: Frame) -> list:
     return replies.metas[1:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvstore/server/samehost.py:256 looks the operation up with self._ops.get(op): an op that is a msgpack "
-    "array or map is unhashable, the TypeError ends the connection without an error frame (logged as "
-    "'closed after an unexpected error'), so a well-formed frame costs the connection"))
 @pytest.mark.parametrize("op", [[frames.LOOKUP], {"op": 2}], ids=["list", "map"])
 def test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame(fuzzed, op):
     metas = _one_request(fuzzed, request(op, 7, ["m", [b"a"], 0, 0, []]))
@@ -385,11 +371,6 @@ def test_an_operation_that_is_a_list_or_a_map_gets_an_error_frame(fuzzed, op):
     assert metas[1] == [PROBE, frames.OK, []]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvstore/block.py:45 and :49 validate_namespace calls len() and a str regex on whatever it is given; the "
-    "same-host handlers pass the decoded namespace unchecked (kvstore/server/samehost.py:286, 316, 335, 368 "
-    "through kvstore/auth/peers.py:58), so a namespace that is an int, a float, bytes or a list raises TypeError "
-    "and the connection ends without an error frame (the peer server checks isinstance(namespace, str) first)"))
 @pytest.mark.parametrize(("op", "args"), [
     (frames.LOOKUP, [7, [b"a"], 0, 0, []]),
     (frames.PUT, [b"m", 0, []]),

@@ -109,6 +109,14 @@ def _fields(value, n: int, what: str) -> list:
     return value
 
 
+def _request(meta) -> list:
+    """``[op, id, args]`` with a positive id: anything else cannot be answered by its id."""
+    op, rid, args = _fields(meta, 3, "request")
+    if not isinstance(rid, int) or isinstance(rid, bool) or rid <= 0:
+        raise InvalidArgument("malformed peer request: its id is not a positive integer")
+    return [op, rid, args]
+
+
 def _int(value, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidArgument(f"malformed peer request: {what} is not a non-negative integer")
@@ -338,12 +346,17 @@ class PeerServer:
             except wire.FrameError as err:
                 self._reply(conn, 0, wire.ERROR, wire.error_result(err))
                 return  # the stream cannot be resynchronised
-            rid, name = 0, "PeerUnknown"
+            name = "PeerUnknown"
             t0 = time.perf_counter()
             try:
-                op, rid, args = _fields(meta, 3, "request")
-                if not isinstance(rid, int) or rid <= 0:
-                    raise InvalidArgument("malformed peer request: its id is not a positive integer")
+                op, rid, args = _request(meta)
+            except InvalidArgument as err:  # no id to answer: a reply of id 0 refuses the connection
+                self._failed(conn, 0, name, err)
+                return
+            try:
+                if not isinstance(op, int):
+                    raise InvalidArgument(f"malformed peer request: its operation is a {type(op).__name__}, "
+                                          "not an integer")
                 handler, timer = ops.get(op, (None, None))
                 name = wire.OP_NAMES.get(op, name)
                 if handler is None:
@@ -475,14 +488,14 @@ class PeerServer:
         keys = _list(keys, "keys")
         self._store.check_batch(keys)
         sound = []
-        for key in keys:
+        for key in [BlockKey.checked(namespace, k) for k in keys]:  # InvalidKey before any read
             try:
-                found = self._store.get(BlockKey.checked(namespace, key), local_only=True)
+                found = self._store.get(key, local_only=True)
             except StrataError:  # CorruptBlock: no sound copy was left, and it is gone now
                 found = None
             if found is None:
                 log.warning("block %s/%s failed its checksum here after a peer read; dropped", namespace,
-                            bytes(key).hex()[:16])
+                            key.key.hex()[:16])
             sound.append(found is not None)
         self._reply(conn, rid, wire.OK, sound)
 

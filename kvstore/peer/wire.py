@@ -176,13 +176,12 @@ class Wire:
             raise FrameError(f"a frame's payload of {payload_len} bytes is over the limit of {self._max_payload} here")
         self._fill(HEADER.size + meta_len)
         at = self._start + HEADER.size
+        self._start = at + meta_len
+        self.pending = payload_len  # also when the control part is refused: its payload is never read as frames
         try:
             meta = msgpack.unpackb(self._view[at : at + meta_len], use_list=True, raw=False)
         except (ValueError, msgpack.UnpackException) as err:
             raise FrameError(f"a frame's control part is not valid msgpack ({err})") from None
-        finally:
-            self._start = at + meta_len
-        self.pending = payload_len
         if not payload_len:
             self._deadline = None
         return meta, payload_len

@@ -253,6 +253,9 @@ class SameHostServer:
                 op, rid, args = _fields(meta, 3, "request")
                 if not isinstance(rid, int):
                     raise InvalidArgument("malformed same-host request: its id is not an integer")
+                if not isinstance(op, int):
+                    raise InvalidArgument(f"malformed same-host request: its operation is a {type(op).__name__}, "
+                                          "not an integer")
                 handler, latency, name = self._ops.get(op) or (None, None, "Unknown")
                 if handler is None:
                     raise InvalidArgument(f"unknown same-host operation {op!r}: upgrade the daemon or the client")
