@@ -45,6 +45,10 @@ class StoreMetrics:
             "strata_kv_tier_errors_total", "I/O failures of a tier's device (disk full, I/O error)", ["tier"], registry=r
         )
         self.leases_expired = Counter("strata_kv_leases_expired_total", "Leases reclaimed at their deadline", ["kind"], registry=r)
+        self.lapsed_slot_bytes = Gauge(
+            "strata_kv_lapsed_slot_bytes", "Bytes of arena slots whose lease ran out unwritten, kept from other "
+            "blocks for --lapsed-slot-hold-seconds (a writer may still be copying into them)", registry=r,
+        )
         self.op_latency = Histogram(
             "strata_kv_op_duration_seconds", "Duration of store and RPC operations", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -184,9 +184,37 @@ def test_slots_commit_once_and_expire(make_store, clock):
     assert store.tier_stats()[0].used_bytes == used + MiB
     clock.now += 6
     store.expire_leases()
-    assert store.tier_stats()[0].used_bytes == used
     with pytest.raises(LeaseExpired):
         store.commit([(late.slot_id, 0)])
+    # its extent is held a while (its writer may still be copying), then given back
+    assert store.tier_stats()[0].used_bytes == used + MiB
+    clock.now += store.limits.lapsed_slot_hold_s
+    store.expire_leases()
+    assert store.tier_stats()[0].used_bytes == used
+
+
+def test_a_writer_late_into_its_lapsed_slot_destroys_no_other_tenants_block(make_store, clock):
+    """A same-host writer copies into its slot with no lock of the daemon's; one that stalled past its
+    lease and then finishes its copy must land in an extent no other block has been given."""
+    store = make_store(ram_mib=8, disk_mib=None, lease_s=1, lapsed_slot_hold_s=10)
+    [stalled] = store.allocate("tenant-a", [(b"slow", MiB, None, "")])
+    clock.now += 2
+    store.expire_leases()  # A's lease ran out: A is still mid-copy
+    theirs = {b"b%d" % i: value(100 + i, MiB) for i in range(4)}
+    for key, data in theirs.items():
+        put(store, "tenant-b", key, data)
+    late = store.head.view(stalled.offset, stalled.size)
+    late[:] = b"\xaa" * stalled.size  # the stalled copy lands
+    late.release()
+    with pytest.raises(LeaseExpired):
+        store.commit([(stalled.slot_id, checksum(b"\xaa" * MiB))])
+    for key, data in theirs.items():
+        got, _, _ = store.get(BlockKey("tenant-b", key))
+        assert got == data, key
+    held = store.tier_stats()[0].used_bytes
+    clock.now += 10
+    store.expire_leases()  # the hold is over: the extent is anyone's again
+    assert store.tier_stats()[0].used_bytes == held - MiB
 
 
 def test_commit_of_wrong_bytes_is_data_loss_and_frees_slot(make_store):

@@ -31,6 +31,11 @@ class StoreSettings(Section):
     max_batch_blocks: int = setting(4096, "blocks in one request", ge=1, le=1 << 20)
     lease_seconds: float = setting(30.0, "default lease on arena slots and in-place reads", gt=0)
     pin_lease_seconds: float = setting(300.0, "default lease of Pin", gt=0)
+    lapsed_slot_hold_seconds: float = setting(
+        30.0, "an arena slot whose lease ran out unwritten keeps its extent from other blocks this long, so a "
+        "same-host writer that stalled mid-copy cannot land its bytes in another (another tenant's) block",
+        ge=0, le=3600,
+    )
     max_lease_seconds: float = setting(3600.0, "longest lease a client may ask for", gt=0, le=7 * 86400)
     max_leases: int = setting(65536, "open leases (pins, reads, slots) at once", ge=1, le=1 << 24)
     max_leases_per_identity: int = setting(
@@ -75,6 +80,7 @@ class StoreSettings(Section):
             "max_block_bytes": int(self.max_block_bytes) if self.max_block_bytes is not None else DEFAULT_MAX_BLOCK_BYTES,
             "lease_s": self.lease_seconds,
             "pin_lease_s": self.pin_lease_seconds,
+            "lapsed_slot_hold_s": self.lapsed_slot_hold_seconds,
             "max_lease_s": self.max_lease_seconds,
             "max_leases": self.max_leases,
             "max_leases_per_owner": min(self.max_leases_per_identity or max(1, self.max_leases // 4), self.max_leases),

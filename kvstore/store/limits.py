@@ -40,6 +40,7 @@ class StoreLimits:
     verify_commits: bool  # verify checksums of blocks written through the arena
     put_wait_s: float  # longest a writer waits for room when no deadline is given
     max_leases_per_owner: int  # leases one owner (a tenant, a connection) may hold at once
+    lapsed_slot_hold_s: float  # an expired slot's extent stays unused this long (a stalled writer's)
 
     @classmethod
     def from_settings(cls, store=None, **overrides) -> StoreLimits:

@@ -121,7 +121,7 @@ class SlotProtocol(StorePart):
                 # Last, so each extent is lent at least as long as the lease the client is told of.
                 for g in grants:
                     if not g.present:
-                        self._head.lend(g.offset, lease_s + LEND_MARGIN_S)
+                        self._head.lend(g.offset, lease_s + LEND_MARGIN_S + self._s.limits.lapsed_slot_hold_s)
         except BaseException:
             self.abort([g.slot_id for g in grants if not g.present], owner=owner)
             raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -99,6 +100,11 @@ class StoreState:
         self.copies_landed = 0  # of them, those whose block now has its copy below
         # Deletes of copies in tiers other than the head, run outside the lock.
         self.deletes: list[tuple[Tier, BlockKey]] = []
+        # Extents of slots whose lease ran out unwritten: (when they may be reused, offset, size).
+        # A same-host writer copies into its slot with no lock of ours; one that stalled past the
+        # lease may still be copying, so the extent is not another block's until this hold ends.
+        self.lapsed: deque[tuple[float, int, int]] = deque()
+        self.lapsed_bytes = 0
         self.deleting: dict[tuple[TierName, BlockKey], int] = {}
         self._locked = _Locked(self)
 
@@ -222,23 +228,41 @@ class StoreState:
             self.emit_locked(Moved(key, source, target, self.best(entry)))
 
     def expire_locked(self) -> None:
-        expired = self.leases.pop_expired(self.clock())
+        now = self.clock()
+        expired = self.leases.pop_expired(now)
         for lease in expired:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
             if lease.kind == LeaseKind.SLOT:
-                self.free_slot_locked(lease)
+                self.free_slot_locked(lease, lapsed=True)
             self.end_pins_locked(lease)
-        if expired:
+        freed = self.lapsed and self.lapsed[0][0] <= now
+        while self.lapsed and self.lapsed[0][0] <= now:
+            _, offset, size = self.lapsed.popleft()
+            self.lapsed_bytes -= size
+            self.head.unreserve(offset)
+        if freed:
+            self.metrics.lapsed_slot_bytes.set(self.lapsed_bytes)
+        if expired or freed:
             self.cond.notify_all()
 
-    def free_slot_locked(self, lease: Lease) -> None:
+    def free_slot_locked(self, lease: Lease, lapsed: bool = False) -> None:
         """Give back the extent of a slot that ended uncommitted (expired or aborted), unless the
         daemon is writing into it right now: then the last of those writes gives it back when it
         ends (:meth:`~kvstore.store.slots.SlotProtocol.writing`). Freed at once, the extent could
-        be another block's before those bytes stop landing."""
+        be another block's before those bytes stop landing. A slot whose lease ran out
+        (``lapsed``) may also have a same-host writer still copying into it: its extent is held
+        for ``lapsed_slot_hold_s`` first (an aborted one is not: its writer said it stopped)."""
         lease.ended = True
-        if not lease.writing:
+        if lease.writing:
+            return
+        hold = self.limits.lapsed_slot_hold_s if lapsed else 0.0
+        if hold <= 0:
             self.head.unreserve(lease.offset)
+            return
+        size = lease.meta.size if lease.meta is not None else 0
+        self.lapsed.append((self.clock() + hold, lease.offset, size))
+        self.lapsed_bytes += size
+        self.metrics.lapsed_slot_bytes.set(self.lapsed_bytes)
 
     def pin_parent_locked(self, key: BlockKey, meta: BlockMeta) -> list[BlockKey]:
         """Pin the parent of a block being written, so eviction cannot take it meanwhile."""
