@@ -147,6 +147,36 @@ def test_connections_waiting_for_their_hello_cannot_keep_a_real_peer_out(make_da
             sock.close()
 
 
+def _hello_from(port: int, source: str) -> socket.socket:
+    """A peer connection from ``source`` (an address of the loopback net) that sent its Hello."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    wire.send(sock, wire.encode([wire.HELLO, 1, [wire.PROTOCOL_VERSION, ""]]))
+    return sock
+
+
+def _taken(sock: socket.socket) -> socket.socket:
+    (rid, status, result), _ = wire.Wire(sock).read_meta()
+    assert (rid, status) == (1, wire.OK), result
+    return sock
+
+
+def test_one_peer_node_holds_at_most_its_share_of_the_connections_and_another_node_still_gets_in(make_daemon):
+    """A node's pool (or a stolen token used from one host) after its Hellos: half the listener, not all
+    of it. Each Hello is answered before the next connection opens (the Hello gate is not what is tested)."""
+    d = make_daemon(peer_listen="127.0.0.1:0", peer_max_connections=4)  # a share of 2 per node
+    port = d.peer_server.port
+    with ExitStack() as stack:
+        ours = [_taken(stack.enter_context(_hello_from(port, "127.0.0.2"))) for _ in range(2)]
+        third = stack.enter_context(_hello_from(port, "127.0.0.2"))
+        name, message, retry_after_s = refusal(third)
+        assert name == "Overloaded" and retry_after_s > 0, message
+        assert "share of this daemon's limit is 2" in message and "--peer-max-connections-per-node" in message
+        _taken(stack.enter_context(_hello_from(port, "127.0.0.3")))  # another node: served
+        ours[0].close()
+        wait_until(lambda: d.peer_server.connections == 2, what="the closed connection to leave the share")
+        _taken(stack.enter_context(_hello_from(port, "127.0.0.2")))
+
+
 def test_the_hello_gate_closes_the_oldest_of_the_newcomers_address_first_then_the_oldest_of_all():
     gate, woken = HelloGate(limit=3, per_host=2), []
     with ExitStack() as held:

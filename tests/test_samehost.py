@@ -138,7 +138,7 @@ def test_the_first_frame_must_be_hello_with_this_daemons_token(daemon):
 
 
 def test_connections_over_the_limit_are_told_overloaded_with_a_retry_delay(make_daemon):
-    daemon = make_daemon(same_host_max_connections=2)
+    daemon = make_daemon(same_host_max_connections=2, same_host_max_connections_per_uid=2)
     held = [Raw(daemon), Raw(daemon)]
     wait_until(lambda: daemon._same_host.connections == 2, what="two connections to be served")
     third = Raw(daemon, hello=False)
@@ -151,6 +151,73 @@ def test_connections_over_the_limit_are_told_overloaded_with_a_retry_delay(make_
     held[0].close()
     wait_until(lambda: daemon._same_host.connections == 1, what="a closed connection to be freed")
     assert served(daemon)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_one_uid_holds_at_most_its_share_of_the_connections_and_another_uid_still_gets_in(make_daemon, tmp_path):
+    import pwd
+    import tempfile
+
+    from test_auth import _as_uid
+
+    shared = tempfile.mkdtemp(prefix="strata-uids-")  # a directory the other uid can reach
+    os.chmod(shared, 0o755)
+    daemon = make_daemon(same_host_max_connections=4, unix_socket_mode="0666",
+                         same_host_socket=f"{shared}/samehost.sock")  # a share of 2 per uid (half)
+    held = [Raw(daemon), Raw(daemon)]
+    wait_until(lambda: daemon._same_host.connections == 2, what="two connections to be served")
+    third = Raw(daemon, hello=False)
+    rid, status, (name, message, retry) = third.read()
+    assert (rid, name) == (0, "Overloaded") and retry > 0, message
+    assert "share of this daemon's limit is 2" in message and "--same-host-max-connections-per-uid" in message
+    assert third.closed_by_peer()
+
+    def hello() -> str:
+        other = Raw(daemon)  # its Hello is taken (asserted inside), or the child reports why not
+        other.close()
+        return "ok"
+
+    assert _as_uid(pwd.getpwnam("nobody").pw_uid, hello) == "ok"
+    held[0].close()
+    wait_until(lambda: daemon._same_host.connections == 1, what="a closed connection to be freed")
+    Raw(daemon).close()  # the uid's share has room again
+
+
+def test_a_hello_that_trickles_in_is_cut_off_at_its_deadline(make_daemon, monkeypatch):
+    """Each byte restarting a socket timeout would hold the connection for ever: the Hello's deadline
+    runs from the accept, whatever comes meanwhile."""
+    import kvstore.server.samehost as samehost
+
+    monkeypatch.setattr(samehost, "HELLO_TIMEOUT_S", 1.0)
+    daemon = make_daemon()
+    hello = frames.encode([frames.HELLO, 1, [frames.PROTOCOL_VERSION, token_of(daemon)]])
+    sock = connect_unix(path_of(daemon), 10)
+    try:
+        sent = 0
+        for byte in hello[:-1]:  # never the whole Hello; a byte every 0.3 s, under the 1 s timeout
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += 1
+            sock.settimeout(0.3)
+            try:
+                sock.recv(1 << 16)  # an error frame or the end of the stream: cut off
+                break
+            except TimeoutError:
+                continue
+        assert sent < len(hello) - 1, "the daemon kept a Hello that never came whole"
+    finally:
+        sock.close()
+    assert served(daemon)
+
+
+def test_a_hello_larger_than_a_hello_is_refused_from_its_header(daemon):
+    raw = Raw(daemon, hello=False)
+    raw.sock.sendall(frames.HEADER.pack(frames.MAX_HELLO_BYTES + 1, 0))
+    rid, status, (name, message, _) = raw.read()
+    assert (rid, status, name) == (0, frames.ERROR, "InvalidArgument") and "limits" in message
+    assert raw.closed_by_peer()
 
 
 def test_a_dead_clients_leases_and_slots_expire(make_daemon):

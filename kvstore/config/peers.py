@@ -37,6 +37,10 @@ class PeerSettings(Section):
         64, "peer connections at once; one more is refused with a retry delay. At most half of them may be "
         "waiting for their Hello (a quarter from one address): one more closes the oldest waiting", ge=1, le=4096,
     )
+    max_connections_per_node: int = setting(
+        0, "peer connections one node (a peer token from one address) may hold once its Hello is taken, so no "
+        "node's pool takes the listener from the others; 0: half of --peer-max-connections", ge=0, le=4096,
+    )
     idle_seconds: float = setting(
         120.0, "close a peer connection that sends nothing, or stops reading its reply, for this long, or that "
         "takes longer than this to send one frame once it began", gt=0, le=86400,

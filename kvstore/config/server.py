@@ -43,6 +43,10 @@ class ServerSettings(Section):
         "'auto' next to the arena file, 'off' to disable, or a path",
     )
     same_host_max_connections: int = setting(64, "same-host socket connections at once", ge=1, le=4096)
+    same_host_max_connections_per_uid: int = setting(
+        0, "same-host connections the processes of one uid may hold at once, so no user's engines take the "
+        "socket from the others; 0: half of --same-host-max-connections", ge=0, le=4096,
+    )
     same_host_idle_seconds: float = setting(300.0, "close a same-host connection idle this long", gt=0, le=86400)
     metrics_listen: str = setting(
         "127.0.0.1:9464", "Prometheus /metrics address, host:port (':PORT' binds loopback; give 0.0.0.0:PORT "

@@ -58,7 +58,10 @@ length it claims), whole within ``hello_s`` of the accept however slowly its
 bytes come; and the connections waiting for their Hello share at most half
 of ``max_connections``, a quarter from one address, the oldest closed to
 make room (:mod:`kvstore.peer.hello_gate` says why), so a flood of them
-cannot keep an authenticated peer out.
+cannot keep an authenticated peer out. After its Hello, one peer node (its
+identity from one address; over UCX, which names no address, its identity)
+holds at most ``per_node`` of the connections, so one node's pool, or one
+stolen token, cannot take the listener from the others.
 
 Authentication: the Hello carries a bearer token, checked against the same
 policy as gRPC (:class:`~kvstore.auth.Authority`); without a token the
@@ -87,6 +90,7 @@ from kvstore.errors import (
 )
 from kvstore.metrics import StoreMetrics
 from kvstore.peer import wire
+from kvstore.peer.fields import count, fields, items, put_block, request
 from kvstore.peer.hello_gate import HelloGate
 from kvstore.peer.served import ServedBytes
 from kvstore.rpc.status import code_for
@@ -94,6 +98,7 @@ from kvstore.server.budget import ByteBudget
 from kvstore.store.group import StoreGroup
 from kvstore.store.leases import LeaseKind
 from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
+from kvstore.shares import Shares
 from kvstore.transport.unix import set_kernel_timeouts
 
 log = logging.getLogger(__name__)
@@ -103,42 +108,9 @@ REFUSE_RETRY_S = 0.5
 REPLICA_LEASE = LeaseKind("replica")  # a copy pinned here for another node's pin (HOLD)
 
 
-def _fields(value, n: int, what: str) -> list:
-    if not isinstance(value, list) or len(value) != n:
-        raise InvalidArgument(f"malformed peer {what}: expected {n} fields, got {value!r:.80}")
-    return value
-
-
-def _request(meta) -> list:
-    """``[op, id, args]`` with a positive id: anything else cannot be answered by its id."""
-    op, rid, args = _fields(meta, 3, "request")
-    if not isinstance(rid, int) or isinstance(rid, bool) or rid <= 0:
-        raise InvalidArgument("malformed peer request: its id is not a positive integer")
-    return [op, rid, args]
-
-
-def _int(value, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"malformed peer request: {what} is not a non-negative integer")
-    return value
-
-
-def _list(value, what: str) -> list:
-    if not isinstance(value, list):
-        raise InvalidArgument(f"malformed peer request: {what} is not a list")
-    return value
-
-
-def _put_block(value) -> tuple[bytes, int, int, bytes | None, str]:
-    """A PUT's ``[key, size, checksum, parent, layout]``, each field of the type the store takes."""
-    key, size, sum_, parent, layout = _fields(value, 5, "Put block")
-    if not isinstance(key, bytes):
-        raise InvalidArgument("malformed peer Put block: the key is not bytes")
-    if parent is not None and not isinstance(parent, bytes):
-        raise InvalidArgument("malformed peer Put block: the parent key is neither bytes nor nil")
-    if not isinstance(layout, str):
-        raise InvalidArgument(f"malformed peer Put block: the layout is a {type(layout).__name__}, not a string")
-    return key, _int(size, "size"), _int(sum_, "checksum"), parent or None, layout
+def _node(identity: Identity, host: str | None) -> str:
+    """Whose share a peer connection counts against: its identity from its address (one node)."""
+    return f"peer {identity.principal} from {host}" if host else f"peer {identity.principal}"
 
 
 def _stop_reading(conn: socket.socket) -> None:
@@ -166,7 +138,7 @@ class PeerServer:
     def __init__(self, store: StoreGroup, listen: str, *, authority: Authority | None = None,
                  metrics: StoreMetrics | None = None, max_connections: int = 64, idle_s: float = 120.0,
                  hello_s: float = HELLO_S, in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20,
-                 served: ServedBytes | None = None) -> None:
+                 served: ServedBytes | None = None, per_node: int = 0) -> None:
         self._store = store
         self._served = served if served is not None else ServedBytes()
         self._listen = listen
@@ -181,6 +153,8 @@ class PeerServer:
         self._acceptor: threading.Thread | None = None
         self._connections = ConnectionTable(max_connections)
         self._hellos = HelloGate(max(1, max_connections // 2), max(1, max_connections // 4))
+        self._nodes = Shares(per_node or max(1, max_connections // 2), "peer connections",
+                             "--peer-max-connections-per-node", retry_after_s=REFUSE_RETRY_S)
         self._links: set = set()  # every served connection's link, for buffered_bytes
         self._links_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -255,6 +229,7 @@ class PeerServer:
     def _serve(self, conn: socket.socket, peer) -> None:
         link = wire.Wire(conn, max_meta=wire.MAX_HELLO_BYTES, max_payload=0)
         self._track(link, True)
+        caller = None
         try:
             caller = self._greet(conn, link, peer, peer[0], lambda: _stop_reading(conn))
             if caller is not None:
@@ -270,8 +245,14 @@ class PeerServer:
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("peer connection closed after an unexpected error")
         finally:
-            self._track(link, False)
+            self._ended(link, caller, peer[0])
             conn.close()
+
+    def _ended(self, link, caller: Caller | None, host: str | None) -> None:
+        """A served connection ended: it leaves the listener's tables and its node's share."""
+        self._track(link, False)
+        if caller is not None:
+            self._nodes.give(_node(caller.identity, host))
 
     def _track(self, link, served: bool) -> None:
         with self._links_lock:
@@ -302,6 +283,11 @@ class PeerServer:
         if said is None:
             return None
         rid, identity = said
+        try:
+            self._nodes.take(_node(identity, host))
+        except Overloaded as err:
+            self._refuse(conn, err)
+            return None
         conn.settimeout(self._idle_s)  # not what was left of the Hello's deadline
         limits = [wire.MAX_META_BYTES, self._store.limits.max_block_bytes, self._store.limits.max_batch_blocks,
                   self._request_bytes]
@@ -315,10 +301,10 @@ class PeerServer:
         try:
             try:
                 meta, payload = link.read_meta(deadline)
-                op, rid, args = _fields(meta, 3, "request")
+                op, rid, args = fields(meta, 3, "request")
                 if op != wire.HELLO or payload:
                     raise InvalidArgument("the first frame on a peer connection must be a Hello")
-                version, token = _fields(args, 2, "Hello")
+                version, token = fields(args, 2, "Hello")
                 if version != wire.PROTOCOL_VERSION:
                     raise InvalidArgument(
                         f"peer protocol {version!r} is not this daemon's {wire.PROTOCOL_VERSION}: "
@@ -349,7 +335,7 @@ class PeerServer:
             name = "PeerUnknown"
             t0 = time.perf_counter()
             try:
-                op, rid, args = _request(meta)
+                op, rid, args = request(meta)
             except InvalidArgument as err:  # no id to answer: a reply of id 0 refuses the connection
                 self._failed(conn, 0, name, err)
                 return
@@ -400,11 +386,11 @@ class PeerServer:
     # ---- READ --------------------------------------------------------------------
 
     def _read(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
-        namespace, keys, timeout_ms, with_bytes = _fields(args, 4, "Read")
+        namespace, keys, timeout_ms, with_bytes = fields(args, 4, "Read")
         namespace = self._check(caller.identity, namespace, READ)
-        keys = _list(keys, "keys")
+        keys = items(keys, "keys")
         self._store.check_batch(keys)
-        deadline = self._deadline(_int(timeout_ms, "timeout_ms"))
+        deadline = self._deadline(count(timeout_ms, "timeout_ms"))
         for i, key in enumerate(keys):
             if deadline is not None and time.monotonic() >= deadline:
                 raise _Refused(DeadlineExceeded(
@@ -483,9 +469,9 @@ class PeerServer:
     def _verify(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
         """A reader got bytes that failed their checksum: read each block through the store, which
         verifies it and drops a corrupt copy, so the next read finds a sound copy or a miss."""
-        namespace, keys = _fields(args, 2, "Check")
+        namespace, keys = fields(args, 2, "Check")
         namespace = self._check(caller.identity, namespace, READ)
-        keys = _list(keys, "keys")
+        keys = items(keys, "keys")
         self._store.check_batch(keys)
         sound = []
         for key in [BlockKey.checked(namespace, k) for k in keys]:  # InvalidKey before any read
@@ -500,18 +486,18 @@ class PeerServer:
         self._reply(conn, rid, wire.OK, sound)
 
     def _put(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
-        namespace, timeout_ms, blocks = _fields(args, 3, "Put")
+        namespace, timeout_ms, blocks = fields(args, 3, "Put")
         namespace = self._check(caller.identity, namespace, WRITE)
-        blocks = _list(blocks, "blocks")
+        blocks = items(blocks, "blocks")
         self._store.check_batch(blocks)
-        blocks = [_put_block(b) for b in blocks]
+        blocks = [put_block(b) for b in blocks]
         total = sum(b[1] for b in blocks)
         if total > self._request_bytes:
             raise InvalidArgument(
                 f"a peer write of {total} bytes is over the limit of {self._request_bytes} per request "
                 "(--peer-connection-in-flight-bytes): split the batch"
             )
-        deadline = self._deadline(_int(timeout_ms, "timeout_ms"))
+        deadline = self._deadline(count(timeout_ms, "timeout_ms"))
         lease_s = None if deadline is None else min(max(1.0, deadline - time.monotonic()), self._store.limits.lease_s)
         self._budget.take(total)
         try:
@@ -600,10 +586,10 @@ class PeerServer:
         return f"peer-hold:{caller.identity.principal}"
 
     def _hold(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
-        namespace, keys, lease_ms = _fields(args, 3, "Hold")
+        namespace, keys, lease_ms = fields(args, 3, "Hold")
         namespace = self._check(caller.identity, namespace, WRITE)  # a hold takes capacity, as a write does
-        keys = _list(keys, "keys")
-        lease_ms = _int(lease_ms, "lease_ms")
+        keys = items(keys, "keys")
+        lease_ms = count(lease_ms, "lease_ms")
         if not keys or lease_ms <= 0:
             raise InvalidArgument("a peer Hold names at least one key and a lease of at least 1 ms")
         self._store.check_batch(keys)
@@ -615,8 +601,8 @@ class PeerServer:
         self._reply(conn, rid, wire.OK, [lease.id if held else 0, int(lease_s * 1000), [k in held for k in keys]])
 
     def _release(self, conn: socket.socket, link: wire.Wire, caller: Caller, rid: int, args) -> None:
-        [lease_ids] = _fields(args, 1, "Release")
-        lease_ids = [_int(i, "lease id") for i in _list(lease_ids, "lease ids")]
+        [lease_ids] = fields(args, 1, "Release")
+        lease_ids = [count(i, "lease id") for i in items(lease_ids, "lease ids")]
         self._store.check_batch(lease_ids)
         out = []
         for lease_id in lease_ids:

@@ -84,6 +84,7 @@ class UcxPeerServer(PeerServer):
         connections waiting for their Hello share the gate with no address (UCX does not say)."""
         conn.limit(max_meta=wire.MAX_HELLO_BYTES, max_payload=0)
         self._track(conn, True)
+        caller = None
         try:
             caller = self._greet(conn, conn, peer, None, conn.shutdown)
             if caller is not None:
@@ -95,7 +96,7 @@ class UcxPeerServer(PeerServer):
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("UCX peer connection closed after an unexpected error")
         finally:
-            self._track(conn, False)
+            self._ended(conn, caller, None)
             conn.close()
 
     @staticmethod

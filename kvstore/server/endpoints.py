@@ -105,6 +105,7 @@ def start_same_host_sockets(settings: Settings, store: StoreGroup, authority: Au
         same_host = into[named.name] = SameHostServer(
             store.only(named.name), path, arena.token, metrics=metrics,
             max_connections=s.server.same_host_max_connections, idle_s=s.server.same_host_idle_seconds,
+            per_uid=s.server.same_host_max_connections_per_uid,
             gate=PeerGate(authority), mode=s.auth.mode,
         )
         try:
@@ -116,14 +117,21 @@ def start_same_host_sockets(settings: Settings, store: StoreGroup, authority: Au
             ) from None
 
 
+def _peer_limits(s: Settings) -> dict:
+    """The limits every peer listener (TCP, UCX, UCX shared memory) is built with."""
+    p = s.peers
+    return dict(max_connections=p.max_connections, idle_s=p.idle_seconds, hello_s=p.hello_seconds,
+                in_flight_bytes=int(p.in_flight_bytes), request_bytes=int(p.connection_in_flight_bytes),
+                per_node=p.max_connections_per_node)
+
+
 def start_peer_server(settings: Settings, store: StoreGroup, authority: Authority, metrics: StoreMetrics,
                       served: ServedBytes) -> PeerServer:
     """The TCP peer data plane (--peer-listen)."""
     s = settings
     server = PeerServer(
         store, s.peers.listen, authority=authority, metrics=metrics,
-        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds, hello_s=s.peers.hello_seconds,
-        in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+        **_peer_limits(s),
         served=served,
     )
     try:
@@ -161,8 +169,7 @@ def start_ucx_shm_server(settings: Settings, store: StoreGroup, authority: Autho
     start_ucx("--peer-ucx-shm", shared_memory=True)
     server = UcxShmPeerServer(
         store, "", authority=authority, metrics=metrics,
-        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds, hello_s=s.peers.hello_seconds,
-        in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+        **_peer_limits(s),
     )
     try:
         return server.start()
@@ -180,8 +187,7 @@ def start_ucx_server(settings: Settings, store: StoreGroup, authority: Authority
     s = settings
     server = UcxPeerServer(
         store, s.peers.ucx_listen, authority=authority, metrics=metrics,
-        max_connections=s.peers.max_connections, idle_s=s.peers.idle_seconds, hello_s=s.peers.hello_seconds,
-        in_flight_bytes=int(s.peers.in_flight_bytes), request_bytes=int(s.peers.connection_in_flight_bytes),
+        **_peer_limits(s),
         served=served,
     )
     start_ucx(f"--peer-ucx-listen {s.peers.ucx_listen}")

@@ -12,8 +12,12 @@ connection adds no hop (a selector loop handing requests to a pool would add
 two thread switches per request, ~20 us here). The cost is one thread per
 connected client, so connections are limited.
 
-Limits: ``max_connections`` at once (one more is told Overloaded, with a
-retry delay, and closed); one request in flight per connection (the next
+Limits: ``max_connections`` at once, at most ``per_uid`` of them from one
+uid (one more is told Overloaded, with a retry delay, and closed: no user's
+processes take the socket from the others); a Hello of at most
+:data:`~kvstore.transport.frames.MAX_HELLO_BYTES`, whole within
+:data:`HELLO_TIMEOUT_S` of the accept however slowly its bytes come; one
+request in flight per connection (the next
 is not read until the reply is sent; the kernel's socket buffer bounds what
 a client can queue); frames within :mod:`~kvstore.transport.frames` limits;
 a connection idle for ``idle_s``, or whose client stops reading its
@@ -47,20 +51,21 @@ import time
 
 from kvstore.auth import READ, WRITE, owner_of
 from kvstore.auth.identity import set_caller
-from kvstore.auth.peers import PeerGate
+from kvstore.auth.peers import PeerGate, peer_credentials
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import ArenaUnusable, InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
 from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
+from kvstore.shares import Shares
 from kvstore.transport import frames, regions
 from kvstore.transport.locations import RemovalPage
 from kvstore.transport.unix import bind_unix, set_kernel_timeouts
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0  # a connection that does not say Hello this soon is dropped
+HELLO_TIMEOUT_S = 10.0  # a connection whose Hello is not whole this soon after its accept is dropped
 
 
 def _lease_s(lease_ms) -> float | None:
@@ -111,7 +116,7 @@ class SameHostServer:
 
     def __init__(self, store: TieredStore, path: str, token: bytes, *, metrics: StoreMetrics | None = None,
                  max_connections: int = 64, idle_s: float = 300.0, gate: PeerGate | None = None,
-                 mode: int = 0o600) -> None:
+                 mode: int = 0o600, per_uid: int = 0) -> None:
         self._store = store
         self._gate = gate if gate is not None else PeerGate()
         self._mode = mode
@@ -124,6 +129,8 @@ class SameHostServer:
         self._removals: RemovalPage | None = None
         self._acceptor: threading.Thread | None = None
         self._connections = ConnectionTable(max_connections)
+        self._uids = Shares(per_uid or max(1, max_connections // 2), "same-host connections",
+                            "--same-host-max-connections-per-uid", retry_after_s=0.5)
         self._gpu = _gpu_head(store)
         self._session = threading.local()  # per connection (one thread each): whether it reads gpu regions
         handlers = {
@@ -174,8 +181,8 @@ class SameHostServer:
         accept_loop(self._listener, self._connections, name="strata-samehost",
                     serve=lambda conn, _: self._serve(conn), refuse=self._refuse)
 
-    def _refuse(self, conn: socket.socket) -> None:
-        err = Overloaded(
+    def _refuse(self, conn: socket.socket, err: Overloaded | None = None) -> None:
+        err = err or Overloaded(
             f"the same-host socket serves at most {self._max_connections} connections: retry later, "
             "or share one client between threads", retry_after_s=0.5,
         )
@@ -187,9 +194,20 @@ class SameHostServer:
         conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        reader = frames.FrameReader(conn)
+        try:
+            uid = f"uid {peer_credentials(conn)[1]}"
+        except OSError:
+            conn.close()  # gone before it was served
+            return
+        try:
+            self._uids.take(uid)
+        except Overloaded as err:
+            self._refuse(conn, err)
+            return
+        reader = frames.FrameReader(conn, max_meta=frames.MAX_HELLO_BYTES, max_payload=0)
         try:
             if self._hello(conn, reader):
+                reader.limit(max_meta=frames.MAX_META_BYTES, max_payload=frames.MAX_PAYLOAD_BYTES)
                 self._loop(conn, reader)
         except (EOFError, ConnectionError, TimeoutError, BlockingIOError):
             pass  # the client closed, died, idled out or stopped reading: its leases expire
@@ -198,12 +216,12 @@ class SameHostServer:
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("same-host connection closed after an unexpected error")
         finally:
+            self._uids.give(uid)
             conn.close()
 
     def _hello(self, conn: socket.socket, reader: frames.FrameReader) -> bool:
-        conn.settimeout(HELLO_TIMEOUT_S)
         try:
-            meta, _ = reader.read()
+            meta, _ = reader.read(deadline=time.monotonic() + HELLO_TIMEOUT_S)
             op, rid, args = _fields(meta, 3, "request")
             if op != frames.HELLO:
                 raise InvalidArgument("the first frame on the same-host socket must be Hello")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import msgpack
 
@@ -51,6 +52,8 @@ HEADER = struct.Struct("<II")
 MAX_META_BYTES = 8 << 20
 # Inline puts only: bigger blocks go through the arena.
 MAX_PAYLOAD_BYTES = 4 << 20
+# Before its Hello a connection proved nothing: its first frame is small and carries no payload.
+MAX_HELLO_BYTES = 8 << 10
 
 OK, ERROR = 0, 1
 
@@ -130,9 +133,16 @@ class FrameReader:
         self._view = memoryview(self._buf)
         self._start = 0  # first unconsumed byte
         self._end = 0  # end of received bytes
+        self._deadline: float | None = None
+
+    def limit(self, *, max_meta: int, max_payload: int) -> None:
+        """Change the frame size limits (raised once the Hello is taken)."""
+        self._max_meta, self._max_payload = max_meta, max_payload
 
     def _fill(self, need: int) -> None:
-        """Make ``need`` bytes available from ``_start``; raises EOFError when the peer closed."""
+        """Make ``need`` bytes available from ``_start``; raises EOFError when the peer closed, and
+        TimeoutError past the deadline of :meth:`read` (each ``recv`` waits only what is left of
+        it: bytes that trickle in do not restart it)."""
         if self._end - self._start >= need:
             return
         if self._start + need > len(self._buf):
@@ -145,6 +155,11 @@ class FrameReader:
                 self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
         while self._end - self._start < need:
+            if self._deadline is not None:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the frame did not come whole in time")
+                self._sock.settimeout(left)
             missing = need - (self._end - self._start)
             if missing > _WAITALL_BYTES:  # the rest of a big frame: one wait in the kernel, not one per segment
                 n = self._sock.recv_into(self._view[self._end : self._end + missing], missing, socket.MSG_WAITALL)
@@ -154,8 +169,18 @@ class FrameReader:
                 raise EOFError("the peer closed the connection")
             self._end += n
 
-    def read(self) -> tuple[object, memoryview]:
-        """The next frame's decoded meta and its payload view."""
+    def read(self, deadline: float | None = None) -> tuple[object, memoryview]:
+        """The next frame's decoded meta and its payload view, whole by ``deadline``
+        (``time.monotonic()``; None: as the socket's own timeout says)."""
+        if deadline is None:
+            return self._read()
+        self._deadline = deadline
+        try:
+            return self._read()
+        finally:
+            self._deadline = None
+
+    def _read(self) -> tuple[object, memoryview]:
         if self._start == self._end:
             self._start = self._end = 0
             if len(self._buf) > _KEEP_BYTES:  # a big frame passed: an idle connection holds little
