@@ -88,6 +88,8 @@ def test_a_healthy_host_passes_every_check(tmp_path, redis_server, s3_endpoint):
     found = by_check(json.loads(out.stdout))
     assert [f["status"] for f in found["shm"]] == ["ok"]
     assert "32MiB" in found["shm"][0]["summary"] and "tmpfs" in found["shm"][0]["summary"]
+    # the table's start (a 256-byte unit per 4 KiB page) and its worst case (25 units a record, twice a page)
+    assert "block table 2MiB" in found["shm"][0]["summary"] and "up to 100MiB at worst" in found["shm"][0]["summary"]
     assert [f["status"] for f in found["ports"]] == ["ok", "ok"]
     assert found["redis"][0]["status"] == "ok" and redis_server.password not in out.stdout  # shown as ***
     assert found["s3"][0]["status"] == "ok" and "403" in found["s3"][0]["summary"]

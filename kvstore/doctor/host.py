@@ -21,7 +21,7 @@ from kvstore.config import Settings
 from kvstore.config.tiers import arena_name
 from kvstore.doctor.report import Finding, fail, ok, size, skip, warn
 from kvstore.shm.arena import HEADER_BYTES as ARENA_HEADER_BYTES
-from kvstore.shm.table import UNIT_BYTES
+from kvstore.shm.table import UNIT_BYTES, max_table_units, table_units
 
 PAGE_BYTES = 4096
 PROCESS_HEADROOM_BYTES = 512 << 20  # the daemon's own heap, threads and buffers beside the arena
@@ -88,7 +88,10 @@ def check_shm(settings: Settings, host: Host) -> list[Finding]:
     directory = Path(ram.shm_dir).expanduser()
     plan = settings.arena_plan()
     arena_bytes = sum(a["ram_bytes"] for a in plan) + ARENA_HEADER_BYTES * len(plan)
-    table_bytes = (arena_bytes // PAGE_BYTES) * UNIT_BYTES if ram.crash_safe else 0
+    # The block table starts at a unit per arena page and grows with long keys and layouts, while
+    # the tmpfs keeps room for the arena's unwritten pages; beyond that a put is refused, never lost.
+    table_bytes = sum(table_units(a["ram_bytes"], PAGE_BYTES) for a in plan) * UNIT_BYTES if ram.crash_safe else 0
+    table_most = sum(max_table_units(a["ram_bytes"], PAGE_BYTES) for a in plan) * UNIT_BYTES if ram.crash_safe else 0
     if not directory.is_dir():
         return [fail("shm", f"--shm-dir {directory} does not exist",
                      f"create it on a tmpfs of at least {size(arena_bytes + table_bytes)}, or point --shm-dir at "
@@ -106,7 +109,9 @@ def check_shm(settings: Settings, host: Host) -> list[Finding]:
     findings = []
     where = f"--shm-dir {directory} ({fstype}, {size(total)}, {size(free)} free"
     where += f", {size(reused)} held by this node's arena)" if reused else ")"
-    need = f"the arena needs {size(arena_bytes)}" + (f" and its block table up to {size(table_bytes)}" if table_bytes else "")
+    need = f"the arena needs {size(arena_bytes)}" + (
+        f" and its block table {size(table_bytes)} (growing with long keys and layouts, up to {size(table_most)} "
+        "at worst, as the tmpfs allows: beyond it a put is refused)" if table_bytes else "")
     grow = (f"give {directory} at least {size(arena_bytes + table_bytes)}: in Kubernetes an emptyDir "
             f"{{medium: Memory, sizeLimit: {size(arena_bytes + table_bytes)}}}, or the node's /dev/shm "
             "(mount -o remount,size=... /dev/shm) for a hostPath; docker run --shm-size; or lower --ram-bytes")
