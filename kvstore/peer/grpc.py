@@ -3,10 +3,11 @@
 Every daemon serves gRPC, so this transport needs nothing a peer would have
 to turn on: it is the one the peer tier can always fall back to, and the
 default until a faster data plane (``tcp://``) is advertised by both sides.
-It drives :class:`~kvstore.client.aio.AsyncClient` (one per peer address,
-kept in a bounded pool) with ``local_only`` Gets: the holder answers from its
-own tiers and never reads through to its peers, so a fetch is never passed
-on to a third node or back here.
+It keeps one asyncio gRPC channel per peer address (a bounded pool) and
+reads with ``local_only`` Gets, assembled by the same
+:class:`~kvstore.transport.grpc_blocks.GetAssembler` the clients use: the
+holder answers from its own tiers and never reads through to its peers, so
+a fetch is never passed on to a third node or back here.
 
 Costs it does not hide: the bytes are streamed in gRPC messages (one copy
 into the placed buffer), and :meth:`GrpcPeerTransport.lookup` moves the
@@ -42,7 +43,6 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import BlockMeta, Checksummer, TierName, checksum, validate_namespace
-from kvstore.client.aio import AsyncClient
 from kvstore.errors import (
     Cancelled, CorruptBlock, DaemonUnavailable, DeadlineExceeded, InvalidArgument, StrataError, TierUnavailable,
 )
@@ -51,10 +51,11 @@ from kvstore.peer.tcp import Got
 from kvstore.remote.base import MISS, Place, ReadResult, ReadStatus, check_batch, time_left
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.base import BlockInfo, Deadline
-from kvstore.transport.grpc_blocks import CHANNEL_OPTIONS
+from kvstore.transport.grpc_blocks import CHANNEL_OPTIONS, GetAssembler
 
 MAX_CLIENTS = 64  # peer connections kept open; the least recently used is closed beyond it
 CALL_TIMEOUT_S = 60.0  # gRPC's own deadline on each call; the caller's deadline is shorter and wins
+OFF_LOOP_BYTES = 1 << 20  # a block larger than this is checksummed in a worker thread, not on the loop
 
 
 class GrpcPeerTransport(PeerTransport):
@@ -72,43 +73,41 @@ class GrpcPeerTransport(PeerTransport):
             raise InvalidArgument(f"max_clients is {max_clients}; keep at least one peer connection")
         self._security = security or ChannelSecurity.build(token=token, tls_ca=tls_ca)
         self._max_clients = max_clients
-        self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
+        self._clients: OrderedDict[str, tuple[grpc.aio.Channel, kv_pb2_grpc.KVServiceStub]] = OrderedDict()
         self._closing: set[asyncio.Task] = set()
         self._closed = False
         self._reads = self._hits = self._misses = self._read_bytes = self._corrupt = self._errors = 0
 
     name = "grpc peer transport"  # in messages (time_left, check_batch)
 
-    def _client(self, address: str) -> AsyncClient:
+    def _stub(self, address: str) -> kv_pb2_grpc.KVServiceStub:
         if self._closed:
             raise TierUnavailable("the gRPC peer transport is closed")
-        client = self._clients.get(address)
-        if client is not None:
+        found = self._clients.get(address)
+        if found is not None:
             self._clients.move_to_end(address)
-            return client
+            return found[1]
         peer = PeerAddress.parse(address)
         if peer.scheme != self.scheme:
             raise InvalidArgument(f"peer address {address!r} is not a grpc:// address")
         host = f"[{peer.host}]" if ":" in peer.host else peer.host
-        client = AsyncClient(
-            f"{host}:{peer.port}", timeout=CALL_TIMEOUT_S, retries=0, use_shm=False, security=self._security
-        )
-        self._clients[address] = client
+        channel = self._security.aio_channel(f"{host}:{peer.port}", CHANNEL_OPTIONS)
+        self._clients[address] = (channel, kv_pb2_grpc.KVServiceStub(channel))
         while len(self._clients) > self._max_clients:
-            _, old = self._clients.popitem(last=False)
+            _, (old, _) = self._clients.popitem(last=False)
             self._close_later(old)
-        return client
+        return self._clients[address][1]
 
-    def _close_later(self, client: AsyncClient) -> None:
-        task = asyncio.ensure_future(client.close())
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.ensure_future(channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
     def _drop(self, address: str) -> None:
         """Forget a connection that broke: the next call dials again."""
-        client = self._clients.pop(address, None)
-        if client is not None:
-            self._close_later(client)
+        found = self._clients.pop(address, None)
+        if found is not None:
+            self._close_later(found[0])
 
     async def read(
         self, address: str, namespace: str, keys: Sequence[bytes], place: Place, deadline: float
@@ -117,7 +116,7 @@ class GrpcPeerTransport(PeerTransport):
         left = time_left(self, "read", deadline)
         if not keys:
             return []
-        client = self._client(address)
+        stub = self._stub(address)
         declined: dict[int, BlockMeta] = {}
 
         def placement(i: int, info: BlockInfo):
@@ -130,7 +129,7 @@ class GrpcPeerTransport(PeerTransport):
         self._reads += 1
         try:
             async with asyncio.timeout(left):
-                blocks = await client.get_into(namespace, list(keys), placement, local_only=True)
+                blocks = await _get(stub, namespace, list(keys), placement)
         except TimeoutError:
             self._errors += len(keys)
             return [ReadResult.failed(DeadlineExceeded(f"{address}: the deadline passed during the read"))] * len(keys)
@@ -177,9 +176,9 @@ class GrpcPeerTransport(PeerTransport):
 
     async def close(self) -> None:
         self._closed = True
-        clients, self._clients = list(self._clients.values()), OrderedDict()
-        for client in clients:
-            self._close_later(client)
+        channels, self._clients = [c for c, _ in self._clients.values()], OrderedDict()
+        for channel in channels:
+            self._close_later(channel)
         if self._closing:
             await asyncio.wait(list(self._closing), timeout=5.0)
 
@@ -188,6 +187,27 @@ class GrpcPeerTransport(PeerTransport):
             self.scheme, self._reads, self._hits, self._misses, self._read_bytes, 0, 0, self._corrupt, self._errors,
             len(self._clients),
         )
+
+
+async def _get(stub: kv_pb2_grpc.KVServiceStub, namespace: str, keys: list[bytes], place) -> list:
+    """One ``local_only`` Get, each block assembled into what ``place`` gives and checked against
+    its header's checksum; a failed call raises the Strata error it stands for."""
+    validate_namespace(namespace)
+    assembler = GetAssembler(place)
+    large = False
+    try:
+        async for msg in stub.Get(pb.GetRequest(namespace=namespace, keys=keys, local_only=True),
+                                  timeout=CALL_TIMEOUT_S):
+            if msg.WhichOneof("part") == "header":  # on the loop: it calls the placement
+                large = msg.header.block.size > OFF_LOOP_BYTES
+                assembler.feed(msg)
+            elif large:  # the block's last chunk checksums all of it
+                await asyncio.to_thread(assembler.feed, msg)
+            else:
+                assembler.feed(msg)
+    except grpc.RpcError as err:
+        raise from_rpc_error(err) from None
+    return assembler.finish()
 
 
 class GrpcPeerClient:
