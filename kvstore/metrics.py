@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.store.events import Delivery, Evicted, Moved, Removed, Stored, Subscription
+from kvstore.events import Delivery, Evicted, Moved, Removed, Stored, Subscription
 from kvstore.tiers.base import TierStats
 
 _LATENCY_BUCKETS = (
@@ -70,7 +70,7 @@ class StoreMetrics:
         )
 
     def count_events(self, batch: Sequence[Delivery]) -> None:
-        """A store-event subscriber (:class:`~kvstore.store.events.EventBus`): counts each event
+        """A store-event subscriber (:class:`~kvstore.events.EventBus`): counts each event
         by kind and tier. A Resync carries no count; the bus's own counters say what was lost."""
         tally: Tally[tuple[str, str]] = Tally()
         for event in batch:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.tiers.fsops import REAL, FileOps
+from kvstore.fsops import REAL, FileOps
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.shm.allocator import ExtentAllocator
 
 PAGE = 4096
 

@@ -39,7 +39,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName, checksum
 from kvstore.errors import TierFull
 from kvstore.store import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.fsops import REAL, Fault, FaultyFileOps
+from kvstore.fsops import REAL, Fault, FaultyFileOps
 from kvstore.tiers.ram import HostRamTier
 from store_blocks import Clock
 

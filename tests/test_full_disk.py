@@ -25,7 +25,7 @@ from kvstore.errors import TierFull
 from kvstore.node import NodeIdentity
 from kvstore.store import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.fsops import Fault, FaultyFileOps
+from kvstore.fsops import Fault, FaultyFileOps
 from kvstore.tiers.ram import HostRamTier
 from conftest import wait_until
 from small_filesystem import fill, tmpfs

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvstore.server.listeners import Admission, ConnectionTable
+from kvstore.wire.listeners import Admission, ConnectionTable
 
 
 def _held(release: threading.Event):

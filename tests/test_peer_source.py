@@ -22,7 +22,7 @@ from kvstore.peer.base import PeerStats, PeerTransport
 from kvstore.remote.base import MISS, ReadResult
 from kvstore.remote.bridge import RemoteBridge
 from kvstore.remote.memory import MemoryRemote
-from kvstore.remote.peer import PeerLimits, PeerSource
+from kvstore.peer.source import PeerLimits, PeerSource
 from kvstore.tiers.remote import RemoteTier
 
 NS = "ns"

@@ -471,7 +471,7 @@ class Sink:
 
 
 def test_the_store_says_what_it_did(tmp_path, clock, stores):
-    from kvstore.store.events import Evicted, Moved, Removed, Stored
+    from kvstore.events import Evicted, Moved, Removed, Stored
 
     sink = Sink()
     tiers = [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-ev"), DiskTier(tmp_path / "d-ev", 8 * MiB)]

@@ -14,7 +14,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName, checksum
 from kvstore.index.agent import IndexAgent
 from kvstore.index.memory import MemoryIndex
 from kvstore.metrics import StoreMetrics
-from kvstore.store.events import EventBus, Evicted, Moved, Removed, Resync, Stored
+from kvstore.events import EventBus, Evicted, Moved, Removed, Resync, Stored
 from kvstore.store.tiered import StoreLimits, TieredStore
 from kvstore.tiers.ram import HostRamTier
 from conftest import wait_until
@@ -150,7 +150,7 @@ def test_a_failing_subscriber_is_logged_counted_resynced_and_others_go_on(bus, c
     other = Recorder()
     sub = bus.subscribe("flaky", flaky, batch_events=1)
     bus.subscribe("other", other)
-    with caplog.at_level(logging.ERROR, logger="kvstore.store.events"):
+    with caplog.at_level(logging.ERROR, logger="kvstore.events"):
         for i in range(5):
             bus.publish(stored(i))
         wait_until(lambda: len(other.events) == 5, what="the other subscriber's events")

@@ -17,7 +17,7 @@ many processes read them. Layout under the directory::
     lock                           the copy's lock (flock), for admission and eviction
 
 Why files and not extents of the KV daemon's arena (:mod:`kvstore.shm.arena`
-with :mod:`kvstore.tiers.allocator`): a tensor is contiguous bytes of one
+with :mod:`kvstore.shm.allocator`): a tensor is contiguous bytes of one
 file, often larger than a chunk, and an engine keeps its zero-copy views
 long after its reader closed. In an arena, an evicted model's extents are
 handed to the next model while some process may still map them, so a

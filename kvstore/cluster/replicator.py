@@ -64,7 +64,7 @@ from kvstore.cluster.pusher import Pusher, rank
 from kvstore.errors import InvalidArgument, PrefixIndexError, StrataError, UnknownNamespace
 from kvstore.index.base import MAX_CHAIN_BLOCKS, NodeInfo, PrefixIndex
 from kvstore.peer.base import PeerTransport
-from kvstore.remote.peer import LOCAL_TIERS
+from kvstore.peer.source import LOCAL_TIERS
 from kvstore.store.tiered import MAX_LIST_PAGE
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The agent owns one asyncio loop in its own thread (the index clients are
 asyncio; the store and the gRPC servicers are threads). It subscribes to the
-store's events (:mod:`kvstore.store.events`, :meth:`on_events`): each carries
+store's events (:mod:`kvstore.events`, :meth:`on_events`): each carries
 the block's best tier after it, so the agent needs no store call per change.
 It coalesces those changes per key in a bounded buffer and publishes them in
 batches. If the index is unreachable the daemon keeps serving local hits: the
@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvstore.block import BlockKey, TierName
 from kvstore.errors import StrataError
 from kvstore.index.base import IndexUnavailable, NodeInfo, PrefixIndex
-from kvstore.store.events import Delivery, Resync
+from kvstore.events import Delivery, Resync
 
 log = logging.getLogger(__name__)
 

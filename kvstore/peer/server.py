@@ -94,10 +94,10 @@ from kvstore.peer.fields import count, fields, items, put_block, request
 from kvstore.peer.hello_gate import HelloGate
 from kvstore.peer.served import ServedBytes
 from kvstore.rpc.status import code_for
-from kvstore.server.budget import ByteBudget
+from kvstore.wire.budget import ByteBudget
 from kvstore.store.group import StoreGroup
 from kvstore.store.leases import LeaseKind
-from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
+from kvstore.wire.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.shares import Shares
 from kvstore.transport.unix import set_kernel_timeouts
 

@@ -26,7 +26,7 @@ import threading
 from kvstore.peer import wire
 from kvstore.peer.server import PeerServer
 from kvstore.peer.ucx_link import UcxLink, UcxRuntime
-from kvstore.server.listeners import Admission
+from kvstore.wire.listeners import Admission
 
 log = logging.getLogger(__name__)
 

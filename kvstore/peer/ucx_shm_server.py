@@ -36,7 +36,7 @@ from kvstore.peer.ucx_shm_link import (
     HANDSHAKE_VERSION, ShmLink, UcxShmRuntime, check_peer_uid, host_id, read_handshake, send_handshake, socket_name,
 )
 from kvstore.rpc.status import code_for
-from kvstore.server.listeners import accept_loop, stop_listening
+from kvstore.wire.listeners import accept_loop, stop_listening
 
 log = logging.getLogger(__name__)
 

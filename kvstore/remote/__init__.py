@@ -20,7 +20,7 @@ def _memory(rest: str, **options) -> RemoteSource:
 
 
 def _peer(rest: str, **options) -> RemoteSource:
-    from kvstore.remote.peer import PeerSource
+    from kvstore.peer.source import PeerSource
 
     return PeerSource.from_options(rest, **options)
 

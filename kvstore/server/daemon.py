@@ -51,14 +51,14 @@ from kvstore.peer.served import ServedBytes
 from kvstore.peer.server import PeerServer
 from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server import endpoints
-from kvstore.server.budget import ByteBudget
+from kvstore.wire.budget import ByteBudget
 from kvstore.server.endpoints import DaemonError
 from kvstore.server.samehost import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.server.stores import open_stores
 from kvstore.server.streams import StreamLimiter
 from kvstore.server.watchdog import StreamWatchdog
-from kvstore.store.events import EventBus
+from kvstore.events import EventBus
 from kvstore.store.group import StoreGroup
 
 log = logging.getLogger(__name__)
@@ -351,7 +351,7 @@ class Daemon:
                                  "index": index, "index_loop": self.index_agent.loop}
         if "peer" not in s.tiers.chain:
             return runtime
-        from kvstore.remote.peer import PeerMetrics
+        from kvstore.peer.source import PeerMetrics
 
         self.peer_metrics = PeerMetrics(self.metrics.registry, s.tiers.peer.transports)
         runtime["peer"] = {

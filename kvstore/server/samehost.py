@@ -57,7 +57,7 @@ from kvstore.errors import ArenaUnusable, InvalidArgument, LeaseOwnedElsewhere, 
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
-from kvstore.server.listeners import ConnectionTable, accept_loop, stop_listening
+from kvstore.wire.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.shares import Shares
 from kvstore.transport import frames, regions
 from kvstore.transport.locations import RemovalPage

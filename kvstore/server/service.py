@@ -20,7 +20,7 @@ from kvstore.errors import ArenaReplaced, ArenaUnusable, BlockTooLarge, InvalidA
 from kvstore.handoff.metrics import HandoffCounts
 from kvstore.node import NodeIdentity
 from kvstore.peer.served import ServedBytes
-from kvstore.server.budget import ByteBudget
+from kvstore.wire.budget import ByteBudget
 from kvstore.store.group import StoreArena, StoreGroup
 from kvstore.store.writer import BlockWriter
 

@@ -118,7 +118,7 @@ from kvstore.block import (
     BlockMeta,
 )
 from kvstore.errors import StrataError, TierFull, TierUnavailable
-from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.shm.allocator import ExtentAllocator
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from kvstore.store.chain import Level, TierChain
 from kvstore.store.checks import BlockChecks
 from kvstore.store.demotion import Copy
 from kvstore.store.entries import Catalog, Entry
-from kvstore.store.events import BlockEvent, Evicted, Moved, Removed, Stored
+from kvstore.events import BlockEvent, Evicted, Moved, Removed, Stored
 from kvstore.store.eviction import EvictionPlan
 from kvstore.store.leases import Lease, LeaseKind, LeaseTable
 from kvstore.store.limits import StoreLimits
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class EventSink(Protocol):
-    """Where the store publishes its events: an :class:`~kvstore.store.events.EventBus`, or
+    """Where the store publishes its events: an :class:`~kvstore.events.EventBus`, or
     anything else whose ``publish`` is cheap and never blocks (it runs under the store lock)."""
 
     def publish(self, event: BlockEvent) -> None: ...

@@ -79,7 +79,7 @@ from kvstore.store.limits import EdgePolicy, StoreLimits
 from kvstore.store.placement import HeadPlacement
 from kvstore.store.reads import ChainReader
 from kvstore.store.recovery import recover
-from kvstore.store.events import Removed
+from kvstore.events import Removed
 from kvstore.store.holds import BlockHolds, Located
 from kvstore.store.slots import SlotGrant, SlotProtocol, SlotWrite
 from kvstore.store.state import EventSink, StorePart, StoreState

@@ -44,7 +44,7 @@ A failed fsync leaves durability unknown, so the block is not committed
 (see :meth:`DiskTier._write`). A deleted block whose unlink failed leaves
 the index at once and its file goes on the next upkeep.
 
-File-system calls. Every one goes through a :class:`~kvstore.tiers.fsops.FileOps`
+File-system calls. Every one goes through a :class:`~kvstore.fsops.FileOps`
 (the real ``os`` calls unless a test passes a faulty one).
 
 Concurrency. One lock guards the index, the LRU order and the byte counts.
@@ -90,7 +90,7 @@ from kvstore.tiers.disk_entry import _IO_CHUNK, _BadPayload, _Entry
 from kvstore.tiers.disk_recovery import _Recovery
 from kvstore.tiers.disk_room import _Room
 from kvstore.tiers.disk_writes import _Writes
-from kvstore.tiers.fsops import REAL, FileOps
+from kvstore.fsops import REAL, FileOps
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from kvstore.errors import TierUnavailable
 from kvstore.tiers.block_file import BadHeader, block_name, read_header
 from kvstore.tiers.disk_entry import _FOLDERS, _FULL_ERRNOS, _Entry
-from kvstore.tiers.fsops import FileOps
+from kvstore.fsops import FileOps
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A mappable tier like the host-RAM arena: each device's region is allocated
 once at start (:mod:`kvstore.tiers.device`) and carved by the same
-:class:`~kvstore.tiers.allocator.ExtentAllocator`, so a block is an extent
+:class:`~kvstore.shm.allocator.ExtentAllocator`, so a block is an extent
 ``(offset, size)`` and the store's slot and lease protocol applies
 unchanged. Offsets are global: region *i* spans ``[base_i, base_i + size_i)``
 of one offset space, so the store never learns how many devices there are;
@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull
-from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.shm.allocator import ExtentAllocator
 from kvstore.tiers.base import MappableTier, TierStats
 from kvstore.tiers.device import DeviceMemory, MemoryHandle, open_memory
 from kvstore.tiers.device.buffers import nbytes

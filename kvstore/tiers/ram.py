@@ -1,7 +1,7 @@
 """The host-RAM tier: blocks are extents of one shared-memory arena.
 
 All block bytes live in a single :class:`~kvstore.shm.arena.ShmArena`, carved
-by an :class:`~kvstore.tiers.allocator.ExtentAllocator`. Keeping them in the
+by an :class:`~kvstore.shm.allocator.ExtentAllocator`. Keeping them in the
 arena (rather than in Python ``bytes`` objects) is what lets a same-host
 client read or write a block in place: the daemon tells it an offset, never
 copies the payload through gRPC.
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
-from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.shm.allocator import ExtentAllocator
 from kvstore.shm import table as block_table
 from kvstore.shm.arena import ArenaMismatch, ShmArena
 from kvstore.shm.table import BlockTable, Loaded, TableMismatch

@@ -15,7 +15,9 @@ suite over all of them (``tests/test_transport_contract.py``):
 - ``peer-ucx-shm``: the same over UCX shared memory, to a daemon on this host
   (``--peer-ucx-shm``; the ``ucx`` extra).
 
-A new transport is one module and one entry in :data:`TRANSPORTS`.
+A new transport is one module and one entry in :data:`TRANSPORTS`. The
+three ``peer-*`` transports live with the peer protocol
+(:mod:`kvstore.peer.transports`) and are imported only when opened.
 """
 
 from __future__ import annotations
@@ -51,21 +53,21 @@ def _same_host(*, target: str, **options) -> Transport:
 
 
 def _peer_ucx(*, target: str, **options) -> Transport:
-    from kvstore.transport.peer_ucx import connect
+    from kvstore.peer.transports import connect_ucx
 
-    return connect(target, **options)
+    return connect_ucx(target, **options)
 
 
 def _peer_ucx_shm(*, target: str, **options) -> Transport:
-    from kvstore.transport.peer_ucx_shm import connect
+    from kvstore.peer.transports import connect_ucx_shm
 
-    return connect(target, **options)
+    return connect_ucx_shm(target, **options)
 
 
 def _peer_tcp(*, target: str, **options) -> Transport:
-    from kvstore.transport.peer_tcp import connect
+    from kvstore.peer.transports import connect_tcp
 
-    return connect(target, **options)
+    return connect_tcp(target, **options)
 
 
 # Name → constructor (keyword arguments: ``store`` for in-process, ``target``
