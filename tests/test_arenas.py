@@ -14,7 +14,8 @@ from kvstore import AsyncClient, Client, TierName
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import checksum
-from kvstore.cli.main import build_parser, serve_overrides
+from kvstore.cli.common import serve_overrides
+from kvstore.cli.main import build_parser
 from kvstore.config import SettingsError, load_settings
 from kvstore.errors import InvalidArgument, UnknownLease
 from kvstore.server.service import KVServicer

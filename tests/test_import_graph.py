@@ -5,11 +5,14 @@ bottom, the daemon and the CLI at the top), so a change in one is local to
 the ones above it, and a newcomer can read the code from the bottom up.
 The graph is built from the source with :mod:`ast`, not by importing it:
 
-- an edge is a module-level import (also one under ``if``/``try``), with
-  ``from a import b`` counted as an import of the module ``a.b`` when there
-  is one; an import inside a function is left out, as are imports under
-  ``if TYPE_CHECKING`` (a registry that opens its implementations on first
-  use, or a type only a checker reads, ties nothing at import time);
+- between packages, an edge is a module-level import (also one under
+  ``if``/``try``), with ``from a import b`` counted as an import of the
+  module ``a.b`` when there is one; an import inside a function is left out
+  (a registry opens its implementations, a level above it, on first use);
+- between files, imports inside functions count too: two modules that call
+  into each other are one module, whenever the import runs;
+- imports under ``if TYPE_CHECKING`` are left out everywhere (a type only a
+  checker reads ties nothing);
 - a package is a folder directly under a top-level package
   (``kvstore/peer/``, with everything below it); a module directly in a
   top-level package (``kvstore/node.py``) is a node of its own.
@@ -47,8 +50,9 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[str, int]]:
-    """(imported module, line) of each module-level import of ``name`` that names one of ``modules``."""
+def _imports(path: Path, name: str, modules: dict[str, Path], *, lazy: bool) -> list[tuple[str, int]]:
+    """(imported module, line) of each import of ``name`` that names one of ``modules``: those at
+    module level, and with ``lazy`` those inside functions and classes too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, int]] = []
 
@@ -73,6 +77,10 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[str,
                 visit(node.finalbody)
                 for handler in node.handlers:
                     visit(handler.body)
+            elif lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.With,
+                                            ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
 
     visit(ast.parse(path.read_text(), str(path)).body)
     return [(m, line) for m, line in found if m in modules and m != name]
@@ -132,9 +140,10 @@ def find_cycles(base: Path, roots: Iterable[str]) -> tuple[list[str], list[str]]
     packages: dict[str, set[str]] = {}
     lines: dict[tuple[str, str], list[str]] = {}
     for name, path in modules.items():
-        for target, line in _imports(path, name, modules):
+        for target, line in _imports(path, name, modules, lazy=True):
             files.setdefault(name, set()).add(target)
             lines.setdefault((name, target), []).append(f"{path.relative_to(base)}:{line}")
+        for target, line in _imports(path, name, modules, lazy=False):
             a, b = _package(name, base), _package(target, base)
             if a != b and not b.startswith(a + ".") and not a.startswith(b + "."):
                 packages.setdefault(a, set()).add(b)
@@ -179,7 +188,7 @@ def test_the_checker_finds_a_back_import_between_packages_and_names_its_line(tre
         "app/low/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.high import b\n"
                         "def f():\n    from app.high import b\n",
     })
-    assert find_cycles(base, ["app"]) == ([], [])  # type-only and lazy imports tie nothing
+    assert find_cycles(base, ["app"]) == ([], [])  # a type-only import ties nothing, a lazy one no packages
     (base / "app/low/d.py").write_text("import json\nfrom app.high.b import thing\n")
     package_cycles, file_cycles = find_cycles(base, ["app"])
     assert len(package_cycles) == 1 and file_cycles == []
@@ -188,7 +197,7 @@ def test_the_checker_finds_a_back_import_between_packages_and_names_its_line(tre
 
 def test_the_checker_finds_a_circle_of_files_in_one_package(tree):
     base = tree({"app/__init__.py": "", "app/p/__init__.py": "", "app/p/x.py": "from . import y\n",
-                 "app/p/y.py": "from .z import name\n", "app/p/z.py": "import app.p.x\n"})
+                 "app/p/y.py": "from .z import name\n", "app/p/z.py": "def late():\n    import app.p.x\n"})
     package_cycles, file_cycles = find_cycles(base, ["app"])
     assert package_cycles == [] and len(file_cycles) == 1
     assert file_cycles[0].startswith("app.p.x <-> app.p.y <-> app.p.z")

@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstore.cli.main import build_parser, serve_overrides
+from kvstore.cli.common import serve_overrides
+from kvstore.cli.main import build_parser
 from kvstore.config import load_settings
 from kvstore.doctor.host import PROCESS_HEADROOM_BYTES
 

@@ -39,7 +39,7 @@ def add_parser(sub, add_settings_flags) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kvstore.cli.main import serve_overrides
+    from kvstore.cli.common import serve_overrides
     from kvstore.doctor import Host, failed, render_json, render_text, run_checks
 
     try:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvstore.config import SETTINGS, Settings, SettingsError, load_settings
 from kvstore.config.section import iter_sections
+from kvstore.cli.common import serve_overrides, setup_logging
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -72,24 +73,6 @@ def _show(value) -> str:
     return str(value) if value != "" else "off"
 
 
-def _setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        from pythonjsonlogger.json import JsonFormatter
-
-        handler.setFormatter(
-            JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level"})
-        )
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-
-
-def serve_overrides(args: argparse.Namespace) -> dict:
-    """The settings given as flags (the highest layer of :func:`load_settings`)."""
-    return {s.flag: getattr(args, s.flag) for s in SETTINGS if getattr(args, s.flag) is not None}
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     overrides = serve_overrides(args)
     config = args.config or os.environ.get("STRATA_CONFIG")
@@ -98,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except SettingsError as err:
         print(f"strata serve: {err}", file=sys.stderr)
         return 2
-    _setup_logging(settings.logging.level, settings.logging.format)
+    setup_logging(settings.logging.level, settings.logging.format)
     from kvstore.errors import StrataError
     from kvstore.server.daemon import serve
 

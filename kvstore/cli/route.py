@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from kvstore.cli.main import _setup_logging
+    from kvstore.cli.common import setup_logging
     from kvstore.config.load import SettingsError
     from kvstore.config.router import ROUTER_SETTINGS, load_router_settings
 
@@ -88,7 +88,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     except SettingsError as err:
         print(f"strata route: {err}", file=sys.stderr)
         return 2
-    _setup_logging(settings.log_level, settings.log_format)
+    setup_logging(settings.log_level, settings.log_format)
     try:
         from kvstore.router.server import run
     except ImportError as err:

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument, StrataError
 from kvstore.index.base import NodeInfo
-from kvstore.peer.base import Held, PeerTransport, open_peer_transport
+from kvstore.peer.base import Held, PeerTransport
+from kvstore.peer.registry import open_peer_transport
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ class HandoffSettings(Section):
     @field_validator("transports")
     @classmethod
     def _known(cls, value: list[str]) -> list[str]:
-        from kvstore.peer.base import PEER_CLIENTS
+        from kvstore.peer.registry import PEER_CLIENTS
 
         unknown = [scheme for scheme in value if scheme not in PEER_CLIENTS]
         if unknown:

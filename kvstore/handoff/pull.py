@@ -99,7 +99,7 @@ class PullResult:
 
 class HandoffPuller:
     """``store``: the StoreGroup; ``peers``: scheme -> a blocking peer client
-    (:func:`kvstore.peer.base.open_peer_client`, with the peer token), in this daemon's order of
+    (:func:`kvstore.peer.registry.open_peer_client`, with the peer token), in this daemon's order of
     preference; ``control(address)``: a client of the prefill daemon's gRPC with
     ``heartbeat_handoff`` and ``complete_handoff`` (the caller closes it); ``publish(namespace,
     [(key, tier)], timeout_s)``: adds this node's holdings to the index now, True when the index

@@ -1,7 +1,10 @@
 """The peer data plane: blocks between daemons.
 
-- :mod:`kvstore.peer.base`: the :class:`PeerTransport` contract, addresses,
-  the scheme → transport registry;
+- :mod:`kvstore.peer.base`: the :class:`PeerTransport` contract, addresses;
+- :mod:`kvstore.peer.registry`: the scheme → transport (and blocking client) registry;
+- :mod:`kvstore.peer.fields`: the checks of a peer request's fields;
+- :mod:`kvstore.peer.source`: the peer tier (a remote source built on the transports);
+- :mod:`kvstore.peer.transports`: the peer listeners as client-side transports;
 - :mod:`kvstore.peer.wire`: the TCP peer protocol's frames;
 - :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``);
 - :mod:`kvstore.peer.connection`: one connection to a peer's listener (Hello, frames, deadline);
@@ -14,6 +17,7 @@
   client; the listener).
 """
 
-from kvstore.peer.base import PEER_TRANSPORTS, Held, PeerAddress, PeerStats, PeerTransport, open_peer_transport
+from kvstore.peer.base import Held, PeerAddress, PeerStats, PeerTransport
+from kvstore.peer.registry import PEER_TRANSPORTS, open_peer_transport
 
 __all__ = ["PEER_TRANSPORTS", "Held", "PeerAddress", "PeerStats", "PeerTransport", "open_peer_transport"]

@@ -61,15 +61,15 @@ Addresses are URLs whose scheme names the transport: ``tcp://host:port``
 (:mod:`kvstore.peer.tcp`), ``ucx://host:port`` (:mod:`kvstore.peer.ucx`),
 ``ucx-shm://<host id>:port`` (:mod:`kvstore.peer.ucx_shm`: UCX shared memory,
 meaningful on its own host only). A daemon advertises one address per
-transport it serves; :data:`PEER_TRANSPORTS` maps a scheme to the
-implementation, so a caller picks the first scheme both sides have, a
+transport it serves; :data:`kvstore.peer.registry.PEER_TRANSPORTS` maps a
+scheme to the implementation, so a caller picks the first scheme both sides have, a
 same-host-only one first where it :meth:`~PeerTransport.reaches` the holder.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -77,10 +77,7 @@ from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
 from kvstore.remote.base import Place, ReadResult, WriteResult
 
-__all__ = [
-    "PEER_CLIENTS", "PEER_TRANSPORTS", "Held", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult",
-    "WriteResult", "open_peer_client", "open_peer_transport",
-]
+__all__ = ["Held", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult", "WriteResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,77 +175,3 @@ class PeerTransport(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> PeerStats: ...
-
-
-def _tcp(**options) -> PeerTransport:
-    from kvstore.peer.tcp import TcpPeerTransport
-
-    return TcpPeerTransport(**options)
-
-
-def _grpc(**options) -> PeerTransport:
-    from kvstore.peer.grpc import GrpcPeerTransport
-
-    return GrpcPeerTransport(**options)
-
-
-def _ucx(**options) -> PeerTransport:
-    from kvstore.peer.ucx import UcxPeerTransport
-
-    return UcxPeerTransport(**options)
-
-
-def _ucx_shm(**options) -> PeerTransport:
-    from kvstore.peer.ucx_shm import UcxShmPeerTransport
-
-    return UcxShmPeerTransport(**options)
-
-
-# Address scheme → constructor (keyword options: token, pool limits); a new
-# peer transport is one module and one entry here.
-PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {
-    "tcp": _tcp, "grpc": _grpc, "ucx": _ucx, "ucx-shm": _ucx_shm,
-}
-
-
-def _tcp_client(security) -> object:
-    from kvstore.peer.tcp import TcpPeerClient
-
-    return TcpPeerClient(token=security.token or "")
-
-
-def _ucx_client(security) -> object:
-    from kvstore.peer.ucx import UcxPeerClient
-
-    return UcxPeerClient(token=security.token or "")
-
-
-def _grpc_client(security) -> object:
-    from kvstore.peer.grpc import GrpcPeerClient
-
-    return GrpcPeerClient(security=security)
-
-
-# The blocking cores under the transports, by address scheme, each built from a
-# ChannelSecurity (its token; the gRPC one its TLS CA too): ``read(address,
-# namespace, keys, place, Deadline) -> list[Got]`` and ``close()``, in the
-# calling thread. A handoff pull runs in a gRPC worker thread and uses these.
-PEER_CLIENTS: dict[str, Callable[..., object]] = {"tcp": _tcp_client, "ucx": _ucx_client, "grpc": _grpc_client}
-
-
-def open_peer_client(scheme: str, security) -> object:
-    try:
-        factory = PEER_CLIENTS[scheme]
-    except KeyError:
-        raise InvalidArgument(f"unknown peer transport {scheme!r}; known: {', '.join(sorted(PEER_CLIENTS))}") from None
-    return factory(security)
-
-
-def open_peer_transport(scheme: str, **options) -> PeerTransport:
-    try:
-        factory = PEER_TRANSPORTS[scheme]
-    except KeyError:
-        raise InvalidArgument(
-            f"unknown peer transport {scheme!r}; known: {', '.join(sorted(PEER_TRANSPORTS))}"
-        ) from None
-    return factory(**options)

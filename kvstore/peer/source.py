@@ -60,7 +60,8 @@ from kvstore.errors import (
     StrataError, TierUnavailable, UnknownNamespace,
 )
 from kvstore.index.base import Holder, NodeInfo, PrefixIndex
-from kvstore.peer.base import PeerTransport, open_peer_transport
+from kvstore.peer.base import PeerTransport
+from kvstore.peer.registry import open_peer_transport
 from kvstore.remote.base import (
     MISS, Place, ReadResult, ReadStatus, RemoteSource, RemoteStats, WriteResult, check_batch, time_left,
 )
@@ -168,7 +169,7 @@ class PeerSource(RemoteSource):
         """``index``: the prefix index, living on ``index_loop`` (None: this source's own loop).
         ``node_id``: this node (never its own peer). ``host``: this node's advertised host, for
         "same host first". ``schemes``: the transports this node fetches with, preferred first;
-        each is built by :func:`kvstore.peer.base.open_peer_transport` with its entry of
+        each is built by :func:`kvstore.peer.registry.open_peer_transport` with its entry of
         ``transport_options`` (scheme -> keyword options: the token) unless ``transports`` gives it."""
         if not schemes:
             raise InvalidArgument("the peer tier needs at least one transport scheme (e.g. grpc)")

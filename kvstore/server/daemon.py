@@ -306,7 +306,7 @@ class Daemon:
         from kvstore.handoff.metrics import HandoffMetrics
         from kvstore.handoff.pull import HandoffPuller, PullLimits
         from kvstore.handoff.table import HandoffLimits, HandoffTable
-        from kvstore.peer.base import open_peer_client
+        from kvstore.peer.registry import open_peer_client
 
         s = self.settings
         h = s.handoff

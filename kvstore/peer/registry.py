@@ -1,0 +1,89 @@
+"""The peer transports and their blocking cores, by address scheme: the one place a scheme is named.
+
+The contracts live in :mod:`kvstore.peer.base`; each implementation is
+imported here only when a transport of its scheme is opened (UCX needs
+ucxx, which a node without the ``ucx`` extra does not have). A new peer
+transport is one module and one entry in :data:`PEER_TRANSPORTS` (and in
+:data:`PEER_CLIENTS` when a handoff may pull over it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.errors import InvalidArgument
+from kvstore.peer.base import PeerTransport
+
+
+def _tcp(**options) -> PeerTransport:
+    from kvstore.peer.tcp import TcpPeerTransport
+
+    return TcpPeerTransport(**options)
+
+
+def _grpc(**options) -> PeerTransport:
+    from kvstore.peer.grpc import GrpcPeerTransport
+
+    return GrpcPeerTransport(**options)
+
+
+def _ucx(**options) -> PeerTransport:
+    from kvstore.peer.ucx import UcxPeerTransport
+
+    return UcxPeerTransport(**options)
+
+
+def _ucx_shm(**options) -> PeerTransport:
+    from kvstore.peer.ucx_shm import UcxShmPeerTransport
+
+    return UcxShmPeerTransport(**options)
+
+
+# Address scheme → constructor (keyword options: token, pool limits); a new
+# peer transport is one module and one entry here.
+PEER_TRANSPORTS: dict[str, Callable[..., PeerTransport]] = {
+    "tcp": _tcp, "grpc": _grpc, "ucx": _ucx, "ucx-shm": _ucx_shm,
+}
+
+
+def _tcp_client(security) -> object:
+    from kvstore.peer.tcp import TcpPeerClient
+
+    return TcpPeerClient(token=security.token or "")
+
+
+def _ucx_client(security) -> object:
+    from kvstore.peer.ucx import UcxPeerClient
+
+    return UcxPeerClient(token=security.token or "")
+
+
+def _grpc_client(security) -> object:
+    from kvstore.peer.grpc import GrpcPeerClient
+
+    return GrpcPeerClient(security=security)
+
+
+# The blocking cores under the transports, by address scheme, each built from a
+# ChannelSecurity (its token; the gRPC one its TLS CA too): ``read(address,
+# namespace, keys, place, Deadline) -> list[Got]`` and ``close()``, in the
+# calling thread. A handoff pull runs in a gRPC worker thread and uses these.
+PEER_CLIENTS: dict[str, Callable[..., object]] = {"tcp": _tcp_client, "ucx": _ucx_client, "grpc": _grpc_client}
+
+
+def open_peer_client(scheme: str, security) -> object:
+    try:
+        factory = PEER_CLIENTS[scheme]
+    except KeyError:
+        raise InvalidArgument(f"unknown peer transport {scheme!r}; known: {', '.join(sorted(PEER_CLIENTS))}") from None
+    return factory(security)
+
+
+def open_peer_transport(scheme: str, **options) -> PeerTransport:
+    try:
+        factory = PEER_TRANSPORTS[scheme]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown peer transport {scheme!r}; known: {', '.join(sorted(PEER_TRANSPORTS))}"
+        ) from None
+    return factory(**options)
