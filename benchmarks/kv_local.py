@@ -285,7 +285,7 @@ def socket_round_trip_us(client: Client, n: int = 500) -> float:
     No public call sends a bare message, so this reaches into the client's same-host transport of the
     benchmark's namespace (the one its rounds use) and one of its connections.
     """
-    from kvstore.transport import frames
+    from kvstore.transport.samehost import frames
 
     transport = client._data(NS)
     conn = transport._take()

@@ -11,7 +11,7 @@ says what was wrong and what to do about it.
     │   ├── InvalidHashInput        token ids or extra keys vLLM's hashing cannot take   [index.keys]
     │   │   └── ChainTooLong        more tokens than one chain may have                   [index.keys]
     │   ├── MalformedEvent          a vLLM KV-event message that does not parse           [index.event_format]
-    │   ├── FrameError              a same-host frame that breaks the format or its limits [transport.frames]
+    │   ├── FrameError              a same-host frame that breaks the format or its limits [wire.frames]
     │   └── WrongArena              a namespace of another arena, on one arena's socket   [store.group]
     ├── UnknownNamespace            namespace never created here (NOT_FOUND)
     ├── AuthError                   who the caller is, and what it may do
@@ -70,7 +70,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "InvalidHashInput": "kvstore.index.keys",
     "ChainTooLong": "kvstore.index.keys",
     "MalformedEvent": "kvstore.index.event_format",
-    "FrameError": "kvstore.transport.frames",
+    "FrameError": "kvstore.transport.samehost.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "TableMismatch": "kvstore.shm.table",
     "DaemonError": "kvstore.server.endpoints",

@@ -1,6 +1,6 @@
 """A hostile client's side of Strata's frame protocols: frames drawn, mutated and exchanged over a raw socket.
 
-The same-host socket (:mod:`kvstore.transport.frames`) and the TCP peer
+The same-host socket (:mod:`kvstore.transport.samehost.frames`) and the TCP peer
 listener (:mod:`kvstore.peer.wire`) share one frame: ``u32 meta_len, u32
 payload_len`` (little-endian), a msgpack control part, a raw payload. The
 fuzz suites (test_fuzz_samehost.py, test_fuzz_peer.py) draw conversations

@@ -21,8 +21,8 @@ from kvstore.errors import InvalidArgument, UnknownLease
 from kvstore.server.service import KVServicer
 from kvstore.store.leases import RANDOM_BITS, tag_of
 from kvstore.store.namespace_rules import NamespaceRules
-from kvstore.transport import frames
-from kvstore.transport.unix import connect_unix
+from kvstore.transport.samehost import frames
+from kvstore.wire.unix import connect_unix
 from conftest import wait_until
 
 MiB = 1 << 20

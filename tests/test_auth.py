@@ -30,9 +30,9 @@ from kvstore.client.aio import AsyncClient
 from kvstore.client.codec import CHANNEL_OPTIONS
 from kvstore.errors import PermissionDenied, Unauthenticated, UnknownLease, UnknownNamespace
 from kvstore.server.endpoints import DaemonError
-from kvstore.transport import frames
+from kvstore.transport.samehost import frames
 from kvstore.transport.base import Deadline
-from kvstore.transport.samehost_conn import _Connection
+from kvstore.transport.samehost.conn import _Connection
 from conftest import wait_until
 
 TOKEN_A = "tok-team-a-0123456789abcdef"

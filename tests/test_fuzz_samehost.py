@@ -44,8 +44,8 @@ from kvstore import Client
 from kvstore.block import checksum
 from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
-from kvstore.transport import frames
-from kvstore.transport.unix import connect_unix
+from kvstore.transport.samehost import frames
+from kvstore.wire.unix import connect_unix
 from raw_frames import (
     BINARY, NUMBERS, TEXT, VALUES, ErrorRecords, Frame, check_error, converse, lists_of, mangled, mutations,
     or_junk, request, reshaped, same, smuggled, weighted,

@@ -21,10 +21,11 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.errors import ArenaUnusable, CorruptBlock
 from kvstore.shm.arena import HEADER_BYTES
-from kvstore.transport import frames, regions
+from kvstore.transport.samehost import frames
+from kvstore.transport.samehost import regions
 from kvstore.transport.attached import connect_attached
 from kvstore.transport.base import Deadline
-from kvstore.transport.unix import connect_unix
+from kvstore.wire.unix import connect_unix
 from conftest import wait_until
 
 MiB = 1 << 20

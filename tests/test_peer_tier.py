@@ -33,7 +33,7 @@ from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName, checksum
 from kvstore.client.sync import Client
-from kvstore.transport.grpc_blocks import CHANNEL_OPTIONS
+from kvstore.transport.grpc.blocks import CHANNEL_OPTIONS
 from peer_cluster import FlipProxy, PeerNode, VirtualNetwork, netns_unavailable
 
 NS = "model-a"

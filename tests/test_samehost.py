@@ -17,10 +17,10 @@ from kvstore.errors import (
     UnknownNamespace,
 )
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import frames
+from kvstore.transport.samehost import frames
 from kvstore.transport.base import Deadline
-from kvstore.transport.samehost import SameHostTransport
-from kvstore.transport.unix import bind_unix, connect_unix
+from kvstore.transport.samehost.client import SameHostTransport
+from kvstore.wire.unix import bind_unix, connect_unix
 from conftest import wait_until
 
 MiB = 1 << 20
@@ -186,7 +186,7 @@ def test_one_uid_holds_at_most_its_share_of_the_connections_and_another_uid_stil
 def test_a_hello_that_trickles_in_is_cut_off_at_its_deadline(make_daemon, monkeypatch):
     """Each byte restarting a socket timeout would hold the connection for ever: the Hello's deadline
     runs from the accept, whatever comes meanwhile."""
-    import kvstore.server.samehost as samehost
+    import kvstore.transport.samehost.server as samehost
 
     monkeypatch.setattr(samehost, "HELLO_TIMEOUT_S", 1.0)
     daemon = make_daemon()
@@ -394,7 +394,7 @@ def test_an_unusable_socket_path_stops_the_daemon_saying_what_to_change(make_dae
 
 def test_a_restarted_daemon_voids_what_a_client_remembers(make_daemon, tmp_path):
     """Even after SIGKILL a client must not serve a dead daemon's arena: the new daemon's page is another file."""
-    from kvstore.transport.locations import Locations, RemovalPage
+    from kvstore.transport.samehost.locations import Locations, RemovalPage
 
     page = RemovalPage(str(tmp_path / "page"), b"t" * 16)
     seen = Locations(str(tmp_path / "page"), b"t" * 16)

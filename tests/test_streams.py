@@ -18,7 +18,7 @@ from kvstore import Client
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import checksum
-from kvstore.transport.unix import connect_unix
+from kvstore.wire.unix import connect_unix
 from store_blocks import MiB, value
 from test_auth import policy_file  # noqa: F401  (a fixture)
 
@@ -225,7 +225,7 @@ def test_a_slow_put_that_keeps_sending_is_not_ended(make_daemon):
 def test_a_same_host_connection_that_stalls_in_a_partial_frame_is_closed(make_daemon):
     """The same-host socket's kernel timeouts cover a frame cut short: the connection is dropped,
     and since a request is served only once its frame is whole, it held no slot or lease."""
-    from kvstore.transport import frames
+    from kvstore.transport.samehost import frames
 
     daemon = make_daemon(same_host_idle_seconds=IDLE_S)
     server = daemon._same_host

@@ -66,8 +66,8 @@ class OnItsLoop(Transport):
         from kvstore.api.v1 import kv_pb2 as pb
         from kvstore.api.v1 import kv_pb2_grpc
         from kvstore.shm.arena import ShmArena
-        from kvstore.transport.grpc_stream import GrpcStreamTransport
-        from kvstore.transport.samehost_aio import AsyncSameHostTransport
+        from kvstore.transport.grpc.stream import GrpcStreamTransport
+        from kvstore.transport.samehost.client_aio import AsyncSameHostTransport
 
         self._channel = grpc.insecure_channel(daemon.target)
         attach = kv_pb2_grpc.KVServiceStub(self._channel).Attach(pb.AttachRequest(), timeout=10)

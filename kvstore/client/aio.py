@@ -2,7 +2,7 @@
 
 Same arguments, same methods, same results; each call is a coroutine. On
 the daemon's host, block bytes go through the arena with control over the
-daemon's same-host socket (:mod:`kvstore.transport.samehost_aio`); without
+daemon's same-host socket (:mod:`kvstore.transport.samehost.client_aio`); without
 that socket, control goes as gRPC calls; elsewhere, bytes are streamed. All
 request building, parsing, arena copies and the retry policy come from
 :mod:`kvstore.client.codec`, so only the loops over them live here.
@@ -45,7 +45,7 @@ from kvstore.client import codec, tensors
 from kvstore.client.codec import Block, BlockPut, Listed, ListPage, PinLease, Stats
 from kvstore.errors import ArenaReplaced, ArenaUnusable, DaemonUnavailable, StaleAttachment, StrataError
 from kvstore.shm.arena import ShmArena
-from kvstore.transport.samehost_aio import AsyncSameHostTransport
+from kvstore.transport.samehost.client_aio import AsyncSameHostTransport
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Attached:
     arena: ShmArena
     same_host: AsyncSameHostTransport | None = None
     # False when the daemon's slots are in its gpu tier, which this client does not map
-    # (kvstore.transport.regions): its puts stream
+    # (kvstore.transport.samehost.regions): its puts stream
     in_place: bool = True
 
 

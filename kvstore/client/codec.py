@@ -18,7 +18,7 @@ from kvstore.errors import DaemonUnavailable, InvalidArgument, ResourceExhausted
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.arena_io import LEASE_MARGIN_MS, MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms  # noqa: F401
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, Placement, fit, placement, writable  # noqa: F401
-from kvstore.transport.grpc_blocks import (  # noqa: F401
+from kvstore.transport.grpc.blocks import (  # noqa: F401
     CHANNEL_OPTIONS, DEFAULT_CHUNK, MAX_MESSAGE_BYTES, ArenaRead, GetAssembler, allocate_request, arena_batch_bytes,
     batches_by_bytes, check_gets, check_puts, copy_into_slots, drop_expired, info_of, leased_bytes, lookup_lease_ids,
     open_arena, place_lookup, put_requests, put_results, read_located, read_lookup, refetch_placement, replaced,

@@ -37,7 +37,7 @@ from kvstore.handoff.pull import PullResult
 from kvstore.shm.arena import ShmArena
 from kvstore.transport.attached import choose
 from kvstore.transport.base import Deadline, Transport
-from kvstore.transport.grpc_stream import GrpcStreamTransport
+from kvstore.transport.grpc.stream import GrpcStreamTransport
 
 # Namespaces whose arena the client remembers; beyond it the memo starts over
 # (an Attach per namespace again, the arenas stay mapped).

@@ -28,7 +28,7 @@ from kvstore.errors import Cancelled, DeadlineExceeded, StrataError, TierUnavail
 from kvstore.peer import wire
 from kvstore.peer.base import PeerAddress
 from kvstore.transport.base import Deadline
-from kvstore.transport.unix import set_kernel_timeouts, set_receive_timeout
+from kvstore.wire.unix import set_kernel_timeouts, set_receive_timeout
 
 __all__ = ["CONNECT_TIMEOUT_S", "REBOUND_S", "Broken", "PeerConnection"]
 

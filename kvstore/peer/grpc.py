@@ -5,7 +5,7 @@ to turn on: it is the one the peer tier can always fall back to, and the
 default until a faster data plane (``tcp://``) is advertised by both sides.
 It keeps one asyncio gRPC channel per peer address (a bounded pool) and
 reads with ``local_only`` Gets, assembled by the same
-:class:`~kvstore.transport.grpc_blocks.GetAssembler` the clients use: the
+:class:`~kvstore.transport.grpc.blocks.GetAssembler` the clients use: the
 holder answers from its own tiers and never reads through to its peers, so
 a fetch is never passed on to a third node or back here.
 
@@ -51,7 +51,7 @@ from kvstore.peer.tcp import Got
 from kvstore.remote.base import MISS, Place, ReadResult, ReadStatus, check_batch, time_left
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.base import BlockInfo, Deadline
-from kvstore.transport.grpc_blocks import CHANNEL_OPTIONS, GetAssembler
+from kvstore.transport.grpc.blocks import CHANNEL_OPTIONS, GetAssembler
 
 MAX_CLIENTS = 64  # peer connections kept open; the least recently used is closed beyond it
 CALL_TIMEOUT_S = 60.0  # gRPC's own deadline on each call; the caller's deadline is shorter and wins

@@ -99,7 +99,7 @@ from kvstore.store.group import StoreGroup
 from kvstore.store.leases import LeaseKind
 from kvstore.wire.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.shares import Shares
-from kvstore.transport.unix import set_kernel_timeouts
+from kvstore.wire.unix import set_kernel_timeouts
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ import msgpack
 from kvstore.block import Checksummer
 from kvstore.errors import TierUnavailable
 from kvstore.peer.ucx_progress import UcxProgress
-from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError
+from kvstore.wire.frames import HEADER, MAX_META_BYTES, FrameError
 
 __all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
 

@@ -1,6 +1,6 @@
 """The TCP peer protocol: frames of msgpack control, block bytes read and written in place.
 
-The frame is the same-host socket's (:mod:`kvstore.transport.frames`:
+The frame is the same-host socket's (:mod:`kvstore.wire.frames`:
 ``u32 meta_len, u32 payload_len``, msgpack meta, raw payload) and errors
 travel the same way (``[class name, message, retry_after_s]``, raised on the
 other side as the daemon's own class). What differs is where a payload
@@ -50,7 +50,7 @@ import time
 import msgpack
 
 from kvstore.block import Checksummer
-from kvstore.transport.frames import HEADER, MAX_META_BYTES, FrameError, encode, error_result, raise_error, send
+from kvstore.wire.frames import HEADER, MAX_META_BYTES, FrameError, encode, error_result, raise_error, send
 
 __all__ = [
     "BLOCK", "CHECK", "CHUNK_BYTES", "DATA", "ERROR", "FAILED", "HEADER", "HELLO", "HOLD", "MAX_HELLO_BYTES",

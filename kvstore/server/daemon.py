@@ -53,7 +53,7 @@ from kvstore.server.admission import AdmissionInterceptor
 from kvstore.server import endpoints
 from kvstore.wire.budget import ByteBudget
 from kvstore.server.endpoints import DaemonError
-from kvstore.server.samehost import SameHostServer
+from kvstore.transport.samehost.server import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.server.stores import open_stores
 from kvstore.server.streams import StreamLimiter
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 # operator graphs.
 disable_created_metrics()
 
-# What Strata's clients accept (kvstore.transport.grpc_blocks.CHANNEL_OPTIONS): a batch of
+# What Strata's clients accept (kvstore.transport.grpc.blocks.CHANNEL_OPTIONS): a batch of
 # max_batch_blocks keys with their parents and layouts, or a List page, fits with room to spare.
 MAX_REPLY_BYTES = 64 << 20
 

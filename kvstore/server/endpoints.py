@@ -37,7 +37,7 @@ from kvstore.metrics import StoreMetrics
 from kvstore.peer.base import PeerAddress
 from kvstore.peer.served import ServedBytes
 from kvstore.peer.server import PeerServer
-from kvstore.server.samehost import SameHostServer
+from kvstore.transport.samehost.server import SameHostServer
 from kvstore.store.group import StoreGroup
 
 log = logging.getLogger("kvstore.server.daemon")  # the daemon's warnings, under the daemon's logger

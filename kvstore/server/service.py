@@ -203,7 +203,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
         lease_s = _lease_s(request.lease_ms)
         mapped = self._mapped(request.arena, request.arena_token)
-        if mapped.member.gpu is not None:  # gRPC never hands out device offsets (kvstore.transport.regions)
+        if mapped.member.gpu is not None:  # gRPC never hands out device offsets (kvstore.transport.samehost.regions)
             raise ArenaUnusable("this daemon's slots are in the gpu tier, which only same-host clients with the "
                                 "gpu capability write: use the streamed Put")
         grants = mapped.allocate(

@@ -35,7 +35,7 @@ def _in_process(*, store, **_) -> Transport:
 
 
 def _grpc(*, target: str, **options) -> Transport:
-    from kvstore.transport.grpc_stream import GrpcStreamTransport
+    from kvstore.transport.grpc.stream import GrpcStreamTransport
 
     return GrpcStreamTransport.connect(target, **options)
 

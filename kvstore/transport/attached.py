@@ -15,11 +15,11 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.errors import ArenaUnusable, DaemonUnavailable, InvalidArgument
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import grpc_blocks
+from kvstore.transport.grpc import blocks as grpc_blocks
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
-from kvstore.transport.grpc_arena import GrpcArenaTransport
-from kvstore.transport.grpc_stream import GrpcStreamTransport
-from kvstore.transport.samehost import SameHostTransport
+from kvstore.transport.grpc.arena import GrpcArenaTransport
+from kvstore.transport.grpc.stream import GrpcStreamTransport
+from kvstore.transport.samehost.client import SameHostTransport
 
 log = logging.getLogger(__name__)
 

@@ -1,30 +1,30 @@
-"""The same-host socket's wire format: length-prefixed frames of msgpack control plus raw bytes.
+"""The frames of the daemon's own socket protocols: length-prefixed msgpack control plus raw bytes.
 
-Why not gRPC: a Python gRPC round trip costs 0.5-0.8 ms here, a Unix-socket
-round trip about 20 us, and a same-host client's messages are small control
-messages (the block bytes move through the shared arena). Why msgpack: it
-is already a dependency, its C codec packs a small message in about a
-microsecond, and it refuses truncated or malformed input with an exception
-instead of guessing.
+The same-host socket (:mod:`kvstore.transport.samehost`) and the peer
+protocol (:mod:`kvstore.peer.wire`, over TCP and UCX) speak the same frame;
+each defines its own operations on it. Why not gRPC: a Python gRPC round
+trip costs 0.5-0.8 ms here, a Unix-socket round trip about 20 us, and the
+messages are small control messages (block bytes move through the shared
+arena, or as the frame's payload). Why msgpack: it is already a dependency,
+its C codec packs a small message in about a microsecond, and it refuses
+truncated or malformed input with an exception instead of guessing.
 
 A frame::
 
     u32 meta_len, u32 payload_len   (little-endian)
     meta_len bytes                  msgpack: a request [op, request_id, args]
                                     or a reply [request_id, status, result]
-    payload_len bytes               raw block bytes (inline puts only)
+    payload_len bytes               raw block bytes
 
-A request with ``request_id`` 0 gets no reply (releases sent after a read,
-so a get costs one round trip). Replies come in request order. ``status``
-is :data:`OK` or :data:`ERROR`; an error's result is ``[class name,
-message, retry_after_s]`` and the client raises the same
-:mod:`kvstore.errors` class the daemon raised, as ``kvstore.rpc.status``
-does for gRPC.
+An error's result is ``[class name, message, retry_after_s]`` and the
+client raises the same :mod:`kvstore.errors` class the daemon raised, as
+``kvstore.rpc.status`` does for gRPC (:func:`error_result`,
+:func:`raise_error`).
 
 Limits: a meta part over :data:`MAX_META_BYTES` or a payload over
-:data:`MAX_PAYLOAD_BYTES` is refused before it is read; the daemon then
-replies with an error and closes the connection (the stream cannot be
-resynchronised).
+:data:`MAX_PAYLOAD_BYTES` (or the limits a reader is given) is refused
+before it is read; the server then replies with an error and closes the
+connection (the stream cannot be resynchronised).
 
 Errors, beyond :mod:`kvstore.errors`::
 
@@ -43,37 +43,13 @@ import msgpack
 from kvstore import errors
 from kvstore.errors import InvalidArgument, ResourceExhausted, StrataError
 
-# 2: Hello carries the client's capabilities and its answer what the daemon's head is (see below);
-# the daemon still serves 1, as 2 without capabilities.
-PROTOCOL_VERSION = 2
-MIN_PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<II")
 # 4096 keys of 1 KiB each plus their metadata fit; a client never needs more.
 MAX_META_BYTES = 8 << 20
-# Inline puts only: bigger blocks go through the arena.
+# Inline puts only (the same-host socket): bigger blocks go through the arena.
 MAX_PAYLOAD_BYTES = 4 << 20
 # Before its Hello a connection proved nothing: its first frame is small and carries no payload.
 MAX_HELLO_BYTES = 8 << 10
-
-OK, ERROR = 0, 1
-
-# Request operations.
-HELLO = 1  # [version, arena token(, [capability])] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks,
-#            removal page path(, head)]; version 2 sends capabilities and gets ``head`` back:
-#            {"tier": the head's TierName, "regions": [handle]} (kvstore.transport.regions; regions
-#            only for a client that declared "gpu", when the head is the gpu tier)
-LOOKUP = 2  # [ns, keys, lease_ms, timeout_ms, release_ids] -> [lease_deadline_unix_ms, [entry or None]]
-#            entry: [size, checksum, parent, layout, offset, lease_id, tier(, region)]: region, the
-#            index into Hello's regions, when the lease is on a gpu region (offset then inside it)
-RELEASE = 3  # [lease_ids] -> [valid per lease]
-PUT = 4  # [ns, timeout_ms, [[key, size, checksum, parent, layout]]] + payload -> [[stored, tier]]
-ALLOCATE = 5  # [ns, lease_ms, timeout_ms, [[key, size, parent, layout]]] -> [deadline_ms, [[present, slot, offset
-#            (, region)]]]: region as in Lookup
-COMMIT = 6  # [slot_ids] -> [[stored, tier]]
-ABORT = 7  # [slot_ids] -> None
-TOUCH = 8  # [ns, keys] -> None: blocks read without asking (kvstore.transport.locations), for recency
-OP_NAMES = {HELLO: "Hello", LOOKUP: "Lookup", RELEASE: "Release", PUT: "Put", ALLOCATE: "Allocate",
-            COMMIT: "Commit", ABORT: "Abort", TOUCH: "Touch"}
 
 _ERRORS: dict[str, type[StrataError]] = {
     name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, StrataError)

@@ -3,7 +3,7 @@
 What a same-host client uses when the daemon offers no same-host socket
 (or from a language with only gRPC): Lookup, copy out, Release; Allocate,
 copy in, Commit. Each control message costs a gRPC round trip (0.5-0.8 ms
-in Python here), which :mod:`kvstore.transport.samehost` avoids.
+in Python here), which :mod:`kvstore.transport.samehost.client` avoids.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.errors import ArenaReplaced, ArenaUnusable
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import grpc_blocks as codec
+from kvstore.transport.grpc import blocks as codec
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
-from kvstore.transport.grpc_stream import call_grpc, wait_grpc
+from kvstore.transport.grpc.stream import call_grpc, wait_grpc
 
 MAX_PENDING_RELEASES = 64
 
@@ -63,7 +63,7 @@ class GrpcArenaTransport(Transport):
         for group in codec.batches_by_bytes(checked, codec.arena_batch_bytes(self._arena)):
             try:
                 results += self._put_group(namespace, group, deadline)
-            except ArenaUnusable:  # the daemon's slots are in its gpu tier (kvstore.transport.regions)
+            except ArenaUnusable:  # the daemon's slots are in its gpu tier (kvstore.transport.samehost.regions)
                 self._in_place = False
                 results += self._fallback.put(namespace, [item for item, _, _ in group], deadline)
         return results

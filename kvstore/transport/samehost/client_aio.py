@@ -1,7 +1,7 @@
-"""The same-host transport for asyncio: the twin of :mod:`kvstore.transport.samehost`.
+"""The same-host transport for asyncio: the twin of :mod:`kvstore.transport.samehost.client`.
 
 Same wire format, same reads without a message for blocks seen before
-(:mod:`kvstore.transport.locations`), same one-round-trip first get and
+(:mod:`kvstore.transport.samehost.locations`), same one-round-trip first get and
 small put, same arena copies.
 One connection per client carries every task's requests: requests are
 written in order and the daemon answers in order, so a reader task hands
@@ -27,13 +27,15 @@ from kvstore.errors import (
     DaemonUnavailable, DeadlineExceeded, InvalidArgument, LeaseExpired, StrataError,
 )
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import arena_io, frames, regions
+from kvstore.transport import arena_io
+from kvstore.transport.samehost import frames
+from kvstore.transport.samehost import regions
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
-from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
-from kvstore.transport.samehost import (
+from kvstore.transport.samehost.locations import DEFAULT_CAPACITY, Locations
+from kvstore.transport.samehost.client import (
     INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S, stale_attachment,
 )
-from kvstore.transport.unix import connect_unix
+from kvstore.wire.unix import connect_unix
 
 CONNECT_TIMEOUT_S = 5.0
 CLOSE_WAIT_S = 1.0  # replies of cancelled requests waited for at close, to give back their leases
@@ -121,7 +123,7 @@ class AsyncSameHostTransport:
         self = cls(arena, reader, writer, **options)
         self._reading = asyncio.ensure_future(self._read_loop())
         try:
-            # The gpu capability (kvstore.transport.regions): a gpu head's extents come with their region.
+            # The gpu capability (kvstore.transport.samehost.regions): a gpu head's extents come with their region.
             hello = [frames.PROTOCOL_VERSION, bytes(token), [regions.CAPABILITY] if options.get("gpu", True) else []]
             limits = await self._call(frames.HELLO, hello, (), CONNECT_TIMEOUT_S)
             _, self._max_payload, self._max_batch, removals, *head = limits
@@ -296,7 +298,7 @@ class AsyncSameHostTransport:
 
     async def _read_known(self, namespace: str, keys: list[bytes], place: Place | None,
                           blocks: list[Block | None]) -> list[int]:
-        """Read the blocks whose arena extent this client already knows (see kvstore.transport.locations)."""
+        """Read the blocks whose arena extent this client already knows (see kvstore.transport.samehost.locations)."""
         locations = self._locations
         epoch = locations.epoch()
         todo: list[int] = []

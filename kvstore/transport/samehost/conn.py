@@ -1,9 +1,9 @@
 """One connection of the same-host transport: a socket to the daemon, Hello done, requests in order.
 
-Split from :mod:`kvstore.transport.samehost` (the transport pools these).
+Split from :mod:`kvstore.transport.samehost.client` (the transport pools these).
 The Hello says protocol 2 with the client's capabilities and reads back
 what the daemon's head is and, for a client with the gpu capability, the
-gpu tier's region handles (:mod:`kvstore.transport.regions`); a daemon
+gpu tier's region handles (:mod:`kvstore.transport.samehost.regions`); a daemon
 that answers as protocol 1 did is taken as a RAM head without regions.
 Waits are bounded in the kernel and by the call's deadline; a reply that
 comes late or out of order closes the connection, whose stream is then
@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 from kvstore.block import TierName
 from kvstore.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, StrataError
-from kvstore.transport import frames, regions
+from kvstore.transport.samehost import frames
+from kvstore.transport.samehost import regions
 from kvstore.transport.base import Deadline
-from kvstore.transport.unix import connect_unix, set_kernel_timeouts
+from kvstore.wire.unix import connect_unix, set_kernel_timeouts
 
 CONNECT_TIMEOUT_S = 5.0
 

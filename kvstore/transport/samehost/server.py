@@ -3,7 +3,7 @@
 A client on the daemon's host maps the arena (block bytes move there) and
 sends its control messages here: Lookup and Release around an in-place
 read, Allocate and Commit around an in-place write, and whole small blocks
-inline (one round trip per put). The format is :mod:`kvstore.transport.frames`.
+inline (one round trip per put). The format is :mod:`kvstore.transport.samehost.frames`.
 
 Why threads with blocking sockets: a connection's requests are served in
 order, one at a time, by the connection's own thread, which sleeps in
@@ -15,11 +15,11 @@ connected client, so connections are limited.
 Limits: ``max_connections`` at once, at most ``per_uid`` of them from one
 uid (one more is told Overloaded, with a retry delay, and closed: no user's
 processes take the socket from the others); a Hello of at most
-:data:`~kvstore.transport.frames.MAX_HELLO_BYTES`, whole within
+:data:`~kvstore.transport.samehost.frames.MAX_HELLO_BYTES`, whole within
 :data:`HELLO_TIMEOUT_S` of the accept however slowly its bytes come; one
 request in flight per connection (the next
 is not read until the reply is sent; the kernel's socket buffer bounds what
-a client can queue); frames within :mod:`~kvstore.transport.frames` limits;
+a client can queue); frames within :mod:`~kvstore.transport.samehost.frames` limits;
 a connection idle for ``idle_s``, or whose client stops reading its
 replies for as long, is closed (the client reconnects). A
 client that dies leaves its leases and slots to expire as on gRPC.
@@ -30,7 +30,7 @@ capability in its Hello is answered the regions' handles and addresses
 each extent by region and offset; any other client is never handed a
 device offset (its reads go through its fallback, its in-place writes are
 refused so it puts inline or through the stream). See
-:mod:`kvstore.transport.regions`.
+:mod:`kvstore.transport.samehost.regions`.
 
 The first frame must be a Hello carrying the arena's token: the socket file
 is created 0600 next to the arena (``mode``), and the token proves the client mapped
@@ -59,9 +59,10 @@ from kvstore.rpc.status import code_for
 from kvstore.store.tiered import TieredStore
 from kvstore.wire.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.shares import Shares
-from kvstore.transport import frames, regions
-from kvstore.transport.locations import RemovalPage
-from kvstore.transport.unix import bind_unix, set_kernel_timeouts
+from kvstore.transport.samehost import frames
+from kvstore.transport.samehost import regions
+from kvstore.transport.samehost.locations import RemovalPage
+from kvstore.wire.unix import bind_unix, set_kernel_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class SameHostServer:
             self._removals.close()
 
     def removed(self) -> None:
-        """Blocks were deleted: clients forget where they saw blocks (see kvstore.transport.locations).
+        """Blocks were deleted: clients forget where they saw blocks (see kvstore.transport.samehost.locations).
 
         Called after the store deleted and before the Delete answers."""
         if self._removals is not None:

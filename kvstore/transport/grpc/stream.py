@@ -13,7 +13,7 @@ import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
-from kvstore.transport import grpc_blocks as codec
+from kvstore.transport.grpc import blocks as codec
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
 

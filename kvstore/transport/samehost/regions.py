@@ -3,7 +3,7 @@
 When the daemon's chain starts at the gpu tier, Lookup leases and Allocate
 slots are extents of device memory, not of the RAM arena every client maps.
 A client that says so in its Hello (``CAPABILITY`` in protocol 2 of
-:mod:`kvstore.transport.frames`) is sent one :class:`MemoryHandle` per
+:mod:`kvstore.transport.samehost.frames`) is sent one :class:`MemoryHandle` per
 device region in the Hello answer, and each Lookup entry or Allocate grant
 names its region by index into that list with the offset inside it. The
 client maps each region once (:class:`Regions`, keyed by handle) and copies
@@ -25,8 +25,8 @@ round trip costs less there than a device copy's setup.
 
 Handles cross the same-host socket only, whose peers share the host and
 uid: a CUDA IPC handle names nothing on another machine, and gRPC never
-carries one. Both same-host transports (:mod:`~kvstore.transport.samehost`,
-:mod:`~kvstore.transport.samehost_aio`) declare it by default. A client
+carries one. Both same-host transports (:mod:`~kvstore.transport.samehost.client`,
+:mod:`~kvstore.transport.samehost.client_aio`) declare it by default. A client
 that does not (protocol 1, or ``gpu=False``) never sees a device offset:
 its Lookups answer found but not leased (it reads through its fallback,
 the gRPC stream) and its Allocates are refused with :class:`ArenaUnusable`

@@ -20,7 +20,7 @@ extents of device memory: with ``gpu`` (the default) the client declares
 the capability, maps each region once through its handle and copies
 leased bytes out of it (and slot bytes into it) itself; without, its reads
 of those blocks go through ``fallback`` and its puts inline or through
-``fallback`` (see :mod:`kvstore.transport.regions`). The location table is
+``fallback`` (see :mod:`kvstore.transport.samehost.regions`). The location table is
 kept for arena extents only: a device extent is always asked for.
 
 Thread-safe: each call takes a connection from a small pool (a connection
@@ -44,10 +44,12 @@ from kvstore.errors import (
     StrataError,
 )
 from kvstore.shm.arena import ShmArena
-from kvstore.transport import arena_io, frames, regions
+from kvstore.transport import arena_io
+from kvstore.transport.samehost import frames
+from kvstore.transport.samehost import regions
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
-from kvstore.transport.locations import DEFAULT_CAPACITY, Locations
-from kvstore.transport.samehost_conn import _Connection, _timeout_ms
+from kvstore.transport.samehost.locations import DEFAULT_CAPACITY, Locations
+from kvstore.transport.samehost.conn import _Connection, _timeout_ms
 
 # Blocks up to this size travel inline in a Put frame: one round trip, where
 # the arena path needs two (Allocate, Commit). Above it the copy dominates
