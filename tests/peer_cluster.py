@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -37,6 +38,11 @@ from conftest import free_port, wait_until
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class PeerNode:
     """``strata serve`` with a peer tier, as a child process (in ``netns`` when given).
 
@@ -44,8 +50,10 @@ class PeerNode:
     variables added to the daemon's environment (the object tier's AWS credentials)."""
 
     def __init__(self, home: Path, name: str, index_url: str, *extra: str, host: str = "127.0.0.1",
-                 port: int | None = None, advertise: str = "", netns: str = "", env: dict[str, str] | None = None) -> None:
+                 port: int | None = None, advertise: str = "", netns: str = "", env: dict[str, str] | None = None,
+                 die_with_parent: bool = False) -> None:
         self.name = name
+        self.die_with_parent = die_with_parent  # PR_SET_PDEATHSIG: a benchmark's daemons die with it, even SIGKILLed
         self.env = dict(env or {})
         self.home = home / name
         self.home.mkdir(parents=True, exist_ok=True)
@@ -65,6 +73,14 @@ class PeerNode:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> PeerNode:
+        self.spawn()
+        wait_until(self.healthy, timeout=60, what=f"{self.name} to serve on {self.target} (log: {self.log})")
+        return self
+
+    def spawn(self) -> PeerNode:
+        """The process, not yet waited for (several nodes then start at once); :meth:`start` waits.
+
+        ``ip netns exec`` execs the daemon in place, so its pid (and a death signal) is the daemon's."""
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         env = {**os.environ, **self.env,
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -72,8 +88,8 @@ class PeerNode:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "kvstore.cli.main", "serve", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
-        wait_until(self.healthy, timeout=60, what=f"{self.name} to serve on {self.target} (log: {self.log})")
         return self
 
     def healthy(self) -> bool:

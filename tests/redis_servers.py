@@ -55,10 +55,11 @@ class RedisServer:
     """``password``: the default user's (``requirepass``); ``tls``: serve TLS only, on ``port``."""
 
     def __init__(self, home: Path, *extra: str, password: str | None = None, tls: TLSFiles | None = None,
-                 bind: str = "127.0.0.1") -> None:
-        """``bind``: the addresses it listens on, space-separated (loopback is always among them)."""
+                 bind: str = "127.0.0.1", port: int | None = None) -> None:
+        """``bind``: the addresses it listens on, space-separated (loopback is always among them);
+        ``port``: a given one (a server started again where a killed one was), else a free one."""
         self.home = home
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.password = password
         self.tls = tls
         self.log = home / "redis.log"

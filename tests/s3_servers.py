@@ -64,9 +64,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _answers(port: int) -> bool:
+def _answers(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn = http.client.HTTPConnection(host, port, timeout=2)
         conn.request("GET", "/moto-api/")
         conn.getresponse().read()
         conn.close()
@@ -76,23 +76,27 @@ def _answers(port: int) -> bool:
 
 
 class MotoServer:
-    def __init__(self, home: Path) -> None:
+    """``port``: a given one (a server started again where the last one was), else a free one;
+    ``host``: the address it listens on (a virtual network's gateway, for daemons in namespaces)."""
+
+    def __init__(self, home: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
         home.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.host = host
+        self.port = port or free_port()
         self.log = home / "moto.log"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [MOTO_SERVER, "-H", "127.0.0.1", "-p", str(self.port)],
+                [MOTO_SERVER, "-H", host, "-p", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
             )
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def wait_ready(self) -> MotoServer:
         end = time.monotonic() + START_TIMEOUT_S
-        while not _answers(self.port):
+        while not _answers(self.port, self.host):
             if self.proc.poll() is not None or time.monotonic() > end:
                 self.stop()
                 raise RuntimeError(f"moto_server on port {self.port} did not start:\n{self.log.read_text()[-2000:]}")
@@ -100,7 +104,7 @@ class MotoServer:
         return self
 
     def create_bucket(self, bucket: str) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
         conn.request("PUT", f"/{bucket}", headers={"Content-Length": "0"})
         answer = conn.getresponse()
         body = answer.read()
@@ -268,7 +272,7 @@ class S3Env:
 
     def raw_get(self, path: str) -> bytes | None:
         """An object's bytes straight from the server (white box), None when absent."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
+        conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=30)
         try:
             conn.request("GET", f"/{self.bucket}/{path}", headers=_AUTH)
             answer = conn.getresponse()
@@ -278,7 +282,7 @@ class S3Env:
         return body if answer.status == 200 else None
 
     def raw_put(self, path: str, data: bytes) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
+        conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=30)
         try:
             conn.request("PUT", f"/{self.bucket}/{path}", body=data, headers={**_AUTH, "Content-Length": str(len(data))})
             answer = conn.getresponse()
@@ -292,13 +296,36 @@ class S3Env:
         """Every object name under ``prefix`` (one listing page: tests keep prefixes small)."""
         import re
 
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
+        conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=30)
         try:
             conn.request("GET", f"/{self.bucket}?list-type=2&prefix={prefix}", headers=_AUTH)
             body = conn.getresponse().read().decode()
         finally:
             conn.close()
         return re.findall(r"<Key>([^<]*)</Key>", body)
+
+    def all_keys(self, prefix: str) -> list[str]:
+        """Every object name under ``prefix``, page after page (``keys`` reads one page)."""
+        import re
+        import urllib.parse
+
+        names: list[str] = []
+        token = ""
+        while True:
+            query = f"list-type=2&prefix={urllib.parse.quote(prefix)}"
+            if token:
+                query += f"&continuation-token={urllib.parse.quote(token)}"
+            conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=30)
+            try:
+                conn.request("GET", f"/{self.bucket}?{query}", headers=_AUTH)
+                body = conn.getresponse().read().decode()
+            finally:
+                conn.close()
+            names += re.findall(r"<Key>([^<]*)</Key>", body)
+            more = re.search(r"<NextContinuationToken>([^<]*)</NextContinuationToken>", body)
+            if more is None:
+                return names
+            token = more.group(1)
 
     def close(self) -> None:
         for p in self._proxies:

@@ -68,6 +68,9 @@ SMOKES = [
     # Its smoke run (the dry run at its smallest, the host stand-in for device memory) runs with its
     # results checked in tests/test_gpu_settings.py::test_device_check_dry_run_passes_on_the_host_stand_in.
     Smoke("gpu_check", results="gpu", covered_by="tests/test_gpu_settings.py"),
+    # Two daemons, Redis and moto under traffic while a daemon is killed and bytes are damaged; exits 1 on a
+    # lost block or wrong bytes.
+    Smoke("chaos", programs=("redis-server",), s3=True),
     Smoke("index"),  # without redis-server or hiredis its Redis cases say so
     Smoke("index_churn", programs=("redis-server",)),
     Smoke("kv_local"),  # without redis-server its Redis cases say so
