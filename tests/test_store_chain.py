@@ -425,6 +425,60 @@ def test_a_copy_the_remote_tier_no_longer_has_is_forgotten_when_read(tmp_path, c
     assert store.exists("m", [b"k%d" % gone]) == [], "the store still offers a block no tier holds"
 
 
+def _held_elsewhere(name: str, key: BlockKey, data: bytes, tier: TierName = TierName.OBJECT) -> MemoryRemote:
+    """A copy of ``key`` in the shared in-process source ``name``, as another node would have put it."""
+    remote = MemoryRemote(name, tier=tier)
+    [done] = asyncio.run(remote.write([(key, data, BlockMeta(len(data), checksum(data)))], time.monotonic() + 5))
+    assert done.error is None
+    return remote
+
+
+def test_a_block_whose_listed_remote_copy_is_gone_is_read_from_a_remote_tier_the_store_did_not_list(
+        tmp_path, clock, stores):
+    """[ram, peer, object]: read from a peer, evicted from RAM, so listed as the peer's only; the peer has
+    lost it (it went down, or evicted it) while the bucket holds it. A hit, not a miss."""
+    peer, bucket, k = f"gone-peer-{tmp_path.name}", f"gone-object-{tmp_path.name}", BlockKey("m", b"k")
+    lost = _held_elsewhere(peer, k, value(7), TierName.PEER)
+    _held_elsewhere(bucket, k, value(7))
+    tiers = [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-gone"),
+             RemoteTier.open(f"memory://{peer}", tier=TierName.PEER), RemoteTier.open(f"memory://{bucket}")]
+    store = TieredStore(tiers, edges=[EdgePolicy(demote=False), EdgePolicy()], clock=clock,
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    stores.append(store)
+    assert store.get(k)[2] is TierName.PEER
+    for i in range(5):  # RAM's 4 MiB: k's head copy is evicted, the peer's is what the store lists
+        put(store, b"f%d" % i, value(i))
+    assert store.exists("m", [b"k"]) == [TierName.PEER]
+    assert asyncio.run(lost.delete([k], time.monotonic() + 5)) == 1
+    data, _, tier = store.get(k)
+    assert data == value(7) and tier is TierName.OBJECT
+
+
+def test_a_corrupt_local_copy_is_read_again_from_a_remote_tier_that_holds_the_block(tmp_path, clock, stores):
+    """[ram, disk, peer]: the store's only copy, on disk, is damaged; a peer holds the block. The read is
+    a hit from the peer (the damaged copy dropped), not DATA_LOSS."""
+    from test_disk_tier import file_of, flip
+
+    peer, k = f"sound-peer-{tmp_path.name}", BlockKey("m", b"k")
+    _held_elsewhere(peer, k, value(3), TierName.PEER)
+    disk = DiskTier(tmp_path / "d-sound", 32 * MiB)
+    tiers = [HostRamTier(4 * MiB, shm_dir=str(tmp_path), arena_name="a-sound"), disk,
+             RemoteTier.open(f"memory://{peer}", tier=TierName.PEER)]
+    store = TieredStore(tiers, edges=[EdgePolicy(), EdgePolicy(demote=False)], clock=clock,
+                        limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0))
+    stores.append(store)
+    put(store, b"k", value(3))
+    for i in range(5):
+        put(store, b"f%d" % i, value(i))
+        store.flush_demotions()
+    assert store.exists("m", [b"k"]) == [DISK]
+    path = file_of(disk, k)
+    flip(path, path.stat().st_size - 1)
+    data, _, tier = store.get(k)
+    assert data == value(3) and tier is TierName.PEER
+    assert store.metrics.corrupt.labels("disk")._value.get() == 1
+
+
 def test_a_read_only_remote_tier_in_the_middle_is_passed_over_on_the_way_down(tmp_path, clock, stores):
     """[ram, disk, peer, object]: the peer tier takes no copies, so disk evictions go on to the bucket."""
     tiers = [

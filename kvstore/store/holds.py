@@ -83,6 +83,8 @@ class BlockHolds(StorePart):
                 located = self._lease_in_head(key, lease_s, owner, found_in=got[2])
                 out.append(located or Located(key, got[1], got[2]))
                 continue
+            with self._cond:
+                listed = frozenset(entry.tiers)
             try:
                 found = self._reader.read_best(key, entry, local_only=local_only)
             except CorruptBlock:
@@ -91,8 +93,14 @@ class BlockHolds(StorePart):
                 with self._s.locked():
                     self._s.unpin_locked(key, entry)
             if found is None:
-                self._s.metrics.misses.inc()
-                out.append(None)
+                # every listed copy failed: a remote tier the store did not list may still have it
+                got = None if local_only else self._reader.read_through(key, deadline, skip=listed)
+                if got is None:
+                    self._s.metrics.misses.inc()
+                    out.append(None)
+                    continue
+                located = self._lease_in_head(key, lease_s, owner, found_in=got[2])
+                out.append(located or Located(key, got[1], got[2]))
                 continue
             data, tier = found
             self._s.metrics.hits.labels(tier.label).inc()

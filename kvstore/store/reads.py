@@ -4,7 +4,11 @@ Every read is verified against the block's checksum. A copy that fails is
 dropped from its tier and the next one down is tried; a remote copy that
 cannot be reached is passed over, never a local failure. A block no local
 tier holds is read through from the remote tiers and promoted into the
-head when the chain's edges allow.
+head when the chain's edges allow. When every copy the store lists failed
+(corrupt, or a remote tier that is down or no longer has it), the remote
+tiers it did not list are asked too (:meth:`ChainReader.read_through` with
+``skip``): the fleet may hold the block where this node never saw it, say
+in the bucket while the peer it was read from is down.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ class ChainReader(StorePart):
         super().__init__(state)
         self._place = placement
 
-    def read_through(self, key: BlockKey, deadline: float | None) -> tuple[bytes, BlockMeta, TierName] | None:
-        """A block no local tier holds, read from the first remote tier that has it, verified.
+    def read_through(self, key: BlockKey, deadline: float | None,
+                     skip: frozenset[TierName] = frozenset()) -> tuple[bytes, BlockMeta, TierName] | None:
+        """A block no local tier holds, read from the first remote tier that has it (but those in
+        ``skip``, already asked), verified.
 
         The block joins the catalogue as held by that remote tier, and is
         promoted into the head when the edges allow. A remote tier that is
@@ -34,6 +40,8 @@ class ChainReader(StorePart):
         serving never waits on it beyond its call deadline.
         """
         for level in self._chain.remote():
+            if level.name in skip:
+                continue
             try:
                 found = level.tier.fetch(key)
             except CorruptBlock as err:

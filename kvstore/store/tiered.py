@@ -244,12 +244,23 @@ class TieredStore(StorePart):
             if got is None:
                 self.metrics.misses.inc()
             return got
+        with self._cond:
+            listed = frozenset(entry.tiers)
+        corrupt: CorruptBlock | None = None
         try:
             found = self._reader.read_best(key, entry, local_only=local_only)
+        except CorruptBlock as err:  # no sound copy was left where the store listed one
+            found, corrupt = None, err
         finally:
             with self._s.locked():
                 self._s.unpin_locked(key, entry)
         if found is None:
+            got = None if local_only else self._reader.read_through(key, self._clock() + self.limits.put_wait_s,
+                                                                    skip=listed)
+            if got is not None:
+                return got
+            if corrupt is not None:
+                raise corrupt
             self.metrics.misses.inc()
             return None
         data, tier = found
