@@ -38,8 +38,13 @@ Room. The tier holds at most ``capacity_bytes`` and at most what its
 filesystem can: at start, what it holds plus the free space (``statvfs``),
 asked again by :meth:`DiskTier.upkeep` and whenever a put does not fit. A
 write that finds the filesystem full (``ENOSPC``) raises ``DiskFull``, a
-kind of ``TierFull``: the tier is full, not failing, and holds what it has
-until the filesystem has room again; meanwhile it reports itself degraded.
+kind of ``TierFull``: the tier is full, not failing; it deletes nothing of
+its own accord and reports itself degraded until the filesystem has room
+again. Its capacity then shrinks to what it holds, so the store makes room
+in it as in any full tier: by moving its least recent blocks down to a
+tier below that takes copies (a bucket). With none, nothing more is demoted
+into it meanwhile, the tier above keeps its blocks, and a writer that finds
+no room is refused with a retry delay (:mod:`kvstore.store.state`).
 A failed fsync leaves durability unknown, so the block is not committed
 (see :meth:`DiskTier._write`). A deleted block whose unlink failed leaves
 the index at once and its file goes on the next upkeep.
