@@ -19,7 +19,7 @@ from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
 from weightcache.fetch import FetchLimits
 from weightcache.metrics import WeightMetrics
-from weightcache.peers import PeerSource
+from weightcache.peers import PeerChunkSource
 from weightcache.prefetch import Prefetcher
 from weightcache.service import serve
 from weights_models import layered_tensors, write_numpy_model
@@ -136,7 +136,7 @@ def test_a_peer_is_read_first_and_its_corrupt_chunk_is_refetched_from_the_origin
         b = fh.read(1)
         fh.seek(2 * CHUNK + 5)
         fh.write(bytes([b[0] ^ 0xFF]))
-    peer = PeerSource(address, m.digest)
+    peer = PeerChunkSource(address, m.digest)
     with weightcache.open_model(folder, m.digest, cache_dir=tmp_path / "other", limits=FAST, sources=[peer]) as r:
         got = dict(r)
         stats = r.stats

@@ -56,7 +56,7 @@ from kvstore.errors import IndexUnavailable, InvalidArgument, StrataError
 from kvstore.index.base import MAX_CHAIN_BLOCKS, PrefixIndex
 from weightcache.errors import OriginThrottled, OriginUnavailable
 from weightcache.manifest import Manifest, digest_of
-from weightcache.peers import DEFAULT_READ_TIMEOUT_S, PeerSource
+from weightcache.peers import DEFAULT_READ_TIMEOUT_S, PeerChunkSource
 from weightcache.sources import AdaptiveLimit, ChunkRef, ChunkSource
 
 log = logging.getLogger(__name__)
@@ -136,14 +136,14 @@ class IndexSwarm:
         # a chunk is owned by one member only once every member sees the same members.
         model.refreshed.wait(min(5.0, self.ttl_s))
         time.sleep(self.settle_s)
-        peers: dict[str, PeerSource] = {}
+        peers: dict[str, PeerChunkSource] = {}
 
-        def peer(node: str) -> PeerSource | None:
+        def peer(node: str) -> PeerChunkSource | None:
             address = self._addresses.get(node)
             if address is None:
                 return None
             if node not in peers:
-                peers[node] = PeerSource(address, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s,
+                peers[node] = PeerChunkSource(address, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s,
                                          read_timeout_s=self.read_timeout_s, security=self.security)
             return peers[node]
 
@@ -296,7 +296,7 @@ class _OwnerSource(ChunkSource):
 
     kind = "peer"
 
-    def __init__(self, swarm: IndexSwarm, model: _Model, peer: Callable[[str], PeerSource | None]) -> None:
+    def __init__(self, swarm: IndexSwarm, model: _Model, peer: Callable[[str], PeerChunkSource | None]) -> None:
         self.swarm = swarm
         self.model = model
         self.peer = peer

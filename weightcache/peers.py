@@ -1,6 +1,6 @@
 """Peers: chunks read from other weight nodes' caches, and a swarm that asks the origin once per chunk.
 
-:class:`PeerSource` is a :class:`~weightcache.sources.ChunkSource` over one
+:class:`PeerChunkSource` is a :class:`~weightcache.sources.ChunkSource` over one
 other node's ``WeightService.ReadChunk``. It never verifies (the planner
 does, as for every source): a peer that hands back damaged bytes costs a
 try and, after ``corrupt_retries``, is passed over for the origin; a peer
@@ -20,7 +20,7 @@ Members are listed explicitly (``--peer``): a static swarm, the same list on
 every node. :mod:`weightcache.index_swarm` finds them, and each chunk's
 holders, in the prefix index instead.
 
-Every ``ReadChunk`` a :class:`PeerSource` sends has a short deadline of its
+Every ``ReadChunk`` a :class:`PeerChunkSource` sends has a short deadline of its
 own: the peer waits at most :data:`POLL_S` per call, and the call may take
 ``read_timeout_s`` (plus the chunk's transfer at :data:`MIN_PEER_BYTES_PER_S`)
 beyond that. A longer wait for the owner is many such calls, for as long as
@@ -68,7 +68,7 @@ PENDING_KEY = "strata-chunk-pending"  # trailing metadata "1": not here yet, a f
 WAITED_KEY = "strata-waited-ms"  # request metadata: how long the caller has waited on this chunk
 
 
-class PeerSource(ChunkSource):
+class PeerChunkSource(ChunkSource):
     kind = "peer"
 
     def __init__(self, address: str, digest: str, *, concurrency: int = 4, wait_s: float = 0.0,
@@ -162,7 +162,7 @@ class Swarm:
         """(sources for a chunk, a plan sort key putting this node's chunks first) for one model:
         what :func:`open_model`'s ``route`` asks for."""
         peers = {
-            m: PeerSource(m, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s,
+            m: PeerChunkSource(m, manifest.digest, concurrency=self.concurrency, wait_s=self.wait_s,
                           read_timeout_s=self.read_timeout_s, security=self.security)
             for m in self.members if m != self.me
         }

@@ -187,8 +187,8 @@ class IndexAgent:
             log.warning("could not leave the prefix index: %s", err)
         try:
             self.run(self.index.close(), timeout)
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as err:  # noqa: BLE001 - stopping: report, do not raise
+            log.warning("could not close the prefix index connection cleanly: %s", err)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         self._snapshots.shutdown(wait=False, cancel_futures=True)

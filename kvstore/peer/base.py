@@ -75,9 +75,9 @@ from urllib.parse import urlsplit
 
 from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument
-from kvstore.remote.base import Place, ReadResult, WriteResult
+from kvstore.remote.base import MetaPlace, ReadResult, WriteResult
 
-__all__ = ["Held", "PeerAddress", "PeerStats", "PeerTransport", "Place", "ReadResult", "WriteResult"]
+__all__ = ["Held", "PeerAddress", "PeerStats", "PeerTransport", "MetaPlace", "ReadResult", "WriteResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +146,7 @@ class PeerTransport(abc.ABC):
 
     @abc.abstractmethod
     async def read(
-        self, address: str, namespace: str, keys: Sequence[bytes], place: Place, deadline: float
+        self, address: str, namespace: str, keys: Sequence[bytes], place: MetaPlace, deadline: float
     ) -> list[ReadResult]:
         """Per key a ReadResult; hits are verified and in the views ``place`` gave."""
 

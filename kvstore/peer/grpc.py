@@ -48,7 +48,7 @@ from kvstore.errors import (
 )
 from kvstore.peer.base import PeerAddress, PeerStats, PeerTransport
 from kvstore.peer.tcp import Got
-from kvstore.remote.base import MISS, Place, ReadResult, ReadStatus, check_batch, time_left
+from kvstore.remote.base import MISS, MetaPlace, ReadResult, ReadStatus, check_batch, time_left
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.base import BlockInfo, Deadline
 from kvstore.transport.grpc.blocks import CHANNEL_OPTIONS, GetAssembler
@@ -110,7 +110,7 @@ class GrpcPeerTransport(PeerTransport):
             self._close_later(found[0])
 
     async def read(
-        self, address: str, namespace: str, keys: Sequence[bytes], place: Place, deadline: float
+        self, address: str, namespace: str, keys: Sequence[bytes], place: MetaPlace, deadline: float
     ) -> list[ReadResult]:
         check_batch(self, "read", len(keys))
         left = time_left(self, "read", deadline)
@@ -257,7 +257,7 @@ class GrpcPeerClient:
         for channel in channels:
             channel.close()
 
-    def read(self, address: str, namespace: str, keys: Sequence[bytes], place: Place, deadline: Deadline) -> list[Got]:
+    def read(self, address: str, namespace: str, keys: Sequence[bytes], place: MetaPlace, deadline: Deadline) -> list[Got]:
         """Per key a Got, as :meth:`kvstore.peer.tcp.TcpPeerClient.read` answers (``place`` required)."""
         validate_namespace(namespace)
         keys = list(keys)
@@ -326,7 +326,7 @@ class _PlaceFailed(Exception):
 class _Reading:
     """One Get stream read into placed views: each block hashed as its chunks land."""
 
-    def __init__(self, address: str, place: Place, n: int) -> None:
+    def __init__(self, address: str, place: MetaPlace, n: int) -> None:
         self._address = address
         self._place = place
         self.out: list[Got] = []

@@ -63,7 +63,7 @@ from kvstore.index.base import Holder, NodeInfo, PrefixIndex
 from kvstore.peer.base import PeerTransport
 from kvstore.peer.registry import open_peer_transport
 from kvstore.remote.base import (
-    MISS, Place, ReadResult, ReadStatus, RemoteSource, RemoteStats, WriteResult, check_batch, time_left,
+    MISS, MetaPlace, ReadResult, ReadStatus, RemoteSource, RemoteStats, WriteResult, check_batch, time_left,
 )
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class PeerSource(RemoteSource):
 
     # ---- the contract ------------------------------------------------------------
 
-    async def read(self, keys: Sequence[BlockKey], place: Place, deadline: float) -> list[ReadResult]:
+    async def read(self, keys: Sequence[BlockKey], place: MetaPlace, deadline: float) -> list[ReadResult]:
         self._check_open("read")
         check_batch(self, "read", len(keys))
         time_left(self, "read", deadline)
@@ -285,7 +285,7 @@ class PeerSource(RemoteSource):
 
     # ---- one key ----------------------------------------------------------------
 
-    async def _read_one(self, key: BlockKey, holders: list[Holder], place: Place, deadline: float) -> ReadResult:
+    async def _read_one(self, key: BlockKey, holders: list[Holder], place: MetaPlace, deadline: float) -> ReadResult:
         candidates = await self._candidates(holders, deadline)
         if not candidates:
             self.metrics.reads.labels("no_holder").inc()
@@ -305,7 +305,7 @@ class PeerSource(RemoteSource):
         return MISS
 
     async def _fetch(
-        self, c: _Candidate, key: BlockKey, place: Place, deadline: float
+        self, c: _Candidate, key: BlockKey, place: MetaPlace, deadline: float
     ) -> tuple[str, ReadResult | None]:
         """One holder's attempt: (why it failed, None), or ("", the result to report)."""
         oversized = False

@@ -39,7 +39,7 @@ from kvstore.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, Over
 from kvstore.peer import wire
 from kvstore.peer.base import Held, PeerAddress, PeerStats, PeerTransport
 from kvstore.peer.connection import Broken, PeerConnection
-from kvstore.remote.base import MISS, PRESENT, STORED, Place, ReadResult, ReadStatus, WriteResult
+from kvstore.remote.base import MISS, PRESENT, STORED, MetaPlace, ReadResult, ReadStatus, WriteResult
 from kvstore.transport.base import Deadline
 
 MAX_CONNECTIONS = 64
@@ -182,7 +182,7 @@ class TcpPeerClient:
 
     # ---- reads -----------------------------------------------------------------
 
-    def read(self, address: str, namespace: str, keys: Sequence[bytes], place: Place | None,
+    def read(self, address: str, namespace: str, keys: Sequence[bytes], place: MetaPlace | None,
              deadline: Deadline) -> list[Got]:
         """Per key a Got; ``place(i, meta)`` gives each found block's view (None: skip it). Without
         ``place`` no bytes move: the answers carry metadata only (SKIPPED for a found block)."""
@@ -192,7 +192,7 @@ class TcpPeerClient:
             return []
         return self._call(address, deadline, lambda conn: self._read(conn, namespace, keys, place, deadline))
 
-    def _read(self, conn: PeerConnection, namespace: str, keys: list[bytes], place: Place | None,
+    def _read(self, conn: PeerConnection, namespace: str, keys: list[bytes], place: MetaPlace | None,
               deadline: Deadline) -> list[Got]:
         if len(keys) > conn.max_batch:
             raise InvalidArgument(f"{len(keys)} keys in one read; peer {conn.address} takes at most {conn.max_batch}: split the batch")
@@ -255,7 +255,7 @@ class TcpPeerClient:
         except (Broken, StrataError):
             conn.close()
 
-    def _block(self, conn: PeerConnection, i: int, meta: BlockMeta, tier: TierName, place: Place | None,
+    def _block(self, conn: PeerConnection, i: int, meta: BlockMeta, tier: TierName, place: MetaPlace | None,
                deadline: Deadline) -> Got:
         if place is None:
             return Got(ReadResult.skipped(meta), tier)
@@ -390,7 +390,7 @@ class TcpPeerTransport(PeerTransport):
                     continue
             raise
 
-    def _on_loop(self, place: Place, deadline: float) -> Place:
+    def _on_loop(self, place: MetaPlace, deadline: float) -> MetaPlace:
         loop = asyncio.get_running_loop()
 
         def placed(i: int, meta: BlockMeta):

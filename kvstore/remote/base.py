@@ -106,7 +106,7 @@ __all__ = [
     "MISS",
     "PRESENT",
     "STORED",
-    "Place",
+    "MetaPlace",
     "ReadResult",
     "ReadStatus",
     "RemoteSource",
@@ -120,7 +120,7 @@ __all__ = [
 MAX_BATCH_BLOCKS = 4096  # the store's own batch limit; one call never carries more
 
 # read's placement: for the i-th key's found block, the writable buffer its bytes go to, or None to skip it.
-Place = Callable[[int, BlockMeta], memoryview | None]
+MetaPlace = Callable[[int, BlockMeta], memoryview | None]
 
 
 class ReadStatus(enum.Enum):
@@ -214,7 +214,7 @@ class RemoteSource(abc.ABC):
         """Per key its metadata, or None on a miss. All or nothing (see the module docstring)."""
 
     @abc.abstractmethod
-    async def read(self, keys: Sequence[BlockKey], place: Place, deadline: float) -> list[ReadResult]:
+    async def read(self, keys: Sequence[BlockKey], place: MetaPlace, deadline: float) -> list[ReadResult]:
         """Per key a ReadResult; hits are verified and in the buffers ``place`` gave."""
 
     @abc.abstractmethod

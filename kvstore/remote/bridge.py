@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, StrataError, TierUnavailable
-from kvstore.remote.base import Place, ReadResult, RemoteSource, RemoteStats, WriteResult, time_left
+from kvstore.remote.base import MetaPlace, ReadResult, RemoteSource, RemoteStats, WriteResult, time_left
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,7 @@ class RemoteBridge:
     def lookup(self, keys: Sequence[BlockKey], deadline: float) -> list[BlockMeta | None]:
         return self._call("lookup", lambda call: self._source.lookup(keys, call.deadline), deadline)
 
-    def read(self, keys: Sequence[BlockKey], place: Place, deadline: float) -> list[ReadResult]:
+    def read(self, keys: Sequence[BlockKey], place: MetaPlace, deadline: float) -> list[ReadResult]:
         def make(call: _Call) -> Awaitable:
             def guarded(i: int, meta: BlockMeta) -> memoryview | None:
                 return None if call.given_up else place(i, meta)

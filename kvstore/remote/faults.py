@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from kvstore.block import BlockKey, BlockMeta
 from kvstore.errors import CorruptBlock, TierUnavailable
-from kvstore.remote.base import Place, ReadResult, RemoteSource, RemoteStats, WriteResult, check_batch, time_left
+from kvstore.remote.base import MetaPlace, ReadResult, RemoteSource, RemoteStats, WriteResult, check_batch, time_left
 
 
 class FaultySource(RemoteSource):
@@ -58,7 +58,7 @@ class FaultySource(RemoteSource):
         self._count("delete")
         return await self.inner.delete(keys, deadline)
 
-    async def read(self, keys: Sequence[BlockKey], place: Place, deadline: float) -> list[ReadResult]:
+    async def read(self, keys: Sequence[BlockKey], place: MetaPlace, deadline: float) -> list[ReadResult]:
         chosen = self._choose("read", keys, deadline)
         placed: dict[int, memoryview] = {}
 

@@ -55,7 +55,7 @@ from kvstore.remote.base import (
     MISS,
     PRESENT,
     STORED,
-    Place,
+    MetaPlace,
     ReadResult,
     RemoteSource,
     RemoteStats,
@@ -241,7 +241,7 @@ class MemoryRemote(RemoteSource):
     async def delete(self, keys: Sequence[BlockKey], deadline: float) -> int:
         return await self._whole("delete", len(keys), deadline, lambda: sum(self._blocks.remove(k) for k in keys))
 
-    async def read(self, keys: Sequence[BlockKey], place: Place, deadline: float) -> list[ReadResult]:
+    async def read(self, keys: Sequence[BlockKey], place: MetaPlace, deadline: float) -> list[ReadResult]:
         return await self._batch(
             "read", len(keys), lambda i: self._read_one(i, keys[i], place), deadline, ReadResult.failed
         )
@@ -279,7 +279,7 @@ class MemoryRemote(RemoteSource):
 
     # One key's work.
 
-    async def _read_one(self, i: int, key: BlockKey, place: Place) -> ReadResult:
+    async def _read_one(self, i: int, key: BlockKey, place: MetaPlace) -> ReadResult:
         found = self._blocks.get(key)
         if found is None:
             self._misses += 1

@@ -59,7 +59,7 @@ import xxhash
 from kvstore.block import BlockKey, BlockMeta, Checksummer, TierName
 from kvstore.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, StrataError, TierUnavailable
 from kvstore.remote.base import (
-    MISS, PRESENT, STORED, Place, ReadResult, RemoteSource, RemoteStats, WriteResult, check_batch, time_left,
+    MISS, PRESENT, STORED, MetaPlace, ReadResult, RemoteSource, RemoteStats, WriteResult, check_batch, time_left,
 )
 from kvstore.remote.object.client import S3Client, S3Options
 from kvstore.remote.object.format import (
@@ -161,7 +161,7 @@ class ObjectSource(RemoteSource):
 
         return await self._whole("delete", len(keys), deadline, body)
 
-    async def read(self, keys: Sequence[BlockKey], place: Place, deadline: float) -> list[ReadResult]:
+    async def read(self, keys: Sequence[BlockKey], place: MetaPlace, deadline: float) -> list[ReadResult]:
         turns = _turns_by_key(keys)
 
         async def step(i: int) -> ReadResult:
@@ -241,7 +241,7 @@ class ObjectSource(RemoteSource):
             failed = await self._drop_corrupt(key, path, None, err, deadline)
             return failed.error if keep_corrupt else None
 
-    async def _read_one(self, i: int, key: BlockKey, place: Place, deadline: float) -> ReadResult:
+    async def _read_one(self, i: int, key: BlockKey, place: MetaPlace, deadline: float) -> ReadResult:
         path = self._layout.path(key)
         damage: tuple[CorruptBlock, Header | None] | None = None
         async with self._client.reading(path, deadline) as body:
