@@ -22,9 +22,9 @@ import redis_servers
 from conftest import free_port, wait_until
 from kvstore.block import TierName
 from kvstore.client.sync import Client
-from kvstore.cluster.pin_copies import PinCopies, PinLimits
-from kvstore.cluster.pusher import Pusher
-from kvstore.cluster.replicator import ReplicationMetrics
+from kvstore.replication.pin_copies import PinCopies, PinLimits
+from kvstore.replication.pusher import Pusher
+from kvstore.replication.replicator import ReplicationMetrics
 from kvstore.config import SettingsError, load_settings
 from kvstore.errors import InvalidArgument, Overloaded
 from kvstore.peer import open_peer_transport

@@ -20,8 +20,8 @@ import redis_servers
 from conftest import free_port, wait_until
 from kvstore.block import TierName
 from kvstore.client.sync import Client
-from kvstore.cluster.policy import ReplicationPolicy
-from kvstore.cluster.replicator import plan, rank
+from kvstore.replication.policy import ReplicationPolicy
+from kvstore.replication.replicator import plan, rank
 from kvstore.config import SettingsError, load_settings
 from peer_cluster import PeerNode
 

@@ -3,7 +3,7 @@
 Config checks the syntax (each rule an exact namespace, a prefix ``team-*``
 or ``*``; each k a whole number from 1 to :data:`MAX_REPLICAS`) and hands
 the replicator plain values (:meth:`ReplicationSettings.options`);
-:mod:`kvstore.cluster.policy` decides which rule a namespace falls under.
+:mod:`kvstore.replication.policy` decides which rule a namespace falls under.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ReplicationSettings(Section):
         return value
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of ``kvstore.cluster.replicator.ReplicationLimits``, plus the rules."""
+        """Keyword arguments of ``kvstore.replication.replicator.ReplicationLimits``, plus the rules."""
         return {
             "rules": dict(self.namespaces), "interval_s": self.interval_seconds,
             "blocks_per_round": self.blocks_per_round, "bytes_per_round": int(self.bytes_per_round),

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvstore.peer.registry import pull_schemes
+
 OUTCOMES = ("completed", "expired")
 PULL_OUTCOMES = ("ok", "failed")
 FALLBACK_REASONS = ("unavailable",)
-TRANSPORTS = ("tcp", "ucx", "grpc")  # the series made at start; a scheme is a bounded label (the registry's)
 _PULL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -38,7 +39,7 @@ class HandoffCounts:
 
 
 class HandoffMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, transports: Iterable[str] = TRANSPORTS) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, transports: Iterable[str] | None = None) -> None:
         r = registry if registry is not None else CollectorRegistry()
         self._opened = Counter("strata_handoffs_opened_total", "Handoffs opened on this daemon (prefill side)",
                                registry=r)
@@ -73,7 +74,7 @@ class HandoffMetrics:
             self._ended.labels(outcome)
         for outcome in PULL_OUTCOMES:
             self._pulls.labels(outcome)
-        for transport in transports:
+        for transport in pull_schemes() if transports is None else transports:
             self._pulled_bytes.labels(transport)
             for reason in FALLBACK_REASONS:
                 self._fallbacks.labels(transport, reason)

@@ -65,6 +65,7 @@ from kvstore.errors import (
 )
 from kvstore.handoff.metrics import HandoffMetrics
 from kvstore.handoff.params import HandoffParams
+from kvstore.peer.directory import PeerDirectory
 from kvstore.remote.base import ReadStatus
 from kvstore.shares import Shares
 
@@ -114,6 +115,8 @@ class HandoffPuller:
             raise InvalidArgument("a handoff puller needs at least one peer transport (e.g. tcp, grpc)")
         self._store = store
         self._peers = dict(peers)
+        # Only its order of schemes: a pull falls back over every route itself, with no back-off.
+        self._directory = PeerDirectory(list(self._peers), backoff_s=0, what="handoff pull")
         self._control = control
         self._publish = publish
         self._resolve = resolve
@@ -131,10 +134,7 @@ class HandoffPuller:
     def routes(self, node: NodeInfo) -> list[tuple[str, str]]:
         """(scheme, address) of every transport both sides have: this daemon's order, each with the
         first endpoint of its scheme the prefill node's index record advertises."""
-        offered: dict[str, str] = {}
-        for address in node.transports:
-            offered.setdefault(address.partition("://")[0], address)
-        return [(scheme, offered[scheme]) for scheme in self._peers if scheme in offered]
+        return [(r.scheme, r.address) for r in self._directory.routes(node)]
 
     def prefill_node(self, params: HandoffParams, timeout_s: float) -> NodeInfo:
         """The index's record of the node the params name, alive and at the params' epoch."""

@@ -87,3 +87,17 @@ def open_peer_transport(scheme: str, **options) -> PeerTransport:
             f"unknown peer transport {scheme!r}; known: {', '.join(sorted(PEER_TRANSPORTS))}"
         ) from None
     return factory(**options)
+
+
+# The transports replication pushes copies and holds with (they write blocks), preferred first.
+PUSH_SCHEMES = ("tcp",)
+
+
+def schemes(*, writes: bool = False) -> tuple[str, ...]:
+    """Every peer transport's scheme; with ``writes``, those replication pushes over, preferred first."""
+    return PUSH_SCHEMES if writes else tuple(PEER_TRANSPORTS)
+
+
+def pull_schemes() -> tuple[str, ...]:
+    """The schemes a handoff pull can use (those with a blocking client)."""
+    return tuple(PEER_CLIENTS)

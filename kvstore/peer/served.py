@@ -20,11 +20,11 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter
 
-SERVED_TRANSPORTS = ("tcp", "ucx", "grpc")
+from kvstore.peer.registry import schemes
 
 
 class ServedBytes:
-    def __init__(self, registry: CollectorRegistry | None = None, transports: Iterable[str] = SERVED_TRANSPORTS) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, transports: Iterable[str] | None = None) -> None:
         self._counter = Counter(
             "strata_peer_served_bytes_total",
             "Block bytes this daemon served to other nodes (their peer reads and handoff pulls), "
@@ -33,7 +33,7 @@ class ServedBytes:
         )
         self._lock = threading.Lock()
         self._bytes: dict[str, int] = {}
-        for transport in transports:
+        for transport in schemes() if transports is None else transports:  # a series per scheme from the start
             self._counter.labels(transport)
 
     def add(self, transport: str, n: int) -> None:

@@ -23,7 +23,7 @@ purpose) would otherwise write over whatever block the arena gave that
 extent to since. A block whose lease lapsed first is read off the socket
 and dropped, and answered LeaseExpired. A HOLD pins blocks held here under a
 lease of kind :data:`REPLICA_LEASE` on behalf of another node's pin (the
-copies it made of a pinned prefix, see :mod:`kvstore.cluster.pin_copies`);
+copies it made of a pinned prefix, see :mod:`kvstore.replication.pin_copies`);
 the hold is bound to the caller's principal, not to its connection, so the
 pinning node may end it (RELEASE) over any pooled connection, and it ends
 by itself at its deadline when that node dies first.

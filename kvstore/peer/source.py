@@ -61,7 +61,7 @@ from kvstore.errors import (
 )
 from kvstore.index.base import Holder, NodeInfo, PrefixIndex
 from kvstore.peer.base import PeerTransport
-from kvstore.peer.registry import open_peer_transport
+from kvstore.peer.directory import PeerDirectory
 from kvstore.remote.base import (
     MISS, MetaPlace, ReadResult, ReadStatus, RemoteSource, RemoteStats, WriteResult, check_batch, time_left,
 )
@@ -178,9 +178,8 @@ class PeerSource(RemoteSource):
         self._index_loop = index_loop
         self.node_id = node_id
         self.host = host
-        self._schemes = tuple(schemes)
-        self._transports: dict[str, PeerTransport] = dict(transports or {})
-        self._transport_options = {scheme: dict(o) for scheme, o in (transport_options or {}).items()}
+        self.directory = PeerDirectory(schemes, backoff_s=limits.backoff_s, transports=transports,
+                                       options=transport_options, what="peer read", clock=clock)
         self.limits = limits
         self.metrics = metrics or PeerMetrics()
         self._clock = clock
@@ -188,7 +187,6 @@ class PeerSource(RemoteSource):
         self._records_at = float("-inf")
         self._records_lock: asyncio.Lock | None = None
         self._in_flight: dict[str, int] = defaultdict(int)  # node id -> fetches this node runs from it now
-        self._backoff: dict[str, float] = {}  # node id -> when it may be tried again
         self._closed = False
         self._hits = self._misses = self._read_bytes = self._errors = 0
 
@@ -273,12 +271,7 @@ class PeerSource(RemoteSource):
         if self._closed:
             return
         self._closed = True
-        transports, self._transports = list(self._transports.values()), {}
-        for transport in transports:
-            try:
-                await transport.close()
-            except StrataError as err:
-                log.warning("peer transport %s did not close cleanly: %s", transport.scheme, err)
+        await self.directory.close()
 
     def stats(self) -> RemoteStats:
         return RemoteStats(self.tier, self.name, self._hits, self._misses, self._read_bytes, 0, 0, self._errors)
@@ -318,7 +311,7 @@ class PeerSource(RemoteSource):
             return place(j, meta)
 
         try:
-            transport = self._transport(c.scheme)
+            transport = self.directory.transport(c.scheme)
         except StrataError as err:
             log.warning("peer transport %s cannot be used: %s", c.scheme, err)
             return "error", None
@@ -328,7 +321,7 @@ class PeerSource(RemoteSource):
         try:
             [result] = await transport.read(c.address, key.namespace, [key.key], guarded, deadline)
         except (TierUnavailable, DeadlineExceeded) as err:
-            self._back_off(c, err)
+            self.directory.back_off(c.node_id, err, c.address)
             return ("deadline" if isinstance(err, DeadlineExceeded) else "unavailable"), None
         except UnknownNamespace:  # it never had anything of that namespace: a stale entry
             await self._repair(c, key)
@@ -353,7 +346,7 @@ class PeerSource(RemoteSource):
             self.metrics.reads.labels("hit").inc()
             self._hits += 1
             self._read_bytes += result.meta.size
-            self._backoff.pop(c.node_id, None)
+            self.directory.succeeded(c.node_id)
             return "", result
         if result.status is ReadStatus.SKIPPED:
             return ("invalid", None) if oversized else ("", result)
@@ -365,16 +358,11 @@ class PeerSource(RemoteSource):
             log.error("peer %s sent a corrupt copy of %s: %s; trying the next holder", c.node_id, key, err)
             return "corrupt", None
         if isinstance(err, (TierUnavailable, DeadlineExceeded)):
-            self._back_off(c, err)
+            self.directory.back_off(c.node_id, err, c.address)
             return ("deadline" if isinstance(err, DeadlineExceeded) else "unavailable"), None
         if isinstance(err, InvalidArgument):  # the caller's buffer was too small: not the holder's fault
             return "", result
         return "error", None
-
-    def _back_off(self, c: _Candidate, err: StrataError) -> None:
-        if self.limits.backoff_s > 0:
-            self._backoff[c.node_id] = self._clock() + self.limits.backoff_s
-        log.warning("peer %s (%s) failed: %s; skipping it for %.1fs", c.node_id, c.address, err, self.limits.backoff_s)
 
     async def _repair(self, c: _Candidate, key: BlockKey) -> None:
         """The holder said it does not have the block: drop its entry for that epoch now."""
@@ -420,35 +408,14 @@ class PeerSource(RemoteSource):
         out = []
         for h in usable:
             record = records.get(h.node_id)
-            if record is None or record.epoch != h.epoch or self._backoff.get(h.node_id, 0.0) > now:
+            if record is None or record.epoch != h.epoch or not self.directory.usable(h.node_id, now):
                 continue
-            picked = self._pick(record)
-            if picked is not None:
-                out.append(_Candidate(h, record, *picked))
+            route = self.directory.route(record)
+            if route is not None:
+                out.append(_Candidate(h, record, route.scheme, route.address, route.near))
         random.shuffle(out)
         out.sort(key=lambda c: (not c.near and c.record.host != self.host, self._in_flight.get(c.node_id, 0)))
         return out[: self.limits.max_holders]
-
-    def _pick(self, record: NodeInfo) -> tuple[str, str, bool] | None:
-        """How to reach ``record``: (scheme, address, near). A same-host-only transport (shared
-        memory) that reaches it comes first, whatever its place in this node's order; one that
-        does not is never used for it; otherwise the first of this node's schemes it advertises."""
-        first = None
-        for scheme in self._schemes:
-            endpoint = record.endpoint(scheme)
-            if endpoint is None:
-                continue
-            address = f"{scheme}://{endpoint}"
-            try:
-                transport = self._transport(scheme)
-            except StrataError:
-                transport = None  # unusable here: the fetch says why, as before
-            if transport is not None and transport.same_host_only:
-                if transport.reaches(address):
-                    return scheme, address, True
-            elif first is None:
-                first = (scheme, address, False)
-        return first
 
     async def _node_records(self, holders: list[Holder], deadline: float) -> dict[str, NodeInfo]:
         if self._records_lock is None:
@@ -465,12 +432,6 @@ class PeerSource(RemoteSource):
             return self._records
 
     # ---- plumbing -------------------------------------------------------------------
-
-    def _transport(self, scheme: str) -> PeerTransport:
-        transport = self._transports.get(scheme)
-        if transport is None:
-            transport = self._transports[scheme] = open_peer_transport(scheme, **self._transport_options.get(scheme, {}))
-        return transport
 
     async def _on_index(self, call: Callable[[], Awaitable], timeout_s: float):
         """Run an index coroutine where the index lives, bounded by ``timeout_s``."""

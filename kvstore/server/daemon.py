@@ -38,7 +38,7 @@ from kvstore.auth import Authority
 from kvstore.auth.exposure import split_host
 from kvstore.auth.interceptor import AuthInterceptor
 from kvstore.block import TierName
-from kvstore.cluster.replicator import Replicator, open_replicator
+from kvstore.replication.replicator import Replicator, open_replicator
 from kvstore.config import Settings
 from kvstore.index import open_index
 from kvstore.index.agent import IndexAgent

@@ -20,7 +20,7 @@ from kvstore.api.v1 import index_pb2 as pb
 from kvstore.api.v1 import index_pb2_grpc
 from kvstore.block import TierName, validate_key, validate_namespace
 from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded
-from kvstore.cluster.replicator import ReplicationReport
+from kvstore.replication.replicator import ReplicationReport
 from kvstore.index.agent import IndexAgent
 from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.index.keys import BlockHasher, event_key_bytes

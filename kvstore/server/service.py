@@ -14,8 +14,8 @@ from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth import EVERY_NAMESPACE, READ, current_identity, may_attach, owner_of
 from kvstore.auth.stats import visible_stats
 from kvstore.block import BlockKey, BlockMeta, validate_namespace
-from kvstore.cluster.pin_copies import PinCopies
-from kvstore.cluster.replicator import ReplicationReport
+from kvstore.replication.pin_copies import PinCopies
+from kvstore.replication.replicator import ReplicationReport
 from kvstore.errors import ArenaReplaced, ArenaUnusable, BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
 from kvstore.handoff.metrics import HandoffCounts
 from kvstore.node import NodeIdentity
@@ -66,7 +66,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         """``handoffs``: the daemon's handoff counts (kvstore.handoff); ``open_handoffs(namespace)``:
         the handoffs open in one namespace (what a tenant's Stats shows); ``replication``: its
         replicator's report (None: it replicates nothing); ``served``: where peer reads are counted;
-        ``pin_copies``: copies of pins that ask for replicas (kvstore.cluster; None: not kept)."""
+        ``pin_copies``: copies of pins that ask for replicas (kvstore.replication; None: not kept)."""
         self._store = store  # every arena's store; each call goes to its namespace's arena
         self._control_sockets = dict(control_sockets or {})  # arena name → its same-host socket
         # Told (with the arena's name) after blocks were deleted, before the Delete answers

@@ -3,10 +3,12 @@
 One per replicator, shared by namespace replication and pinned copies, so
 both see the same back-off and the same pooled connections. A target is a
 live node (:class:`~kvstore.index.base.NodeInfo`) that advertises a peer
-transport with writes (:data:`PUSH_SCHEMES`, the first one it has); every
-call has the ``push_s`` deadline. A target whose call failed is passed over
-for ``backoff_s`` (:meth:`usable` says no), so a dead or refusing node
-costs one failed call per back-off period, not one per block.
+transport with writes (:data:`~kvstore.peer.registry.PUSH_SCHEMES`, the
+first one it has); every call has the ``push_s`` deadline. Which transport,
+and which targets are passed over for ``backoff_s`` after a failed call
+(:meth:`usable` says no), is the :class:`~kvstore.peer.directory.PeerDirectory`'s
+answer, as for the peer tier's reads: a dead or refusing node costs one
+failed call per back-off period, not one per block.
 
 Calls return the transport's answers and raise its errors
 (:class:`~kvstore.errors.StrataError`); the callers decide what a failure
@@ -25,11 +27,10 @@ from kvstore.block import BlockMeta
 from kvstore.errors import InvalidArgument, StrataError
 from kvstore.index.base import NodeInfo
 from kvstore.peer.base import Held, PeerTransport
-from kvstore.peer.registry import open_peer_transport
+from kvstore.peer.directory import PeerDirectory
+from kvstore.peer.registry import schemes
 
 log = logging.getLogger(__name__)
-
-PUSH_SCHEMES = ("tcp",)  # the peer transports with writes, preferred first
 
 
 def rank(key: bytes, node_ids: Iterable[str]) -> list[str]:
@@ -45,11 +46,10 @@ class Pusher:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.node_id = node_id
         self._push_s = push_s
-        self._backoff_s = backoff_s
-        self._token = token
-        self._transports: dict[str, PeerTransport] = dict(transports or {})
-        self._clock = clock
-        self._backoff: dict[str, float] = {}  # target -> passed over until
+        push = schemes(writes=True)
+        self.directory = PeerDirectory(push, backoff_s=backoff_s, writes=True, transports=transports,
+                                       options={s: {"token": token} for s in push} if token else None,
+                                       what="replication call", clock=clock)
 
     # ---- targets ---------------------------------------------------------------------
 
@@ -57,23 +57,19 @@ class Pusher:
         """(scheme, scheme://host:port) of the node's first transport this node pushes with."""
         if node.node_id == self.node_id:
             return None
-        for scheme in PUSH_SCHEMES:
-            endpoint = node.endpoint(scheme)
-            if endpoint is not None:
-                return scheme, f"{scheme}://{endpoint}"
-        return None
+        route = self.directory.route(node)
+        return None if route is None else (route.scheme, route.address)
 
     def usable(self, node: NodeInfo, now: float) -> bool:
         """Whether ``node`` can be pushed to now: it has a push endpoint and is not backed off."""
-        return self.endpoint(node) is not None and self._backoff.get(node.node_id, 0.0) <= now
+        return self.endpoint(node) is not None and self.directory.usable(node.node_id, now)
 
     def back_off(self, node_id: str, why: object) -> None:
-        self._backoff[node_id] = self._clock() + self._backoff_s
-        log.warning("a replication call to %s failed: %s; passing it over for %.1fs", node_id, why, self._backoff_s)
+        self.directory.back_off(node_id, why)
 
     def forget(self, now: float) -> None:
         """Drop back-offs that ended."""
-        self._backoff = {n: t for n, t in self._backoff.items() if t > now}
+        self.directory.forget(now)
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -109,20 +105,10 @@ class Pusher:
     def _route(self, node: NodeInfo) -> tuple[PeerTransport, str]:
         endpoint = self.endpoint(node)
         if endpoint is None:
-            raise InvalidArgument(f"node {node.node_id} advertises no peer transport to push to (tcp)")
+            raise InvalidArgument(f"node {node.node_id} advertises no peer transport to push to "
+                                  f"({', '.join(self.directory.schemes)})")
         scheme, address = endpoint
-        transport = self._transports.get(scheme)
-        if transport is None:
-            transport = open_peer_transport(scheme, token=self._token) if self._token else open_peer_transport(scheme)
-            if not transport.writes:
-                raise InvalidArgument(f"the {scheme} peer transport cannot write blocks: replication pushes over tcp")
-            self._transports[scheme] = transport
-        return transport, address
+        return self.directory.transport(scheme), address
 
     async def close(self) -> None:
-        transports, self._transports = list(self._transports.values()), {}
-        for transport in transports:
-            try:
-                await transport.close()
-            except StrataError as err:
-                log.warning("peer transport %s did not close cleanly: %s", transport.scheme, err)
+        await self.directory.close()

@@ -1,7 +1,7 @@
 """The replicator: keeps k copies of a replicated namespace's (or a pin's) blocks on distinct live nodes.
 
 Every daemon runs one (``[replication] namespaces``, and pins that ask for
-``replicas``: :mod:`kvstore.cluster.pin_copies`, whose work runs first in
+``replicas``: :mod:`kvstore.replication.pin_copies`, whose work runs first in
 each round, from the same budgets). In rounds, each
 ``interval_s`` apart, it walks the blocks this node holds in replicated
 namespaces (a cursor over the store's listing, ``blocks_per_round`` blocks a
@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.block import BlockKey
-from kvstore.cluster.pin_copies import PinCopies, PinLimits, PinNamespaceReport
-from kvstore.cluster.policy import ReplicationPolicy
-from kvstore.cluster.pusher import Pusher, rank
+from kvstore.replication.pin_copies import PinCopies, PinLimits, PinNamespaceReport
+from kvstore.replication.policy import ReplicationPolicy
+from kvstore.replication.pusher import Pusher, rank
 from kvstore.errors import InvalidArgument, PrefixIndexError, StrataError, UnknownNamespace
 from kvstore.index.base import MAX_CHAIN_BLOCKS, NodeInfo, PrefixIndex
 from kvstore.peer.base import PeerTransport

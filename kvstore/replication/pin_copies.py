@@ -48,7 +48,7 @@ Limits: ``max_pin_replicas`` (a Pin asking more is refused: bad input),
 ``max_pins`` recorded at once (one more is ``Overloaded``), the round's
 ``blocks_per_round`` blocks checked and ``bytes_per_round`` pushed (pins
 first, then namespaces), one push or hold in flight, ``push_s`` each, a
-failing node backed off ``backoff_s`` (:mod:`kvstore.cluster.pusher`), at
+failing node backed off ``backoff_s`` (:mod:`kvstore.replication.pusher`), at
 most :data:`MAX_RELEASE_TRIES` tries per release. A k beyond the live
 nodes that can take a copy is reported under-replicated, round after
 round, and costs nothing: no node to push to, no push tried.
@@ -65,7 +65,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block import BlockKey
-from kvstore.cluster.pusher import Pusher, rank
+from kvstore.replication.pusher import Pusher, rank
 from kvstore.errors import InvalidArgument, Overloaded, StrataError
 from kvstore.index.base import NodeInfo
 
