@@ -1,7 +1,7 @@
 """Strata as a vLLM secondary tier against vLLM's own fs tier and a plain memory copy, through vLLM's real tiering manager.
 
 Run as ``python -m benchmarks.vllm_tier [--quick | --smoke]`` (needs vLLM's Python
-layers: see the README, the ``vllm`` extra). One ``TieringOffloadingManager``
+layers: see docs/integrations/vllm.md, the ``vllm`` extra). One ``TieringOffloadingManager``
 per candidate, built by vLLM's ``TieringOffloadingSpec`` on CPU, each with a
 CPU primary tier of exactly the chunks loaded and one secondary tier:
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import vllm.v1.kv_offload.tiering.spec  # noqa: F401
     except ImportError as err:
-        print(f"vLLM's tiering code cannot be imported ({err}): install the vllm extra (README)", file=sys.stderr)
+        print(f"vLLM's tiering code cannot be imported ({err}): install the vllm extra (docs/integrations/vllm.md)", file=sys.stderr)
         return 2
     try:
         run(bench, bench.plan(FULL, QUICK, SMOKE))

@@ -188,9 +188,44 @@ def test_peer_settings_are_checked_and_the_advertised_address_derived():
             load_settings(environ={}, **bad)
 
 
-def test_readme_config_example_loads(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+def example_keys(text: str) -> set[tuple[str, ...]]:
+    """Every ``key =`` of a TOML file, set or commented out (``# key = ...``), by its path: the tables,
+    commented-out ones (``# [[arenas]]``) included, name where each key is."""
+    keys, table = set(), ()
+    for line in text.splitlines():
+        header = re.match(r"^\s*(?:#\s*)?\[\[?([\w.-]+)\]\]?\s*(?:#.*)?$", line)
+        if header:
+            table = tuple(header.group(1).split("."))
+            keys.add(table)
+            continue
+        key = re.match(r"^\s*(#\s*)?([a-z_][a-z0-9_]*)\s+=\s", line)
+        if key:
+            keys.add((*table, key.group(2)))
+    return keys
+
+
+def test_the_example_config_file_names_every_setting():
+    """deploy/strata.example.toml is where operators look for a key: each setting is there, set or
+    commented out, in its own table; and nothing there, even commented out, names a key that is not."""
+    keys = example_keys(EXAMPLE.read_text())
+    missing = [s.toml for s in SETTINGS if s.path not in keys]
+    assert not missing, f"add to deploy/strata.example.toml (as a key or a commented-out key): {', '.join(missing)}"
+    from kvstore.config.arenas import ArenaSettings
+
+    known = {s.path for s in SETTINGS} | {s.path[:-1] for s in SETTINGS} | {
+        ("arenas", name) for name in ArenaSettings.model_fields}
+    unknown = sorted(".".join(k) for k in keys if k not in known)
+    assert not unknown, f"deploy/strata.example.toml names keys no setting has: {', '.join(unknown)}"
+
+
+def test_example_keys_reads_set_and_commented_keys():
+    keys = example_keys('[a]\nx = 1  # c\n# y = "2"\n# [[arenas]]\n# name = "t"\n# prose = is not a key\n')
+    assert keys == {("a",), ("a", "x"), ("a", "y"), ("arenas",), ("arenas", "name"), ("arenas", "prose")}
+
+
+def test_configuration_guide_example_loads(tmp_path):
+    guide = (ROOT / "docs" / "guide" / "configuration.md").read_text()
+    block = guide.split("```toml\n", 1)[1].split("```", 1)[0]
     s = load_settings(write(tmp_path, block), environ={})
     assert s.tiers.disk.dir == Path("/var/cache/strata") and s.logging.format == "text"
 

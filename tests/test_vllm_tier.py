@@ -7,8 +7,8 @@ scheduler does, writing and reading the primary tier's rows where a GPU
 worker would. Daemons are real: in-process on a real port, or ``strata
 serve`` child processes stopped, killed with SIGKILL and restarted.
 
-Skipped when vLLM is not importable (see the README: vLLM's Python layers
-on CPU, the ``vllm`` extra).
+Skipped when vLLM is not importable (see docs/integrations/vllm.md: vLLM's Python
+layers on CPU, the ``vllm`` extra).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33 is not installed (README: the vllm extra)")
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33 is not installed (docs/integrations/vllm.md: the vllm extra)")
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
@@ -418,7 +418,7 @@ def test_chunks_the_tier_stored_credit_its_node_in_the_routers_score(make_daemon
     credits the daemon's node with every block at the host tier's weight."""
     import asyncio
 
-    pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
+    pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata-kvcache[router]')")
     from vllm.v1.kv_offload.base import make_offload_key
 
     from kvstore.index.keys import BlockHasher

@@ -370,7 +370,7 @@ class GpuSettings(Section):
     flag_prefix = "gpu_"
     title = ("GPU tier: KV blocks in device memory (one region per device, allocated at start) at the head of "
              "the chain, demoted to RAM over pinned buffers; needs CUDA (torch). Same-host clients read and write "
-             "it through the region's handle (README: GPU tier)")
+             "it through the region's handle (docs/guide/tiers/gpu.md)")
 
     bytes: ByteSize = setting(ByteSize(0), "device memory per GPU for the gpu tier; 0 (the default) leaves it out")
     devices: Annotated[list[int], Field(min_length=1, max_length=16)] = setting(

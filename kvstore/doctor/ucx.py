@@ -57,13 +57,13 @@ def check_ucx(settings: Settings, host: Host) -> list[Finding]:
     findings = []
     if importlib.util.find_spec("ucxx") is None:
         return [fail("ucx", "UCX is configured but ucxx is not installed",
-                     'pip install "strata[ucx]", or drop ucx from --peer-transports and --peer-ucx-listen')]
+                     'pip install "strata-kvcache[ucx]", or drop ucx from --peer-transports and --peer-ucx-listen')]
     probe = subprocess.run([sys.executable, "-c", "import ucxx"], capture_output=True, text=True,
                            timeout=IMPORT_TIMEOUT_S, env=dict(host.environ) or None)
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no message"])[-1]
         return [fail("ucx", f"ucxx is installed but does not import ({last})",
-                     'reinstall the ucx extra (pip install "strata[ucx]"), or check LD_LIBRARY_PATH for a system UCX')]
+                     'reinstall the ucx extra (pip install "strata-kvcache[ucx]"), or check LD_LIBRARY_PATH for a system UCX')]
     command = ucx_info_command(host)
     if command is None:
         return [warn("ucx", "ucxx imports, but no ucx_info was found to list the transports",
@@ -88,5 +88,5 @@ def check_ucx(settings: Settings, host: Host) -> list[Finding]:
     else:
         findings.append(warn("ucx", f"UCX transports: {listed}; no RDMA transport, so peers over UCX use TCP",
                              "for InfiniBand or RoCE, use a system UCX built with verbs "
-                             "(RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true; see the README's UCX section)"))
+                             "(RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true; see docs/guide/peers.md)"))
     return findings
