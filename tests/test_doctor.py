@@ -194,12 +194,16 @@ def test_every_listener_reachable_beyond_loopback_without_authentication_is_name
     assert [f.status for f in local] == [Status.OK]
 
 
-def test_a_running_daemon_on_the_directory_and_its_ports_are_found(tmp_path, daemon_process):
+def test_doctor_beside_the_daemon_it_describes_reports_it_running_not_failing(tmp_path, daemon_process):
+    """Its own lock and ports are the daemon's: doctor run beside it (the same settings) finds it running."""
     d = daemon_process()
     found = run_checks(settings(tmp_path, disk_dir=str(d.disk_dir), listen=d.target), Host(), ["disk", "ports"])
-    assert failed(found)
-    assert any(f.check == "disk" and "running" in f.summary for f in found)
-    assert any(f.check == "ports" and "in use" in f.summary for f in found)
+    assert not failed(found), [f.summary for f in found]
+    assert any(f.check == "disk" and "is running" in f.summary for f in found)
+    assert any(f.check == "ports" and "served by the running strata daemon" in f.summary for f in found)
+    # another process on the port, with no daemon of these settings running, is still a failure
+    other = run_checks(settings(tmp_path, disk_dir=str(tmp_path / "elsewhere"), listen=d.target), Host(), ["ports"])
+    assert failed(other) and any("in use by another process" in f.summary for f in other)
 
 
 def test_an_shm_dir_that_is_not_a_tmpfs_is_a_warning(tmp_path):

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
-pytest.importorskip("transformers", reason="the cache-aware router needs transformers (pip install 'strata[router]')")
+pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata-kvcache[router]')")
+pytest.importorskip("transformers", reason="the cache-aware router needs transformers (pip install 'strata-kvcache[router]')")
 
 from router_stand_in import (  # noqa: F401 - engines, routers: fixtures
     BLOCK, HASH_SEED, NS, RouterThread, StandIn, build_tokenizer, engines, free_port, routers, served_by, wait_for,

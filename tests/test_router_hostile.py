@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 
-pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
+pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata-kvcache[router]')")
 
 from router_stand_in import (  # noqa: F401 - engines, routers: fixtures
     BLOCK, HASH_SEED, NS, RECURSIVE_TEMPLATE, RawClient, build_tokenizer, engines, http, routers, served_by, wait_for,

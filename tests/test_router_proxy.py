@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
+pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata-kvcache[router]')")
 
 from router_stand_in import (  # noqa: F401 - engines, routers: fixtures
     BLOCK, HASH_SEED, NS, ReferenceEngine, build_tokenizer, engines, free_port, http, routers, served_by, wait_for,

@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 
-pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata[router]')")
-pytest.importorskip("transformers", reason="the cache-aware router needs transformers (pip install 'strata[router]')")
+pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'strata-kvcache[router]')")
+pytest.importorskip("transformers", reason="the cache-aware router needs transformers (pip install 'strata-kvcache[router]')")
 
 from router_stand_in import BLOCK, HASH_SEED, NS  # noqa: E402
 from test_router import completion, engines, fleet, model_dir, routers, seed, words  # noqa: E402,F401 - fixtures

@@ -105,7 +105,7 @@ def test_the_extras_name_what_weightcache_needs():
     extras = project["optional-dependencies"]
     names = lambda deps: {re.split(r"[<>=\[]", d)[0] for d in deps}  # noqa: E731
     # The weight pipeline is in the default install (every strata weights command works after
-    # pip install .); the "weights" extra stays, empty, so that strata[weights] still resolves.
+    # pip install .); the "weights" extra stays, empty, so that strata-kvcache[weights] still resolves.
     assert {"blake3", "numpy", "obstore"} <= names(project["dependencies"])
     assert extras["weights"] == []
     assert {"safetensors", "moto"} <= names(extras["test"])

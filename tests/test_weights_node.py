@@ -96,6 +96,15 @@ def test_wait_on_a_node_that_is_not_up_says_so_at_the_deadline(tmp_path):
     assert done.returncode == 4 and "the node answered" in done.stderr
 
 
+def test_wait_for_a_digest_the_node_rejects_fails_at_once(node):
+    """A typo in an init container's digest must not cost the whole deadline: the node rejects it at once."""
+    _, address, _, _ = node
+    done = cli("wait", "0000", "--node", address, "--deadline", "10m", "--interval", "0.1s", "--no-progress",
+               timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "digest" in done.stderr and "longer --deadline" not in done.stderr
+
+
 def test_bad_input_is_invalid_argument(node):
     _, _, stub, _ = node
     with pytest.raises(grpc.RpcError) as err:

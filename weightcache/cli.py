@@ -308,6 +308,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
         while True:
             try:
                 s = _call(stub.Status, pb.StatusRequest(digest=args.digest), timeout=min(30.0, max(1.0, args.deadline)))
+            except InvalidArgument as err:  # the node rejects the request itself: asking again will not help
+                print(f"strata weights wait: {err}", file=sys.stderr)
+                return 2
             except StrataError as err:
                 s, last = None, err  # the node not up yet (an init container may start first): keep asking
             if s is not None:

@@ -15,8 +15,11 @@ def serve_overrides(args: argparse.Namespace) -> dict:
 
 
 def setup_logging(level: str, fmt: str) -> None:
-    """Log to stderr at ``level``, as text or (``fmt`` "json") one JSON object a line."""
+    """Log to stderr at ``level``, as text or (``fmt`` "json") one JSON object a line; "auto": text
+    when stderr is a terminal, JSON otherwise."""
     handler = logging.StreamHandler(sys.stderr)
+    if fmt == "auto":
+        fmt = "text" if sys.stderr.isatty() else "json"
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
 

@@ -12,9 +12,11 @@
     strata peers                     the fleet's nodes: epochs, liveness, transports, bytes served
     strata replication               replicated namespaces: blocks held here, under-replicated, copies made
     strata object ls|du|gc [NS]      the object tier's bucket: namespaces, usage, a lifecycle sweep now
-    strata weights ...               model weights: publish, ls, fetch, evict (runs python -m weightcache)
+    strata weights ...               model weights: publish, ls, fetch, evict, serve, prefetch, wait
+                                     (runs python -m weightcache; strata weights --help)
     strata route --endpoint URL ...  a cache-aware router in front of OpenAI-compatible engines (vLLM)
     strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
+    strata clean [SERVE FLAGS]       remove the arena a stopped daemon kept in shared memory (and its table)
 """
 
 from __future__ import annotations
@@ -122,19 +124,44 @@ def cmd_kv_put(args: argparse.Namespace) -> int:
     if args.from_dir:
         files = sorted(p for p in Path(args.from_dir).iterdir() if p.is_file())
         with _client(args) as client:
-            stored = 0
+            stored, conflicts = 0, []
             for path in tqdm(files, unit="block", desc="put", disable=None):
-                stored += client.put_many(args.namespace, [BlockPut(path.name.encode(), path.read_bytes(), None, args.layout)])[0]
+                data = path.read_bytes()
+                if client.put_many(args.namespace, [BlockPut(path.name.encode(), data, None, args.layout)])[0]:
+                    stored += 1
+                elif _holds_other_bytes(client, args.namespace, path.name.encode(), data):
+                    conflicts.append(path.name)
         print(f"stored {stored} new blocks of {len(files)} files from {args.from_dir}")
+        if conflicts:
+            print(f"strata kv put: {len(conflicts)} keys already hold other bytes ({', '.join(conflicts[:5])}"
+                  f"{', ...' if len(conflicts) > 5 else ''}): {_SAME_KEY_SAME_BYTES}", file=sys.stderr)
+            return 1
         return 0
     if args.key is None:
         raise SystemExit("strata kv put: give a KEY (and a FILE, or data on stdin), or --from-dir DIR")
     data = sys.stdin.buffer.read() if args.file in (None, "-") else Path(args.file).read_bytes()
     parent = _key(args, args.parent) if args.parent else None
+    key = _key(args, args.key)
     with _client(args) as client:
-        stored = client.put(args.namespace, _key(args, args.key), data, parent=parent, layout=args.layout)
-    print(f"{'stored' if stored else 'already present'}: {len(data)} bytes")
+        stored = client.put(args.namespace, key, data, parent=parent, layout=args.layout)
+        other = not stored and _holds_other_bytes(client, args.namespace, key, data)
+    if other:
+        print(f"strata kv put: key {args.key!r} in namespace {args.namespace!r} already holds other bytes "
+              f"({other} bytes; nothing was stored): {_SAME_KEY_SAME_BYTES}", file=sys.stderr)
+        return 1
+    print(f"{'stored' if stored else 'already present (the same bytes)'}: {len(data)} bytes")
     return 0
+
+
+_SAME_KEY_SAME_BYTES = ("a key names its bytes for good (blocks are content- or prefix-addressed: same key, same "
+                        "bytes), so a put never replaces a block; delete it first (strata kv delete NS KEY) or "
+                        "use another key")
+
+
+def _holds_other_bytes(client, namespace: str, key: bytes, data: bytes) -> int:
+    """The size of the block ``key`` holds when its bytes are not ``data`` (0 when they are, or it is gone)."""
+    held = client.get(namespace, key)
+    return 0 if held is None or held == data else max(len(held), 1)
 
 
 def cmd_kv_get(args: argparse.Namespace) -> int:
@@ -334,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 1)[1],
     )
+    parser.add_argument("--version", action="version", version=f"strata {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -464,13 +492,60 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(func=cmd_stats)
 
-    sub.add_parser("weights", add_help=False, help="model weights: publish, ls, fetch, evict (strata weights --help)")
+    sub.add_parser("weights", add_help=False,
+                   help="model weights: publish, ls, fetch, evict, serve, prefetch, wait (strata weights --help)")
+    clean = sub.add_parser(
+        "clean", help="remove the arena a stopped daemon kept in shared memory",
+        description="A daemon keeps its arena (the host-RAM tier) and its block table in --shm-dir when it stops, "
+        "so a restart serves the blocks again. After a trial, this removes them: the files of the arena the "
+        "given settings name (the same flags as strata serve: --shm-dir, --disk-dir, --config). It refuses while "
+        "that daemon runs. The disk tier's blocks are left where they are (--disk-dir).",
+    )
+    clean.add_argument("--config", metavar="FILE", help="the daemon's TOML config file [env STRATA_CONFIG]")
+    clean.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    _add_settings_flags(clean)
+    clean.set_defaults(func=cmd_clean)
     from kvstore.cli import doctor, objects, route
 
     doctor.add_parser(sub, _add_settings_flags)
     objects.add_parser(sub)
     route.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("strata-kvcache")
+    except PackageNotFoundError:
+        return "unknown (not installed as a distribution)"
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from kvstore.config.tiers import arena_name
+    from kvstore.doctor.host import daemon_running, state_dir
+
+    try:
+        settings = load_settings(args.config or os.environ.get("STRATA_CONFIG"), **serve_overrides(args))
+    except SettingsError as err:
+        print(f"strata clean: {err}", file=sys.stderr)
+        return 2
+    if daemon_running(settings):
+        print(f"strata clean: the daemon of --disk-dir {state_dir(settings)} is running: stop it first "
+              "(its arena is in use)", file=sys.stderr)
+        return 1
+    directory = Path(settings.tiers.ram.shm_dir).expanduser()
+    prefix = arena_name(state_dir(settings))
+    found = sorted(p for p in directory.glob(prefix + "*") if p.is_file() or p.is_socket())
+    held = sum(p.stat().st_blocks * 512 for p in found)
+    for path in found:
+        if not args.dry_run:
+            path.unlink(missing_ok=True)
+        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    print(f"{len(found)} files, {held / (1 << 20):.1f} MiB of shared memory"
+          + (" would be given back" if args.dry_run else " given back" if found else ": nothing to remove"))
+    return 0
 
 
 def run_weights(argv: list[str]) -> int:
@@ -488,19 +563,37 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["weights"]:
         return run_weights(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command in ("serve", "doctor", "route"):
+    parser = build_parser()
+    if not argv:  # a bare strata: what it can do, not an argparse error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    if args.command in ("serve", "doctor", "route", "clean"):
         return args.func(args)
-    from kvstore.errors import StrataError
+    from kvstore.errors import DaemonUnavailable, StrataError
 
     try:
         return args.func(args)
+    except DaemonUnavailable as err:
+        print(f"strata {args.command}: no strata daemon answers at {args.target} ({_reason(err)}): start one "
+              "with `strata serve`, or point --target (or STRATA_TARGET) at a running one", file=sys.stderr)
+        return 1
     except StrataError as err:
         print(f"strata {args.command}: {err}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # the reader went away (| head): stop quietly, as ls and cat do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _reason(err: Exception) -> str:
+    """gRPC's connection error, shortened to its cause."""
+    text = str(err)
+    for cause in ("Connection refused", "No such file or directory", "Name or service not known", "Deadline Exceeded",
+                  "Permission denied", "Network is unreachable", "timed out"):
+        if cause.lower() in text.lower():
+            return cause.lower()
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     try:
         from kvstore.router.server import run
     except ImportError as err:
-        print(f"strata route: {err.name} is missing: pip install 'strata[router]'", file=sys.stderr)
+        print(f"strata route: {err.name} is missing: pip install 'strata-kvcache[router]'", file=sys.stderr)
         return 2
     try:
         return run(settings)

@@ -12,4 +12,7 @@ class LoggingSettings(Section):
     title = "log lines on stderr"
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = setting("INFO", "log level")
-    format: Literal["json", "text"] = setting("json", "log lines as JSON objects or plain text")
+    format: Literal["auto", "json", "text"] = setting(
+        "auto", "log lines as JSON objects or plain text; auto: plain text on a terminal, JSON otherwise (a container, "
+        "a pipe, a file)",
+    )

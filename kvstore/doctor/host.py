@@ -194,6 +194,22 @@ def _held_bytes(directory: Path) -> int:
     return held
 
 
+def daemon_running(settings: Settings) -> bool:
+    """Whether a daemon of this configuration runs now: it holds its --disk-dir's lock for its life."""
+    lock = state_dir(settings) / "daemon.lock"
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def check_disk(settings: Settings, host: Host) -> list[Finding]:
     disk = settings.tiers.disk
     if "disk" not in settings.tiers.chain or not disk.enabled:
@@ -206,16 +222,9 @@ def check_disk(settings: Settings, host: Host) -> list[Finding]:
                      "give the daemon's user the directory (chown, or an init container that does), or point "
                      "--disk-dir at a volume it owns")]
     findings = []
-    lock = directory / "daemon.lock"
-    if lock.exists():
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            findings.append(fail("disk", f"a strata daemon is running on --disk-dir {directory}",
-                                 "stop it before starting another, or give this one its own --disk-dir"))
-        finally:
-            os.close(fd)
+    if daemon_running(settings):  # the daemon these settings describe (doctor run beside it), or a second start
+        findings.append(ok("disk", f"the strata daemon of --disk-dir {directory} is running (it holds the "
+                                   "directory's lock; another daemon needs a --disk-dir of its own)"))
     st = os.statvfs(base)
     free = st.f_bavail * st.f_frsize
     held = _held_bytes(directory) if directory.exists() else 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvstore.auth.exposure import split_host
 from kvstore.config import Settings
-from kvstore.doctor.host import Host
+from kvstore.doctor.host import Host, daemon_running
 from kvstore.doctor.report import Finding, fail, ok, skip
 from kvstore.errors import InvalidArgument
 
@@ -54,6 +54,7 @@ def _bind(address: str) -> OSError | None:
 
 def check_ports(settings: Settings, host: Host) -> list[Finding]:
     findings = []
+    running = daemon_running(settings)
     for flag, address in listeners(settings):
         if split_host(address)[1] == "0":
             findings.append(skip("ports", f"{flag} {address}: any free port, chosen at start"))
@@ -61,6 +62,8 @@ def check_ports(settings: Settings, host: Host) -> list[Finding]:
         err = _bind(address)
         if err is None:
             findings.append(ok("ports", f"{flag} {address} is free"))
+        elif err.errno == errno.EADDRINUSE and running:
+            findings.append(ok("ports", f"{flag} {address} is served by the running strata daemon of these settings"))
         elif err.errno == errno.EADDRINUSE:
             findings.append(fail("ports", f"{flag} {address} is in use by another process",
                                  "stop what holds it (ss -ltnp shows it: a strata daemon already running?), or "

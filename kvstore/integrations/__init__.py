@@ -2,7 +2,7 @@
 (:mod:`.lmcache`), a secondary tier of vLLM's own KV offloading (:mod:`.vllm`).
 
 Each package imports its host project, which is an optional dependency
-(``pip install strata[lmcache]``, ``strata[vllm]``), so nothing here is imported
+(``pip install strata-kvcache[lmcache]``, ``strata-kvcache[vllm]``), so nothing here is imported
 by ``kvstore`` itself: the host project names the module in its own config.
 :mod:`.health` (when a daemon is worth calling) is shared and imports neither.
 """

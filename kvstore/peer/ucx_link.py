@@ -63,7 +63,7 @@ _ABORT_WAIT_S = 5.0
 
 
 class UcxUnavailable(TierUnavailable):
-    """ucxx cannot be imported here: install the ``ucx`` extra (``pip install "strata[ucx]"``)."""
+    """ucxx cannot be imported here: install the ``ucx`` extra (``pip install "strata-kvcache[ucx]"``)."""
 
 
 _import_error: str | None = None

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
@@ -463,9 +464,25 @@ class Daemon:
         self._stopped.wait()
 
 
+def ready_line(daemon: Daemon, terminal: bool = False) -> str:
+    """The one line ``strata serve`` prints on stdout once it serves: where, and (on a terminal) what to try."""
+    host = daemon.settings.server.listen.rpartition(":")[0] or "127.0.0.1"
+    target = f"{host}:{daemon.port}"
+    line = f"strata serve: ready on {target}, node {daemon.node.node_id} epoch {daemon.node.epoch}"
+    if daemon.metrics_port:
+        metrics_host = daemon.settings.server.metrics_listen.rpartition(":")[0] or "127.0.0.1"
+        line += f", metrics on http://{metrics_host}:{daemon.metrics_port}/metrics"
+    if terminal:
+        hint = "" if target == "127.0.0.1:50051" else f" --target {target}"
+        line += (f"\n  try: echo hello | strata kv put demo k1{hint} && strata kv get demo k1{hint} && "
+                 f"strata stats{hint}\n  stop: Ctrl-C (then strata clean removes the arena it kept in shared memory)")
+    return line
+
+
 def serve(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; returns the process exit status."""
     daemon = Daemon(settings).start()
+    print(ready_line(daemon, terminal=sys.stdout.isatty()), flush=True)
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
