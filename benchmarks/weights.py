@@ -329,11 +329,11 @@ class Nodes:
 def peer_read_rate(address: str, manifest) -> float:
     """Seconds for one reader to get every chunk from one node's ReadChunk, 4 at once (a swarm member's
     per-peer concurrency)."""
-    from weightcache.peers import PeerSource
+    from weightcache.peers import PeerChunkSource
     from weightcache.sources import ChunkRef
 
     async def go():
-        peer = PeerSource(address, manifest.digest, concurrency=4)
+        peer = PeerChunkSource(address, manifest.digest, concurrency=4)
         refs = [ChunkRef.of(manifest, f, c) for f, e in enumerate(manifest.files) for c in range(len(e.chunks))]
         gate = asyncio.Semaphore(4)
 

@@ -70,7 +70,7 @@ DEFINED_ELSEWHERE: Mapping[str, str] = {
     "InvalidHashInput": "kvstore.index.keys",
     "ChainTooLong": "kvstore.index.keys",
     "MalformedEvent": "kvstore.index.event_format",
-    "FrameError": "kvstore.transport.samehost.frames",
+    "FrameError": "kvstore.wire.frames",
     "ArenaMismatch": "kvstore.shm.arena",
     "TableMismatch": "kvstore.shm.table",
     "DaemonError": "kvstore.server.endpoints",

@@ -10,8 +10,10 @@ from a Prefetch of an S3 location, whose origin here is a closed port), the
 node must answer Status and serve a verified chunk after each one, and the
 model it held before the run must read back unchanged, chunk by chunk.
 
-What the fuzz found is kept at the end of this module as strict xfail tests;
-the fuzz tolerates exactly those answers (:data:`KNOWN`) and no others.
+What the fuzz found is kept at the end of this module as regression tests
+(gRPC's own INTERNAL for bytes that are not a request; RESOURCE_EXHAUSTED for
+an error that quoted a long field back into the answer's metadata; UNKNOWN for
+a path component over 255 bytes).
 
 Bounded for CI: a fixed number of examples per method, derandomized, no
 example database. ``STRATA_FUZZ_EXAMPLES=2000`` runs longer locally (and
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import string
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,8 @@ from hypothesis import strategies as st
 
 import weightcache
 from conftest import free_port, wait_until
+from kvstore.errors import InvalidArgument
+from kvstore.rpc.status import from_rpc_error, to_status
 from raw_frames import MEANINGFUL, weighted
 from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.fetch import FetchLimits
@@ -168,24 +173,6 @@ METADATA = st.lists(st.one_of(
 # Statuses that say what happened (tests/raw_frames.py); a Prefetch of an S3 location may also
 # find its origin UNAVAILABLE (the fixture's S3 endpoint is a closed port).
 EXPECTED = MEANINGFUL | {grpc.StatusCode.OK}
-# Answers the fuzz found to be defects, each kept by a strict xfail test at the end of this module:
-# (code, how the details begin, the test). Tolerated in the fuzz only.
-KNOWN = [
-    # gRPC's own answer to bytes that are not the method's message (raw bytes only).
-    (grpc.StatusCode.INTERNAL, "Exception deserializing request!", "test_bytes_that_are_not_a_request_are_invalid_argument"),
-    # An error that quotes a long field back is too big for the answer's metadata.
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "received metadata size exceeds",
-     "test_a_long_digest_or_location_is_invalid_argument"),
-    # A location with a path component over 255 bytes.
-    (grpc.StatusCode.UNKNOWN, "Exception calling application: [Errno 36] File name too long",
-     "test_a_location_with_a_long_path_component_is_invalid_argument"),
-]
-
-
-def _known(err: grpc.RpcError) -> str | None:
-    return next((test for code, start, test in KNOWN if err.code() == code and err.details().startswith(start)), None)
-
-
 def _stub_call(channel, method: str, request, *, raw: bool = False, metadata=(), timeout: float = 20):
     ser = None if raw else (lambda m: m.SerializeToString())
     output = getattr(pb, SERVICE.methods_by_name[method].output_type.name)
@@ -201,8 +188,7 @@ def _check(node: Node, method: str, request, *, raw: bool = False, metadata=()) 
         allowed = set(EXPECTED)
         if method == "Prefetch" and (raw or request.location.startswith("s3:")):
             allowed.add(grpc.StatusCode.UNAVAILABLE)
-        if _known(err) is None:
-            assert err.code() in allowed, f"{method}: {err.code()} {err.details()!r:.300} for {request!r:.300}"
+        assert err.code() in allowed, f"{method}: {err.code()} {err.details()!r:.300} for {request!r:.300}"
     _alive(node)
 
 
@@ -258,39 +244,61 @@ def test_every_chunk_of_the_model_and_none_past_it(node):
 # ---- what the fuzz found, as explicit cases ------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "weightcache/service.py:133-137 serves WeightService on a plain grpc.server: bytes that are not the "
-    "method's message get gRPC's own INTERNAL 'Exception deserializing request!', where the KV daemon answers "
-    "INVALID_ARGUMENT (kvstore/server/admission.py's tolerant deserializer): bad input reads as a node fault"))
 @pytest.mark.parametrize("method", [m.name for m in METHODS])
 def test_bytes_that_are_not_a_request_are_invalid_argument(node, method):
+    """gRPC's own answer is INTERNAL 'Exception deserializing request!'; the node's, as the KV daemon's
+    (kvstore.rpc.decoding), is INVALID_ARGUMENT naming the message it expected."""
     with pytest.raises(grpc.RpcError) as info:
         _stub_call(node.channel, method, b"\x00", raw=True)  # field number 0: never a valid message
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())
+    expected = SERVICE.methods_by_name[method].input_type.full_name
+    assert f"{method}: the request is not a valid {expected}" in info.value.details()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "weightcache/catalog.py:43 (check_digest) and weightcache/origin/local.py:53 quote the whole field in "
-    "their message, and kvstore/rpc/status.py:93 sends the message twice (grpc-message and the status "
-    "details): past gRPC's 16 KiB metadata limit the client gets RESOURCE_EXHAUSTED 'received metadata size "
-    "exceeds hard limit' (retry later) for bad input; past 8 KiB, at random (the soft limit)"))
-@pytest.mark.parametrize(("method", "request_"), [
-    ("Status", pb.StatusRequest(digest="x" * 20_000)),
-    ("ReadChunk", pb.ReadChunkRequest(digest="0" * 20_000)),
-    ("Prefetch", pb.PrefetchRequest(location="/x" * 10_000)),
+@pytest.mark.parametrize(("method", "request_", "says"), [
+    ("Status", pb.StatusRequest(digest="x" * 20_000), "64 lowercase hex characters"),
+    ("ReadChunk", pb.ReadChunkRequest(digest="0" * 20_000), "64 lowercase hex characters"),
+    ("Prefetch", pb.PrefetchRequest(location="/x" * 10_000), "4096-byte limit"),
 ], ids=["status-digest", "readchunk-digest", "prefetch-location"])
-def test_a_long_digest_or_location_is_invalid_argument(node, method, request_):
+def test_a_long_digest_or_location_is_invalid_argument(node, method, request_, says):
+    """Quoted whole, the field made the answer's metadata too big (RESOURCE_EXHAUSTED 'received metadata
+    size exceeds hard limit'): the message quotes its head and its length, and says what to give."""
     with pytest.raises(grpc.RpcError) as info:
         _stub_call(node.channel, method, request_)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details()[:120])
+    details = info.value.details()
+    assert "… (20000 chars)" in details and says in details and len(details) < 400, details
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "weightcache/origin/local.py:52 asks Path.is_dir() of the location, which raises OSError (ENAMETOOLONG) "
-    "for a path component over 255 bytes; nothing maps it (weightcache/service.py:98-110 maps Strata errors "
-    "only), so Prefetch answers UNKNOWN 'Exception calling application' for bad input"))
+@pytest.mark.parametrize("message", ["x" * 70_000, "é" * 20_000, "\x00\n%" * 10_000], ids=["ascii", "utf-8", "escaped"])
+def test_no_error_message_overflows_the_answers_metadata(message):
+    """The other half of the fix: kvstore/rpc/status.py carries a message twice in the trailers, so it
+    carries at most MAX_MESSAGE_BYTES of it. An error that quotes a long input whole (here, every byte
+    percent-encoded at worst) still reaches the client as its own class, its message cut and marked."""
+    def fail(request, context):
+        context.abort_with_status(to_status(InvalidArgument(message)))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "strata.test.v1.Bound", {"Fail": grpc.unary_unary_rpc_method_handler(fail)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/strata.test.v1.Bound/Fail")(b"", timeout=10)
+    finally:
+        server.stop(0).wait()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details()[:120])
+    err = from_rpc_error(info.value)
+    assert type(err) is InvalidArgument
+    assert str(err).startswith(message[:100]) and str(err).endswith(f"(cut: {len(message.encode())} bytes in all)")
+
+
 @pytest.mark.parametrize("location", ["/" + "a" * 300, "a" * 300 + "/model", "é" * 200])
 def test_a_location_with_a_long_path_component_is_invalid_argument(node, location):
+    """Path.is_dir() raises ENAMETOOLONG for a path component over 255 bytes: once UNKNOWN 'Exception
+    calling application', now the limit in an INVALID_ARGUMENT."""
     with pytest.raises(grpc.RpcError) as info:
         _stub_call(node.channel, "Prefetch", pb.PrefetchRequest(location=location))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details()[:120])
+    assert "over the 255-byte limit on a file or folder name" in info.value.details()

@@ -23,7 +23,7 @@ from weightcache.access import server_credentials
 from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
 from weightcache.fetch import FetchLimits
-from weightcache.peers import CHANNEL_OPTIONS, PeerSource
+from weightcache.peers import CHANNEL_OPTIONS, PeerChunkSource
 from weightcache.prefetch import Prefetcher
 from weightcache.service import serve
 from weights_models import layered_tensors, write_numpy_model
@@ -132,10 +132,10 @@ def test_a_peer_reads_chunks_with_a_token_and_falls_back_to_the_origin_without(t
     wait_until(lambda: prefetcher.status(m.digest).state == "complete", what="the authed node warm")
     token = ChannelSecurity.build(token=READER)
     with weightcache.open_model(folder, m.digest, cache_dir=tmp_path / "with", limits=FAST, include="*",
-                                sources=[PeerSource(address, m.digest, security=token)]) as r:
+                                sources=[PeerChunkSource(address, m.digest, security=token)]) as r:
         assert dict(r.wait().fetched_bytes) == {"peer": m.total_bytes}
     with weightcache.open_model(folder, m.digest, cache_dir=tmp_path / "without", limits=FAST, include="*",
-                                sources=[PeerSource(address, m.digest)]) as r:
+                                sources=[PeerChunkSource(address, m.digest)]) as r:
         stats = r.wait()
         assert dict(stats.fetched_bytes) == {"origin": m.total_bytes} and stats.unavailable > 0
 

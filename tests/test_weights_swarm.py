@@ -163,7 +163,7 @@ def test_a_peer_read_waits_past_one_poll_for_a_chunk_its_owner_is_still_fetching
     import asyncio
     import time
 
-    from weightcache.peers import POLL_S, PeerSource
+    from weightcache.peers import POLL_S, PeerChunkSource
     from weightcache.sources import ChunkRef
 
     url, m, t, _ = published
@@ -178,7 +178,7 @@ def test_a_peer_read_waits_past_one_poll_for_a_chunk_its_owner_is_still_fetching
 
     def read():
         async def go():
-            source = PeerSource(f"127.0.0.1:{port}", m.digest, wait_s=60)
+            source = PeerChunkSource(f"127.0.0.1:{port}", m.digest, wait_s=60)
             try:
                 view = await source.read(ref, memoryview(bytearray(ref.length)))
                 got["data"] = None if view is None else bytes(view)

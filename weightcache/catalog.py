@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from weightcache.errors import ManifestError, NotPublished
+from weightcache.errors import ManifestError, NotPublished, quoted
 from weightcache.manifest import MAX_MANIFEST_BYTES, Manifest
 from weightcache.origin.base import CATALOG_DIR, Origin
 
@@ -40,7 +40,8 @@ def manifest_path(digest: str) -> str:
 
 def check_digest(digest: str) -> str:
     if not isinstance(digest, str) or not _DIGEST.match(digest):
-        raise ManifestError(f"manifest digest {digest!r} must be 64 lowercase hex characters (what publish printed)")
+        raise ManifestError(
+            f"manifest digest {quoted(digest)} must be 64 lowercase hex characters (what publish printed)")
     return digest
 
 

@@ -28,6 +28,10 @@ names the file, the chunk or the tensor, and what to do.
 ``DiskFull`` is kvstore's own class: a full disk is a full disk, whichever
 package found it. A class here is defined here and nowhere else; the test
 ``tests/test_weights_errors.py`` checks this docstring against the classes.
+
+A message quotes bad input through :func:`quoted`: a digest or a location
+comes from the caller and may be any length, and a message as long as its
+input is no help to a reader and too big for a gRPC status's metadata.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ __all__ = [
     "OriginThrottled",
     "OriginUnavailable",
 ]
+
+QUOTED_CHARS = 64  # of a bad input an error message quotes; the rest is counted
 
 
 class HeaderError(InvalidArgument):
@@ -76,3 +82,13 @@ class OriginThrottled(ResourceExhausted):
 
 class OriginUnavailable(TierUnavailable):
     pass
+
+
+def quoted(value: object, limit: int = QUOTED_CHARS) -> str:
+    """``value`` as an error message quotes it: its repr, or when that is longer than ``limit``
+    characters, the head of it and its length (``'xxxx…' (20000 chars)``)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    head = repr(text[:limit]) if isinstance(value, str) else text[:limit]
+    return f"{head}… ({len(text)} chars)"

@@ -2,7 +2,8 @@
 
 The servicer only translates proto ↔ :class:`~weightcache.prefetch.Prefetcher`
 calls; Strata errors become statuses in one place (:mod:`kvstore.rpc.status`),
-so an init container sees INVALID_ARGUMENT for a bad digest or location,
+so an init container sees INVALID_ARGUMENT for a bad digest or location
+(and for bytes that are not the method's message: :mod:`kvstore.rpc.decoding`),
 UNAVAILABLE for an origin it cannot reach, RESOURCE_EXHAUSTED (with a delay)
 for a node at its bounds.
 
@@ -35,6 +36,7 @@ from concurrent import futures
 import grpc
 
 from kvstore.errors import StrataError
+from kvstore.rpc.decoding import DecodingInterceptor
 from kvstore.rpc.status import to_status
 from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
@@ -129,7 +131,11 @@ def serve(prefetcher: Prefetcher, address: str, *, max_workers: int | None = Non
             "and uploading chunk reads may hold: give more workers, or lower max_waiting / max_uploads"
         )
     check_exposure(address, authority, insecure)
-    interceptors = [WeightsAuthInterceptor(authority)] if authority is not None and authority.required else []
+    interceptors: list[grpc.ServerInterceptor] = []
+    if authority is not None and authority.required:
+        interceptors.append(WeightsAuthInterceptor(authority))
+    # Last, so innermost: a caller's credentials are checked before its request's bytes are judged.
+    interceptors.append(DecodingInterceptor())
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weights-rpc"),
         options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_workers * 4, interceptors=interceptors,

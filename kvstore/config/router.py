@@ -155,6 +155,16 @@ class RouterSettings(Section):
         "trickling a byte at a time cannot stretch it); a body still arriving holds no --max-in-flight slot",
         gt=0, le=3600,
     )
+    header_timeout_seconds: float = setting(
+        10.0, "time a client has from opening a connection to the end of its first request's headers; beyond: "
+        "the connection is closed, unanswered (a client that connects and sends nothing, or half its headers, "
+        "holds no descriptor longer). Later requests on a kept-alive connection: --keepalive-timeout-seconds",
+        gt=0, le=3600,
+    )
+    keepalive_timeout_seconds: float = setting(
+        75.0, "a kept-alive connection is closed when its next request's headers are not whole this long after "
+        "its last response (an idle one, and one mid-headers)", gt=0, le=86400,
+    )
     max_body_reads: int = setting(
         256, "requests whose body is still arriving, at once (a body that came whole with its headers does not "
         "count); they wait apart from --max-in-flight, so slow uploads never hold the slots of requests already "
@@ -223,6 +233,10 @@ class RouterSettings(Section):
             if missing:
                 raise ValueError(f"policy cache-aware needs {', '.join(missing)} (or pick --policy least-loaded; "
                                  "--tier-namespace may stand in for --namespace)")
+        if self.header_timeout_seconds > self.keepalive_timeout_seconds:
+            raise ValueError(f"header_timeout_seconds {self.header_timeout_seconds:g} is over "
+                             f"keepalive_timeout_seconds {self.keepalive_timeout_seconds:g}, whose timer runs from a "
+                             "connection's opening too: lower the one or raise the other")
         if self.model_dir and not Path(self.model_dir).is_dir():
             raise ValueError(f"model_dir {self.model_dir} is not a directory: give the model's local directory")
         return self

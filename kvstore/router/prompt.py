@@ -20,6 +20,13 @@ and drops ``chat_template`` and ``tokenize`` from ``chat_template_kwargs``
 prompt as the model's template renders it: for an engine that does trust
 the request's template that is a misestimate of the prefix, never an error.
 
+A string may hold a lone surrogate (JSON ``"\ud800"``, which ``json.loads``
+accepts) that no tokenizer can encode (it raised TypeError, a 500), nor
+UTF-8 (a cache salt's, in the block hash). The router scores such a request
+with U+FFFD in its place (:func:`encodable`), the character a UTF-8 decoder
+puts where a byte sequence is broken: the prefix before it scores as it is,
+and the request goes to the engine as it came, whose answer is the client's.
+
 The tokenizer is loaded from a local directory only (``local_files_only``),
 never from a hub, and tokenizing runs in a worker thread: a long prompt
 would otherwise stall every other request on the event loop.
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,12 @@ log = logging.getLogger(__name__)
 # chat_template_kwargs never passed on to apply_chat_template: a client's template code, and a flag that
 # would make it return token ids where the router asks for text (vLLM drops the same two).
 IGNORED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads makes an escaped pair one character: any left is lone
+
+
+def encodable(text: str) -> str:
+    """``text`` with U+FFFD for each lone surrogate: what a tokenizer, and UTF-8, can take."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 # Tokenizer classes whose whole behaviour is tokenizer.json's: loaded as that class directly, the one
@@ -65,7 +79,7 @@ def load_tokenizer(model_dir: str | Path):
         else:
             from transformers import AutoTokenizer as loader
     except ImportError:
-        raise RuntimeError("the cache-aware router needs transformers: pip install 'strata[router]'") from None
+        raise RuntimeError("the cache-aware router needs transformers: pip install 'strata-kvcache[router]'") from None
     try:
         return loader.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as err:
@@ -123,7 +137,7 @@ class PromptTokenizer:
         return await asyncio.to_thread(self._chat, chat_messages(body), body)
 
     def _encode(self, text: str, special: bool) -> list[int]:
-        return list(self._tokenizer(text, add_special_tokens=special)["input_ids"][: self._max])
+        return list(self._tokenizer(encodable(text), add_special_tokens=special)["input_ids"][: self._max])
 
     def _chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> list[int]:
         kwargs = body.get("chat_template_kwargs")

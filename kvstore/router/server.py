@@ -5,7 +5,10 @@
     GET  /health                                 200 while some endpoint is in rotation, else 503
     GET  /metrics                                the router's own Prometheus metrics
 
-A request's way: its body read up to ``max_body_bytes`` (413) within
+A request's way: its headers whole within ``header_timeout_seconds`` of the
+connection's opening, or the connection closed (:mod:`kvstore.router.headers`;
+a kept-alive connection's next request, within ``keepalive_timeout_seconds``
+of its last response); its body read up to ``max_body_bytes`` (413) within
 ``body_timeout_seconds`` (408), among at most ``max_body_reads`` bodies
 arriving at once (429; :mod:`kvstore.router.body` says why the body is read
 before admission); admission (at most ``max_in_flight`` outstanding, beyond
@@ -44,10 +47,11 @@ from kvstore.router.endpoint import Endpoint
 from kvstore.router.errors import (
     BadRequest, MethodNotAllowed, NoEndpoint, NotFound, RequestRefused, TooManyRequests, UpstreamUnreachable,
 )
+from kvstore.router.headers import HeaderDeadline
 from kvstore.router.health import HealthChecker
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.policy import CacheAware, Decision, PromptSize, make_policy
-from kvstore.router.prompt import PromptTokenizer, chat_messages, completion_prompt
+from kvstore.router.prompt import PromptTokenizer, chat_messages, completion_prompt, encodable
 from kvstore.router.proxy import EndpointRefused, Upstream
 from kvstore.router.scorer import PrefixScorer
 from kvstore.router.ttft import Ticket, TtftFit
@@ -87,6 +91,8 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._scorer: PrefixScorer | None = None
         self._health_task: asyncio.Task | None = None
+        self._headers = HeaderDeadline(settings.header_timeout_seconds)
+        self._headers_task: asyncio.Task | None = None
         self.health: HealthChecker | None = None
         self.port = 0
         for e in self.endpoints:
@@ -121,14 +127,17 @@ class Router:
         self._health_task = asyncio.create_task(self.health.run(), name="strata-router-health")
         self._bodies = BodyReader(self.metrics, max_bytes=int(s.max_body_bytes), timeout_s=s.body_timeout_seconds,
                                   max_reads=s.max_body_reads, retry_after_s=s.retry_after_seconds)
-        app = web.Application(client_max_size=int(s.max_body_bytes) + 1, middlewares=[self._unrouted])
+        app = web.Application(client_max_size=int(s.max_body_bytes) + 1,
+                              middlewares=[self._headers.middleware, self._unrouted])
         for path, api in APIS.items():
             app.router.add_post(path, functools.partial(self._route, api))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=s.keepalive_timeout_seconds)
         await self._runner.setup()
+        self._headers_task = asyncio.create_task(self._headers.run(self._runner.server), name="strata-router-headers")
         site = web.TCPSite(self._runner, s.listen_host, s.listen_port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
@@ -137,9 +146,10 @@ class Router:
         return self
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        for task in (self._health_task, self._headers_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -213,7 +223,7 @@ class Router:
         tokens = await self._tokenizer.tokens(api, body)
         # Hashing is a SHA-256 per block: a long prompt's chain is hashed off the event loop.
         lora = body.get("model") if body.get("model") in self._lora_adapters else None
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = encodable(body["cache_salt"]) if isinstance(body.get("cache_salt"), str) else None
         hash_keys = functools.partial(self._scorer.keys, tokens, lora_name=lora, cache_salt=salt)
         keys = hash_keys() if len(tokens) <= OFF_LOOP_TOKENS else await asyncio.to_thread(hash_keys)
         prompt = PromptSize(len(tokens), len(keys) * self.settings.block_size)

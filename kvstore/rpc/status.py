@@ -9,6 +9,16 @@ device UNAVAILABLE. The exact error class travels as ``google.rpc.ErrorInfo``
 (domain ``strata``) so a client re-raises the same class the server raised,
 wherever in the tree it is defined (``errors.DEFINED_ELSEWHERE``); a name it
 does not know falls back to the class its status code stands for.
+
+The message travels twice, both times in the answer's trailing metadata:
+as ``grpc-message`` (percent-encoded, up to three bytes per byte) and inside
+``grpc-status-details-bin`` (base64, four bytes per three). A client refuses
+trailers past its metadata limit (8 KiB soft, 16 KiB hard by default) with
+RESOURCE_EXHAUSTED, which would read as "retry later" for what may be bad
+input. So a status carries at most :data:`MAX_MESSAGE_BYTES` of the message
+(the rest is cut, and the cut says so): at worst 3 KiB + 1.4 KiB of
+metadata. Errors quote bad input briefly in the first place; this is the
+bound for any that does not.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from grpc_status import rpc_status
 from kvstore import errors
 
 DOMAIN = "strata"
+MAX_MESSAGE_BYTES = 1024  # of an error's message (UTF-8) a status carries
 
 _CODES: list[tuple[type[errors.StrataError], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -90,8 +101,19 @@ def to_status(err: errors.StrataError) -> grpc.Status:
         delay.FromMilliseconds(max(1, int(err.retry_after_s * 1000)))
         retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         details.append(retry)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(err), details=details)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=bounded(str(err)), details=details)
     return rpc_status.to_status(status)
+
+
+def bounded(message: str) -> str:
+    """``message`` as a status carries it: valid UTF-8 (a lone surrogate becomes "?"), at most
+    :data:`MAX_MESSAGE_BYTES` bytes, the cut marked with the length of the whole."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return data.decode("utf-8")
+    marker = f"… (cut: {len(data)} bytes in all)"
+    head = data[: MAX_MESSAGE_BYTES - len(marker.encode())].decode("utf-8", "ignore")  # "ignore": a split character
+    return head + marker
 
 
 def from_rpc_error(err: grpc.RpcError) -> errors.StrataError:

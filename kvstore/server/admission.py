@@ -11,8 +11,9 @@ answer its probes.
 
 A request whose bytes are not the method's message is bad input, not a
 server fault: gRPC's own answer for a request it cannot deserialize is
-INTERNAL, so the interceptor gives each method a deserializer that hands
-the failure to the handler, which answers INVALID_ARGUMENT.
+INTERNAL, so the interceptor gives each method a tolerant deserializer
+(:mod:`kvstore.rpc.decoding`) that hands the failure to the handler, which
+answers INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import threading
 import time
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, StrataError
+from kvstore.errors import DeadlineExceeded, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
+from kvstore.rpc.decoding import checked, tolerant
 from kvstore.rpc.status import code_for, to_status
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
             return handler
         op = method.rsplit("/", 1)[-1]
         if handler.request_deserializer is not None:
-            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
+            handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
         if handler.unary_unary:
             return handler._replace(unary_unary=self._unary(handler.unary_unary, op))
         if handler.stream_unary:
@@ -92,7 +93,7 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
             self._admit(context, op)
             start = time.perf_counter()
             try:
-                return behavior(_checked(request, op), context)
+                return behavior(checked(request, op), context)
             except Exception as err:
                 if _is_abort(err, context):
                     raise
@@ -110,7 +111,7 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
             self._admit(context, op)
             start = time.perf_counter()
             try:
-                yield from behavior(_checked(request, op), context)
+                yield from behavior(checked(request, op), context)
             except Exception as err:
                 if _is_abort(err, context):
                     raise
@@ -122,45 +123,6 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
                 self._done(op, start)
 
         return guarded
-
-
-class _Undecodable:
-    """What a tolerant deserializer returns for bytes that are not the method's message."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: DecodeError) -> None:
-        self.error = error
-
-
-def _tolerant(deserialize):
-    def parse(data: bytes):
-        try:
-            return deserialize(data)
-        except DecodeError as err:
-            return _Undecodable(err)
-
-    return parse
-
-
-def _refuse(op: str, bad: _Undecodable) -> InvalidArgument:
-    return InvalidArgument(f"{op}: the request is not a valid protobuf message ({bad.error}): check the client's proto")
-
-
-def _checked(request, op: str):
-    """The request, or InvalidArgument when it did not decode; a stream of requests is checked as it is read."""
-    if isinstance(request, _Undecodable):
-        raise _refuse(op, request)
-    if hasattr(request, "__next__"):
-        return _checked_stream(request, op)
-    return request
-
-
-def _checked_stream(requests, op: str):
-    for request in requests:
-        if isinstance(request, _Undecodable):
-            raise _refuse(op, request)
-        yield request
 
 
 def _client_gone(err: Exception, context: grpc.ServicerContext) -> bool:

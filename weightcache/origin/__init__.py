@@ -12,6 +12,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidArgument
+from weightcache.errors import quoted
 from weightcache.origin.base import CATALOG_DIR, Origin
 from weightcache.origin.s3 import S3Options
 
@@ -41,7 +42,7 @@ def open_origin(location: str, *, revision: str | None = None, s3: S3Options | N
         factory = ORIGINS[scheme]
     except KeyError:
         raise InvalidArgument(
-            f"model location {location!r}: unknown scheme {scheme!r}; use a path, or one of "
+            f"model location {quoted(location)}: unknown scheme {quoted(scheme)}; use a path, or one of "
             + ", ".join(f"{s}://" for s in ORIGINS if s)
         ) from None
     return factory(str(location), revision, s3)

@@ -26,11 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstore.errors import DiskFull, InvalidArgument
-from weightcache.errors import ManifestError, ManifestMismatch, OriginUnavailable
+from weightcache.errors import ManifestError, ManifestMismatch, OriginUnavailable, quoted
 from weightcache.origin.base import CATALOG_DIR, Origin
 
 MAX_OPEN_FILES = 256
 READ_THREADS = 16
+NAME_MAX = 255  # bytes of one path component (Linux's NAME_MAX, and most filesystems')
+PATH_MAX = 4096  # bytes of a whole path (Linux's PATH_MAX)
 
 
 class LocalOrigin(Origin):
@@ -48,9 +50,18 @@ class LocalOrigin(Origin):
 
     @classmethod
     def open(cls, path: str | os.PathLike, revision: str | None = None) -> LocalOrigin:
-        p = Path(path).expanduser()
+        try:
+            return cls._open(Path(path).expanduser(), revision)
+        except OSError as err:  # a stat, a ref's read or a listing refused: not a path this host can use
+            raise InvalidArgument(_unusable(str(path), err)) from None
+        except RuntimeError:  # expanduser: "~name" of no user here
+            raise InvalidArgument(f"model location {quoted(str(path))} names the home of a user this host does "
+                                  "not know: give the path itself") from None
+
+    @classmethod
+    def _open(cls, p: Path, revision: str | None) -> LocalOrigin:
         if not p.is_dir():
-            raise InvalidArgument(f"model location {p} is not a directory")
+            raise InvalidArgument(f"model location {quoted(str(p))} is not a directory")
         if (p / "snapshots").is_dir():  # a Hugging Face repo folder
             rev = revision or "main"
             ref = p / "refs" / rev
@@ -58,11 +69,12 @@ class LocalOrigin(Origin):
             snapshot = p / "snapshots" / commit
             if not snapshot.is_dir():
                 known = sorted(x.name for x in (p / "snapshots").iterdir())
-                raise InvalidArgument(f"{p}: no snapshot for revision {rev!r}; snapshots here: {', '.join(known) or 'none'}")
+                raise InvalidArgument(
+                    f"{p}: no snapshot for revision {quoted(rev)}; snapshots here: {', '.join(known) or 'none'}")
             return cls(snapshot, p, commit)
         if p.parent.name == "snapshots":  # a snapshot folder of one
             if revision not in (None, p.name):
-                raise InvalidArgument(f"{p} is the snapshot of revision {p.name}, not {revision!r}")
+                raise InvalidArgument(f"{p} is the snapshot of revision {p.name}, not {quoted(revision)}")
             return cls(p, p.parent.parent, p.name)
         return cls(p, p, revision or p.name)
 
@@ -184,3 +196,17 @@ class LocalOrigin(Origin):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _unusable(location: str, err: OSError) -> str:
+    """Why the OS refused ``location`` (or a path under it: a revision's ref) as a path, and what a usable one is."""
+    where = f"model location {quoted(location)}"
+    if err.errno == errno.ENAMETOOLONG:
+        path = os.fsencode(err.filename if err.filename is not None else location)
+        longest = max(path.split(b"/"), key=len)
+        if len(longest) > NAME_MAX:
+            return (f"{where}: a path component of {len(longest)} bytes is over the {NAME_MAX}-byte limit on a file "
+                    "or folder name: give the model's directory (and a revision that is a branch or a commit)")
+        return (f"{where}: a path of {len(path)} bytes is over this host's {PATH_MAX}-byte limit: give the model's "
+                "directory")
+    return f"{where} cannot be used here: {err.strerror}: give a directory this node can read"
