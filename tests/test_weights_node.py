@@ -105,6 +105,47 @@ def test_wait_for_a_digest_the_node_rejects_fails_at_once(node):
     assert "digest" in done.stderr and "longer --deadline" not in done.stderr
 
 
+def test_prefetches_stuck_on_an_origin_that_does_not_answer_hold_at_most_their_share_of_the_workers(
+        tmp_path, monkeypatch):
+    """A Prefetch resolves its manifest before it answers; an origin that never answers would hold its
+    worker for all its retries. Beyond max_resolving such calls the next is refused at once with a retry
+    delay, and Status keeps answering. The origin here is a stand-in that blocks until released."""
+    import threading
+
+    import weightcache.reader
+
+    release, entered = threading.Event(), threading.Semaphore(0)
+
+    def unreachable_origin(*_args, **_kw):
+        entered.release()
+        release.wait(30)
+        raise weightcache.errors.OriginUnavailable("the origin did not answer")
+
+    monkeypatch.setattr(weightcache.reader, "open_model", unreachable_origin)
+    prefetcher = Prefetcher(tmp_path / "node", limits=FAST, max_resolving=2)
+    server, port = serve(prefetcher, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.WeightServiceStub(channel)
+    stuck = [stub.Prefetch.future(pb.PrefetchRequest(location="s3://nowhere/m/r"), timeout=60) for _ in range(2)]
+    try:
+        for _ in stuck:
+            assert entered.acquire(timeout=30), "the stuck prefetches never reached the origin"
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Prefetch(pb.PrefetchRequest(location="s3://nowhere/m/r"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "resolving their manifest" in refused.value.details()
+        assert stub.Status(pb.StatusRequest(digest="0" * 64), timeout=10).state == pb.PREFETCH_STATE_UNKNOWN
+    finally:
+        release.set()
+        for call in stuck:
+            with pytest.raises(grpc.RpcError):
+                call.result(timeout=30)
+        channel.close()
+        server.stop(0).wait()
+        prefetcher.close()
+    assert prefetcher._resolving.acquire(blocking=False), "a failed resolution kept its place"
+
+
 def test_bad_input_is_invalid_argument(node):
     _, _, stub, _ = node
     with pytest.raises(grpc.RpcError) as err:

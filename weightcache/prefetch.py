@@ -26,6 +26,13 @@ and starve Status and Prefetch (:func:`weightcache.service.serve` sizes
 its pool from these bounds). A wait that runs out while the chunk may still
 come answers "not yet" (:attr:`ChunkAnswer.pending`), not "not here".
 
+A Prefetch resolves its manifest at the origin before it returns (the
+digest it answers), which holds the gRPC worker for as long as the origin
+takes, all its retries included when the origin is unreachable. At most
+``max_resolving`` resolutions run at once; one more is refused at once
+(RESOURCE_EXHAUSTED with a retry delay), so Prefetch calls to an origin that
+does not answer can never take every worker either.
+
 The serving handles (one per model, for status and peer reads) are opened
 unpinned (:meth:`NodeCache.open`): a model this node only serves is idle
 in the cache and may be evicted for the next prefetch; a read takes the
@@ -86,9 +93,10 @@ class _Job:
 class Prefetcher:
     def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
                  s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
-                 max_uploads: int = 8, max_waiting: int = 32, join_wait_s: float = 5.0, ram=None) -> None:
-        if not (1 <= max_jobs <= 1024 and 1 <= max_uploads <= 1024 and 1 <= max_waiting <= 1024):
-            raise ValueError("max_jobs, max_uploads and max_waiting must be 1..1024")
+                 max_uploads: int = 8, max_waiting: int = 32, join_wait_s: float = 5.0, ram=None,
+                 max_resolving: int = 4) -> None:
+        if not all(1 <= n <= 1024 for n in (max_jobs, max_uploads, max_waiting, max_resolving)):
+            raise ValueError("max_jobs, max_uploads, max_waiting and max_resolving must be 1..1024")
         if not 0 <= join_wait_s <= MAX_WAIT_S:
             raise ValueError(f"join_wait_s must be 0..{MAX_WAIT_S:g}")
         self.join_wait_s = join_wait_s
@@ -104,6 +112,8 @@ class Prefetcher:
         self.max_jobs = max_jobs
         self.max_uploads = max_uploads
         self.max_waiting = max_waiting
+        self.max_resolving = max_resolving
+        self._resolving = threading.BoundedSemaphore(max_resolving)
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._uploads = threading.BoundedSemaphore(max_uploads)
@@ -130,9 +140,17 @@ class Prefetcher:
                 raise ResourceExhausted(f"{live} prefetches are running (the most is {self.max_jobs}): wait for one",
                                         retry_after_s=5.0)
         route = self.swarm.route if self.swarm is not None else None
-        reader = open_model(location, digest or None, cache_dir=self.cache_dir, cache_bytes=self.cache_bytes,
-                            revision=revision or None, limits=self.limits, s3=self.s3, metrics=self.metrics,
-                            include="*", route=route, ram_dir=self.ram.root if self.ram is not None else None)
+        if not self._resolving.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"{self.max_resolving} prefetches are resolving their manifest at the origin now (the most at once): "
+                "retry after the delay; if it persists, check that the origin answers", retry_after_s=2.0,
+            )
+        try:
+            reader = open_model(location, digest or None, cache_dir=self.cache_dir, cache_bytes=self.cache_bytes,
+                                revision=revision or None, limits=self.limits, s3=self.s3, metrics=self.metrics,
+                                include="*", route=route, ram_dir=self.ram.root if self.ram is not None else None)
+        finally:
+            self._resolving.release()
         with self._lock:
             if self._holds(self._jobs.get(reader.digest), reader.model):
                 reader.close()

@@ -115,20 +115,21 @@ class _mapped:
 def serve(prefetcher: Prefetcher, address: str, *, max_workers: int | None = None, authority=None,
           credentials: grpc.ServerCredentials | None = None, insecure: bool = False) -> tuple[grpc.Server, int]:
     """A started server for the prefetcher on ``address`` (host:port; port 0 picks one); (server, port).
-    ``max_workers`` (default: the prefetcher's waiting and upload bounds, plus :data:`SPARE_WORKERS`)
+    ``max_workers`` (default: the prefetcher's waiting, upload and resolving bounds, plus :data:`SPARE_WORKERS`)
     must leave at least :data:`SPARE_WORKERS` beyond those bounds.
     ``authority`` (a :class:`kvstore.auth.Authority` that requires credentials) checks every call
     (:mod:`weightcache.access`); ``credentials`` serve TLS. Beyond loopback, no authority is refused
     unless ``insecure`` (protected mode, as the daemon's)."""
     from weightcache.access import WeightsAuthInterceptor, check_exposure
 
-    held = prefetcher.max_waiting + prefetcher.max_uploads
+    held = prefetcher.max_waiting + prefetcher.max_uploads + prefetcher.max_resolving
     if max_workers is None:
         max_workers = max(64, held + SPARE_WORKERS)
     if max_workers < held + SPARE_WORKERS:
         raise ValueError(
             f"max_workers {max_workers} leaves fewer than {SPARE_WORKERS} workers beyond the {held} that waiting "
-            "and uploading chunk reads may hold: give more workers, or lower max_waiting / max_uploads"
+            "and uploading chunk reads and manifest resolutions may hold: give more workers, or lower max_waiting, "
+            "max_uploads or max_resolving"
         )
     check_exposure(address, authority, insecure)
     interceptors: list[grpc.ServerInterceptor] = []
