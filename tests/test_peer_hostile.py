@@ -13,6 +13,7 @@ claimed before any Hello was checked.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -175,6 +176,37 @@ def test_one_peer_node_holds_at_most_its_share_of_the_connections_and_another_no
         ours[0].close()
         wait_until(lambda: d.peer_server.connections == 2, what="the closed connection to leave the share")
         _taken(stack.enter_context(_hello_from(port, "127.0.0.2")))
+
+
+def test_one_peer_node_holds_at_most_its_share_of_the_bytes_in_flight(make_daemon):
+    """Two reads from one node that stop reading mid-block hold its share of the peer budget (half): its
+    next read is refused by name, while another node's read of the same block is served."""
+    d = make_daemon(**{**BIG, "max_block_bytes": "8MiB", "peer_in_flight_bytes": "32MiB",
+                       "peer_connection_in_flight_bytes": "8MiB"})
+    data = os.urandom(8 * MiB)
+    put(d, "m", {b"big": data})
+    wait_until(lambda: d.peer_server.in_flight_bytes == 0, what="the put's bytes to leave the budget")
+    port = d.peer_server.port
+    read = wire.encode([wire.READ, 7, ["m", [b"big"], 10_000, True]])
+    with ExitStack() as stack:
+        for _ in range(2):  # each asks for the block and reads nothing of it: its send blocks, its bytes held
+            sock = _taken(stack.enter_context(_hello_from(port, "127.0.0.2")))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(read)
+        wait_until(lambda: d.peer_server.in_flight_bytes == 16 * MiB, what="the stalled reads to hold the share")
+        third = _taken(stack.enter_context(_hello_from(port, "127.0.0.2")))
+        third.sendall(read)
+        (rid, status, result), _ = wire.Wire(third).read_meta()
+        assert (rid, status, result[0]) == (7, wire.ERROR, "Overloaded"), result
+        assert "--peer-in-flight-bytes-per-node" in result[1] and result[2] > 0
+        other = _taken(stack.enter_context(_hello_from(port, "127.0.0.3")))
+        other.sendall(read)
+        link = wire.Wire(other)
+        (rid, status, head), size = link.read_meta()
+        assert (rid, status, size) == (7, wire.BLOCK, len(data))
+        got = bytearray(size)
+        link.read_into(memoryview(got))
+        assert got == data
 
 
 def test_the_hello_gate_closes_the_oldest_of_the_newcomers_address_first_then_the_oldest_of_all():

@@ -81,3 +81,21 @@ def test_the_lease_share_is_a_quarter_of_the_table_unless_set():
     limits = load_settings(environ={}, max_leases=1000).store.limits()
     assert limits["max_leases_per_owner"] == 250
     assert load_settings(environ={}, max_leases=1000, max_leases_per_identity=5000).store.limits()["max_leases_per_owner"] == 1000
+
+
+def test_a_byte_budget_share_bounds_each_holder_and_the_budget_bounds_them_all():
+    from kvstore.wire.budget import ByteBudget
+
+    budget = ByteBudget(100, "puts", "--put-budget-bytes", share_bytes=60, share_setting="--per-identity")
+    budget.take(50, "a")
+    with pytest.raises(Overloaded, match=r"a holds 50 bytes of puts, its share .* is 60 \(--per-identity\)") as info:
+        budget.take(20, "a")
+    assert info.value.retry_after_s > 0
+    budget.take(40, "b")
+    with pytest.raises(Overloaded, match="--put-budget-bytes"):
+        budget.take(20, "c")  # within c's share, beyond the budget
+    budget.take(10)  # no holder: the budget alone
+    budget.give(50, "a")
+    assert (budget.held_by("a"), budget.held_by("b"), budget.used_bytes) == (0, 40, 50)
+    budget.take(50, "a")  # its share is whole again, and the budget is full
+    assert budget.used_bytes == budget.capacity_bytes == 100

@@ -18,6 +18,7 @@ from kvstore import Client
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.block import checksum
+from kvstore.errors import Overloaded
 from kvstore.wire.unix import connect_unix
 from store_blocks import MiB, value
 from test_auth import policy_file  # noqa: F401  (a fixture)
@@ -136,6 +137,66 @@ def test_idle_streams_never_take_the_workers_of_unary_calls_nor_another_tenants_
         release.set()
     with Client(daemon.target, use_shm=False, token=TOKEN_A) as kv:  # every stream and share was given back
         assert all(kv.put("a", b"after-%d" % i, value(i, MiB)) for i in range(share + 1))
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_rpcs_in_flight(make_daemon, policy_file):
+    """Every call takes one of its identity's share of the admitted RPCs (a stream for as long as it
+    lasts): a tenant at its share is refused by name, another tenant's calls are answered."""
+    from test_auth import TOKEN_A, TOKEN_B, raw_stub
+
+    daemon = make_daemon(auth_file=str(policy_file), max_in_flight_per_identity=2, namespaces="a,b")
+    release = threading.Event()
+
+    def silent():
+        release.wait(60)
+        yield from ()
+
+    greedy, other = raw_stub(daemon.target, TOKEN_A), raw_stub(daemon.target, TOKEN_B)
+    held = [greedy.Put.future(silent(), timeout=60) for _ in range(2)]
+    try:
+        wait_until(lambda: daemon._watchdog.watched == 2, timeout=30, what="the greedy tenant's streams")
+        with pytest.raises(grpc.RpcError) as info:
+            greedy.Exists(pb.ExistsRequest(namespace="a", keys=[b"k"]), timeout=10)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-in-flight-per-identity" in info.value.details()
+        assert other.Exists(pb.ExistsRequest(namespace="b", keys=[b"k"]), timeout=10).prefix_blocks == 0
+    finally:
+        release.set()
+        for call in held:
+            call.result(timeout=30)
+    assert greedy.Exists(pb.ExistsRequest(namespace="a", keys=[b"k"]), timeout=10).prefix_blocks == 0
+
+
+def test_one_tenants_streamed_puts_hold_at_most_its_share_of_the_put_budget(make_daemon, policy_file):
+    """A Put holds its block's declared size from its header on: a tenant whose stalled Puts hold its
+    share is refused by name, while another tenant's puts are stored."""
+    from test_auth import TOKEN_A, TOKEN_B, raw_stub
+
+    daemon = make_daemon(auth_file=str(policy_file), put_budget_bytes="16MiB", max_block_bytes="4MiB",
+                         put_budget_bytes_per_identity="4MiB")
+    release, header_sent = threading.Event(), threading.Event()
+
+    def header_then_stall():
+        data = value(1, 4 * MiB)
+        yield pb.PutRequest(namespace="a", header=pb.BlockHeader(key=b"stall", size=len(data), checksum=checksum(data)))
+        header_sent.set()
+        release.wait(60)
+
+    greedy = raw_stub(daemon.target, TOKEN_A)
+    stalled = greedy.Put.future(header_then_stall(), timeout=60)
+    try:
+        assert header_sent.wait(30)
+        wait_until(lambda: daemon.put_budget.used_bytes == 4 * MiB, timeout=30, what="the stalled put's bytes to be held")
+        with Client(daemon.target, use_shm=False, token=TOKEN_A) as kv:
+            with pytest.raises(Overloaded, match="--put-budget-bytes-per-identity"):
+                kv.put("a", b"more", value(2, MiB))
+        with Client(daemon.target, use_shm=False, token=TOKEN_B) as kv:
+            assert kv.put("b", b"theirs", value(3, MiB))
+    finally:
+        release.set()
+        with pytest.raises(grpc.RpcError):
+            stalled.result(timeout=30)  # its stream ended without the block's bytes
+    assert daemon.put_budget.used_bytes == 0
 
 
 def test_without_authentication_streams_are_bounded_daemon_wide_only(make_daemon):

@@ -67,6 +67,7 @@ ANONYMOUS = Identity("anonymous", ALL, authenticated=False)
 class Caller:
     identity: Identity
     owner: str
+    share: str = ""  # whose share of a listener's limits the caller's calls count against (a peer node)
 
 
 _caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("strata_caller", default=None)

@@ -53,6 +53,11 @@ class PeerSettings(Section):
         ByteSize(1 << 30), "block bytes every peer connection together may have in flight (being sent or received) "
         "at once; beyond it the request is refused with RESOURCE_EXHAUSTED and a retry delay",
     )
+    in_flight_bytes_per_node: ByteSize = setting(
+        ByteSize(0), "block bytes one peer node (a peer token from one address) may have in flight at once, so no "
+        "node's transfers take the whole budget; 0: half of --peer-in-flight-bytes, or one request's limit "
+        "(--peer-connection-in-flight-bytes) when that is more",
+    )
     connection_in_flight_bytes: ByteSize = setting(
         ByteSize(512 << 20), "block bytes one peer request may carry (a read's blocks, a write's); a larger "
         "request is refused: split the batch",

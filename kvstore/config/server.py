@@ -57,6 +57,11 @@ class ServerSettings(Section):
         64, "RPCs served at once, at most workers - 2 (the two left answer health checks); more get "
         "RESOURCE_EXHAUSTED with a retry delay, never a queue", ge=1, le=1 << 16
     )
+    max_in_flight_per_identity: int = setting(
+        0, "RPCs one authenticated identity (a token, a certificate) may have in flight at once, so that no "
+        "tenant takes every admitted RPC; 0: half of them (a daemon without authentication: the limit alone)",
+        ge=0, le=1 << 16,
+    )
     max_streams: int = setting(
         0, "streamed RPCs (Put, Get) served at once, each holding a worker while its client sends or reads; "
         "more get RESOURCE_EXHAUSTED with a retry delay. 0: half of the admitted RPCs, so that idle streams "
@@ -71,6 +76,11 @@ class ServerSettings(Section):
         ByteSize(1 << 30),
         "memory streamed puts in flight may hold at once (each holds its block's declared size from its "
         "header on); beyond it RESOURCE_EXHAUSTED with a retry delay. At least max_block_bytes",
+    )
+    put_budget_bytes_per_identity: ByteSize = setting(
+        ByteSize(0), "of --put-budget-bytes, what one authenticated identity's streamed puts may hold at once, so "
+        "no tenant takes the whole budget; 0: half of it, or one block (--max-block-bytes) when that is more (a "
+        "daemon without authentication: the budget alone)",
     )
     stream_idle_seconds: float = setting(
         30.0, "end a streamed Put whose client sends nothing, or a Get whose client reads nothing, for this "
@@ -118,6 +128,12 @@ class ServerSettings(Section):
         """Streams served at once: --max-streams, by default half the admitted RPCs (at least one),
         never more than those."""
         return max(1, min(self.max_streams or self.admitted_rpcs // 2, self.admitted_rpcs))
+
+    @property
+    def calls_per_identity(self) -> int:
+        """RPCs in flight one authenticated identity may hold: --max-in-flight-per-identity, by default
+        half the admitted RPCs (at least one), never more than those."""
+        return max(1, min(self.max_in_flight_per_identity or self.admitted_rpcs // 2, self.admitted_rpcs))
 
     @property
     def streams_per_identity(self) -> int:

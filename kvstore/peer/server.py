@@ -138,7 +138,7 @@ class PeerServer:
     def __init__(self, store: StoreGroup, listen: str, *, authority: Authority | None = None,
                  metrics: StoreMetrics | None = None, max_connections: int = 64, idle_s: float = 120.0,
                  hello_s: float = HELLO_S, in_flight_bytes: int = 1 << 30, request_bytes: int = 512 << 20,
-                 served: ServedBytes | None = None, per_node: int = 0) -> None:
+                 served: ServedBytes | None = None, per_node: int = 0, per_node_bytes: int = 0) -> None:
         self._store = store
         self._served = served if served is not None else ServedBytes()
         self._listen = listen
@@ -148,7 +148,11 @@ class PeerServer:
         self._idle_s = idle_s
         self._hello_s = hello_s
         self._request_bytes = request_bytes
-        self._budget = ByteBudget(in_flight_bytes, "peer transfers", "--peer-in-flight-bytes")
+        self._budget = ByteBudget(in_flight_bytes, "peer transfers", "--peer-in-flight-bytes",
+                                  # half by default, never less than one whole request
+                                  share_bytes=per_node_bytes or max(in_flight_bytes // 2,
+                                                                    min(request_bytes, in_flight_bytes)),
+                                  share_setting="--peer-in-flight-bytes-per-node")
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._connections = ConnectionTable(max_connections)
@@ -245,14 +249,14 @@ class PeerServer:
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("peer connection closed after an unexpected error")
         finally:
-            self._ended(link, caller, peer[0])
+            self._ended(link, caller)
             conn.close()
 
-    def _ended(self, link, caller: Caller | None, host: str | None) -> None:
+    def _ended(self, link, caller: Caller | None) -> None:
         """A served connection ended: it leaves the listener's tables and its node's share."""
         self._track(link, False)
         if caller is not None:
-            self._nodes.give(_node(caller.identity, host))
+            self._nodes.give(caller.share)
 
     def _track(self, link, served: bool) -> None:
         with self._links_lock:
@@ -283,8 +287,9 @@ class PeerServer:
         if said is None:
             return None
         rid, identity = said
+        node = _node(identity, host)
         try:
-            self._nodes.take(_node(identity, host))
+            self._nodes.take(node)
         except Overloaded as err:
             self._refuse(conn, err)
             return None
@@ -292,7 +297,7 @@ class PeerServer:
         limits = [wire.MAX_META_BYTES, self._store.limits.max_block_bytes, self._store.limits.max_batch_blocks,
                   self._request_bytes]
         self._reply(conn, rid, wire.OK, limits)
-        return Caller(identity, f"peer:{identity.principal}:{peer[0]}:{peer[1]}:{next(self._ids)}")
+        return Caller(identity, f"peer:{identity.principal}:{peer[0]}:{peer[1]}:{next(self._ids)}", share=node)
 
     def _hello(self, conn, link, deadline: float) -> tuple[int, Identity] | None:
         """The Hello's request id and the caller it names, read by ``deadline``; None when it was
@@ -423,7 +428,7 @@ class PeerServer:
             self._reply(conn, rid, wire.BLOCK, head)
             return
         try:
-            self._budget.take(meta.size)
+            self._budget.take(meta.size, caller.share)
         except Overloaded as err:
             if loc.lease_id:
                 self._store.release([loc.lease_id], caller.owner)
@@ -437,7 +442,7 @@ class PeerServer:
             else:
                 self._send_copy(conn, rid, head, loc)
         finally:
-            self._budget.give(meta.size)
+            self._budget.give(meta.size, caller.share)
 
     def _send_leased(self, conn, caller: Caller, rid: int, head: list, loc) -> None:
         """The block straight out of the arena under its read lease; the lease ends once it is sent."""
@@ -499,7 +504,7 @@ class PeerServer:
             )
         deadline = self._deadline(count(timeout_ms, "timeout_ms"))
         lease_s = None if deadline is None else min(max(1.0, deadline - time.monotonic()), self._store.limits.lease_s)
-        self._budget.take(total)
+        self._budget.take(total, caller.share)
         try:
             grants = self._store.allocate(
                 namespace, [(key, size, parent, layout) for key, size, _, parent, layout in blocks],
@@ -513,7 +518,7 @@ class PeerServer:
                 if open_slots:  # what was not committed (a broken connection, a refused frame); committed ids are skipped
                     self._store.abort(open_slots, caller.owner)
         finally:
-            self._budget.give(total)
+            self._budget.give(total, caller.share)
         # Answered only now: a writer that has its answer finds the budget and the slots given back.
         self._reply(conn, rid, wire.OK, out)
 

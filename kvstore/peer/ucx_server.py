@@ -96,7 +96,7 @@ class UcxPeerServer(PeerServer):
         except Exception:  # noqa: BLE001 - a bug in serving one request ends that connection, not the daemon
             log.exception("UCX peer connection closed after an unexpected error")
         finally:
-            self._ended(conn, caller, None)
+            self._ended(conn, caller)
             conn.close()
 
     @staticmethod

@@ -57,7 +57,7 @@ from kvstore.server.endpoints import DaemonError
 from kvstore.transport.samehost.server import SameHostServer
 from kvstore.server.service import KVServicer
 from kvstore.server.stores import open_stores
-from kvstore.server.streams import StreamLimiter
+from kvstore.server.calls import CallLimiter
 from kvstore.server.watchdog import StreamWatchdog
 from kvstore.events import EventBus
 from kvstore.store.group import StoreGroup
@@ -186,8 +186,9 @@ class Daemon:
         interceptors = [AdmissionInterceptor(s.server.admitted_rpcs, self.metrics)]
         if self.authority.required:  # inside admission: its refusals become statuses there
             interceptors.append(AuthInterceptor(self.authority))
-        # After auth: a tenant's streams count together, on whichever connection they come.
-        interceptors.append(StreamLimiter(s.server.admitted_streams, s.server.streams_per_identity, self.metrics))
+        # After auth: a tenant's calls and streams count together, on whichever connection they come.
+        interceptors.append(CallLimiter(s.server.admitted_streams, s.server.streams_per_identity,
+                                        s.server.calls_per_identity, self.metrics))
         interceptors.append(self._watchdog)  # last: a call admission or auth refused is never watched
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
@@ -207,7 +208,12 @@ class Daemon:
             self.ucx_shm_server = endpoints.start_ucx_shm_server(s, self.store, self.authority, self.metrics)
         elif "peer" in s.tiers.chain and "ucx-shm" in s.tiers.peer.transports:
             endpoints.start_ucx("--peer-transports ucx-shm", shared_memory=True)
-        self.put_budget = ByteBudget(int(s.server.put_budget_bytes), "streamed puts", "--put-budget-bytes")
+        budget = int(s.server.put_budget_bytes)
+        self.put_budget = ByteBudget(budget, "streamed puts", "--put-budget-bytes",
+                                     # half by default, never less than one whole block
+                                     share_bytes=int(s.server.put_budget_bytes_per_identity) or max(
+                                         budget // 2, min(self.store.limits.max_block_bytes, budget)),
+                                     share_setting="--put-budget-bytes-per-identity")
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},

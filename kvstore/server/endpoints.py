@@ -122,7 +122,7 @@ def _peer_limits(s: Settings) -> dict:
     p = s.peers
     return dict(max_connections=p.max_connections, idle_s=p.idle_seconds, hello_s=p.hello_seconds,
                 in_flight_bytes=int(p.in_flight_bytes), request_bytes=int(p.connection_in_flight_bytes),
-                per_node=p.max_connections_per_node)
+                per_node=p.max_connections_per_node, per_node_bytes=int(p.in_flight_bytes_per_node))
 
 
 def start_peer_server(settings: Settings, store: StoreGroup, authority: Authority, metrics: StoreMetrics,

@@ -48,12 +48,13 @@ class _Held:
 
     budget: int = 0
     writer: BlockWriter | None = None
+    holder: str = ""  # whose share of the budget the bytes count against (an authenticated identity)
 
     def give_back(self, budget: ByteBudget) -> None:
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
-        budget.give(self.budget)
+        budget.give(self.budget, self.holder)
         self.budget = 0
 
 
@@ -85,7 +86,9 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
 
     def Put(self, request_iterator: Iterator[pb.PutRequest], context) -> pb.PutResponse:
         """Each block's chunks go straight into its place in the arena as they arrive (kvstore.store.writer)."""
-        held = _Held()
+        # A tenant's streams count together against its share of the budget; a daemon without
+        # authentication is one trust domain, where the budget alone applies (as for streams).
+        held = _Held(holder=owner_of(context) if current_identity().authenticated else "")
         try:
             return self._put(request_iterator, context, held)
         finally:
@@ -121,11 +124,12 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
                     )
                 key = BlockKey.checked(namespace, header.key)
                 meta = BlockMeta(header.size, header.checksum, header.parent_key or None, header.layout)
-                self._put_budget.take(header.size)  # before any room is taken: bytes are promised only within budget
+                # before any room is taken: bytes are promised only within budget
+                self._put_budget.take(header.size, held.holder)
                 held.budget = header.size
                 held.writer = self._store.open_write(key, meta)
                 if held.writer.present:  # its bytes will be dropped: nothing is held for them
-                    self._put_budget.give(held.budget)
+                    self._put_budget.give(held.budget, held.holder)
                     held.budget = 0
             elif part == "chunk":
                 if held.writer is None:
