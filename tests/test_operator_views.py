@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import redis_servers
 from conftest import free_port, wait_until
+from kvstore.peer.registry import schemes
 from kvstore.block import TierName
 from kvstore.client.sync import Client
 from peer_cluster import PeerNode
@@ -32,7 +33,7 @@ NS = "ops-kv"
 REPLICATED, SHORT = "ops-rep", "ops-short"  # k=2 on a fleet of two: met; k=3: short
 # Label names a Strata metric may carry: each names a bounded set (STYLE.md), never a key or a request.
 BOUNDED_LABELS = {"tier", "op", "code", "outcome", "reason", "transport", "kind", "subscriber", "arena", "rule"}
-SCHEMES = {"tcp", "ucx", "grpc"}
+SCHEMES = set(schemes())  # the peer transports: a bounded label, from the registry
 
 
 def value(tag: str, size: int) -> bytes:
