@@ -293,6 +293,15 @@ def test_reserve_commit_locate(tier):
     assert tier.locate(key("missing")) is None
 
 
+def test_one_region_addresses_every_offset(tier):
+    """The arena is one region: a reader in another process maps it whole, offsets unchanged."""
+    for name in "ab":
+        data = random_bytes(PAGE, seed=ord(name))
+        tier.put(key(name), data, meta_of(data))
+    offsets = [tier.locate(key(name))[0] for name in "ab"]
+    assert offsets[1] != 0 and [tier.handle_of(o) for o in offsets] == [(0, o) for o in offsets]
+
+
 def test_commit_of_present_key_frees_the_extent(tier):
     tier.put(key("a"), b"first", meta_of(b"first"))
     used = tier.stats().used_bytes

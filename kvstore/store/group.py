@@ -46,7 +46,7 @@ from kvstore.store.leases import MAX_ID_TAG, Lease, LeaseKind, tag_of
 from kvstore.store.namespace_rules import EVERYTHING_ELSE, NamespaceRules
 from kvstore.store.holds import Located
 from kvstore.store.tiered import Listed, SlotGrant, SlotWrite, StoreStats, TieredStore
-from kvstore.tiers.base import TierStats
+from kvstore.tiers.base import MappableTier, TierStats
 
 MAX_ARENAS = MAX_ID_TAG + 1
 
@@ -169,14 +169,15 @@ class StoreGroup:
         return self.default.store.limits
 
     @property
-    def head(self):
-        """The default arena's head tier (its shared arena)."""
-        return self.default.store.head
+    def head(self) -> MappableTier:
+        """The head tier of :attr:`member`'s chain: a one-arena view's own, the default arena's for the
+        whole group (the tier whose offsets Lookup and Allocate hand out)."""
+        return self.member.store.head
 
     @property
     def chain(self):
-        """The default arena's chain."""
-        return self.default.store.chain
+        """:attr:`member`'s chain (as :attr:`head`)."""
+        return self.member.store.chain
 
     def check_batch(self, items) -> None:
         self.default.store.check_batch(items)
@@ -268,7 +269,7 @@ class StoreGroup:
         return False if store is None else store.end_lease(lease_id, kind, owner)
 
     def meta(self, namespace: str, key: bytes) -> BlockMeta | None:
-        return self.store_for(namespace).meta(BlockKey(namespace, key))
+        return self.store_for(namespace).meta(namespace, key)
 
     def extend_lease(self, lease_id: int, kind: LeaseKind, lease_s: float) -> float:
         store = self._by_id(lease_id)

@@ -413,10 +413,10 @@ class TieredStore(StorePart):
         """End a lease early; False when it already ended (expired or released)."""
         return self._holds.end_lease(lease_id, kind, owner)
 
-    def meta(self, key: BlockKey) -> BlockMeta | None:
+    def meta(self, namespace: str, key: bytes) -> BlockMeta | None:
         """A stored block's metadata (size, checksum, parent, layout); None when it is not stored."""
         with self._s.locked():
-            entry = self._catalog.live(key)
+            entry = self._catalog.live(BlockKey(namespace, key))
             return None if entry is None else entry.meta
 
     def extend_lease(self, lease_id: int, kind: LeaseKind, lease_s: float) -> float:

@@ -188,3 +188,9 @@ class MappableTier(Tier):
     @abc.abstractmethod
     def locate(self, key: BlockKey) -> tuple[int, BlockMeta] | None:
         """Offset and meta of a present block; copies nothing."""
+
+    def handle_of(self, offset: int) -> tuple[int, int]:
+        """(region, offset inside that region) of an offset this tier handed out, for a reader in
+        another process that maps each region once. A tier of one region (the host-RAM arena)
+        answers ``(0, offset)``; device memory spans one region per device."""
+        return 0, offset

@@ -7,7 +7,10 @@ once at start (:mod:`kvstore.tiers.device`) and carved by the same
 unchanged. Offsets are global: region *i* spans ``[base_i, base_i + size_i)``
 of one offset space, so the store never learns how many devices there are;
 :meth:`GpuTier.handle_of` turns an offset into the region's handle and the
-offset inside it, for a reader in another process.
+offset inside it, for a reader in another process. The block map, the
+reservations and the slot protocol are
+:class:`~kvstore.tiers.extents.ExtentTier`'s; this tier adds the regions,
+the reader pins and the handles.
 
 Bytes cross into and out of device memory only through the region's
 ``write`` and ``read_into``, which hash them on the way (the contract's
@@ -26,22 +29,21 @@ which a device copy is too slow for).
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull
 from kvstore.shm.allocator import ExtentAllocator
-from kvstore.tiers.base import MappableTier, TierStats
+from kvstore.tiers.extents import ExtentTier
 from kvstore.tiers.device import DeviceMemory, MemoryHandle, open_memory
 from kvstore.tiers.device.buffers import nbytes
 
 MIN_GPU_BYTES = 1 << 20
 
 
-class GpuTier(MappableTier):
+class GpuTier(ExtentTier):
     name = TierName.GPU
+    _written_to = "the gpu tier"
 
     def __init__(self, capacity_bytes: int, devices: Sequence[int] = (0,), memory: str = "cuda", **options) -> None:
         """``capacity_bytes`` per device; ``memory`` a kind of :mod:`kvstore.tiers.device` (``options`` go to it)."""
@@ -49,7 +51,7 @@ class GpuTier(MappableTier):
             raise InvalidArgument(f"gpu devices {list(devices)}: name at least one device, each once")
         if capacity_bytes < MIN_GPU_BYTES:
             raise InvalidArgument(f"--gpu-bytes is {capacity_bytes}; give each device at least {MIN_GPU_BYTES} bytes")
-        self._lock = threading.Lock()
+        super().__init__()
         self._regions: list[DeviceMemory] = []
         self._allocs: list[ExtentAllocator] = []
         self._bases: list[int] = []
@@ -66,8 +68,6 @@ class GpuTier(MappableTier):
                 region.close()
             raise
         self._capacity = base
-        self._blocks: OrderedDict[BlockKey, tuple[int, BlockMeta]] = OrderedDict()
-        self._reserved: set[int] = set()
         self._readers: dict[int, int] = {}  # offset -> copies out in progress
         self._doomed: set[int] = set()  # deleted while being read: freed by the last reader
 
@@ -76,15 +76,6 @@ class GpuTier(MappableTier):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
-
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def meta(self, key: BlockKey) -> BlockMeta | None:
-        with self._lock:
-            entry = self._blocks.get(key)
-        return None if entry is None else entry[1]
 
     def get(self, key: BlockKey) -> bytes | None:
         out = None
@@ -115,47 +106,6 @@ class GpuTier(MappableTier):
             raise CorruptBlock(f"gpu tier block {key} failed its checksum on read; dropped it")
         return meta
 
-    def put(self, key: BlockKey, data, meta: BlockMeta) -> bool:
-        """Store a block from a host buffer or a tensor (a CUDA tensor is copied device to device)."""
-        if nbytes(data) != meta.size:
-            raise CorruptBlock(f"block {key} is {nbytes(data)} bytes but its meta says {meta.size}")
-        with self._lock:
-            if key in self._blocks:
-                return False
-        offset = self.reserve(meta.size)
-        try:
-            got = self.write_extent(offset, data)
-        except BaseException:
-            self.unreserve(offset)
-            raise
-        if got != meta.checksum:
-            self.unreserve(offset)
-            raise CorruptBlock(f"block {key} does not match its checksum on put: {got:#x} != {meta.checksum:#x}")
-        return self._adopt(key, offset, meta)
-
-    def delete(self, key: BlockKey) -> bool:
-        with self._lock:
-            entry = self._blocks.pop(key, None)
-            if entry is None:
-                return False
-            self._free_locked(entry[0])
-            return True
-
-    def touch(self, key: BlockKey) -> None:
-        with self._lock:
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-
-    def lru(self) -> Iterator[BlockKey]:
-        with self._lock:
-            keys = list(self._blocks)
-        return iter(keys)
-
-    def stats(self) -> TierStats:
-        """Used bytes are whole pages and include reserved extents not yet committed."""
-        with self._lock:
-            return TierStats(self.name, self._used_locked(), self._capacity, len(self._blocks))
-
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
@@ -174,29 +124,6 @@ class GpuTier(MappableTier):
     def largest_free_bytes(self) -> int:
         with self._lock:
             return max(a.largest_free_bytes for a in self._allocs)
-
-    def reserve(self, size: int) -> int:
-        if size < 0:
-            raise InvalidArgument(f"block size must not be negative, got {size}")
-        need = max(size, 1)  # an empty block still takes a page
-        if self._allocs[0].rounded(need) > max(a.capacity_bytes for a in self._allocs):
-            raise BlockTooLarge(f"a {size}-byte block cannot fit one device's {self._allocs[0].capacity_bytes} "
-                                "bytes of the gpu tier")
-        with self._lock:
-            order = sorted(range(len(self._allocs)), key=lambda i: -self._allocs[i].free_bytes)
-            for i in order:
-                local = self._allocs[i].allocate(need)
-                if local is not None:
-                    offset = self._bases[i] + local
-                    self._reserved.add(offset)
-                    return offset
-            raise TierFull(f"gpu tier has no free extent for {size} bytes (largest free "
-                           f"{max(a.largest_free_bytes for a in self._allocs)}); evict and retry")
-
-    def unreserve(self, offset: int) -> None:
-        with self._lock:
-            self._take_reservation(offset)
-            self._free_locked(offset)
 
     def view(self, offset: int, size: int) -> memoryview:
         """A host view, where the memory kind has one (``host``); TierUnavailable for device memory."""
@@ -220,30 +147,6 @@ class GpuTier(MappableTier):
         region, local = self._region_of(offset)
         data, _ = region.read(local, size)
         yield memoryview(data)
-
-    def commit(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool = True) -> bool:
-        with self._lock:
-            if offset not in self._reserved:
-                raise ValueError(f"offset {offset} is not a reserved extent")
-            extent = self._size_of_locked(offset)
-            if key in self._blocks or meta.size > extent:
-                self._take_reservation(offset)
-                self._free_locked(offset)
-                if meta.size > extent:
-                    raise InvalidArgument(f"block {key} is {meta.size} bytes but its extent holds {extent}")
-                return False
-        if verify:
-            region, local = self._region_of(offset)
-            got = region.checksum(local, meta.size)
-            if got != meta.checksum:
-                self.unreserve(offset)
-                raise CorruptBlock(f"block {key} written to the gpu tier does not match its checksum: "
-                                   f"{got:#x} != {meta.checksum:#x}; freed the slot")
-        return self._adopt(key, offset, meta)
-
-    def locate(self, key: BlockKey) -> tuple[int, BlockMeta] | None:
-        with self._lock:
-            return self._blocks.get(key)
 
     @property
     def held_bytes(self) -> int:
@@ -276,10 +179,6 @@ class GpuTier(MappableTier):
         i = self._index_of(offset)
         return self._regions[i], offset - self._bases[i]
 
-    def _size_of_locked(self, offset: int) -> int:
-        i = self._index_of(offset)
-        return self._allocs[i].size_of(offset - self._bases[i])
-
     def _used_locked(self) -> int:
         return sum(a.used_bytes for a in self._allocs)
 
@@ -305,26 +204,29 @@ class GpuTier(MappableTier):
                             self._doomed.discard(offset)
                             self._release_locked(offset)
 
-    def _drop(self, key: BlockKey, entry: tuple[int, BlockMeta]) -> None:
-        with self._lock:
-            if self._blocks.get(key) is entry:
-                del self._blocks[key]
-                self._free_locked(entry[0])
+    # ---- ExtentTier's hooks ----------------------------------------------------
 
-    def _take_reservation(self, offset: int) -> None:
-        try:
-            self._reserved.remove(offset)
-        except KeyError:
-            raise ValueError(f"offset {offset} is not a reserved extent") from None
+    def _source(self, data) -> tuple[object, int]:
+        return data, nbytes(data)  # a host buffer or a tensor (a CUDA tensor is copied device to device)
 
-    def _adopt(self, key: BlockKey, offset: int, meta: BlockMeta) -> bool:
-        with self._lock:
-            self._take_reservation(offset)
-            if key in self._blocks:
-                self._free_locked(offset)
-                return False
-            self._blocks[key] = (offset, meta)
-            return True
+    def _check_fits(self, size: int, need: int) -> None:
+        if self._allocs[0].rounded(need) > max(a.capacity_bytes for a in self._allocs):
+            raise BlockTooLarge(f"a {size}-byte block cannot fit one device's {self._allocs[0].capacity_bytes} "
+                                "bytes of the gpu tier")
+
+    def _allocate_locked(self, size: int, need: int) -> int:
+        """On the device with the most free room that fits it."""
+        order = sorted(range(len(self._allocs)), key=lambda i: -self._allocs[i].free_bytes)
+        for i in order:
+            local = self._allocs[i].allocate(need)
+            if local is not None:
+                return self._bases[i] + local
+        raise TierFull(f"gpu tier has no free extent for {size} bytes (largest free "
+                       f"{max(a.largest_free_bytes for a in self._allocs)}); evict and retry")
+
+    def _size_of_locked(self, offset: int) -> int:
+        i = self._index_of(offset)
+        return self._allocs[i].size_of(offset - self._bases[i])
 
     def _free_locked(self, offset: int) -> None:
         if offset in self._readers:

@@ -29,11 +29,14 @@ client of the previous run may still be copying into one. Nothing else survives:
 was filling are free again, and leases and pins are the store's, not the
 tier's.
 
-One lock guards the metadata (block map, LRU order, allocator, reservations, table).
-``put`` and ``commit`` hash and copy outside it: the extent they work on is
-reserved, so nothing else can free or hand it out meanwhile. ``get`` copies
-under the lock, which keeps a concurrent ``delete`` from freeing the extent
-mid-copy without a per-block pin count; the checksum runs after the lock.
+The block map, the reservations and the slot protocol are
+:class:`~kvstore.tiers.extents.ExtentTier`'s; this tier adds the arena, the
+table and :meth:`~HostRamTier.lend`. One lock guards the metadata (block
+map, LRU order, allocator, reservations, table). ``put`` and ``commit``
+hash and copy outside it: the extent they work on is reserved, so nothing
+else can free or hand it out meanwhile. ``get`` copies under the lock,
+which keeps a concurrent ``delete`` from freeing the extent mid-copy
+without a per-block pin count; the checksum runs after the lock.
 """
 
 from __future__ import annotations
@@ -41,19 +44,17 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.block import BlockKey, BlockMeta, TierName, checksum, copy_and_checksum, validate_key, validate_namespace
+from kvstore.block import BlockKey, BlockMeta, TierName, checksum, validate_key, validate_namespace
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
 from kvstore.shm.allocator import ExtentAllocator
 from kvstore.shm import table as block_table
 from kvstore.shm.arena import ArenaMismatch, ShmArena
 from kvstore.shm.table import BlockTable, Loaded, TableMismatch
-from kvstore.tiers.base import MappableTier, TierStats
+from kvstore.tiers.extents import ExtentTier
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class ArenaRecovery:
     slots: int = 0  # slots of writers of the previous run: their extents free once those leases end
 
 
-class HostRamTier(MappableTier):
+class HostRamTier(ExtentTier):
     """Blocks in a shared-memory arena, LRU-ordered; the store decides what to evict.
 
     ``get`` counts as a use and moves the block to the most-recently-used end;
@@ -81,6 +82,7 @@ class HostRamTier(MappableTier):
     """
 
     name = TierName.HOST
+    _written_to = "the arena"
 
     def __init__(
         self,
@@ -95,10 +97,8 @@ class HostRamTier(MappableTier):
         """``crash_safe``: keep the block table and re-adopt a previous run's arena (see the module
         docstring); ``keep_on_exit``: :meth:`close` leaves the arena and its table for the next start.
         ``clock`` is wall-clock seconds, the clock writers' slot leases are told in."""
+        super().__init__()
         self._alloc = ExtentAllocator(capacity_bytes)
-        self._lock = threading.Lock()
-        self._blocks: OrderedDict[BlockKey, tuple[int, BlockMeta]] = OrderedDict()
-        self._reserved: set[int] = set()
         self._held: list[tuple[float, int]] = []  # (until, offset): extents a previous run's writers may still write
         self._clock = clock
         self.persistent = crash_safe  # the store recovers its blocks and writes its recency back
@@ -119,15 +119,6 @@ class HostRamTier(MappableTier):
     def capacity_bytes(self) -> int:
         return self._alloc.capacity_bytes
 
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def meta(self, key: BlockKey) -> BlockMeta | None:
-        with self._lock:
-            entry = self._blocks.get(key)
-        return None if entry is None else entry[1]
-
     def get(self, key: BlockKey) -> bytes | None:
         with self._lock:
             entry = self._blocks.get(key)
@@ -141,60 +132,9 @@ class HostRamTier(MappableTier):
             finally:
                 view.release()
         if checksum(data) != meta.checksum:
-            with self._lock:
-                if self._blocks.get(key) is entry:
-                    del self._blocks[key]
-                    self._free_locked(offset)
+            self._drop(key, entry)
             raise CorruptBlock(f"host tier block {key} failed its checksum on read; dropped it")
         return data
-
-    def put(self, key: BlockKey, data: bytes | bytearray | memoryview, meta: BlockMeta) -> bool:
-        src = memoryview(data).cast("B")
-        if len(src) != meta.size:
-            raise CorruptBlock(f"block {key} is {len(src)} bytes but its meta says {meta.size}")
-        with self._lock:
-            if key in self._blocks:
-                return False
-        offset = self.reserve(meta.size)
-        try:
-            view = self._arena.view(offset, meta.size)
-            try:
-                got = copy_and_checksum(view, src)
-            finally:
-                view.release()
-        except BaseException:
-            self.unreserve(offset)
-            raise
-        if got != meta.checksum:
-            self.unreserve(offset)
-            raise CorruptBlock(f"block {key} does not match its checksum on put: {got:#x} != {meta.checksum:#x}")
-        return self._adopt(key, offset, meta)
-
-    def delete(self, key: BlockKey) -> bool:
-        with self._lock:
-            entry = self._blocks.pop(key, None)
-            if entry is None:
-                return False
-            self._free_locked(entry[0])
-            return True
-
-    def touch(self, key: BlockKey) -> None:
-        with self._lock:
-            entry = self._blocks.get(key)
-            if entry is not None:
-                self._blocks.move_to_end(key)
-                if self._table is not None:
-                    self._table.stamp(entry[0])
-
-    def lru(self) -> Iterator[BlockKey]:
-        with self._lock:
-            keys = list(self._blocks)
-        return iter(keys)
-
-    def stats(self) -> TierStats:
-        """Used bytes are whole pages and include reserved extents not yet committed."""
-        with self._lock:
-            return TierStats(self.name, self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._blocks))
 
     def close(self) -> None:
         """Unmap the arena; remove it and its table unless they are kept for the next start.
@@ -228,37 +168,6 @@ class HostRamTier(MappableTier):
         with self._lock:
             return self._alloc.largest_free_bytes
 
-    def reserve(self, size: int) -> int:
-        """Offset of a fresh extent of ``size`` bytes that is not yet a block.
-
-        The caller writes it (through :meth:`view` or its own mapping), then
-        calls :meth:`commit` or :meth:`unreserve`. Raises TierFull when no
-        extent fits (evict and retry), BlockTooLarge when none ever could.
-        """
-        if size < 0:
-            raise InvalidArgument(f"block size must not be negative, got {size}")
-        if self._alloc.rounded(max(size, 1)) > self._alloc.capacity_bytes:
-            raise BlockTooLarge(
-                f"a {size}-byte block cannot fit the host tier's {self._alloc.capacity_bytes} bytes"
-            )
-        with self._lock:
-            if self._held and self._held[0][0] <= self._clock():
-                self._release_held_locked()
-            offset = self._alloc.allocate(max(size, 1))  # an empty block still takes a page
-            if offset is None:
-                raise TierFull(
-                    f"host tier has no free extent for {size} bytes "
-                    f"(largest free {self._alloc.largest_free_bytes}); evict and retry"
-                )
-            self._reserved.add(offset)
-            return offset
-
-    def unreserve(self, offset: int) -> None:
-        """Give back a reserved extent that will not be committed."""
-        with self._lock:
-            self._take_reservation(offset)
-            self._free_locked(offset)
-
     def lend(self, offset: int, seconds: float) -> None:
         """A writer outside the daemon may write the reserved extent at ``offset`` for ``seconds``.
 
@@ -276,78 +185,53 @@ class HostRamTier(MappableTier):
         """A writable view of the arena's data region; release it when done."""
         return self._arena.view(offset, size)
 
-    def commit(self, key: BlockKey, offset: int, meta: BlockMeta, verify: bool = True) -> bool:
-        """Adopt the reserved extent at ``offset`` as block ``key``; False when ``key`` was present.
+    # ---- ExtentTier's hooks ----------------------------------------------------
 
-        Commit always consumes the reservation: the extent becomes the block,
-        or it is freed (key present, CorruptBlock when ``verify`` finds the
-        bytes differ from ``meta.checksum``, InvalidArgument when ``meta.size``
-        exceeds the extent). ValueError when ``offset`` is not reserved.
-        """
-        with self._lock:
-            if offset not in self._reserved:
-                raise ValueError(f"offset {offset} is not a reserved extent")
-            extent = self._alloc.size_of(offset)
-            if key in self._blocks or meta.size > extent:
-                self._take_reservation(offset)
-                self._free_locked(offset)
-                if meta.size > extent:
-                    raise InvalidArgument(f"block {key} is {meta.size} bytes but its extent holds {extent}")
-                return False
-        if verify:
-            view = self._arena.view(offset, meta.size)
+    def _check_fits(self, size: int, need: int) -> None:
+        if self._alloc.rounded(need) > self._alloc.capacity_bytes:
+            raise BlockTooLarge(
+                f"a {size}-byte block cannot fit the host tier's {self._alloc.capacity_bytes} bytes"
+            )
+
+    def _allocate_locked(self, size: int, need: int) -> int:
+        if self._held and self._held[0][0] <= self._clock():
+            self._release_held_locked()
+        offset = self._alloc.allocate(need)
+        if offset is None:
+            raise TierFull(
+                f"host tier has no free extent for {size} bytes "
+                f"(largest free {self._alloc.largest_free_bytes}); evict and retry"
+            )
+        return offset
+
+    def _size_of_locked(self, offset: int) -> int:
+        return self._alloc.size_of(offset)
+
+    def _record_locked(self, key: BlockKey, offset: int, meta: BlockMeta) -> None:
+        """The block's record is written before its adoption, so before any put or commit of it
+        is acknowledged; a block the table cannot record is not stored (its extent is freed) and
+        the table's TierFull or TierUnavailable goes to the caller."""
+        if self._table is not None:
             try:
-                got = checksum(view)
-            finally:
-                view.release()
-            if got != meta.checksum:
-                self.unreserve(offset)
-                raise CorruptBlock(
-                    f"block {key} written to the arena does not match its checksum: "
-                    f"{got:#x} != {meta.checksum:#x}; freed the slot"
-                )
-        return self._adopt(key, offset, meta)
-
-    def locate(self, key: BlockKey) -> tuple[int, BlockMeta] | None:
-        """Offset in the data region and meta of a present block; copies nothing, keeps LRU order."""
-        with self._lock:
-            return self._blocks.get(key)
-
-    # ---- internals ---------------------------------------------------------
-
-    def _take_reservation(self, offset: int) -> None:
-        try:
-            self._reserved.remove(offset)
-        except KeyError:
-            raise ValueError(f"offset {offset} is not a reserved extent") from None
-
-    def _adopt(self, key: BlockKey, offset: int, meta: BlockMeta) -> bool:
-        """Turn a reserved, filled extent into block ``key``; frees it when ``key`` won a race.
-
-        The block's record is written before this returns, so before any
-        put or commit of it is acknowledged; a block the table cannot record
-        is not stored (its extent is freed) and the table's TierFull or
-        TierUnavailable goes to the caller.
-        """
-        with self._lock:
-            self._take_reservation(offset)
-            if key in self._blocks:
+                self._table.record_block(offset, key, meta)
+            except (TierFull, TierUnavailable):
                 self._free_locked(offset)
-                return False
-            if self._table is not None:
-                try:
-                    self._table.record_block(offset, key, meta)
-                except (TierFull, TierUnavailable):
-                    self._free_locked(offset)
-                    raise
-            self._blocks[key] = (offset, meta)
-            return True
+                raise
+
+    def _touched_locked(self, offset: int) -> None:
+        if self._table is not None:
+            self._table.stamp(offset)
 
     def _free_locked(self, offset: int) -> None:
         """Give an extent back: its record goes first, so a restart never adopts bytes reused meanwhile."""
         if self._table is not None:
             self._table.forget(offset)
+        self._release_locked(offset)
+
+    def _release_locked(self, offset: int) -> None:
         self._alloc.free(offset)
+
+    # ---- extents a previous run's writers may still write ---------------------------
 
     def _release_held_locked(self) -> None:
         now = self._clock()

@@ -56,7 +56,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName
 from kvstore.errors import ArenaUnusable, InvalidArgument, LeaseOwnedElsewhere, Overloaded, StrataError
 from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import code_for
-from kvstore.store.tiered import TieredStore
+from kvstore.store.api import Store
 from kvstore.wire.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.shares import Shares
 from kvstore.transport.samehost import frames
@@ -100,12 +100,6 @@ def _int(value, what: str) -> int:
     return value
 
 
-def _gpu_head(store):
-    """The gpu tier when the served arena's chain starts there (a group view names its arena), else None."""
-    head = store.member.store.head if hasattr(store, "member") else store.head
-    return head if head.name == TierName.GPU else None
-
-
 def _ints(values, what: str) -> list[int]:
     for v in _list(values, what):
         _int(v, what)
@@ -115,7 +109,7 @@ def _ints(values, what: str) -> list[int]:
 class SameHostServer:
     """Serves one store's arena calls on a Unix socket. :meth:`start`, then :meth:`stop`."""
 
-    def __init__(self, store: TieredStore, path: str, token: bytes, *, metrics: StoreMetrics | None = None,
+    def __init__(self, store: Store, path: str, token: bytes, *, metrics: StoreMetrics | None = None,
                  max_connections: int = 64, idle_s: float = 300.0, gate: PeerGate | None = None,
                  mode: int = 0o600, per_uid: int = 0) -> None:
         self._store = store
@@ -132,7 +126,8 @@ class SameHostServer:
         self._connections = ConnectionTable(max_connections)
         self._uids = Shares(per_uid or max(1, max_connections // 2), "same-host connections",
                             "--same-host-max-connections-per-uid", retry_after_s=0.5)
-        self._gpu = _gpu_head(store)
+        self._head = store.head  # Lookup's leases and Allocate's slots are its extents
+        self._gpu = self._head.name == TierName.GPU  # device memory: only a client with the gpu capability maps it
         self._session = threading.local()  # per connection (one thread each): whether it reads gpu regions
         handlers = {
             frames.LOOKUP: self._lookup, frames.RELEASE: self._release, frames.PUT: self._put,
@@ -244,13 +239,13 @@ class SameHostServer:
         except StrataError as err:
             self._reply_error(conn, 0, err)
             return False
-        gpu = self._gpu is not None and version >= 2 and regions.CAPABILITY in caps
+        gpu = self._gpu and version >= 2 and regions.CAPABILITY in caps
         self._session.gpu = gpu  # this connection is handed the regions, and device offsets in its answers
         limits = [frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, self._store.limits.max_batch_blocks,
                   self._removals.path if self._removals is not None else ""]
         if version >= 2:
-            head = TierName.GPU if self._gpu is not None else TierName.HOST
-            handles = [regions.to_wire(h) for h in self._gpu.handles()] if gpu else []
+            head = TierName.GPU if self._gpu else TierName.HOST
+            handles = [regions.to_wire(h) for h in self._head.handles()] if gpu else []
             limits.append({"tier": int(head), "regions": handles})
         frames.send(conn, frames.encode([rid, frames.OK, limits]))
         return True
@@ -317,9 +312,9 @@ class SameHostServer:
                 continue
             m = loc.meta
             entry = [m.size, m.checksum, m.parent, m.layout, loc.offset, loc.lease_id, int(loc.tier)]
-            if self._gpu is not None and loc.lease_id:
+            if self._gpu and loc.lease_id:
                 if self._session.gpu:
-                    region, entry[4] = self._gpu.handle_of(loc.offset)
+                    region, entry[4] = self._head.handle_of(loc.offset)
                     entry.append(region)
                 else:
                     unusable.append(loc.lease_id)
@@ -359,17 +354,17 @@ class SameHostServer:
         blocks = [tuple(_fields(b, 4, "Allocate block")) for b in _list(blocks, "blocks")]
         for b in blocks:
             _int(b[1], "size")
-        if self._gpu is not None and not self._session.gpu:
+        if self._gpu and not self._session.gpu:
             raise ArenaUnusable("this daemon's slots are in the gpu tier, which a client without the gpu capability "
                                 "cannot write: put inline or through the gRPC stream (or upgrade the client)")
         lease_s = _lease_s(lease_ms)
         grants = self._store.allocate(namespace, blocks, lease_s, _deadline(timeout_ms), owner_of())
         lease_deadline = time.monotonic() + (lease_s or self._store.limits.lease_s)
-        if self._gpu is None:
+        if not self._gpu:
             return [_unix_ms(lease_deadline), [[g.present, g.slot_id, g.offset] for g in grants]]
         out = []
         for g in grants:
-            region, local = self._gpu.handle_of(g.offset) if not g.present else (0, 0)
+            region, local = self._head.handle_of(g.offset) if not g.present else (0, 0)
             out.append([g.present, g.slot_id, local, region])
         return [_unix_ms(lease_deadline), out]
 
