@@ -20,6 +20,7 @@ from kvstore.client import AsyncClient, BlockPut, Client, codec
 from kvstore.client.aio import OFF_LOOP_BYTES
 from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
+from conftest import wait_until
 
 MiB = 1 << 20
 
@@ -367,15 +368,17 @@ def test_no_daemon_raises_unavailable_after_retries(monkeypatch):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from kvstore.client import base
+
     delays = []
-    real_retry_delay = codec.retry_delay
+    real_retry_delay = base.retry_delay
 
     def recording(err, method, attempt, retries):
         delay = real_retry_delay(err, method, attempt, retries)
         delays.append(delay)
         return delay
 
-    monkeypatch.setattr(codec, "retry_delay", recording)
+    monkeypatch.setattr(base, "retry_delay", recording)  # the retry policy's home (codec re-exports it)
 
     async def body(c: AsyncClient):
         with pytest.raises(errors.DaemonUnavailable):
@@ -425,3 +428,35 @@ def test_arena_read_refetches_unplaced_torn_and_expired_blocks(tmp_path):
         assert bytes(read.blocks[0].data) == good
     finally:
         arena.close(unlink=True)
+
+
+def test_the_methods_both_clients_share_answer_alike(target, use_shm, namespace):
+    """The index, handoff and attachment methods the asyncio client once lacked, against the blocking client's."""
+    chain = [key(f"h{i}") for i in range(3)]
+    values = [os.urandom(2000) for _ in chain]
+    with Client(target, use_shm=use_shm) as sync:
+        sync.put_many(namespace, [BlockPut(k, v, parent=p) for k, v, p in zip(chain, values, [None] + chain[:-1])])
+        wait_until(lambda: [s.blocks for s in sync.score(namespace, keys=chain)] == [3], what="the chain's publication")
+        expected = (sync.score(namespace, keys=chain), sync.holders(namespace, keys=chain), sync.nodes(),
+                    sync.replication().enabled, sync.transport_for(namespace), sync.shared_memory, sync.transport_name)
+        sync_local = [bytes(b.data) for b in sync.get_many(namespace, chain, local_only=True)]
+
+    async def body(c: AsyncClient):
+        got = (await c.score(namespace, keys=chain), await c.holders(namespace, keys=chain), await c.nodes(),
+               (await c.replication()).enabled, await c.transport_for(namespace), await c.shared_memory(),
+               await c.transport_name())
+        assert await c.uses_shared_memory() is got[5]  # the old name
+        await c.touch(namespace, chain)  # best effort, no answer
+        local = [bytes(b.data) for b in await c.get_many(namespace, chain, local_only=True)]
+        params, missing = await c.open_handoff(namespace, chain + [key("absent")], lease_s=30)
+        held = await c.stats(namespace)
+        deadline = await c.heartbeat_handoff(namespace, params.handoff_id)
+        done = await c.complete_handoff(namespace, params.handoff_id)
+        return got, local, params, missing, held, deadline, done
+
+    got, local, params, missing, held, deadline, done = run(target, use_shm, body)
+    assert got == expected and got[4] == ("same-host" if use_shm else "grpc") and got[5] is use_shm
+    assert [s.blocks for s in got[0]] == [3] and [len(h) for h in got[1]] == [1, 1, 1]
+    assert local == sync_local == values
+    assert [b.key for b in params.blocks] == chain and missing == [key("absent")]
+    assert held.open_handoffs == 1 and deadline > 0 and done == (0, 3)  # kept as cache

@@ -4,7 +4,9 @@ Each transport talks to the same real daemon: in-process through its store,
 the others through its gRPC port, its arena, its same-host socket and its
 peer data plane (peer-tcp, over its --peer-listen TCP port; peer-ucx, over
 its --peer-ucx-listen UCX port; peer-ucx-shm, over UCX shared memory with
---peer-ucx-shm; the UCX ones skipped where ucxx cannot be imported).
+--peer-ucx-shm; the UCX ones skipped where ucxx cannot be imported). The
+asyncio twins of grpc, grpc-arena and same-host (``*-asyncio``) run the same
+suite, each driven on a loop of its own.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import pytest
 from kvstore.block import TierName
 from kvstore.errors import Cancelled, CorruptBlock, DeadlineExceeded, InvalidArgument, InvalidKey, UnknownNamespace
 from kvstore.peer.ucx_link import ucx_available
-from kvstore.transport import TRANSPORTS, BlockPut, Deadline, open_transport, placement
+from kvstore.transport import (
+    ASYNC_TRANSPORTS, TRANSPORTS, BlockPut, Deadline, open_async_transport, open_transport, placement,
+)
 from kvstore.transport.base import BlockInfo, Transport
 from conftest import wait_until
 
 MiB = 1 << 20
-NAMES = ["in-process", "grpc", "grpc-arena", "same-host", "same-host-asyncio", "peer-tcp", "peer-ucx", "peer-ucx-shm"]
+ASYNCIO = ["grpc-asyncio", "grpc-arena-asyncio", "same-host-asyncio"]  # the asyncio twins (ASYNC_TRANSPORTS)
+NAMES = ["in-process", "grpc", "grpc-arena", "same-host", *ASYNCIO, "peer-tcp", "peer-ucx", "peer-ucx-shm"]
 UCX, NO_UCX = ucx_available()
 
 
@@ -55,45 +60,19 @@ def daemon(make_daemon, name):
 
 
 class OnItsLoop(Transport):
-    """The asyncio same-host transport driven from this thread, its loop in another: the same
-    suite then runs over it. A Deadline becomes the call's timeout, a cancellation the task's."""
+    """An asyncio transport (kvstore.transport.ASYNC_TRANSPORTS) driven from this thread, its loop in
+    another: the same suite then runs over it. The Deadline goes through as it is; a cancellation of it
+    also cancels the call's task, as a caller's cancellation of its own task would."""
 
-    name = "same-host-asyncio"
-
-    def __init__(self, daemon) -> None:
-        import grpc
-
-        from kvstore.api.v1 import kv_pb2 as pb
-        from kvstore.api.v1 import kv_pb2_grpc
-        from kvstore.shm.arena import ShmArena
-        from kvstore.transport.grpc.stream import GrpcStreamTransport
-        from kvstore.transport.samehost.client_aio import AsyncSameHostTransport
-
-        self._channel = grpc.insecure_channel(daemon.target)
-        attach = kv_pb2_grpc.KVServiceStub(self._channel).Attach(pb.AttachRequest(), timeout=10)
-        self._arena = ShmArena.attach(attach.arena_path, attach.arena_token)
-        self._stream = GrpcStreamTransport(self._channel)
+    def __init__(self, name: str, daemon) -> None:
+        self.name = name
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-
-        async def fallback(namespace, keys, place):
-            return await asyncio.to_thread(self._stream.get_into, namespace, keys, place, Deadline.after(10))
-
-        async def off_loop(nbytes, fn, *args):
-            return await asyncio.to_thread(fn, *args)
-
-        self._inner = self._run(AsyncSameHostTransport.connect(
-            self._arena, attach.control_socket, attach.arena_token, lease_ms=0, off_loop=off_loop,
-            off_loop_bytes=1 << 20, fallback=fallback), None)
+        self._inner = self._run(open_async_transport(name.removesuffix("-asyncio"), target=daemon.target), None)
+        self.shared_memory = self._inner.shared_memory
 
     def _run(self, coro, deadline: Deadline | None):
-        if deadline is not None:
-            try:
-                deadline.check()
-            except BaseException:
-                coro.close()
-                raise
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         forget = deadline.on_cancel(future.cancel) if deadline is not None else (lambda: None)
         try:
@@ -105,24 +84,22 @@ class OnItsLoop(Transport):
             forget()
 
     def put(self, namespace, blocks, deadline):
-        return self._run(self._inner.put(namespace, blocks, deadline.remaining()), deadline)
+        return self._run(self._inner.put(namespace, blocks, deadline), deadline)
 
     def get_into(self, namespace, keys, place, deadline):
-        return self._run(self._inner.get_into(namespace, keys, place, deadline.remaining()), deadline)
+        return self._run(self._inner.get_into(namespace, keys, place, deadline), deadline)
 
     def close(self):
         self._run(self._inner.close(), None)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()
-        self._arena.close()
-        self._channel.close()
 
 
 @pytest.fixture
 def transport(daemon, name):
-    if name == "same-host-asyncio":
-        t = OnItsLoop(daemon)
+    if name in ASYNCIO:
+        t = OnItsLoop(name, daemon)
     elif name in ("peer-tcp", "peer-ucx", "peer-ucx-shm"):
         t = open_transport(name, target=daemon.peer_addresses()[name.removeprefix("peer-")])
     else:
@@ -138,7 +115,8 @@ def holds_nothing(daemon) -> bool:
 
 
 def test_every_transport_is_registered():
-    assert set(NAMES) - {"same-host-asyncio"} <= set(TRANSPORTS)
+    assert set(NAMES) - set(ASYNCIO) <= set(TRANSPORTS)
+    assert {name.removesuffix("-asyncio") for name in ASYNCIO} == set(ASYNC_TRANSPORTS)
 
 
 def test_an_unknown_transport_names_the_known_ones():

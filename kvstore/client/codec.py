@@ -1,9 +1,9 @@
-"""The clients' control messages (Exists, Pin, List, Stats, Score...), their
-result types and the retry policy.
+"""The clients' control answers (Exists, Pin, List, Stats, Score...) and their result types.
 
 Block bytes are the transports' job (:mod:`kvstore.transport`); their value
-types and the gRPC block messages the asyncio client still loops over are
-re-exported here, so the two clients and older imports see one set of names.
+types and the gRPC block messages are re-exported here, and so are the
+retry policy and the request builders of :mod:`kvstore.client.base`, so
+older imports see one set of names.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore.api.v1 import kv_pb2 as pb
-from kvstore.block import TierName, validate_namespace
-from kvstore.errors import DaemonUnavailable, InvalidArgument, ResourceExhausted, StaleAttachment, StrataError
+from kvstore.block import TierName
+from kvstore.client.base import (  # noqa: F401 - the retry policy and request builders' old home
+    DEFAULT_TIMEOUT_S, REATTACH, RETRY_ON_UNAVAILABLE, Retries, chain_request, list_request, retry_delay,
+)
+from kvstore.errors import StrataError
 from kvstore.rpc.status import from_rpc_error
 from kvstore.transport.arena_io import LEASE_MARGIN_MS, MAX_COMMIT_GROUPS, MIN_COMMIT_GROUP_BYTES, lease_held, now_ms  # noqa: F401
 from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, Placement, fit, placement, writable  # noqa: F401
@@ -23,16 +26,6 @@ from kvstore.transport.grpc.blocks import (  # noqa: F401
     batches_by_bytes, check_gets, check_puts, copy_into_slots, drop_expired, info_of, leased_bytes, lookup_lease_ids,
     open_arena, place_lookup, put_requests, put_results, read_located, read_lookup, refetch_placement, replaced,
     slot_groups, slot_ids, stream_put_results,
-)
-
-DEFAULT_TIMEOUT_S = 10.0
-# Methods safe to repeat after UNAVAILABLE: they change nothing, or a repeat
-# is a no-op (puts are idempotent), or what a lost reply held (a lease, a
-# slot) expires by itself. Commit and Pin are not: a repeat of a call that
-# succeeded fails or takes a second lease.
-RETRY_ON_UNAVAILABLE = frozenset(
-    {"Put", "Get", "Exists", "Delete", "Stats", "Attach", "Allocate", "Lookup", "Release", "Abort", "Unpin",
-     "Score", "Holders", "List", "Nodes"}
 )
 
 
@@ -127,22 +120,6 @@ class Holder:
     epoch: int
 
 
-def chain_request(cls, namespace: str, keys, tokens, block_size: int, hash_seed: str, lora_name: str, cache_salt: str):
-    """A Score or Holders request for a chain given as block keys or as token ids."""
-    if (keys is None) == (tokens is None):
-        raise InvalidArgument("give the chain either as keys or as tokens")
-    request = cls(namespace=namespace)
-    if keys is not None:
-        request.keys.keys.extend(keys)
-    else:
-        request.tokens.token_ids.extend(tokens)
-        request.tokens.block_size = block_size
-        request.tokens.hash_seed = hash_seed
-        request.tokens.lora_name = lora_name
-        request.tokens.cache_salt = cache_salt
-    return request
-
-
 def parse_scores(r) -> list[EndpointScore]:
     return [EndpointScore(e.node_id, e.blocks, tier_name(e.tier), e.score) for e in r.endpoints]
 
@@ -229,11 +206,6 @@ def tier_name(value: int) -> TierName | None:
     return TierName(value) if value else None
 
 
-def list_request(namespace: str, prefix: bytes, page_size: int, page_token: bytes) -> pb.ListRequest:
-    validate_namespace(namespace)
-    return pb.ListRequest(namespace=namespace, prefix=prefix, page_size=page_size, page_token=page_token)
-
-
 def parse_list(r: pb.ListResponse) -> ListPage:
     return ListPage(
         [Listed(x.block.key, x.block.size, x.block.layout, x.block.parent_key or None, TierName(x.tier)) for x in r.blocks],
@@ -274,50 +246,8 @@ def _replication(r: pb.ReplicationStats) -> ReplicationSummary:
                               r.last_round_unix_seconds, r.last_error)
 
 
-# ---- errors and retries -----------------------------------------------------
+# ---- errors -------------------------------------------------------------------
 
 
 def translate(err: grpc.RpcError) -> StrataError:
     return from_rpc_error(err)
-
-
-def retry_delay(err: StrataError, method: str, attempt: int, retries: int) -> float | None:
-    """Seconds to wait before another attempt, or None to give up."""
-    if attempt >= retries:
-        return None
-    if isinstance(err, ResourceExhausted):
-        return err.retry_after_s
-    if isinstance(err, DaemonUnavailable) and method in RETRY_ON_UNAVAILABLE:
-        return min(0.05 * 2**attempt, 1.0)
-    return None
-
-
-REATTACH = -1.0  # not a delay: forget what was attached, then try again at once
-
-
-class Retries:
-    """One call's retry decisions; the blocking and the asyncio client loop over the same ones.
-
-    :meth:`after` a failure answers :data:`REATTACH` once per call when the
-    daemon restarted since the client attached (:class:`StaleAttachment`),
-    whatever ``retries`` says (this is not the same failure again); else
-    :func:`retry_delay`'s answer.
-    """
-
-    __slots__ = ("method", "retries", "attempt", "attached_again")
-
-    def __init__(self, method: str, retries: int) -> None:
-        self.method, self.retries = method, retries
-        self.attempt = 0
-        self.attached_again = False
-
-    def after(self, err: BaseException) -> tuple[StrataError, float | None]:
-        """``err`` as a Strata error, and what to do: seconds to wait, :data:`REATTACH`, or None (raise it)."""
-        if isinstance(err, grpc.RpcError):
-            err = translate(err)
-        if isinstance(err, StaleAttachment) and not self.attached_again:
-            self.attached_again = True
-            return err, REATTACH
-        delay = retry_delay(err, self.method, self.attempt, self.retries)
-        self.attempt += 1
-        return err, delay

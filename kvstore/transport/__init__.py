@@ -18,14 +18,22 @@ suite over all of them (``tests/test_transport_contract.py``):
 A new transport is one module and one entry in :data:`TRANSPORTS`. The
 three ``peer-*`` transports live with the peer protocol
 (:mod:`kvstore.peer.transports`) and are imported only when opened.
+
+The asyncio twins (:class:`~kvstore.transport.base.AsyncTransport`, the
+same contract as coroutines) have a registry of their own,
+:data:`ASYNC_TRANSPORTS`, under the same names: ``grpc``, ``grpc-arena``
+and ``same-host``, opened with :func:`open_async_transport` inside a
+running loop. The contract suite runs over them too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kvstore.errors import InvalidArgument
-from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Placement, Transport, placement
+from kvstore.transport.base import (
+    AsyncTransport, Block, BlockInfo, BlockPut, Deadline, Place, Placement, Transport, placement,
+)
 
 
 def _in_process(*, store, **_) -> Transport:
@@ -91,7 +99,43 @@ def open_transport(name: str, **options) -> Transport:
     return factory(**options)
 
 
+async def _grpc_async(*, target: str, **options) -> AsyncTransport:
+    from kvstore.transport.grpc.stream_aio import AsyncGrpcStreamTransport
+
+    return AsyncGrpcStreamTransport.connect(target, **options)
+
+
+async def _grpc_arena_async(*, target: str, **options) -> AsyncTransport:
+    from kvstore.transport.attached_aio import connect_attached_async
+
+    return await connect_attached_async(target, "grpc-arena", **options)
+
+
+async def _same_host_async(*, target: str, **options) -> AsyncTransport:
+    from kvstore.transport.attached_aio import connect_attached_async
+
+    return await connect_attached_async(target, "same-host", **options)
+
+
+# Name → coroutine function opening the asyncio twin (keyword arguments as in TRANSPORTS).
+ASYNC_TRANSPORTS: dict[str, Callable[..., Awaitable[AsyncTransport]]] = {
+    "grpc": _grpc_async,
+    "grpc-arena": _grpc_arena_async,
+    "same-host": _same_host_async,
+}
+
+
+async def open_async_transport(name: str, **options) -> AsyncTransport:
+    """Open the asyncio transport ``name`` in the running loop."""
+    try:
+        factory = ASYNC_TRANSPORTS[name]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown asyncio transport {name!r}; known: {', '.join(sorted(ASYNC_TRANSPORTS))}") from None
+    return await factory(**options)
+
+
 __all__ = [
-    "TRANSPORTS", "Block", "BlockInfo", "BlockPut", "Deadline", "Place", "Placement", "Transport", "open_transport",
-    "placement",
+    "ASYNC_TRANSPORTS", "TRANSPORTS", "AsyncTransport", "Block", "BlockInfo", "BlockPut", "Deadline", "Place",
+    "Placement", "Transport", "open_async_transport", "open_transport", "placement",
 ]

@@ -2,7 +2,9 @@
 
 Same-host socket when the daemon offers one and its arena maps here; the
 arena under gRPC control when only the arena maps; the gRPC stream
-otherwise (another host, or a client told not to use shared memory).
+otherwise (another host, or a client told not to use shared memory). The
+asyncio twin (:mod:`kvstore.transport.attached_aio`) decides with the same
+functions.
 """
 
 from __future__ import annotations
@@ -26,6 +28,40 @@ log = logging.getLogger(__name__)
 CHOICES = ("same-host", "grpc-arena", "grpc")
 
 
+def arena_to_map(attach: pb.AttachResponse | None, *, use_shm: bool | None = None,
+                 want: str | None = None) -> ShmArena | None:
+    """The daemon's arena mapped, or None when the bytes are to be streamed (what :func:`choose` and its
+    asyncio twin decide first). ``use_shm`` True or a ``want`` fails rather than stream."""
+    if want is not None and want not in CHOICES:
+        raise InvalidArgument(f"unknown transport {want!r} for a daemon client; known: {', '.join(CHOICES)}")
+    if attach is None or use_shm is False or want == "grpc":
+        return None
+    try:
+        return grpc_blocks.open_arena(attach)
+    except ArenaUnusable:
+        if use_shm or want:
+            raise
+        return None
+
+
+def same_host_offered(attach: pb.AttachResponse, arena: ShmArena, want: str | None) -> bool:
+    """Whether to try the same-host socket; a ``want`` of it that the daemon does not offer fails (``arena`` closed)."""
+    if want != "grpc-arena" and attach.control_socket:
+        return True
+    if want == "same-host":
+        arena.close()
+        raise ArenaUnusable("the daemon offers no same-host socket (--same-host-socket off)")
+    return False
+
+
+def same_host_unusable(err: DaemonUnavailable, arena: ShmArena, want: str | None) -> None:
+    """The same-host socket did not answer: control goes over gRPC, unless it was the one wanted."""
+    if want == "same-host":
+        arena.close()
+        raise err
+    log.info("same-host socket unusable, control goes over gRPC: %s", err)
+
+
 def choose(attach: pb.AttachResponse | None, channel: grpc.Channel, stream: Transport, *,
            use_shm: bool | None = None, want: str | None = None, lease_ms: int = 0,
            same_host_options: dict | None = None) -> tuple[Transport, ShmArena | None]:
@@ -35,28 +71,15 @@ def choose(attach: pb.AttachResponse | None, channel: grpc.Channel, stream: Tran
     ``want`` "grpc"). ``want`` names one transport and fails rather than
     fall back; ``use_shm`` True fails when the arena cannot be mapped.
     """
-    if want is not None and want not in CHOICES:
-        raise InvalidArgument(f"unknown transport {want!r} for a daemon client; known: {', '.join(CHOICES)}")
-    if attach is None or use_shm is False or want == "grpc":
+    arena = arena_to_map(attach, use_shm=use_shm, want=want)
+    if arena is None:
         return stream, None
-    try:
-        arena = grpc_blocks.open_arena(attach)
-    except ArenaUnusable:
-        if use_shm or want:
-            raise
-        return stream, None
-    if want != "grpc-arena" and attach.control_socket:
+    if same_host_offered(attach, arena, want):
         try:
             return SameHostTransport(arena, attach.control_socket, attach.arena_token, fallback=stream,
                                      lease_ms=lease_ms, **(same_host_options or {})), arena
         except DaemonUnavailable as err:
-            if want == "same-host":
-                arena.close()
-                raise
-            log.info("same-host socket unusable, control goes over gRPC: %s", err)
-    elif want == "same-host":
-        arena.close()
-        raise ArenaUnusable("the daemon offers no same-host socket (--same-host-socket off)")
+            same_host_unusable(err, arena, want)
     return GrpcArenaTransport(channel, arena, stream, lease_ms=lease_ms, arena_name=attach.arena_name), arena
 
 

@@ -29,8 +29,15 @@ Contract (``tests/test_transport_contract.py`` runs it over every transport):
   usable for the next call.
 - Errors are :mod:`kvstore.errors` classes, the same ones the daemon
   raised; RESOURCE_EXHAUSTED ones carry ``retry_after_s``. A transport does
-  not retry; the client decides (``kvstore.client.codec.retry_delay``).
+  not retry; the client decides (``kvstore.client.base.retry_delay``).
 - ``close()`` gives back what the transport holds; calling it twice is fine.
+
+:class:`AsyncTransport` is the same contract for asyncio: the same methods
+and attributes, each call a coroutine of the loop the transport was opened
+on, and the same ``deadline`` (its remaining time bounds each wait). An
+asyncio call is cancelled as any coroutine is, by cancelling its task: what
+it held is given back as for Cancelled. :meth:`Deadline.cancel` is seen at
+the call's next check (its start, and between its steps).
 """
 
 from __future__ import annotations
@@ -176,7 +183,6 @@ class Deadline:
                 pass
 
 
-
 class Transport(ABC):
     """Moves blocks between a client and a daemon; the contract is the module docstring."""
 
@@ -212,3 +218,35 @@ class Transport(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncTransport(ABC):
+    """The asyncio twin of :class:`Transport`: the same contract (the module docstring), as coroutines."""
+
+    name: str = ""
+    shared_memory: bool = False
+    device_tensors: bool = False
+
+    @abstractmethod
+    async def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
+        """Store blocks; per block, whether it was newly stored."""
+
+    @abstractmethod
+    async def get_into(
+        self, namespace: str, keys: Sequence[bytes], place: Place | None, deadline: Deadline
+    ) -> list[Block | None]:
+        """Read blocks into the buffers ``place`` chooses (new ones when None); None per miss.
+        ``place`` is called on the event loop, never in a worker thread."""
+
+    async def touch(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """As :meth:`Transport.touch`: best effort, nothing by default."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Give back what the transport holds. Idempotent."""
+
+    async def __aenter__(self) -> AsyncTransport:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -76,13 +76,16 @@ class GrpcStreamTransport(Transport):
         response = call_grpc(deadline, self._stub.Put, codec.put_requests(namespace, checked, self._chunk))
         return codec.stream_put_results(checked, response)
 
-    def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None, deadline: Deadline,
-                 ) -> list[Block | None]:
+    def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None, deadline: Deadline, *,
+                 local_only: bool = False) -> list[Block | None]:
+        """As the contract says; ``local_only``: the daemon answers from its own tiers only, never reading
+        through to its peers (what a peer fetch asks)."""
         keys = list(keys)
         if not keys:
             return []
         deadline.check()
-        stream = self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=deadline.remaining())
+        request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
+        stream = self._stub.Get(request, timeout=deadline.remaining())
         forget = deadline.on_cancel(stream.cancel)
         assembler = codec.GetAssembler(place)
         try:

@@ -25,6 +25,10 @@ kept for arena extents only: a device extent is always asked for.
 
 Thread-safe: each call takes a connection from a small pool (a connection
 carries one request at a time), so threads do not queue behind each other.
+What each request says and what its answer means is
+:mod:`kvstore.transport.samehost.protocol`, which the asyncio twin
+(:mod:`kvstore.transport.samehost.client_aio`) drives too; this module
+holds only the waiting: connections, the flusher thread, the pipelined Commits.
 """
 
 from __future__ import annotations
@@ -32,41 +36,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
-from kvstore.block import TierName, checksum
-from kvstore.errors import (
-    ArenaUnusable,
-    DaemonUnavailable,
-    InvalidArgument,
-    LeaseExpired,
-    StaleAttachment,
-    StrataError,
-)
+from kvstore.errors import ArenaUnusable, DaemonUnavailable, InvalidArgument, StrataError
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io
-from kvstore.transport.samehost import frames
-from kvstore.transport.samehost import regions
-from kvstore.transport.base import Block, BlockInfo, BlockPut, Deadline, Place, Transport, fit
-from kvstore.transport.samehost.locations import DEFAULT_CAPACITY, Locations
+from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
+from kvstore.transport.samehost import frames, protocol, regions
 from kvstore.transport.samehost.conn import _Connection, _timeout_ms
+from kvstore.transport.samehost.locations import Locations
+from kvstore.transport.samehost.protocol import (  # noqa: F401 - the constants' old home
+    DEFAULT_LOCATIONS, INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S, stale_attachment,
+)
 
-# Blocks up to this size travel inline in a Put frame: one round trip, where
-# the arena path needs two (Allocate, Commit). Above it the copy dominates
-# and writing in place saves the socket's two copies.
-INLINE_BYTES = 256 << 10
 MAX_IDLE_CONNECTIONS = 8
-# Read leases waiting to ride on the next Lookup: at most this many, this long.
-MAX_PENDING_RELEASES = 256
-RELEASE_DELAY_S = 0.05
-MAX_TOUCHED = 4096  # keys read without asking, reported per flush
-DEFAULT_LOCATIONS = DEFAULT_CAPACITY
-
-
-def stale_attachment(refusal: InvalidArgument) -> StaleAttachment:
-    """What a client is told when the daemon refuses a token it accepted before (both transports)."""
-    return StaleAttachment(f"the daemon refused this client's arena token ({refusal}); it restarted since the "
-                           "client attached: attach again")
 
 
 class SameHostTransport(Transport):
@@ -102,9 +84,8 @@ class SameHostTransport(Transport):
                 first.close()
                 raise
         self._give(first)
-        self._writes_in_place = first.in_place
-        self.device_tensors = any(h.kind == "cuda" for h in first.regions)
-        self._max_inline = min(first.max_payload, first.max_meta // 2)
+        self._hello = first.hello
+        self.device_tensors = first.hello.device_tensors
         self._batch_bytes = arena.size // 4
 
     # ---- connections ---------------------------------------------------------
@@ -127,6 +108,11 @@ class SameHostTransport(Transport):
             raise stale_attachment(err) from None
         self._regions.keep_only(conn.regions)  # a restarted daemon's regions: the old mappings are dead
         return conn
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether large blocks are written into slots (False: a gpu head without regions for this client)."""
+        return self._hello.in_place
 
     @property
     def mapped_regions(self) -> int:
@@ -237,230 +223,101 @@ class SameHostTransport(Transport):
         if not keys:
             return []
         deadline.check()
-        blocks: list[Block | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
+        read = protocol.Read(namespace, keys, place, self._locations)
         if self._locations is not None:
-            todo = self._read_known(namespace, keys, place, blocks)
-        if todo:
-            self._lookup_into(namespace, keys, todo, place, blocks, deadline)
-        return blocks
+            copies = read.known_copies()
+            if copies:
+                touched = read.known_copied(copies, protocol.copy_out(self._arena, self._regions, [], copies))
+                if touched:
+                    self._touch_later(namespace, touched)
+        if read.todo:
+            self._lookup_into(read, deadline)
+        return read.blocks
 
-    def _read_known(self, namespace: str, keys: list[bytes], place: Place | None,
-                    blocks: list[Block | None]) -> list[int]:
-        """Read the blocks whose arena extent this client already knows; the indices still to look up."""
-        locations = self._locations
-        epoch = locations.epoch()
-        todo: list[int] = []
-        hits: list[int] = []
-        for i, key in enumerate(keys):
-            known = locations.get(namespace, key)
-            if known is None:
-                todo.append(i)
-                continue
-            offset, size, sum_, parent, layout = known
-            out = arena_io.target(place, i, BlockInfo(key, size, layout, parent))
-            if out is None:
-                continue  # declined: a miss
-            if arena_io.copy_out(self._arena, offset, out) != sum_:
-                locations.forget(namespace, key)  # the extent went to another block: ask the daemon
-                todo.append(i)
-                continue
-            blocks[i] = Block(key, out.obj if place is None else out, layout, parent, TierName.HOST)
-            hits.append(i)
-        if not hits:
-            return todo
-        if not locations.still(epoch):  # a Delete answered while we copied: nothing read here counts
-            for i in hits:
-                blocks[i] = None
-            return sorted(todo + hits)
-        self._touch_later(namespace, [keys[i] for i in hits])
-        return todo
-
-    def _lookup_into(self, namespace: str, keys: list[bytes], todo: list[int], place: Place | None,
-                     blocks: list[Block | None], deadline: Deadline) -> None:
-        """One Lookup for the keys at ``todo``; copies under its leases; refetches what it could not read."""
-        asked = [keys[i] for i in todo]
-        refetch: list[int] = []
-        placed: dict[int, memoryview] = {}
-        epoch = self._locations.epoch() if self._locations is not None else 0
-        learned: list[tuple[bytes, tuple]] = []
+    def _lookup_into(self, read: protocol.Read, deadline: Deadline) -> None:
+        """One Lookup for the keys left; copies under its leases; refetches what it could not read."""
         conn = self._take()
         releases = self._take_pending()
         try:
             try:
-                lease_deadline, entries = conn.call(
-                    frames.LOOKUP, [namespace, asked, self._lease_ms, _timeout_ms(deadline), releases],
-                    deadline=deadline,
-                )
+                answer = conn.call(frames.LOOKUP, read.lookup_args(self._lease_ms, _timeout_ms(deadline), releases),
+                                   deadline=deadline)
             except StrataError:
                 if releases:  # in case the Lookup failed before releasing them
                     conn.notify(frames.RELEASE, [releases])
                 raise
-            received = arena_io.now_ms()
-            if len(entries) != len(asked):
-                conn.close()
-                raise StrataError(f"the daemon answered {len(entries)} of {len(asked)} keys")
-            leased: list[tuple[int, int]] = []
             try:
-                for i, entry in zip(todo, entries):
-                    if entry is None:
-                        continue
-                    size, sum_, parent, layout, offset, lease_id, tier, *region = entry
-                    if not lease_id:  # found, but could not be brought into the arena
-                        refetch.append(i)
-                        continue
-                    leased.append((i, lease_id))
-                    if place is None:
-                        out = memoryview(bytearray(size))
-                    else:
-                        view = place(i, BlockInfo(keys[i], size, layout, parent))
-                        if view is None:
-                            continue  # declined: a miss, its lease still released
-                        out = placed[i] = regions.placed_out(view, size)
-                    if region:  # a gpu extent: copied out of the mapped region (None: it stayed on the device)
-                        got = self._regions.region(conn.regions, region[0]).read_into(offset, out)
-                    else:
-                        got = regions.arena_into(self._arena, offset, out)
-                    if got is not None and got != sum_:
-                        refetch.append(i)  # torn under an expired lease, or corrupt: read it again
-                        continue
-                    blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
-                    if not region:
-                        learned.append((keys[i], (offset, size, sum_, parent, layout)))
-            except BaseException:  # a placement refused: give every lease of the read back now
-                conn.notify(frames.RELEASE, [[e[5] for e in entries if e is not None and e[5]]])
+                read.answered(answer, arena_io.now_ms())
+            except StrataError:
+                conn.close()
                 raise
-            if leased:
-                ids = [lease_id for _, lease_id in leased]
-                if refetch and arena_io.lease_held(lease_deadline, received):
-                    conn.call(frames.RELEASE, [ids], deadline=deadline)  # done before a refetch drops a corrupt block
-                elif arena_io.lease_held(lease_deadline, received):
-                    self._release_later(conn, ids)
-                else:  # the copy ran close to the lease's end: ask whether it held
-                    learned = []
-                    valid = conn.call(frames.RELEASE, [ids], deadline=deadline)
-                    for (i, _), ok in zip(leased, valid):
-                        if not ok and blocks[i] is not None:
-                            blocks[i] = None
-                            refetch.append(i)
+            try:
+                copies = read.leased_copies()
+                read.leased_copied(copies, protocol.copy_out(self._arena, self._regions, conn.regions, copies))
+            except BaseException:  # a placement refused: give every lease of the read back now
+                conn.notify(frames.RELEASE, [read.lease_ids])
+                raise
+            if read.release_now():
+                read.released(conn.call(frames.RELEASE, [read.lease_ids], deadline=deadline))
+            elif read.lease_ids:
+                self._release_later(conn, read.lease_ids)
         finally:
             self._give(conn)
-        if self._locations is not None:
-            for key, location in learned:
-                self._locations.learn(epoch, namespace, key, location)
-        if refetch:
-            self._refetch(namespace, keys, refetch, place, placed, blocks, deadline)
-
-    def _refetch(self, namespace, keys, refetch, place, placed, blocks, deadline) -> None:
-        if self._fallback is None:
-            raise StrataError("blocks the daemon could not lease in the arena need a fallback transport to be read")
-        refetch.sort()
-
-        staged: dict[int, memoryview] = {}  # CUDA tensors read through the fallback via host memory
-
-        def again(j: int, info: BlockInfo) -> memoryview | None:
-            i = refetch[j]
-            view = placed[i] if i in placed else None if place is None else place(i, info)
-            if regions.on_device(view):
-                placed[i] = regions.placed_out(view, info.size)
-                staged[i] = memoryview(bytearray(info.size))
-                return staged[i]
-            return fit(info.key, info.size, view) if i in placed else view
-
-        got = self._fallback.get_into(namespace, [keys[i] for i in refetch], again if place else None, deadline)
-        for i, block in zip(refetch, got):
-            if block is not None and i in staged:
-                regions.copy_up(staged[i], placed[i])
-                block = replace(block, data=placed[i][:len(staged[i])])
-            blocks[i] = block
+        read.learn()
+        if read.refetch:
+            if self._fallback is None:
+                raise StrataError("blocks the daemon could not lease in the arena need a fallback transport to be read")
+            read.refetched(self._fallback.get_into(read.namespace, read.refetch_keys(), read.again(), deadline))
 
     # ---- writes --------------------------------------------------------------
 
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
-        views = [regions.device_or_host(b.value) for b in blocks]  # CUDA tensors only where device_tensors
-        results = [False] * len(blocks)
         # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
-        limit = self._inline if self._writes_in_place else self._max_inline
-        inline = [i for i, v in enumerate(views) if len(v) <= limit]
-        in_place = [i for i, v in enumerate(views) if len(v) > limit]
-        for i in inline:
-            views[i] = regions.on_host(views[i])
-        if inline:
-            self._put_inline(namespace, blocks, views, inline, results, deadline)
-        if in_place and not self._writes_in_place:
-            self._put_elsewhere(namespace, blocks, in_place, results, deadline)
-            return results
-        for batch in arena_io.batches_by_bytes([len(views[i]) for i in in_place], self._batch_bytes):
-            self._put_in_place(namespace, blocks, views, [in_place[j] for j in batch], results, deadline)
-        return results
+        put = protocol.Put(namespace, blocks, self._inline if self._hello.in_place else self._hello.max_inline)
+        if put.inline:
+            self._put_inline(put, deadline)
+        if put.large and not self._hello.in_place:
+            if self._fallback is None:
+                raise StrataError("blocks the daemon cannot take in place need a fallback transport to be put")
+            put.stored_elsewhere(self._fallback.put(namespace, put.staged(), deadline))
+            return put.results
+        for batch in put.slot_batches(self._batch_bytes):
+            self._put_in_place(put, batch, deadline)
+        return put.results
 
-    def _put_elsewhere(self, namespace, blocks, indices, results, deadline) -> None:
-        if self._fallback is None:
-            raise StrataError("blocks the daemon cannot take in place need a fallback transport to be put")
-        staged = [BlockPut(blocks[i].key, regions.on_host(blocks[i].value), blocks[i].parent, blocks[i].layout)
-                  for i in indices]
-        for i, stored in zip(indices, self._fallback.put(namespace, staged, deadline)):
-            results[i] = stored
-
-    def _put_inline(self, namespace, blocks, views, indices, results, deadline) -> None:
+    def _put_inline(self, put: protocol.Put, deadline: Deadline) -> None:
         conn = self._take()
         try:
-            limit = min(conn.max_payload, conn.max_meta // 2)
-            for group in arena_io.batches_by_bytes([len(views[i]) for i in indices], limit):
-                group = [indices[j] for j in group]
-                for start in range(0, len(group), conn.max_batch):
-                    part = group[start : start + conn.max_batch]
-                    headers = [
-                        [blocks[i].key, len(views[i]), checksum(views[i]), blocks[i].parent, blocks[i].layout]
-                        for i in part
-                    ]
-                    done = conn.call(frames.PUT, [namespace, _timeout_ms(deadline), headers],
-                                     [views[i] for i in part], deadline=deadline)
-                    for i, (stored, _tier) in zip(part, done):
-                        results[i] = stored
+            for part in put.inline_parts(conn.hello):
+                args, payload = put.put_frame(part, _timeout_ms(deadline))
+                put.stored(part, conn.call(frames.PUT, args, payload, deadline=deadline))
         finally:
             self._give(conn)
 
-    def _put_in_place(self, namespace, blocks, views, indices, results, deadline) -> None:
+    def _put_in_place(self, put: protocol.Put, indices: list[int], deadline: Deadline) -> None:
         conn = self._take()
-        slots: list[int] = []
+        slots: list[protocol.Slot] = []
         unread = 0
         try:
-            headers = [[blocks[i].key, len(views[i]), blocks[i].parent, blocks[i].layout] for i in indices]
-            lease_deadline, grants = conn.call(
-                frames.ALLOCATE, [namespace, self._lease_ms, _timeout_ms(deadline), headers], deadline=deadline
-            )
+            answer = conn.call(frames.ALLOCATE, put.allocate_args(indices, self._lease_ms, _timeout_ms(deadline)),
+                               deadline=deadline)
             received = arena_io.now_ms()
-            todo = [(i, slot, (offset, *region)) for i, (present, slot, offset, *region) in zip(indices, grants)
-                    if not present]
-            slots = [slot for _, slot, _ in todo]
-            sent: list[tuple[int, list]] = []
-            for group in arena_io.commit_groups([len(views[i]) for i, _, _ in todo]):
-                group = [todo[j] for j in group]
-                if not arena_io.lease_held(lease_deadline, received):
-                    raise LeaseExpired(
-                        "the arena slots' lease ran out before they were written: nothing was stored, put again"
-                    )
-                sums = []
-                for i, _, (offset, *region) in group:
-                    deadline.check()
-                    if region:  # a gpu slot: written through the mapped region (device to device from a CUDA tensor)
-                        sums.append(self._regions.region(conn.regions, region[0]).write(offset, views[i]))
-                    else:
-                        sums.append(arena_io.copy_in(self._arena, offset, regions.on_host(views[i])))
-                commit = [[slot for _, slot, _ in group], sums]
-                sent.append((conn.send(frames.COMMIT, commit, deadline=deadline), group))
+            lease_deadline, slots = put.granted(indices, answer)
+            sent: list[tuple[int, list[protocol.Slot]]] = []
+            for group in put.commit_groups(slots):
+                protocol.check_slot_lease(lease_deadline, received)
+                sums = put.copy_in(self._arena, self._regions, conn.regions, group, deadline.check)
+                sent.append((conn.send(frames.COMMIT, protocol.commit_args(group, sums), deadline=deadline), group))
                 unread += 1
             for rid, group in sent:  # the daemon checksummed each group while the next was copied
                 unread -= 1
-                for (i, _, _), (stored, _tier) in zip(group, conn.reply(rid, deadline)):
-                    results[i] = stored
+                put.stored([s.index for s in group], conn.reply(rid, deadline))
             slots = []
         except BaseException:
             if unread:
                 conn.close()  # replies still on their way would be taken for the next call's
             if slots:
-                self._abort(conn, slots)
+                self._abort(conn, [s.slot_id for s in slots])
             raise
         finally:
             self._give(conn)

@@ -1,39 +1,44 @@
 """The same-host transport for asyncio: the twin of :mod:`kvstore.transport.samehost.client`.
 
-Same wire format, same reads without a message for blocks seen before
-(:mod:`kvstore.transport.samehost.locations`), same one-round-trip first get and
-small put, same arena copies.
-One connection per client carries every task's requests: requests are
+Same wire format, same requests for the same calls: what each request says
+and what its answer means is :mod:`kvstore.transport.samehost.protocol`,
+which both drive (reads without a message for blocks seen before, the
+one-round-trip first get and small put, the arena copies, the gpu regions
+and CUDA tensors device to device). Only the waiting differs.
+
+One connection per transport carries every task's requests: requests are
 written in order and the daemon answers in order, so a reader task hands
 each reply to the future of its request id. A task cancelled (or past its
 deadline) while it waits leaves its request in flight; when the reply
 comes, what it granted is given back (the leases of a Lookup, the slots of
-an Allocate), so cancellation never needs the connection torn down.
+an Allocate), so cancellation never needs the connection torn down. A
+connection the daemon closed (a restart, or idle too long) makes the
+transport :attr:`~AsyncSameHostTransport.broken`; :meth:`~AsyncSameHostTransport.reopen`
+gives a new one.
 
-Copies of more than ``off_loop_bytes`` run through ``off_loop`` (the
-client's worker-thread hop); smaller ones run on the loop.
+Copies of more than ``off_loop.threshold`` bytes run in a worker thread
+(:class:`kvstore.transport.off_loop.OffLoop`); smaller ones, and every
+placement, run on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import msgpack
 
-from kvstore.block import TierName, checksum
-from kvstore.errors import (
-    DaemonUnavailable, DeadlineExceeded, InvalidArgument, LeaseExpired, StrataError,
-)
+from kvstore.block import TierName
+from kvstore.errors import DaemonUnavailable, DeadlineExceeded, InvalidArgument, StrataError
 from kvstore.shm.arena import ShmArena
 from kvstore.transport import arena_io
-from kvstore.transport.samehost import frames
-from kvstore.transport.samehost import regions
-from kvstore.transport.base import Block, BlockInfo, BlockPut, Place, fit
-from kvstore.transport.samehost.locations import DEFAULT_CAPACITY, Locations
-from kvstore.transport.samehost.client import (
-    INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S, stale_attachment,
+from kvstore.transport.base import AsyncTransport, Block, BlockPut, Deadline, Place
+from kvstore.transport.off_loop import OffLoop
+from kvstore.transport.samehost import frames, protocol, regions
+from kvstore.transport.samehost.locations import Locations
+from kvstore.transport.samehost.protocol import (
+    DEFAULT_LOCATIONS, INLINE_BYTES, MAX_PENDING_RELEASES, MAX_TOUCHED, RELEASE_DELAY_S, stale_attachment,
 )
 from kvstore.wire.unix import connect_unix
 
@@ -42,50 +47,73 @@ CLOSE_WAIT_S = 1.0  # replies of cancelled requests waited for at close, to give
 # Replies waited for at once on the connection; more wait for a turn.
 MAX_IN_FLIGHT = 64
 
-OffLoop = Callable[..., Awaitable]
 
-
-def _timeout_ms(timeout: float | None) -> int:
-    return 0 if timeout is None else max(1, int(timeout * 900))
-
-
-class AsyncSameHostTransport:
-    """See the module docstring. Create with :meth:`connect` inside the loop it serves."""
+class AsyncSameHostTransport(AsyncTransport):
+    """See the module docstring. Create with :meth:`connect` inside the loop it serves; ``arena`` and
+    ``fallback`` stay the caller's to close."""
 
     name = "same-host"
     shared_memory = True
 
     def __init__(self, arena: ShmArena, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 lease_ms: int, off_loop: OffLoop, off_loop_bytes: int, fallback, gpu: bool = True) -> None:
+                 fallback: AsyncTransport | None, lease_ms: int, inline_bytes: int, off_loop: OffLoop) -> None:
         self._arena = arena
         self._reader = reader
         self._writer = writer
+        self._fallback = fallback
         self._lease_ms = lease_ms
+        self._inline = inline_bytes
         self._off_loop = off_loop
-        self._off_loop_bytes = off_loop_bytes
-        self._fallback = fallback  # async (namespace, keys, place) -> blocks, for refetches
-        self.writes_in_place = True  # False: the daemon's slots are in its gpu tier, not mapped here
-        self._handles: list = []  # the daemon's gpu regions (the Hello's), mapped on first use
+        self._hello = protocol.Hello(frames.MAX_META_BYTES, frames.MAX_PAYLOAD_BYTES, 4096, "", TierName.HOST, [])
         self._regions = regions.Regions()
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[asyncio.Future, int]] = {}
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._broken: StrataError | None = None
+        self._closed = False
         self._pending: list[int] = []  # read leases to release with the next Lookup
         self._flush: asyncio.TimerHandle | None = None
         self._batch_bytes = arena.size // 4
-        self._max_payload = frames.MAX_PAYLOAD_BYTES
-        self._max_batch = 4096
         self._reading: asyncio.Task | None = None
         self._locations: Locations | None = None
         self._touched: dict[str, dict[bytes, None]] = {}  # read without asking: reported for recency
+        self._path, self._token, self._options = "", b"", {}
 
     @classmethod
-    async def connect(cls, arena: ShmArena, path: str, token: bytes, *, locations: int = DEFAULT_CAPACITY,
-                      **options) -> AsyncSameHostTransport:
-        self = await cls._connect(arena, path, token, locations, options)
-        self._path, self._token, self._options = path, bytes(token), {"locations": locations, **options}
+    async def connect(cls, arena: ShmArena, socket_path: str, token: bytes, *, fallback: AsyncTransport | None = None,
+                      lease_ms: int = 0, inline_bytes: int = INLINE_BYTES, locations: int = DEFAULT_LOCATIONS,
+                      gpu: bool = True, off_loop: OffLoop | None = None) -> AsyncSameHostTransport:
+        """Connect and say Hello; the arguments are :class:`~kvstore.transport.samehost.client.SameHostTransport`'s,
+        and ``off_loop`` (shared with the caller, who must not unmap the arena while it is busy)."""
+        off_loop = off_loop if off_loop is not None else OffLoop()
+        try:
+            sock = await asyncio.get_running_loop().run_in_executor(None, connect_unix, socket_path, CONNECT_TIMEOUT_S)
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=frames.MAX_META_BYTES + 64)
+        except OSError as err:
+            raise DaemonUnavailable(f"cannot connect to the daemon's same-host socket {socket_path}: {err}") from None
+        self = cls(arena, reader, writer, fallback=fallback, lease_ms=lease_ms, inline_bytes=inline_bytes,
+                   off_loop=off_loop)
+        self._path, self._token = socket_path, bytes(token)
+        self._options = dict(fallback=fallback, lease_ms=lease_ms, inline_bytes=inline_bytes, locations=locations,
+                             gpu=gpu, off_loop=off_loop)
+        self._reading = asyncio.ensure_future(self._read_loop())
+        try:
+            answer = await self._call(frames.HELLO, protocol.hello_request(token, gpu), (),
+                                      Deadline.after(CONNECT_TIMEOUT_S))
+            self._hello = protocol.Hello.parse(answer)
+            self.device_tensors = self._hello.device_tensors
+            if self._hello.removal_page and locations:
+                self._locations = Locations(self._hello.removal_page, self._token, locations)
+        except BaseException:  # refused (a token of another run), unreadable, cancelled: nothing stays open
+            await self.close()
+            raise
         return self
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether large blocks are written into slots (False: a gpu head without regions for this client)."""
+        return self._hello.in_place
 
     @property
     def mapped_regions(self) -> int:
@@ -110,35 +138,11 @@ class AsyncSameHostTransport:
         except InvalidArgument as err:
             raise stale_attachment(err) from None
 
-    @classmethod
-    async def _connect(cls, arena: ShmArena, path: str, token: bytes, locations: int,
-                       options: dict) -> AsyncSameHostTransport:
-        loop = asyncio.get_running_loop()
-        try:
-            sock = await loop.run_in_executor(None, connect_unix, path, CONNECT_TIMEOUT_S)
-            sock.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=frames.MAX_META_BYTES + 64)
-        except OSError as err:
-            raise DaemonUnavailable(f"cannot connect to the daemon's same-host socket {path}: {err}") from None
-        self = cls(arena, reader, writer, **options)
-        self._reading = asyncio.ensure_future(self._read_loop())
-        try:
-            # The gpu capability (kvstore.transport.samehost.regions): a gpu head's extents come with their region.
-            hello = [frames.PROTOCOL_VERSION, bytes(token), [regions.CAPABILITY] if options.get("gpu", True) else []]
-            limits = await self._call(frames.HELLO, hello, (), CONNECT_TIMEOUT_S)
-            _, self._max_payload, self._max_batch, removals, *head = limits
-            head = head[0] if head else {"tier": int(TierName.HOST), "regions": []}  # as a protocol 1 daemon
-            self._handles = regions.regions_from_wire(head["regions"])
-            self.writes_in_place = head["tier"] == int(TierName.HOST) or bool(self._handles)
-            if removals and locations:
-                self._locations = Locations(removals, bytes(token), locations)
-        except BaseException:  # refused (a token of another run), unreadable, cancelled: nothing stays open
-            await self.close()
-            raise
-        return self
-
     async def close(self) -> None:
         """Wait briefly for replies still due (what they grant is given back), release, close."""
+        if self._closed:
+            return
+        self._closed = True
         end = asyncio.get_running_loop().time() + CLOSE_WAIT_S
         while self._waiting and self._broken is None and asyncio.get_running_loop().time() < end:
             await asyncio.sleep(0.005)
@@ -204,7 +208,7 @@ class AsyncSameHostTransport:
         touched = self._touched.setdefault(namespace, {})
         if len(touched) < MAX_TOUCHED:  # beyond it recency is approximate, never unbounded
             touched.update(dict.fromkeys(keys))
-        if self._flush is None:
+        if self._flush is None and not self._closed:
             self._flush = asyncio.get_running_loop().call_later(RELEASE_DELAY_S, self._flush_pending)
 
     def _flush_pending(self) -> None:
@@ -223,9 +227,9 @@ class AsyncSameHostTransport:
         if status != frames.OK:
             return
         if op == frames.LOOKUP:
-            self._release_later([e[5] for e in result[1] if e is not None and e[5]])
+            self._release_later(protocol.leased_ids(result))
         elif op == frames.ALLOCATE:
-            self._notify(frames.ABORT, [[slot for present, slot, _ in result[1] if not present]])
+            self._notify(frames.ABORT, [protocol.granted_slot_ids(result)])
 
     def _fail(self, err: StrataError) -> None:
         if self._broken is None:
@@ -250,7 +254,8 @@ class AsyncSameHostTransport:
             self._writer.write(part)
         return future
 
-    async def _call(self, op: int, args, payload: Sequence, timeout: float | None):
+    async def _call(self, op: int, args, payload: Sequence, deadline: Deadline):
+        deadline.check()
         async with self._slots:
             future = self._send(op, args, payload)
             try:
@@ -262,11 +267,11 @@ class AsyncSameHostTransport:
             except BaseException:
                 self._abandon(future, op)
                 raise
-            return await self._wait(future, timeout, op)
+            return await self._wait(future, deadline, op)
 
-    async def _wait(self, future: asyncio.Future, timeout: float | None, op: int):
+    async def _wait(self, future: asyncio.Future, deadline: Deadline, op: int):
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
+            return await asyncio.wait_for(asyncio.shield(future), deadline.remaining())
         except asyncio.TimeoutError:
             self._abandon(future, op)
             raise DeadlineExceeded("the daemon did not answer on the same-host socket before the deadline") from None
@@ -281,199 +286,104 @@ class AsyncSameHostTransport:
         if not future.cancelled() and future.exception() is None:
             self._give_back(op, frames.OK, future.result())  # answered as the wait was cut short
 
+    async def _copy(self, nbytes: int, fn, *args):
+        return await self._off_loop(nbytes, fn, *args) if nbytes > self._off_loop.threshold else fn(*args)
+
     # ---- reads ---------------------------------------------------------------
 
+    async def touch(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """Tell the daemon these blocks were used (recency), with the next flush; no reply."""
+        if keys:
+            self._touch_later(namespace, list(keys))
+
     async def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None,
-                       timeout: float | None) -> list[Block | None]:
+                       deadline: Deadline) -> list[Block | None]:
         keys = list(keys)
         if not keys:
             return []
-        blocks: list[Block | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
+        deadline.check()
+        read = protocol.Read(namespace, keys, place, self._locations)
         if self._locations is not None:
-            todo = await self._read_known(namespace, keys, place, blocks)
-        if todo:
-            await self._lookup_into(namespace, keys, todo, place, blocks, timeout)
-        return blocks
+            copies = read.known_copies()  # on the loop: placements are the caller's code
+            if copies:
+                sums = await self._copy(sum(c.size for c in copies), protocol.copy_out, self._arena, self._regions,
+                                        [], copies)
+                touched = read.known_copied(copies, sums)
+                if touched:
+                    self._touch_later(namespace, touched)
+        if read.todo:
+            await self._lookup_into(read, deadline)
+        return read.blocks
 
-    async def _read_known(self, namespace: str, keys: list[bytes], place: Place | None,
-                          blocks: list[Block | None]) -> list[int]:
-        """Read the blocks whose arena extent this client already knows (see kvstore.transport.samehost.locations)."""
-        locations = self._locations
-        epoch = locations.epoch()
-        todo: list[int] = []
-        jobs: list[tuple[int, memoryview, tuple, int]] = []
-        known: dict[int, tuple] = {}
-        for i, key in enumerate(keys):
-            where = locations.get(namespace, key)
-            if where is None:
-                todo.append(i)
-                continue
-            offset, size, sum_, parent, layout = where
-            out = arena_io.target(place, i, BlockInfo(key, size, layout, parent))  # on the loop: the caller's code
-            if out is None:
-                continue  # declined: a miss
-            jobs.append((i, out, (offset,), sum_))
-            known[i] = where
-        if not jobs:
-            return todo
-        nbytes = sum(len(out) for _, out, _, _ in jobs)
-        sums = await self._off_loop(nbytes, self._copy_all, jobs) if nbytes > self._off_loop_bytes else self._copy_all(jobs)
-        hits: list[int] = []
-        for (i, out, _, sum_), got in zip(jobs, sums):
-            if got != sum_:
-                locations.forget(namespace, keys[i])  # the extent went to another block: ask the daemon
-                todo.append(i)
-                continue
-            _, _, _, parent, layout = known[i]
-            blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName.HOST)
-            hits.append(i)
-        if hits and not locations.still(epoch):  # a Delete answered while we copied: nothing read here counts
-            for i in hits:
-                blocks[i] = None
-            return sorted(todo + hits)
-        if hits:
-            self._touch_later(namespace, [keys[i] for i in hits])
-        return sorted(todo)
-
-    async def _lookup_into(self, namespace: str, keys: list[bytes], todo: list[int], place: Place | None,
-                           blocks: list[Block | None], timeout: float | None) -> None:
-        """One Lookup for the keys at ``todo``; copies under its leases; refetches what it could not read."""
-        asked = [keys[i] for i in todo]
-        epoch = self._locations.epoch() if self._locations is not None else 0
+    async def _lookup_into(self, read: protocol.Read, deadline: Deadline) -> None:
+        """One Lookup for the keys left; copies under its leases; refetches what it could not read."""
         releases = self._take_pending()
-        lease_deadline, answers = await self._call(
-            frames.LOOKUP, [namespace, asked, self._lease_ms, _timeout_ms(timeout), releases], (), timeout
-        )
-        received = arena_io.now_ms()
-        if len(answers) != len(asked):
-            raise StrataError(f"the daemon answered {len(answers)} of {len(asked)} keys")
-        entries = dict(zip(todo, answers))
-        refetch: list[int] = []
-        placed: dict[int, memoryview] = {}
-        jobs: list[tuple[int, memoryview, tuple, int]] = []  # (index, out, (offset(, region)), checksum)
         try:
-            for i, entry in entries.items():
-                if entry is None:
-                    continue
-                size, sum_, parent, layout, offset, lease_id, tier, *region = entry
-                if not lease_id:
-                    refetch.append(i)
-                    continue
-                if place is None:
-                    out = memoryview(bytearray(size))
-                else:  # on the loop: placements are the caller's code
-                    view = place(i, BlockInfo(keys[i], size, layout, parent))
-                    if view is None:
-                        continue
-                    out = placed[i] = view[:size]
-                jobs.append((i, out, (offset, *region), sum_))
-            nbytes = sum(len(out) for _, out, _, _ in jobs)
-            if nbytes > self._off_loop_bytes:
-                sums = await self._off_loop(nbytes, self._copy_all, jobs)
-            else:
-                sums = self._copy_all(jobs)
-        except BaseException:  # a placement refused, or the call was cancelled: give the leases back now
-            self._notify(frames.RELEASE, [[e[5] for e in answers if e is not None and e[5]]])
+            answer = await self._call(frames.LOOKUP, read.lookup_args(self._lease_ms, _timeout_ms(deadline), releases),
+                                      (), deadline)
+        except StrataError:
+            if releases:  # in case the Lookup failed before releasing them
+                self._notify(frames.RELEASE, [releases])
             raise
-        learned: list[tuple[bytes, tuple]] = []
-        for (i, out, (offset, *region), sum_), got in zip(jobs, sums):
-            if got is not None and got != sum_:  # None: copied device to device, verified on the way in
-                refetch.append(i)
-                continue
-            size, _, parent, layout, _, _, tier, *_ = entries[i]
-            blocks[i] = Block(keys[i], out.obj if place is None else out, layout, parent, TierName(tier))
-            if not region:  # the location table holds arena extents only
-                learned.append((keys[i], (offset, size, sum_, parent, layout)))
-        ids = [e[5] for e in answers if e is not None and e[5]]
-        if ids:
-            if refetch or not arena_io.lease_held(lease_deadline, received):
-                learned = []
-                valid = await self._call(frames.RELEASE, [ids], (), timeout)
-                by_id = dict(zip(ids, valid))
-                for i, entry in entries.items():
-                    if entry is not None and entry[5] and not by_id.get(entry[5]) and blocks[i] is not None:
-                        blocks[i] = None
-                        refetch.append(i)
-            else:
-                self._release_later(ids)
-        if self._locations is not None:
-            for key, where in learned:
-                self._locations.learn(epoch, namespace, key, where)
-        if refetch:
-            refetch.sort()
-
-            def again(j: int, info: BlockInfo) -> memoryview | None:
-                i = refetch[j]
-                if i in placed:
-                    return fit(info.key, info.size, placed[i])
-                return None if place is None else place(i, info)
-
-            got = await self._fallback(namespace, [keys[i] for i in refetch], again if place else None)
-            for i, block in zip(refetch, got):
-                blocks[i] = block
-
-    def _copy_all(self, jobs) -> list[int | None]:
-        return [self._regions.region(self._handles, where[1]).read_into(where[0], out) if len(where) > 1
-                else arena_io.copy_out(self._arena, where[0], out) for _, out, where, _ in jobs]
+        read.answered(answer, arena_io.now_ms())
+        try:
+            copies = read.leased_copies()  # on the loop: placements are the caller's code
+            sums = await self._copy(sum(c.size for c in copies), protocol.copy_out, self._arena, self._regions,
+                                    self._hello.regions, copies)
+        except BaseException:  # a placement refused, or the call was cancelled: give the leases back now
+            self._notify(frames.RELEASE, [read.lease_ids])
+            raise
+        read.leased_copied(copies, sums)
+        if read.release_now():
+            read.released(await self._call(frames.RELEASE, [read.lease_ids], (), deadline))
+        elif read.lease_ids:
+            self._release_later(read.lease_ids)
+        read.learn()
+        if read.refetch:
+            if self._fallback is None:
+                raise StrataError("blocks the daemon could not lease in the arena need a fallback transport to be read")
+            got = await self._fallback.get_into(read.namespace, read.refetch_keys(), read.again(), deadline)
+            await self._copy(read.staged_bytes(), read.refetched, got)
 
     # ---- writes --------------------------------------------------------------
 
-    async def put(self, namespace: str, blocks: Sequence[BlockPut], timeout: float | None) -> list[bool]:
-        views = [memoryview(b.value).cast("B") for b in blocks]
-        results = [False] * len(blocks)
-        inline = [i for i, v in enumerate(views) if len(v) <= INLINE_BYTES]
-        in_place = [i for i, v in enumerate(views) if len(v) > INLINE_BYTES]
-        limit = min(self._max_payload, frames.MAX_META_BYTES // 2)
-        for group in arena_io.batches_by_bytes([len(views[i]) for i in inline], limit):
-            group = [inline[j] for j in group]
-            for start in range(0, len(group), self._max_batch):
-                part = group[start : start + self._max_batch]
-                headers = [[blocks[i].key, len(views[i]), checksum(views[i]), blocks[i].parent, blocks[i].layout]
-                           for i in part]
-                done = await self._call(frames.PUT, [namespace, _timeout_ms(timeout), headers],
-                                        [views[i] for i in part], timeout)
-                for i, (stored, _tier) in zip(part, done):
-                    results[i] = stored
-        for batch in arena_io.batches_by_bytes([len(views[i]) for i in in_place], self._batch_bytes):
-            await self._put_in_place(namespace, blocks, views, [in_place[j] for j in batch], results, timeout)
-        return results
+    async def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
+        # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
+        put = protocol.Put(namespace, blocks, self._inline if self._hello.in_place else self._hello.max_inline)
+        for part in put.inline_parts(self._hello):
+            args, payload = put.put_frame(part, _timeout_ms(deadline))
+            put.stored(part, await self._call(frames.PUT, args, payload, deadline))
+        if put.large and not self._hello.in_place:
+            if self._fallback is None:
+                raise StrataError("blocks the daemon cannot take in place need a fallback transport to be put")
+            put.stored_elsewhere(await self._fallback.put(namespace, put.staged(), deadline))
+            return put.results
+        for batch in put.slot_batches(self._batch_bytes):
+            await self._put_in_place(put, batch, deadline)
+        return put.results
 
-    async def _put_in_place(self, namespace, blocks, views, indices, results, timeout) -> None:
-        headers = [[blocks[i].key, len(views[i]), blocks[i].parent, blocks[i].layout] for i in indices]
-        lease_deadline, grants = await self._call(
-            frames.ALLOCATE, [namespace, self._lease_ms, _timeout_ms(timeout), headers], (), timeout
-        )
+    async def _put_in_place(self, put: protocol.Put, indices: list[int], deadline: Deadline) -> None:
+        answer = await self._call(frames.ALLOCATE, put.allocate_args(indices, self._lease_ms, _timeout_ms(deadline)),
+                                  (), deadline)
         received = arena_io.now_ms()
-        todo = [(i, slot, (offset, *region)) for i, (present, slot, offset, *region) in zip(indices, grants)
-                if not present]
-        commits: list[tuple[asyncio.Future, list]] = []
+        lease_deadline, slots = put.granted(indices, answer)
+        commits: list[tuple[asyncio.Future, list[protocol.Slot]]] = []
         try:
-            for group in arena_io.commit_groups([len(views[i]) for i, _, _ in todo]):
-                group = [todo[j] for j in group]
-                if not arena_io.lease_held(lease_deadline, received):
-                    raise LeaseExpired(
-                        "the arena slots' lease ran out before they were written: nothing was stored, put again"
-                    )
-                nbytes = sum(len(views[i]) for i, _, _ in group)
-                if nbytes > self._off_loop_bytes:
-                    sums = await self._off_loop(nbytes, self._copy_in, group, views)
-                else:
-                    sums = self._copy_in(group, views)
-                commits.append((self._send(frames.COMMIT, [[slot for _, slot, _ in group], sums], ()), group))
+            for group in put.commit_groups(slots):
+                protocol.check_slot_lease(lease_deadline, received)
+                sums = await self._copy(put.group_bytes(group), put.copy_in, self._arena, self._regions,
+                                        self._hello.regions, group)
+                commits.append((self._send(frames.COMMIT, protocol.commit_args(group, sums), ()), group))
             await self._writer.drain()
             for future, group in commits:  # the daemon checksummed each group while the next was copied
-                for (i, _, _), (stored, _tier) in zip(group, await self._wait(future, timeout, frames.COMMIT)):
-                    results[i] = stored
+                put.stored([s.index for s in group], await self._wait(future, deadline, frames.COMMIT))
         except BaseException:
             for future, _ in commits:
                 future.cancel()
             if self._broken is None:  # committed slots are skipped by the daemon; the rest are given back
-                self._notify(frames.ABORT, [[slot for _, slot, _ in todo]])
+                self._notify(frames.ABORT, [[s.slot_id for s in slots]])
             raise
 
-    def _copy_in(self, group, views) -> list[int]:
-        """Into the arena, or into a gpu slot through the mapped region (``where`` names it)."""
-        return [self._regions.region(self._handles, where[1]).write(where[0], views[i]) if len(where) > 1
-                else arena_io.copy_in(self._arena, where[0], views[i]) for i, _, where in group]
 
+def _timeout_ms(deadline: Deadline) -> int:
+    return protocol.timeout_ms(deadline.remaining())

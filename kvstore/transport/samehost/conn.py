@@ -3,8 +3,8 @@
 Split from :mod:`kvstore.transport.samehost.client` (the transport pools these).
 The Hello says protocol 2 with the client's capabilities and reads back
 what the daemon's head is and, for a client with the gpu capability, the
-gpu tier's region handles (:mod:`kvstore.transport.samehost.regions`); a daemon
-that answers as protocol 1 did is taken as a RAM head without regions.
+gpu tier's region handles (:class:`kvstore.transport.samehost.protocol.Hello`,
+:mod:`kvstore.transport.samehost.regions`).
 Waits are bounded in the kernel and by the call's deadline; a reply that
 comes late or out of order closes the connection, whose stream is then
 unusable.
@@ -16,11 +16,10 @@ import itertools
 import socket
 from collections.abc import Sequence
 
-from kvstore.block import TierName
 from kvstore.errors import Cancelled, DaemonUnavailable, DeadlineExceeded, StrataError
-from kvstore.transport.samehost import frames
-from kvstore.transport.samehost import regions
 from kvstore.transport.base import Deadline
+from kvstore.transport.samehost import frames
+from kvstore.transport.samehost.protocol import Hello, timeout_ms
 from kvstore.wire.unix import connect_unix, set_kernel_timeouts
 
 CONNECT_TIMEOUT_S = 5.0
@@ -32,8 +31,7 @@ def _nothing() -> None:
 
 def _timeout_ms(deadline: Deadline) -> int:
     """The daemon's share of the deadline: a little less, so its answer (a refusal, say) arrives in time."""
-    remaining = deadline.remaining()
-    return 0 if remaining is None else max(1, int(remaining * 900))
+    return timeout_ms(deadline.remaining())
 
 
 class _Connection:
@@ -49,18 +47,17 @@ class _Connection:
         self.reader = frames.FrameReader(self.sock)
         self.broken = False
         self._ids = itertools.count(1)
-        hello = self.call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token), list(caps)],
-                          deadline=Deadline.after(CONNECT_TIMEOUT_S))
+        answer = self.call(frames.HELLO, [frames.PROTOCOL_VERSION, bytes(token), list(caps)],
+                           deadline=Deadline.after(CONNECT_TIMEOUT_S))
         try:
-            self.max_meta, self.max_payload, self.max_batch, self.removal_page, *head = hello
-            head = head[0] if head else {"tier": int(TierName.HOST), "regions": []}  # as a protocol 1 daemon
-            self.head = TierName(head["tier"])
-            self.regions = regions.regions_from_wire(head["regions"])
-        except (TypeError, ValueError, KeyError):
+            self.hello = Hello.parse(answer)
+        except StrataError:
             self.close()
-            raise StrataError(f"the daemon sent a malformed Hello answer: {hello!r:.120}") from None
+            raise
+        self.max_meta, self.max_payload, self.max_batch = self.hello.max_meta, self.hello.max_payload, self.hello.max_batch
+        self.removal_page, self.head, self.regions = self.hello.removal_page, self.hello.head, self.hello.regions
         # Slots and leases this connection can use in place: in the arena, or in regions it was handed.
-        self.in_place = self.head == TierName.HOST or bool(self.regions)
+        self.in_place = self.hello.in_place
 
     def close(self) -> None:
         self.broken = True
