@@ -84,7 +84,7 @@ import time
 
 from kvstore.auth import READ, WRITE, Authority
 from kvstore.auth.identity import Caller, Identity
-from kvstore.block import BlockKey, validate_namespace
+from kvstore.block import BlockKey, TierName, validate_namespace
 from kvstore.errors import (
     DeadlineExceeded, InvalidArgument, LeaseExpired, LeaseOwnedElsewhere, Overloaded, StrataError, UnknownNamespace,
 )
@@ -97,6 +97,7 @@ from kvstore.rpc.status import code_for
 from kvstore.wire.budget import ByteBudget
 from kvstore.store.group import StoreGroup
 from kvstore.store.leases import LeaseKind
+from kvstore.tiers.base import MappableTier
 from kvstore.wire.listeners import ConnectionTable, accept_loop, stop_listening
 from kvstore.shares import Shares
 from kvstore.wire.unix import set_kernel_timeouts
@@ -434,7 +435,7 @@ class PeerServer:
                 self._store.release([loc.lease_id], caller.owner)
             raise _Refused(err) from None
         try:
-            if loc.lease_id and self._store.arena_of(namespace).gpu is not None:
+            if loc.lease_id and self._store.store_for(namespace).head.name == TierName.GPU:
                 self._store.release([loc.lease_id], caller.owner)  # leased in device memory: sent from a copy
                 self._send_copy(conn, rid, head, loc)
             elif loc.lease_id:
@@ -447,7 +448,7 @@ class PeerServer:
     def _send_leased(self, conn, caller: Caller, rid: int, head: list, loc) -> None:
         """The block straight out of the arena under its read lease; the lease ends once it is sent."""
         meta = loc.meta
-        view = self._store.arena_of(loc.key.namespace).shm.view(loc.offset, meta.size)
+        view = self._store.store_for(loc.key.namespace).head.view(loc.offset, meta.size)
         try:
             self._send_block(conn, wire.encode([rid, wire.BLOCK, head], meta.size), view)
             self.bytes_sent += meta.size
@@ -530,13 +531,13 @@ class PeerServer:
         expect = sum(b[1] for b, g in zip(blocks, grants) if not g.present)
         if payload != expect:
             raise InvalidArgument(f"the Data frame carries {payload} bytes; the blocks not present hold {expect}")
-        arena = self._store.arena_of(namespace)
+        head = self._store.store_for(namespace).head  # the grants' offsets are its extents
         lapsed: dict[int, LeaseExpired] = {}
         for block, grant in zip(blocks, grants):
             if grant.present:
                 continue
             try:
-                self._receive_block(link, arena, caller, grant, block[1])
+                self._receive_block(link, head, caller, grant, block[1])
             except LeaseExpired as err:
                 lapsed[grant.slot_id] = err
             self.bytes_received += block[1]
@@ -554,7 +555,7 @@ class PeerServer:
                 out.append([None, wire.error_result(err)])
         return out
 
-    def _receive_block(self, link: wire.Wire, arena, caller: Caller, grant, size: int) -> None:
+    def _receive_block(self, link: wire.Wire, head: MappableTier, caller: Caller, grant, size: int) -> None:
         """One block's bytes into its slot, written only while the slot's lease is live.
 
         The store holds the slot's extent for as long as a write into it lasts
@@ -567,14 +568,14 @@ class PeerServer:
         """
         left = link.pending
         try:
-            if arena.gpu is not None:  # a slot in device memory: received on the host, then copied in
+            if head.name == TierName.GPU:  # a slot in device memory: received on the host, then copied in
                 buf = memoryview(bytearray(size))
                 link.read_into(buf)
                 with self._store.writing(grant.slot_id, caller.owner):
-                    arena.gpu.write_extent(grant.offset, buf)
+                    head.write_extent(grant.offset, buf)
                 return
             with self._store.writing(grant.slot_id, caller.owner) as slot:
-                view = arena.shm.view(grant.offset, size)
+                view = head.view(grant.offset, size)
                 try:
                     link.read_into(view, before=slot.check)
                 finally:

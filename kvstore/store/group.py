@@ -75,13 +75,6 @@ class StoreArena:
         """The shared-memory file a same-host client maps for this arena (the RAM tier's)."""
         return self.ram.arena
 
-    @property
-    def gpu(self):
-        """The gpu tier when the chain starts there (its extents are what Lookup and Allocate hand
-        out, instead of the arena's), else None."""
-        head = self.store.head
-        return head if head.name == TierName.GPU else None
-
 
 class StoreGroup:
     """The stores of every arena, the default one first. Thread-safe as the stores are: routing
