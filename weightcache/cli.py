@@ -55,9 +55,9 @@ def _origin_options() -> argparse.ArgumentParser:
 
 
 def _s3(args: argparse.Namespace):
-    from weightcache.origin import S3Options
+    from weightcache.origin import S3OriginOptions
 
-    return S3Options(
+    return S3OriginOptions(
         endpoint=args.s3_endpoint, region=args.s3_region, allow_http=args.s3_allow_http,
         virtual_hosted_style=args.s3_virtual_hosted,
     )

@@ -49,7 +49,7 @@ from weightcache.cache import NodeCache
 from weightcache.errors import ManifestMismatch
 from weightcache.fetch import FetchLimits, FetchStats, Planner
 from weightcache.manifest import Manifest
-from weightcache.origin import S3Options, open_origin
+from weightcache.origin import S3OriginOptions, open_origin
 from weightcache.ram_copy import RamCopy
 from weightcache.safetensors_header import LENGTH_BYTES, Header, TensorEntry, header_length, parse_header
 from weightcache.sources import ChunkRef, ChunkSource, OriginSource
@@ -71,7 +71,7 @@ def open_model(
     include: Selector = None,
     framework: str = "numpy",
     limits: FetchLimits = FetchLimits(),
-    s3: S3Options | None = None,
+    s3: S3OriginOptions | None = None,
     sources: Sequence[ChunkSource] | Callable[[ChunkRef], Sequence[ChunkSource]] = (),
     order: Callable[[tuple[int, int]], int] | None = None,
     route: Callable[[Manifest], tuple[Callable, Callable]] | None = None,
