@@ -51,7 +51,7 @@ from weightcache.fetch import FetchLimits, FetchStats, Planner
 from weightcache.manifest import Manifest
 from weightcache.origin import S3OriginOptions, open_origin
 from weightcache.ram_copy import RamCopy
-from weightcache.safetensors_header import LENGTH_BYTES, Header, TensorEntry, header_length, parse_header
+from weightcache.safetensors_header import LENGTH_BYTES, SafetensorsHeader, TensorEntry, header_length, parse_header
 from weightcache.sources import ChunkRef, ChunkSource, OriginSource
 from weightcache.tensors import converter
 
@@ -160,7 +160,7 @@ class ModelReader:
         self._finished = False
         self._closed = False
         self._iterated = False
-        self._checked: dict[int, Header] = {}
+        self._checked: dict[int, SafetensorsHeader] = {}
         self._maps: dict[int, object] = {}
         self._metrics = metrics
         self._opened = time.monotonic()
