@@ -8,7 +8,7 @@ Everything a reader or a peer needs is in it:
 - ``files``: every file of the revision (path relative to the revision's
   root, size), cut into ``chunk_bytes`` chunks (the last one shorter), each
   with the BLAKE3 digest of its bytes. A chunk is the unit of fetching,
-  verifying, recording and (later) sharing between peers; its digest is
+  verifying, recording and sharing between peers; its digest is
   content-addressed, so two revisions that share a file share its chunks.
 - ``safetensors``: for each ``.safetensors`` file, where its data starts and
   its tensor table (name, dtype, shape, byte range in the data section) as

@@ -14,7 +14,7 @@ group exactly as they called one store:
   goes by the id: each store puts its arena's index in the top bits of its
   lease and slot ids (``id_tag``; the other 55 bits stay random), so no
   shared table maps ids to stores and nothing has to be kept in step. With
-  one arena (the default config) ids stay 63 random bits, as before;
+  one arena (the default config) ids are 63 random bits;
 - calls about the node (stats without a namespace, holdings, persist_ram,
   close, lease expiry) cover every store; stats sum them.
 
