@@ -157,9 +157,9 @@ def load_runai(folder: Path, out: dict) -> float:
 def s3_options(endpoint: str):
     import s3_servers
 
-    from weightcache.origin import S3Options
+    from weightcache.origin import S3OriginOptions
 
-    return S3Options(endpoint=endpoint, region=s3_servers.REGION, access_key_id=s3_servers.ACCESS_KEY,
+    return S3OriginOptions(endpoint=endpoint, region=s3_servers.REGION, access_key_id=s3_servers.ACCESS_KEY,
                      secret_access_key=s3_servers.SECRET_KEY, allow_http=True)
 
 

@@ -301,15 +301,15 @@ def render_vllm_tier() -> str:
     out.append(
         "The keys of a Strata entry in vLLM's `secondary_tiers` (`kv_connector_extra_config` of the "
         "`OffloadingConnector` with `TieringOffloadingSpec`), from "
-        "`kvstore.integrations.vllm.settings.TierSettings`. An unknown key is refused with the known ones "
+        "`kvstore.integrations.vllm.settings.StrataTierSettings`. An unknown key is refused with the known ones "
         "listed. What each does, and a pod: [the vLLM integration](../integrations/vllm.md).\n\n"
     )
     out.append(table(["key", "value", "type"], [
         [code("type"), code(toml_value(settings.TIER_TYPE)), "required (or `StrataTier`)"],
         [code("module_path"), code(toml_value(settings.MODULE_PATH)), "required"],
     ]))
-    out.append("\n" + docstring(settings.TierSettings) + "\n\n")
-    out.append(table(["key", "default", "type"], dataclass_rows(settings.TierSettings)))
+    out.append("\n" + docstring(settings.StrataTierSettings) + "\n\n")
+    out.append(table(["key", "default", "type"], dataclass_rows(settings.StrataTierSettings)))
     out.append(f"\n`locality` is one of {', '.join(code(v) for v in settings.LOCALITIES)}; `namespace` is a prefix "
                f"of at most {settings.MAX_PREFIX_CHARS} characters.\n")
     return "".join(out)

@@ -34,8 +34,8 @@ class StoreMetrics:
             "strata_kv_evictions_total", "Blocks removed from a tier to make room (demoted or dropped)", ["tier"], registry=r
         )
         self.drops = Counter("strata_kv_dropped_total", "Blocks that left the store entirely to make room", registry=r)
-        self.demotions = Counter("strata_kv_demotions_total", "Blocks moved down a tier (RAM to disk)", ["outcome"], registry=r)
-        self.promotions = Counter("strata_kv_promotions_total", "Blocks copied up a tier on read (disk to RAM)", registry=r)
+        self.demotions = Counter("strata_kv_demotions_total", "Blocks moved down the chain to a lower tier (RAM to disk, GPU to RAM)", ["outcome"], registry=r)
+        self.promotions = Counter("strata_kv_promotions_total", "Blocks copied up into the head tier on read, from a tier below it", registry=r)
         self.bytes_in = Counter("strata_kv_bytes_in_total", "Payload bytes written into a tier", ["tier"], registry=r)
         self.bytes_out = Counter("strata_kv_bytes_out_total", "Payload bytes read out of a tier", ["tier"], registry=r)
         self.corrupt = Counter(

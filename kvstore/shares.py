@@ -12,8 +12,8 @@ Why a fixed share and not fair queueing: a cache answers at once or not
 at all (a refused caller recomputes, or retries after the delay it is
 given), it never queues; and a fixed share is a number an operator can
 size. Beyond the share the caller gets RESOURCE_EXHAUSTED naming the
-share and its setting, with a retry delay; the daemon-wide limit is
-checked by the caller of :meth:`Shares.take` as before.
+share and its setting, with a retry delay; the daemon-wide limit is the
+caller's to check, beside the share (:meth:`Shares.take` counts shares only).
 
 The table holds one entry per holder that holds something: at most as
 many entries as units are held, so it is bounded by the daemon-wide limit.

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from pydantic import ByteSize
 
-from kvstore.cli.common import serve_overrides
-from kvstore.cli.main import build_parser, group_title, main
+from kvstore.cli.common import group_title, serve_overrides
+from kvstore.cli.main import build_parser, main
 from kvstore.config import SETTINGS, Section, Settings, SettingsError, StoreSettings, load_settings
 from kvstore.config.section import iter_settings, setting
 from kvstore.config.tiers import TierSettings

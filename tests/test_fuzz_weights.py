@@ -41,7 +41,7 @@ from kvstore.rpc.status import from_rpc_error, to_status
 from raw_frames import MEANINGFUL, weighted
 from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.fetch import FetchLimits
-from weightcache.origin import S3Options
+from weightcache.origin import S3OriginOptions
 from weightcache.peers import WAITED_KEY
 from weightcache.prefetch import Prefetcher
 from weightcache.service import serve
@@ -89,7 +89,7 @@ def node(tmp_path_factory):
     folder = write_numpy_model(tmp / "src", [layered_tensors(seed=5, layers=2)])
     manifest = weightcache.publish_model(str(folder), chunk_bytes=CHUNK)
     closed = f"http://127.0.0.1:{free_port()}"  # an S3 origin no one listens on: UNAVAILABLE, at once
-    s3 = S3Options(endpoint=closed, region="us-east-1", access_key_id="x", secret_access_key="y", allow_http=True,
+    s3 = S3OriginOptions(endpoint=closed, region="us-east-1", access_key_id="x", secret_access_key="y", allow_http=True,
                    request_timeout_s=2.0, connect_timeout_s=1.0)
     prefetcher = Prefetcher(tmp / "node", limits=FAST, s3=s3, join_wait_s=0.05, max_jobs=4)
     server, port = serve(prefetcher, "127.0.0.1:0")

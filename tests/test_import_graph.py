@@ -19,6 +19,10 @@ The graph is built from the source with :mod:`ast`, not by importing it:
 
 A cycle is reported with one import line per edge, so the line to move is
 named. The checker itself is tested on a small tree with a known cycle.
+
+The same walk checks that no two modules of ``kvstore`` and ``weightcache``
+define a public class of one name (two ``S3Options`` that meant two things
+were one), but for the pairs :data:`SAME_NAME_ON_PURPOSE` lists.
 """
 
 from __future__ import annotations
@@ -170,6 +174,32 @@ def test_no_module_imports_another_that_imports_it_back():
     assert not file_cycles, "modules import each other in a loop:\n" + "\n".join(file_cycles)
 
 
+# A class of the same name in two modules, each the same thing at its own layer.
+SAME_NAME_ON_PURPOSE = {
+    "Holder": {"kvstore.client.codec", "kvstore.index.base"},  # the client's copy of the index's answer
+    "Listed": {"kvstore.client.codec", "kvstore.store.tiered"},  # a block of a listing: the client's, the store's
+}
+
+
+def duplicate_classes(base: Path, roots: Iterable[str]) -> dict[str, set[str]]:
+    """Public class names defined at module level in more than one module (generated code left out)."""
+    where: dict[str, set[str]] = {}
+    for name, path in _modules(base, roots).items():
+        if "_pb2" in path.name:
+            continue
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, set()).add(name)
+    return {cls: modules for cls, modules in where.items() if len(modules) > 1}
+
+
+def test_no_two_modules_define_a_public_class_of_one_name():
+    found = {cls: m for cls, m in duplicate_classes(REPO, ("kvstore", "weightcache")).items()
+             if SAME_NAME_ON_PURPOSE.get(cls) != m}
+    assert not found, "one class name for two things (name each for what it is, or list the pair in " \
+                      "SAME_NAME_ON_PURPOSE):\n" + "\n".join(f"  {c}: {', '.join(sorted(m))}" for c, m in found.items())
+
+
 @pytest.fixture
 def tree(tmp_path):
     def write(files: dict[str, str]) -> Path:
@@ -201,3 +231,9 @@ def test_the_checker_finds_a_circle_of_files_in_one_package(tree):
     package_cycles, file_cycles = find_cycles(base, ["app"])
     assert package_cycles == [] and len(file_cycles) == 1
     assert file_cycles[0].startswith("app.p.x <-> app.p.y <-> app.p.z")
+
+
+def test_the_name_check_finds_two_classes_of_one_name(tree):
+    base = tree({"app/__init__.py": "", "app/a.py": "class Options:\n    pass\nclass _Job:\n    pass\n",
+                 "app/b.py": "class Options:\n    pass\nclass _Job:\n    pass\n"})
+    assert duplicate_classes(base, ["app"]) == {"Options": {"app.a", "app.b"}}

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvstore import Client  # noqa: E402
-from kvstore.integrations.vllm import StrataTier, TierSettings, block_key, metrics, offload_key  # noqa: E402
+from kvstore.integrations.vllm import StrataTier, StrataTierSettings, block_key, metrics, offload_key  # noqa: E402
 from kvstore.integrations.vllm.jobs import Job, JobRunner, Kind  # noqa: E402
 from conftest import free_port, wait_until  # noqa: E402
 from vllm_engine import ROW, Engine, chunk_bytes, chunk_keys, offloading_config, strata_entry  # noqa: E402
@@ -62,16 +62,16 @@ def record_threads(engine: Engine) -> set[str]:
 
 
 def test_options_are_checked_and_errors_name_the_fix():
-    s = TierSettings.from_options({"target": "10.0.0.5:50051", "shared_memory": "false", "locality": "remote"})
+    s = StrataTierSettings.from_options({"target": "10.0.0.5:50051", "shared_memory": "false", "locality": "remote"})
     assert (s.target, s.shared_memory, s.locality, s.namespace) == ("10.0.0.5:50051", False, "REMOTE", "vllm")
     with pytest.raises(ValueError, match="unknown option.*tagret.*it takes:.*target"):
-        TierSettings.from_options({"tagret": "x"})
+        StrataTierSettings.from_options({"tagret": "x"})
     with pytest.raises(ValueError, match="shared_memory"):
-        TierSettings.from_options({"shared_memory": "maybe"})
+        StrataTierSettings.from_options({"shared_memory": "maybe"})
     with pytest.raises(ValueError, match="io_threads must be 1..64"):
-        TierSettings.from_options({"io_threads": 0})
+        StrataTierSettings.from_options({"io_threads": 0})
     with pytest.raises(ValueError, match="namespace is a prefix of at most"):
-        TierSettings.from_options({"namespace": "n" * 60})
+        StrataTierSettings.from_options({"namespace": "n" * 60})
 
 
 def test_an_offload_key_maps_to_a_block_key_and_back():

@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from weightcache.errors import ManifestError, ManifestMismatch, OriginThrottled, OriginUnavailable
-from weightcache.origin import ORIGINS, S3Options, open_origin
+from weightcache.origin import ORIGINS, S3OriginOptions, open_origin
 from conftest import free_port
 from weights_s3 import make_bucket, s3_gate, s3_options, weights_moto  # noqa: F401 - fixtures
 
@@ -68,7 +68,7 @@ def test_get_and_put_small_files(origin):
 
 
 def test_an_unreachable_s3_is_unavailable_and_a_throttling_one_says_so(make_bucket, s3_gate):
-    o = open_origin("s3://bucket/x", s3=S3Options(endpoint=f"http://127.0.0.1:{free_port()}", allow_http=True,
+    o = open_origin("s3://bucket/x", s3=S3OriginOptions(endpoint=f"http://127.0.0.1:{free_port()}", allow_http=True,
                                                  access_key_id="a", secret_access_key="b", region="us-east-1",
                                                  connect_timeout_s=2))
     with pytest.raises(OriginUnavailable):

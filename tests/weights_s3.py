@@ -238,6 +238,6 @@ def s3_gate(weights_moto):
 
 
 def s3_options(endpoint: str):
-    from weightcache.origin import S3Options
+    from weightcache.origin import S3OriginOptions
 
-    return S3Options(endpoint=endpoint, allow_http=True, request_timeout_s=30, **ACCESS)
+    return S3OriginOptions(endpoint=endpoint, allow_http=True, request_timeout_s=30, **ACCESS)

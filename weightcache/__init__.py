@@ -30,7 +30,7 @@ import asyncio
 from weightcache.cache import NodeCache
 from weightcache.fetch import FetchLimits, FetchStats
 from weightcache.manifest import DEFAULT_CHUNK_BYTES, Manifest
-from weightcache.origin import S3Options, open_origin
+from weightcache.origin import S3OriginOptions, open_origin
 from weightcache.reader import ModelReader, open_model
 
 __all__ = [
@@ -40,14 +40,15 @@ __all__ = [
     "Manifest",
     "ModelReader",
     "NodeCache",
-    "S3Options",
+    "S3OriginOptions",
     "open_model",
     "open_origin",
     "publish_model",
 ]
 
 
-def publish_model(location: str, *, s3: S3Options | None = None, revision: str | None = None, **options) -> Manifest:
+def publish_model(location: str, *, s3: S3OriginOptions | None = None, revision: str | None = None,
+                  **options) -> Manifest:
     """Publish a revision (see :func:`weightcache.publish.publish`) from synchronous code."""
     from weightcache.publish import publish
 

@@ -42,13 +42,42 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (16MiB, 1GiB, 65536)") from None
 
 
-def _s3(args: argparse.Namespace):
-    from weightcache.origin import S3Options
+def _origin_options() -> argparse.ArgumentParser:
+    """The S3 origin's flags, ``--revision`` and ``--json``, for the commands that read a location: a parent parser."""
+    s3 = argparse.ArgumentParser(add_help=False)
+    s3.add_argument("--s3-endpoint", metavar="URL", help="an S3-compatible endpoint (MinIO); default AWS")
+    s3.add_argument("--s3-region", metavar="REGION")
+    s3.add_argument("--s3-allow-http", action="store_true", help="allow a plain-HTTP endpoint")
+    s3.add_argument("--s3-virtual-hosted", action="store_true", help="bucket.host URLs instead of host/bucket")
+    s3.add_argument("--revision", help="a Hugging Face repo's branch or commit; elsewhere the revision's label")
+    s3.add_argument("--json", action="store_true", help="print JSON")
+    return s3
 
-    return S3Options(
+
+def _s3(args: argparse.Namespace):
+    from weightcache.origin import S3OriginOptions
+
+    return S3OriginOptions(
         endpoint=args.s3_endpoint, region=args.s3_region, allow_http=args.s3_allow_http,
         virtual_hosted_style=args.s3_virtual_hosted,
     )
+
+
+def _add_publish_parser(sub, s3: argparse.ArgumentParser) -> None:
+    """``publish LOCATION``."""
+    from weightcache.manifest import DEFAULT_CHUNK_BYTES
+
+    pub = sub.add_parser("publish", parents=[s3], help="chunk, hash and index a revision; store its manifest",
+                         description="Read every file of the revision once, hash it in chunks (BLAKE3), parse each "
+                         "safetensors header, and store the manifest under .strata/ beside the files. Prints the "
+                         "manifest's digest: what nodes open the model by.")
+    pub.add_argument("location", help="a folder (plain, or a Hugging Face repo or snapshot) or s3://bucket/prefix")
+    pub.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_BYTES,
+                     help=f"bytes per chunk, a multiple of 64KiB [default {DEFAULT_CHUNK_BYTES >> 20}MiB]")
+    pub.add_argument("--model", help="the model's name in the manifest [default: from the location]")
+    pub.add_argument("--concurrency", type=int, default=8, help="chunks read at once [8]")
+    pub.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pub.set_defaults(func=cmd_publish)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -77,6 +106,15 @@ def cmd_publish(args: argparse.Namespace) -> int:
               f"{manifest.total_chunks} chunks of {manifest.chunk_bytes}, "
               f"{sum(1 for _ in manifest.tensors())} tensors", file=sys.stderr)
     return 0
+
+
+def _add_ls_parser(sub, s3: argparse.ArgumentParser) -> None:
+    """``ls LOCATION`` or ``ls --cache DIR``."""
+    ls = sub.add_parser("ls", parents=[s3], help="published manifests at a location, or a node cache's models")
+    ls.add_argument("location", nargs="?")
+    ls.add_argument("--cache", metavar="DIR", help="list this node cache instead")
+    ls.add_argument("--ram-dir", metavar="DIR", help="list this host-RAM copy (with --cache: each model's bytes in it)")
+    ls.set_defaults(func=cmd_ls)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -146,6 +184,23 @@ def _ram_entries(ram_dir: str) -> dict:
         copy.close()
 
 
+def _add_fetch_parser(sub, s3: argparse.ArgumentParser) -> None:
+    """``fetch LOCATION [DIGEST] --cache DIR``."""
+    fetch = sub.add_parser("fetch", parents=[s3], help="fill a node cache with a model (or a subset)",
+                           description="Fetch every chunk of the model (or of --files/--names) into the node cache, "
+                           "verified, resuming what an earlier run left; prints what came from where as JSON.")
+    fetch.add_argument("location")
+    fetch.add_argument("digest", nargs="?", help="the manifest to fetch [default: the location's latest]")
+    fetch.add_argument("--cache", required=True, metavar="DIR")
+    fetch.add_argument("--cache-bytes", type=_size, help="the node cache's bound [default: its disk]")
+    fetch.add_argument("--files", help="only the safetensors files matching this glob")
+    fetch.add_argument("--names", help="only the tensors matching this glob")
+    fetch.add_argument("--include", default="*.json", help="other files to fetch whole (a glob) [*.json]")
+    fetch.add_argument("--concurrency", type=int, default=8, help="chunks in flight [8]")
+    fetch.add_argument("--ram-dir", metavar="DIR", help="the node's host-RAM copy: files there are not fetched")
+    fetch.set_defaults(func=cmd_fetch)
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from weightcache.fetch import FetchLimits
     from weightcache.reader import open_model
@@ -161,6 +216,15 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             "requests": dict(stats.requests), "throttled": stats.throttled, "corrupt": stats.corrupt,
         }))
     return 0
+
+
+def _add_evict_parser(sub) -> None:
+    """``evict DIGEST --cache DIR``."""
+    evict = sub.add_parser("evict", help="remove a cached model no process is using")
+    evict.add_argument("digest")
+    evict.add_argument("--cache", required=True, metavar="DIR")
+    evict.add_argument("--ram-dir", metavar="DIR", help="remove the model's host-RAM copy too")
+    evict.set_defaults(func=cmd_evict)
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
@@ -185,6 +249,54 @@ def cmd_evict(args: argparse.Namespace) -> int:
         return 3
     finally:
         cache.close()
+
+
+def _add_serve_parser(sub, s3: argparse.ArgumentParser, creds: argparse.ArgumentParser) -> None:
+    """``serve --cache DIR``: a weight node."""
+    srv = sub.add_parser("serve", parents=[s3, creds], help="a weight node: prefetch into a node cache, serve peers",
+                         description="Serve WeightService: Prefetch and Status for init containers, ReadChunk for "
+                         "peers. With --peer, the listed nodes (the same list on each) form a swarm: each chunk "
+                         "is fetched from the origin by one of them and read from it by the rest.")
+    srv.add_argument("--cache", required=True, metavar="DIR")
+    srv.add_argument("--cache-bytes", type=_size, help="the node cache's bound [default: its disk]")
+    srv.add_argument("--listen", default="127.0.0.1:7460", metavar="HOST:PORT", help="[127.0.0.1:7460]")
+    srv.add_argument("--advertise", metavar="HOST:PORT", help="this node's address in --peer lists [--listen]")
+    srv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                     help="a swarm member (repeat; may include this node)")
+    srv.add_argument("--index-url", dest="index", metavar="URL",
+                     help="find the swarm in the prefix index (redis://HOST:PORT, redis+cluster://..., memory://): "
+                     "members, chunk holders and liveness, instead of --peer")
+    srv.add_argument("--node-id", help="this node's id in the index [--advertise]")
+    srv.add_argument("--index-ttl", type=_seconds, default=10.0,
+                     help="how long the index counts this node alive without a heartbeat [10s]")
+    srv.add_argument("--peer-wait", type=_seconds, default=120.0,
+                     help="how long to wait for a chunk's owner to have it before the origin [120s]")
+    srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,
+                     help="how long a peer asked for a model it was not told to prefetch waits for that [5s]")
+    srv.add_argument("--peer-read-timeout", type=_seconds, default=10.0,
+                     help="how long one chunk read from a peer may take beyond its wait before the chunk is read "
+                     "elsewhere and the peer passed over for a while (a hung node) [10s]")
+    srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
+    srv.add_argument("--max-waiting-reads", type=int, default=32,
+                     help="peer chunk reads that may wait at once for chunks this node is still fetching; more are "
+                     "refused as overloaded, so Status and Prefetch always find a worker [32]")
+    srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
+    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.add_argument("--ram-dir", metavar="DIR",
+                     help="keep one host-RAM copy of each complete model here (a tmpfs, e.g. /dev/shm/strata-weights) "
+                     "for every engine on the node to map")
+    srv.add_argument("--ram-bytes", type=_size, help="the RAM copy's bound (with --ram-dir)")
+    srv.add_argument("--auth-file", metavar="TOML", help="the daemon's auth policy: tokens and certificate subjects "
+                     "allowed on namespace 'weights' (read: Status, ReadChunk; write: Prefetch)")
+    srv.add_argument("--insecure", action="store_true",
+                     help="serve a non-loopback --listen without authentication (protected mode off: anyone who "
+                     "reaches the port may read chunks and start prefetches; logs a warning)")
+    srv.add_argument("--auth-reload-seconds", type=float, default=2.0, help="how often to look for a changed policy [2]")
+    srv.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (and --tls-key)")
+    srv.add_argument("--tls-key", metavar="PEM")
+    srv.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates this CA signed (mTLS); "
+                     "the node presents --tls-cert to its peers")
+    srv.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -253,6 +365,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _credential_options() -> argparse.ArgumentParser:
+    """The token and TLS presented to weight nodes: a parent parser (defaults from ``STRATA_*`` now)."""
+    creds = argparse.ArgumentParser(add_help=False)
+    creds.add_argument("--token-file", default=os.environ.get("STRATA_TOKEN_FILE"), metavar="FILE",
+                       help="bearer token to present to weight nodes, first line of FILE "
+                       "[env STRATA_TOKEN_FILE; or the token itself in STRATA_TOKEN]")
+    creds.add_argument("--tls-ca", default=os.environ.get("STRATA_TLS_CA"), metavar="PEM",
+                       help="verify weight nodes' TLS certificates with this CA [env STRATA_TLS_CA]")
+    creds.add_argument("--tls-server-name", default=os.environ.get("STRATA_TLS_SERVER_NAME"), metavar="NAME",
+                       help="name to verify in a weight node's certificate")
+    return creds
+
+
+def _node_options(creds: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The weight node a command asks (with the credentials and a client certificate), and its progress: a parent parser."""
+    node = argparse.ArgumentParser(add_help=False, parents=[creds])
+    node.add_argument("--tls-cert", default=os.environ.get("STRATA_TLS_CERT"), metavar="PEM",
+                      help="client certificate, for a weight node with --tls-client-ca [env STRATA_TLS_CERT]")
+    node.add_argument("--tls-key", default=os.environ.get("STRATA_TLS_KEY"), metavar="PEM",
+                      help="private key of --tls-cert [env STRATA_TLS_KEY]")
+    node.add_argument("--node", default="127.0.0.1:7460", metavar="HOST:PORT", help="the weight node [127.0.0.1:7460]")
+    node.add_argument("--no-progress", action="store_true", help="no progress bar")
+    node.add_argument("--interval", type=_seconds, default=1.0, help="how often to ask for progress [1s]")
+    return node
+
+
 def _security(args: argparse.Namespace, client_cert: tuple[str, str] | None = None):
     """The token and TLS this command presents to weight nodes (kvstore's client credentials)."""
     from kvstore.auth.credentials import ChannelSecurity
@@ -281,6 +419,18 @@ def _call(method, request, timeout: float):
         raise from_rpc_error(err) from None
 
 
+def _add_prefetch_parser(sub, s3: argparse.ArgumentParser, node: argparse.ArgumentParser) -> None:
+    """``prefetch LOCATION [DIGEST] --node ADDR``."""
+    pre = sub.add_parser("prefetch", parents=[s3, node], help="ask a weight node to fetch a model",
+                         description="Start a prefetch on the node (nothing new if it runs or is done); prints the "
+                         "manifest digest. With --wait, waits as 'strata weights wait' does.")
+    pre.add_argument("location")
+    pre.add_argument("digest", nargs="?", help="the manifest [default: the location's latest]")
+    pre.add_argument("--timeout", type=_seconds, default=120.0, help="for resolving the manifest [120s]")
+    pre.add_argument("--wait", type=_seconds, metavar="DEADLINE", help="then wait until warm, up to this long")
+    pre.set_defaults(func=cmd_prefetch)
+
+
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from weightcache.api.v1 import weights_pb2 as pb
 
@@ -291,6 +441,17 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         args.digest, args.deadline = reply.digest, args.wait
         return cmd_wait(args)
     return 0
+
+
+def _add_wait_parser(sub, node: argparse.ArgumentParser) -> None:
+    """``wait DIGEST --node ADDR --deadline D``."""
+    wait = sub.add_parser("wait", parents=[node], help="wait until a model is warm on a weight node",
+                          description="Exit 0 once every chunk is verified in the node's cache; 1 if its prefetch "
+                          "failed; 4 at the deadline, saying how far it got.")
+    wait.add_argument("digest")
+    wait.add_argument("--deadline", type=_seconds, required=True, help="give up after this long (90, 30s, 10m)")
+    wait.add_argument("--json", action="store_true", help="print where the bytes came from, as JSON")
+    wait.set_defaults(func=cmd_wait)
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -361,137 +522,22 @@ def _summary(manifest, latest: bool) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from weightcache.manifest import DEFAULT_CHUNK_BYTES
-
+    """Every command's parser, each built next to its handler, in the order ``--help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="strata weights", description="Publish model revisions; inspect what is published and cached.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1],
     )
-    s3 = argparse.ArgumentParser(add_help=False)
-    s3.add_argument("--s3-endpoint", metavar="URL", help="an S3-compatible endpoint (MinIO); default AWS")
-    s3.add_argument("--s3-region", metavar="REGION")
-    s3.add_argument("--s3-allow-http", action="store_true", help="allow a plain-HTTP endpoint")
-    s3.add_argument("--s3-virtual-hosted", action="store_true", help="bucket.host URLs instead of host/bucket")
-    s3.add_argument("--revision", help="a Hugging Face repo's branch or commit; elsewhere the revision's label")
-    s3.add_argument("--json", action="store_true", help="print JSON")
+    s3 = _origin_options()
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    pub = sub.add_parser("publish", parents=[s3], help="chunk, hash and index a revision; store its manifest",
-                         description="Read every file of the revision once, hash it in chunks (BLAKE3), parse each "
-                         "safetensors header, and store the manifest under .strata/ beside the files. Prints the "
-                         "manifest's digest: what nodes open the model by.")
-    pub.add_argument("location", help="a folder (plain, or a Hugging Face repo or snapshot) or s3://bucket/prefix")
-    pub.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_BYTES,
-                     help=f"bytes per chunk, a multiple of 64KiB [default {DEFAULT_CHUNK_BYTES >> 20}MiB]")
-    pub.add_argument("--model", help="the model's name in the manifest [default: from the location]")
-    pub.add_argument("--concurrency", type=int, default=8, help="chunks read at once [8]")
-    pub.add_argument("--no-progress", action="store_true", help="no progress bar")
-    pub.set_defaults(func=cmd_publish)
-
-    ls = sub.add_parser("ls", parents=[s3], help="published manifests at a location, or a node cache's models")
-    ls.add_argument("location", nargs="?")
-    ls.add_argument("--cache", metavar="DIR", help="list this node cache instead")
-    ls.add_argument("--ram-dir", metavar="DIR", help="list this host-RAM copy (with --cache: each model's bytes in it)")
-    ls.set_defaults(func=cmd_ls)
-
-    fetch = sub.add_parser("fetch", parents=[s3], help="fill a node cache with a model (or a subset)",
-                           description="Fetch every chunk of the model (or of --files/--names) into the node cache, "
-                           "verified, resuming what an earlier run left; prints what came from where as JSON.")
-    fetch.add_argument("location")
-    fetch.add_argument("digest", nargs="?", help="the manifest to fetch [default: the location's latest]")
-    fetch.add_argument("--cache", required=True, metavar="DIR")
-    fetch.add_argument("--cache-bytes", type=_size, help="the node cache's bound [default: its disk]")
-    fetch.add_argument("--files", help="only the safetensors files matching this glob")
-    fetch.add_argument("--names", help="only the tensors matching this glob")
-    fetch.add_argument("--include", default="*.json", help="other files to fetch whole (a glob) [*.json]")
-    fetch.add_argument("--concurrency", type=int, default=8, help="chunks in flight [8]")
-    fetch.add_argument("--ram-dir", metavar="DIR", help="the node's host-RAM copy: files there are not fetched")
-    fetch.set_defaults(func=cmd_fetch)
-
-    evict = sub.add_parser("evict", help="remove a cached model no process is using")
-    evict.add_argument("digest")
-    evict.add_argument("--cache", required=True, metavar="DIR")
-    evict.add_argument("--ram-dir", metavar="DIR", help="remove the model's host-RAM copy too")
-    evict.set_defaults(func=cmd_evict)
-
-    creds = argparse.ArgumentParser(add_help=False)
-    creds.add_argument("--token-file", default=os.environ.get("STRATA_TOKEN_FILE"), metavar="FILE",
-                       help="bearer token to present to weight nodes, first line of FILE "
-                       "[env STRATA_TOKEN_FILE; or the token itself in STRATA_TOKEN]")
-    creds.add_argument("--tls-ca", default=os.environ.get("STRATA_TLS_CA"), metavar="PEM",
-                       help="verify weight nodes' TLS certificates with this CA [env STRATA_TLS_CA]")
-    creds.add_argument("--tls-server-name", default=os.environ.get("STRATA_TLS_SERVER_NAME"), metavar="NAME",
-                       help="name to verify in a weight node's certificate")
-
-    srv = sub.add_parser("serve", parents=[s3, creds], help="a weight node: prefetch into a node cache, serve peers",
-                         description="Serve WeightService: Prefetch and Status for init containers, ReadChunk for "
-                         "peers. With --peer, the listed nodes (the same list on each) form a swarm: each chunk "
-                         "is fetched from the origin by one of them and read from it by the rest.")
-    srv.add_argument("--cache", required=True, metavar="DIR")
-    srv.add_argument("--cache-bytes", type=_size, help="the node cache's bound [default: its disk]")
-    srv.add_argument("--listen", default="127.0.0.1:7460", metavar="HOST:PORT", help="[127.0.0.1:7460]")
-    srv.add_argument("--advertise", metavar="HOST:PORT", help="this node's address in --peer lists [--listen]")
-    srv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                     help="a swarm member (repeat; may include this node)")
-    srv.add_argument("--index-url", dest="index", metavar="URL",
-                     help="find the swarm in the prefix index (redis://HOST:PORT, redis+cluster://..., memory://): "
-                     "members, chunk holders and liveness, instead of --peer")
-    srv.add_argument("--node-id", help="this node's id in the index [--advertise]")
-    srv.add_argument("--index-ttl", type=_seconds, default=10.0,
-                     help="how long the index counts this node alive without a heartbeat [10s]")
-    srv.add_argument("--peer-wait", type=_seconds, default=120.0,
-                     help="how long to wait for a chunk's owner to have it before the origin [120s]")
-    srv.add_argument("--peer-join-wait", type=_seconds, default=5.0,
-                     help="how long a peer asked for a model it was not told to prefetch waits for that [5s]")
-    srv.add_argument("--peer-read-timeout", type=_seconds, default=10.0,
-                     help="how long one chunk read from a peer may take beyond its wait before the chunk is read "
-                     "elsewhere and the peer passed over for a while (a hung node) [10s]")
-    srv.add_argument("--max-uploads", type=int, default=8, help="chunks served to peers at once [8]")
-    srv.add_argument("--max-waiting-reads", type=int, default=32,
-                     help="peer chunk reads that may wait at once for chunks this node is still fetching; more are "
-                     "refused as overloaded, so Status and Prefetch always find a worker [32]")
-    srv.add_argument("--concurrency", type=int, default=8, help="chunks in flight per prefetch [8]")
-    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    srv.add_argument("--ram-dir", metavar="DIR",
-                     help="keep one host-RAM copy of each complete model here (a tmpfs, e.g. /dev/shm/strata-weights) "
-                     "for every engine on the node to map")
-    srv.add_argument("--ram-bytes", type=_size, help="the RAM copy's bound (with --ram-dir)")
-    srv.add_argument("--auth-file", metavar="TOML", help="the daemon's auth policy: tokens and certificate subjects "
-                     "allowed on namespace 'weights' (read: Status, ReadChunk; write: Prefetch)")
-    srv.add_argument("--insecure", action="store_true",
-                     help="serve a non-loopback --listen without authentication (protected mode off: anyone who "
-                     "reaches the port may read chunks and start prefetches; logs a warning)")
-    srv.add_argument("--auth-reload-seconds", type=float, default=2.0, help="how often to look for a changed policy [2]")
-    srv.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (and --tls-key)")
-    srv.add_argument("--tls-key", metavar="PEM")
-    srv.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates this CA signed (mTLS); "
-                     "the node presents --tls-cert to its peers")
-    srv.set_defaults(func=cmd_serve)
-
-    node = argparse.ArgumentParser(add_help=False, parents=[creds])
-    node.add_argument("--tls-cert", default=os.environ.get("STRATA_TLS_CERT"), metavar="PEM",
-                      help="client certificate, for a weight node with --tls-client-ca [env STRATA_TLS_CERT]")
-    node.add_argument("--tls-key", default=os.environ.get("STRATA_TLS_KEY"), metavar="PEM",
-                      help="private key of --tls-cert [env STRATA_TLS_KEY]")
-    node.add_argument("--node", default="127.0.0.1:7460", metavar="HOST:PORT", help="the weight node [127.0.0.1:7460]")
-    node.add_argument("--no-progress", action="store_true", help="no progress bar")
-    node.add_argument("--interval", type=_seconds, default=1.0, help="how often to ask for progress [1s]")
-    pre = sub.add_parser("prefetch", parents=[s3, node], help="ask a weight node to fetch a model",
-                         description="Start a prefetch on the node (nothing new if it runs or is done); prints the "
-                         "manifest digest. With --wait, waits as 'strata weights wait' does.")
-    pre.add_argument("location")
-    pre.add_argument("digest", nargs="?", help="the manifest [default: the location's latest]")
-    pre.add_argument("--timeout", type=_seconds, default=120.0, help="for resolving the manifest [120s]")
-    pre.add_argument("--wait", type=_seconds, metavar="DEADLINE", help="then wait until warm, up to this long")
-    pre.set_defaults(func=cmd_prefetch)
-
-    wait = sub.add_parser("wait", parents=[node], help="wait until a model is warm on a weight node",
-                          description="Exit 0 once every chunk is verified in the node's cache; 1 if its prefetch "
-                          "failed; 4 at the deadline, saying how far it got.")
-    wait.add_argument("digest")
-    wait.add_argument("--deadline", type=_seconds, required=True, help="give up after this long (90, 30s, 10m)")
-    wait.add_argument("--json", action="store_true", help="print where the bytes came from, as JSON")
-    wait.set_defaults(func=cmd_wait)
+    _add_publish_parser(sub, s3)
+    _add_ls_parser(sub, s3)
+    _add_fetch_parser(sub, s3)
+    _add_evict_parser(sub)
+    creds = _credential_options()
+    _add_serve_parser(sub, s3, creds)
+    node = _node_options(creds)
+    _add_prefetch_parser(sub, s3, node)
+    _add_wait_parser(sub, node)
     return parser
 
 
@@ -505,7 +551,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # a limit given on the command line (FetchLimits)
         print(f"strata weights {args.command}: {err}", file=sys.stderr)
         return 2
-
 
 
 def run() -> NoReturn:

@@ -11,8 +11,8 @@ own that is reused chunk after chunk) and for each one:
    node is fetching is left to it and watched in the record, and taken over
    if that process dies;
 3. asks the sources the :data:`~weightcache.sources.SourceChooser` names, in
-   order (today the origin; later peers first), each under its own adaptive
-   concurrency limit;
+   order (the peers that may hold the chunk, then the origin), each under its
+   own adaptive concurrency limit;
 4. verifies the bytes against the manifest before anything is written
    (:meth:`CachedModel.write`); a chunk that fails is fetched again, up to
    ``corrupt_retries`` more times per source, then from the next source;

@@ -8,7 +8,7 @@ Everything a reader or a peer needs is in it:
 - ``files``: every file of the revision (path relative to the revision's
   root, size), cut into ``chunk_bytes`` chunks (the last one shorter), each
   with the BLAKE3 digest of its bytes. A chunk is the unit of fetching,
-  verifying, recording and (later) sharing between peers; its digest is
+  verifying, recording and sharing between peers; its digest is
   content-addressed, so two revisions that share a file share its chunks.
 - ``safetensors``: for each ``.safetensors`` file, where its data starts and
   its tensor table (name, dtype, shape, byte range in the data section) as
@@ -35,7 +35,7 @@ from functools import cached_property
 import blake3
 
 from weightcache.errors import HeaderError, ManifestError, ManifestMismatch
-from weightcache.safetensors_header import LENGTH_BYTES, Header, TensorEntry, check_table
+from weightcache.safetensors_header import LENGTH_BYTES, SafetensorsHeader, TensorEntry, check_table
 
 FORMAT = "strata.weights.manifest/1"
 DIGEST_BYTES = 32
@@ -58,7 +58,7 @@ class FileEntry:
     path: str
     size: int
     chunks: tuple[bytes, ...]  # BLAKE3 of each chunk, in order
-    header: Header | None = None  # the tensor table, for a safetensors file
+    header: SafetensorsHeader | None = None  # the tensor table, for a safetensors file
 
     def chunk_span(self, index: int, chunk_bytes: int) -> tuple[int, int]:
         start = index * chunk_bytes
@@ -242,7 +242,7 @@ def _file(doc: object, chunk_bytes: int, where: str) -> FileEntry:
     return FileEntry(path, size, digests, header)
 
 
-def _table(doc: object, size: int, where: str) -> Header:
+def _table(doc: object, size: int, where: str) -> SafetensorsHeader:
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: safetensors must be an object")
     start, metadata, tensors = doc.get("data_start"), doc.get("metadata"), doc.get("tensors")
@@ -268,4 +268,4 @@ def _table(doc: object, size: int, where: str) -> Header:
         table = check_table(entries, size - start, where)
     except HeaderError as err:
         raise ManifestError(str(err)) from None
-    return Header(start, table, metadata)
+    return SafetensorsHeader(start, table, metadata)

@@ -33,7 +33,7 @@ hung peer costs one call's deadline: the read fails UNAVAILABLE, the chunk
 goes to the next holder or the origin in the same round, and the peer is
 passed over (UNAVAILABLE at once) for ``suspect_s``, so the chunks behind it
 do not each wait out a deadline too. A peer that never sends the pending
-metadata (an older node) is asked once, as before.
+metadata (an older node) is asked once: its first answer is final.
 """
 
 from __future__ import annotations

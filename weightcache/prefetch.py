@@ -52,7 +52,7 @@ from kvstore.errors import InvalidArgument, ResourceExhausted, StrataError
 from weightcache import catalog
 from weightcache.cache import NodeCache
 from weightcache.fetch import FetchLimits, FetchStats
-from weightcache.origin import S3Options
+from weightcache.origin import S3OriginOptions
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class _Job:
 
 class Prefetcher:
     def __init__(self, cache_dir: str | Path, *, cache_bytes: int | None = None, limits: FetchLimits = FetchLimits(),
-                 s3: S3Options | None = None, swarm=None, metrics=None, max_jobs: int = 16,
+                 s3: S3OriginOptions | None = None, swarm=None, metrics=None, max_jobs: int = 16,
                  max_uploads: int = 8, max_waiting: int = 32, join_wait_s: float = 5.0, ram=None,
                  max_resolving: int = 4) -> None:
         if not all(1 <= n <= 1024 for n in (max_jobs, max_uploads, max_waiting, max_resolving)):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from weightcache.errors import ManifestError
 from weightcache.manifest import DEFAULT_CHUNK_BYTES, FileEntry, Manifest, check_chunk_bytes, digest_of
 from weightcache.origin.base import Origin
-from weightcache.safetensors_header import LENGTH_BYTES, Header, header_length, parse_header
+from weightcache.safetensors_header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
 from weightcache import catalog
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -87,7 +87,7 @@ async def build_manifest(
     return manifest
 
 
-async def read_header(origin: Origin, path: str, size: int) -> Header:
+async def read_header(origin: Origin, path: str, size: int) -> SafetensorsHeader:
     where = origin.where(path)
     first = bytes(await origin.read(path, 0, min(LENGTH_BYTES, size), memoryview(bytearray(LENGTH_BYTES))))
     n = header_length(first, size, where)

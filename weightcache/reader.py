@@ -49,9 +49,9 @@ from weightcache.cache import NodeCache
 from weightcache.errors import ManifestMismatch
 from weightcache.fetch import FetchLimits, FetchStats, Planner
 from weightcache.manifest import Manifest
-from weightcache.origin import S3Options, open_origin
+from weightcache.origin import S3OriginOptions, open_origin
 from weightcache.ram_copy import RamCopy
-from weightcache.safetensors_header import LENGTH_BYTES, Header, TensorEntry, header_length, parse_header
+from weightcache.safetensors_header import LENGTH_BYTES, SafetensorsHeader, TensorEntry, header_length, parse_header
 from weightcache.sources import ChunkRef, ChunkSource, OriginSource
 from weightcache.tensors import converter
 
@@ -71,7 +71,7 @@ def open_model(
     include: Selector = None,
     framework: str = "numpy",
     limits: FetchLimits = FetchLimits(),
-    s3: S3Options | None = None,
+    s3: S3OriginOptions | None = None,
     sources: Sequence[ChunkSource] | Callable[[ChunkRef], Sequence[ChunkSource]] = (),
     order: Callable[[tuple[int, int]], int] | None = None,
     route: Callable[[Manifest], tuple[Callable, Callable]] | None = None,
@@ -160,7 +160,7 @@ class ModelReader:
         self._finished = False
         self._closed = False
         self._iterated = False
-        self._checked: dict[int, Header] = {}
+        self._checked: dict[int, SafetensorsHeader] = {}
         self._maps: dict[int, object] = {}
         self._metrics = metrics
         self._opened = time.monotonic()

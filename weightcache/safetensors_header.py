@@ -65,7 +65,7 @@ class TensorEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class Header:
+class SafetensorsHeader:
     data_start: int  # 8 + N: where offset 0 of every tensor is in the file
     tensors: tuple[TensorEntry, ...]  # in byte order
     metadata: dict[str, str]
@@ -91,7 +91,7 @@ def header_length(first: bytes, file_size: int, where: str) -> int:
     return n
 
 
-def parse_header(raw: bytes, file_size: int, where: str) -> Header:
+def parse_header(raw: bytes, file_size: int, where: str) -> SafetensorsHeader:
     """The header from its ``N`` JSON bytes (those after the length), checked against ``file_size``."""
     data_start = LENGTH_BYTES + len(raw)
     try:
@@ -118,7 +118,7 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
         raise HeaderError(f"{where}: {METADATA_KEY} must map strings to strings")
     entries = [_entry(name, value, where) for name, value in doc.items()]
     tensors = check_table(entries, file_size - data_start, where)
-    return Header(data_start, tensors, metadata)
+    return SafetensorsHeader(data_start, tensors, metadata)
 
 
 def check_table(entries: Iterable[TensorEntry], data_bytes: int, where: str) -> tuple[TensorEntry, ...]:

@@ -9,10 +9,12 @@ not verify: the planner verifies every chunk, whatever gave it, against the
 manifest's digest before it is stored, so a source cannot hand a reader a
 wrong byte; it can only waste a try.
 
-Today the one source is the origin (:class:`OriginSource`). Peers plug in
-here: a peer source reads a chunk from another node's cache (found through
-the prefix index by the chunk's digest, which is content-addressed), and a
-:data:`SourceChooser` puts the peers that hold a chunk before the origin.
+Two kinds: the origin (:class:`OriginSource`), and peers, which read a chunk
+from another node's cache: its owner in a listed swarm
+(:class:`~weightcache.peers.PeerChunkSource`, ``--peer``), or a node the
+prefix index names by the chunk's digest, which is content-addressed
+(:mod:`weightcache.index_swarm`, ``--index-url``). A :data:`SourceChooser`
+puts the peers that may hold a chunk before the origin.
 Each source carries its own :class:`AdaptiveLimit`, so a slow peer or a
 throttling bucket only slows the requests that go to it.
 """

@@ -13,10 +13,11 @@ import argparse
 import os
 import sys
 
+from kvstore.cli.common import add_settings_flags, serve_overrides
 from kvstore.config import SettingsError, load_settings
 
 
-def add_parser(sub, add_settings_flags) -> None:
+def add_parser(sub) -> None:
     from kvstore.doctor import CHECKS
 
     doctor = sub.add_parser(
@@ -39,7 +40,6 @@ def add_parser(sub, add_settings_flags) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kvstore.cli.common import serve_overrides
     from kvstore.doctor import Host, failed, render_json, render_text, run_checks
 
     try:

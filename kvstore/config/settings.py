@@ -22,9 +22,9 @@ from kvstore.config.tiers import TierSettings
 class Settings(Section):
     """Everything ``strata serve`` is configured with; built once at start, passed down.
 
-    A component added later (``[tiers.gpu]``, ``[tiers.peer]``, ``[tiers.object]``,
-    ``[auth]``, ``[weights]``) is a :class:`Section` subclass in its own module
-    and one field here or in :class:`TierSettings`.
+    Each component (``[tiers.gpu]``, ``[tiers.peer]``, ``[tiers.object]``,
+    ``[auth]``, ``[weights]``, ...) is a :class:`Section` subclass in its own
+    module and one field here or in :class:`TierSettings`.
     """
 
     title = "Strata daemon"

@@ -183,7 +183,7 @@ class IndexAgent:
                 log.warning("prefix index agent did not stop cleanly: %s", err)
         try:
             self.run(self.index.leave(self.node_id), timeout)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - stopping: report, do not raise
             log.warning("could not leave the prefix index: %s", err)
         try:
             self.run(self.index.close(), timeout)

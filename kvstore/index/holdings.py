@@ -22,8 +22,7 @@ class EngineHoldings:
     holds it in any group.
 
     Per key an int: bit ``group * 8 + tier`` is set while that (medium, group) holds a
-    copy (an engine that sends no ``group_idx`` uses group 0: one int a key, as before
-    groups). Further copies of the same (medium, group) are counted in ``_extra`` (rare).
+    copy (an engine that sends no ``group_idx`` uses group 0: one int a key, one group). Further copies of the same (medium, group) are counted in ``_extra`` (rare).
     The same map lets the engine be re-published in full when the index lost it
     (expired, restarted, unreachable for a while). Beyond ``cap`` entries nothing new
     is remembered: such a copy is forgotten, so the key leaves the index at the first

@@ -6,7 +6,8 @@
 - :mod:`kvstore.peer.source`: the peer tier (a remote source built on the transports);
 - :mod:`kvstore.peer.transports`: the peer listeners as client-side transports;
 - :mod:`kvstore.peer.wire`: the TCP peer protocol's frames;
-- :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``);
+- :mod:`kvstore.peer.server`: the daemon's TCP listener (``--peer-listen``): connections, Hello, frames;
+- :mod:`kvstore.peer.requests`: what each peer request (READ, PUT, CHECK, HOLD, RELEASE) does to the store;
 - :mod:`kvstore.peer.connection`: one connection to a peer's listener (Hello, frames, deadline);
 - :mod:`kvstore.peer.tcp`: the TCP client and its pool, a :class:`PeerTransport`;
 - :mod:`kvstore.peer.ucx_link`, :mod:`kvstore.peer.ucx`, :mod:`kvstore.peer.ucx_server`:

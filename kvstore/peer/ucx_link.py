@@ -49,12 +49,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-import msgpack
-
 from kvstore.block import Checksummer
 from kvstore.errors import TierUnavailable
 from kvstore.peer.ucx_progress import UcxProgress
-from kvstore.wire.frames import HEADER, MAX_META_BYTES, FrameError
+from kvstore.wire.frames import HEADER, MAX_META_BYTES, FrameError, check_lengths, decode_meta
 
 __all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
 
@@ -305,16 +303,8 @@ class UcxLink:
             self.settimeout(deadline - time.monotonic())
         self._wait(self._recv(self._head))
         meta_len, payload_len = HEADER.unpack_from(self._head)
-        if meta_len > self._max_meta:
-            raise FrameError(
-                f"a frame's control part of {meta_len} bytes is over the limit of {self._max_meta}: send smaller batches"
-            )
-        if self._max_payload is not None and payload_len > self._max_payload:
-            raise FrameError(f"a frame's payload of {payload_len} bytes is over the limit of {self._max_payload} here")
-        try:
-            meta = msgpack.unpackb(memoryview(self._head)[HEADER.size : HEADER.size + meta_len], use_list=True, raw=False)
-        except (ValueError, msgpack.UnpackException) as err:
-            raise FrameError(f"a frame's control part is not valid msgpack ({err})") from None
+        check_lengths(meta_len, payload_len, self._max_meta, self._max_payload)
+        meta = decode_meta(memoryview(self._head)[HEADER.size : HEADER.size + meta_len])
         self.pending = payload_len
         return meta, payload_len
 

@@ -61,24 +61,24 @@ LOG_EVERY_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
-class Held:
+class HeldPrefix:
     """What one holder has of a prompt: its leading blocks, and their tier-weighted worth in blocks."""
 
     blocks: int = 0
     score: float = 0.0
 
 
-NOTHING = Held()
+NOTHING = HeldPrefix()
 
 
-def credit(engine: Held, node: Held) -> float:
+def credit(engine: HeldPrefix, node: HeldPrefix) -> float:
     """An endpoint's cached blocks, tier-weighted: the engine's prefix, then the node's blocks beyond it
     (vLLM asks its offload tiers for what its own cache lacks), or the node's prefix alone if worth more."""
     beyond = node.score * (node.blocks - engine.blocks) / node.blocks if node.blocks > engine.blocks else 0.0
     return max(engine.score + beyond, node.score)
 
 
-def best(answer: Mapping[str, Held], ids: Sequence[str]) -> Held:
+def best(answer: Mapping[str, HeldPrefix], ids: Sequence[str]) -> HeldPrefix:
     return max((answer.get(i, NOTHING) for i in ids), key=lambda h: (h.score, h.blocks), default=NOTHING)
 
 
@@ -171,12 +171,12 @@ class PrefixScorer:
         engines, nodes = by_role.get("engine", {}), by_role.get("node", {})
         return [credit(best(engines, e), best(nodes, e)) for e in endpoints]
 
-    async def _score(self, namespace: str, keys: list[bytes], ids: Sequence[str], blocks_per_key: int) -> dict[str, Held]:
+    async def _score(self, namespace: str, keys: list[bytes], ids: Sequence[str], blocks_per_key: int) -> dict[str, HeldPrefix]:
         """One Score call: per id, its leading keys of ``keys`` as blocks of the prompt, and their worth."""
         request = index_pb2.ScoreRequest(namespace=namespace, candidates=ids)
         request.keys.keys.extend(keys)
         response = await self._stub.Score(request, timeout=self._timeout)
-        return {e.node_id: Held(e.blocks * blocks_per_key, e.score * blocks_per_key) for e in response.endpoints}
+        return {e.node_id: HeldPrefix(e.blocks * blocks_per_key, e.score * blocks_per_key) for e in response.endpoints}
 
     def _failed(self, err: grpc.aio.AioRpcError) -> None:
         now = time.monotonic()

@@ -145,13 +145,39 @@ class Daemon:
             raise
 
     def _start(self) -> Daemon:
+        """The steps of a start, in order: each uses what those before it built, and
+        :meth:`start` gives back what they took when one fails."""
+        self._claim_node()
+        index = open_index(self.settings.index.url)
+        self._open_index_agent(index)
+        self._open_store(index)
+        self._start_index_agent(index)
+        server = self._grpc_server()
+        self._start_same_host_sockets()
+        self._start_peer_listeners()
+        self._add_services(server)
+        self._bind(server)
+        self._serve_metrics()
+        self._start_grpc(server)
+        self._report_serving()
+        self._log_started()
+        return self
+
+    # ---- the steps of a start ------------------------------------------------------
+
+    def _claim_node(self) -> None:
+        """The auth policy, the state directory (locked: one daemon per directory) and the node's
+        identity and epoch, kept in it."""
         s = self.settings
         self.authority = endpoints.authority(s)
-        state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
-        self._state_dir = state_dir
-        self._lock_state_dir(state_dir)
-        self.node = NodeIdentity.start(s.node.id, state_dir)
-        index = open_index(s.index.url)
+        self._state_dir = Path(s.tiers.disk.dir).expanduser().resolve()
+        self._lock_state_dir(self._state_dir)
+        self.node = NodeIdentity.start(s.node.id, self._state_dir)
+
+    def _open_index_agent(self, index) -> None:
+        """The agent that publishes this node's blocks to the index, subscribed to the store's
+        events (with the metrics) before the store opens, so no event of its recovery is missed."""
+        s = self.settings
         self.served = ServedBytes(self.metrics.registry)
         self.index_agent = IndexAgent(
             index, self.node.node_id, self.node.epoch, lambda: self.store.holdings(),
@@ -161,8 +187,17 @@ class Daemon:
         self.events.subscribe("index", self.index_agent.on_events)
         self.events.subscribe("metrics", self.metrics.count_events)
         self.metrics.watch_event_bus(self.events.subscriptions)
-        self.store = open_stores(s, state_dir, self.metrics, self.events, self._tier_runtime(index))
+
+    def _open_store(self, index) -> None:
+        """One store per arena, its tiers built from the settings and what the daemon gives them
+        (:meth:`_tier_runtime`); the RAM blocks a kept arena holds are adopted here."""
+        self.store = open_stores(self.settings, self._state_dir, self.metrics, self.events, self._tier_runtime(index))
         self.metrics.watch_ram_recovery({a.name: a.ram for a in self.store.arenas})
+
+    def _start_index_agent(self, index) -> None:
+        """The index agent's loop, and what runs on it: the replicator (with ``[replication]``) and
+        the subscriber to the engines' KV events (with ``[index] kv_events``)."""
+        s = self.settings
         self.index_agent.start()
         self.replicator = open_replicator(s, self.store, index, self.node.node_id, self.index_agent.loop,
                                           self.metrics.registry)
@@ -175,6 +210,11 @@ class Daemon:
                 SubscriberConfig(ttl_s=ttl, heartbeat_interval_s=ttl / 3), registry=self.metrics.registry,
             )
             self.index_agent.run(self.kv_events.start(), timeout=10)
+
+    def _grpc_server(self) -> grpc.Server:
+        """The gRPC server, not yet listening, with its interceptors in order: admission, auth,
+        the per-identity limits, the stream watchdog."""
+        s = self.settings
         options = [
             ("grpc.max_receive_message_length", s.server.max_message_bytes),
             # A reply is bounded by the request limits (a batch of keys echoed back, a List page),
@@ -190,14 +230,24 @@ class Daemon:
         interceptors.append(CallLimiter(s.server.admitted_streams, s.server.streams_per_identity,
                                         s.server.calls_per_identity, self.metrics))
         interceptors.append(self._watchdog)  # last: a call admission or auth refused is never watched
-        server = grpc.server(
+        return grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.server.workers, thread_name_prefix="strata-rpc"),
             interceptors=interceptors,
             options=options,
         )
+
+    def _start_same_host_sockets(self) -> None:
+        """Each arena's same-host socket (--same-host-socket), unless it is off."""
+        s = self.settings
         if s.server.same_host_socket != "off":
             endpoints.start_same_host_sockets(s, self.store, self.authority, self.metrics, self._same_hosts)
             self._same_host = self._same_hosts[self.store.default.name]
+
+    def _start_peer_listeners(self) -> None:
+        """The peer data plane's listeners: TCP (--peer-listen), UCX (--peer-ucx-listen) and UCX
+        shared memory (--peer-ucx-shm); without a UCX listener, UCX is still started when the peer
+        tier reads over it."""
+        s = self.settings
         if s.peers.listen:
             self.peer_server = endpoints.start_peer_server(s, self.store, self.authority, self.metrics, self.served)
         if s.peers.ucx_listen:
@@ -208,6 +258,11 @@ class Daemon:
             self.ucx_shm_server = endpoints.start_ucx_shm_server(s, self.store, self.authority, self.metrics)
         elif "peer" in s.tiers.chain and "ucx-shm" in s.tiers.peer.transports:
             endpoints.start_ucx("--peer-transports ucx-shm", shared_memory=True)
+
+    def _add_services(self, server: grpc.Server) -> None:
+        """The KV service (with the streamed puts' byte budget), the handoff and index services,
+        health and reflection."""
+        s = self.settings
         budget = int(s.server.put_budget_bytes)
         self.put_budget = ByteBudget(budget, "streamed puts", "--put-budget-bytes",
                                      # half by default, never less than one whole block
@@ -242,6 +297,11 @@ class Daemon:
             ),
             server,
         )
+
+    def _bind(self, server: grpc.Server) -> None:
+        """The gRPC port (with TLS when configured) and the Unix socket; the address this node
+        advertises, given to the index agent with the peer transports."""
+        s = self.settings
         try:
             tls = endpoints.server_credentials(s)
             if tls is None:
@@ -255,18 +315,27 @@ class Daemon:
         if s.server.unix_socket:
             Path(s.server.unix_socket).unlink(missing_ok=True)
             server.add_insecure_port(f"unix:{s.server.unix_socket}")
-        if s.server.metrics_listen:
-            host, port = split_host(s.server.metrics_listen)
-            try:  # ':PORT' is loopback: metrics leave the host only when an address says so
-                self._metrics_server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.metrics.registry)
-            except OSError as err:
-                raise DaemonError(
-                    f"cannot serve metrics on {s.server.metrics_listen} ({err}): pick a free address with --metrics-listen, "
-                    "or pass an empty one to turn metrics off"
-                ) from None
-            self.metrics_port = self._metrics_server.server_port
-        # Metrics answer before the first RPC does. The gRPC Unix socket is created owner-only (no
-        # window in which another user could connect), then given its configured mode.
+
+    def _serve_metrics(self) -> None:
+        """Prometheus metrics over HTTP (--metrics-listen; ':PORT' is loopback), before the first
+        RPC is answered."""
+        s = self.settings
+        if not s.server.metrics_listen:
+            return
+        host, port = split_host(s.server.metrics_listen)
+        try:  # ':PORT' is loopback: metrics leave the host only when an address says so
+            self._metrics_server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.metrics.registry)
+        except OSError as err:
+            raise DaemonError(
+                f"cannot serve metrics on {s.server.metrics_listen} ({err}): pick a free address with --metrics-listen, "
+                "or pass an empty one to turn metrics off"
+            ) from None
+        self.metrics_port = self._metrics_server.server_port
+
+    def _start_grpc(self, server: grpc.Server) -> None:
+        """The gRPC server started. Its Unix socket is created owner-only (no window in which
+        another user could connect), then given its configured mode."""
+        s = self.settings
         mask = os.umask(0o177) if s.server.unix_socket else None
         try:
             server.start()
@@ -276,6 +345,10 @@ class Daemon:
         self._server = server
         if s.server.unix_socket:
             os.chmod(s.server.unix_socket, s.auth.mode)
+
+    def _report_serving(self) -> None:
+        """Health SERVING, the index's and each tier's health detail, watched from now on; the
+        replicator started."""
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._index_degraded(self.index_agent.degraded)
@@ -284,6 +357,10 @@ class Daemon:
         self._tier_watch.start()
         if self.replicator is not None:
             self.replicator.start()
+
+    def _log_started(self) -> None:
+        """One line for the operator: where the daemon serves, its node and epoch, what it recovered."""
+        s = self.settings
         stats = self.store.stats()
         log.info(
             "strata serving on %s (port %s), metrics port %s, node %s epoch %d, %d blocks recovered",
@@ -291,12 +368,13 @@ class Daemon:
             extra={
                 "listen": s.server.listen, "port": self.port, "unix_socket": s.server.unix_socket or None,
                 "metrics_port": self.metrics_port, "node_id": self.node.node_id, "epoch": self.node.epoch,
-                "ram_bytes": int(s.tiers.ram.bytes), "disk_bytes": int(s.tiers.disk.bytes), "disk_dir": str(state_dir),
-                "arena": self.store.default.shm.path, "recovered_blocks": stats.blocks,
+                "ram_bytes": int(s.tiers.ram.bytes), "disk_bytes": int(s.tiers.disk.bytes),
+                "disk_dir": str(self._state_dir), "arena": self.store.default.shm.path, "recovered_blocks": stats.blocks,
                 "arenas": [a.name for a in self.store.arenas], "peer_addresses": self.peer_addresses(),
             },
         )
-        return self
+
+    # ---- the running daemon ----------------------------------------------------------
 
     def peer_addresses(self) -> dict[str, str]:
         """The peer data plane's addresses by transport scheme (``{"tcp": "tcp://host:port",

@@ -13,7 +13,7 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth import EVERY_NAMESPACE, READ, current_identity, may_attach, owner_of
 from kvstore.auth.stats import visible_stats
-from kvstore.block import BlockKey, BlockMeta, validate_namespace
+from kvstore.block import BlockKey, BlockMeta, TierName, validate_namespace
 from kvstore.replication.pin_copies import PinCopies
 from kvstore.replication.replicator import ReplicationReport
 from kvstore.errors import ArenaReplaced, ArenaUnusable, BlockTooLarge, InvalidArgument, LeaseOwnedElsewhere, PermissionDenied, StrataError
@@ -207,7 +207,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateResponse:
         lease_s = _lease_s(request.lease_ms)
         mapped = self._mapped(request.arena, request.arena_token)
-        if mapped.member.gpu is not None:  # gRPC never hands out device offsets (kvstore.transport.samehost.regions)
+        if mapped.head.name == TierName.GPU:  # gRPC never hands out device offsets (kvstore.transport.samehost.regions)
             raise ArenaUnusable("this daemon's slots are in the gpu tier, which only same-host clients with the "
                                 "gpu capability write: use the streamed Put")
         grants = mapped.allocate(
@@ -244,7 +244,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         lease_s = _lease_s(request.lease_ms)
         mapped = self._mapped(request.arena, request.arena_token)
         found = mapped.lookup(request.namespace, list(request.keys), lease_s, _deadline(context), owner_of(context))
-        if mapped.member.gpu is not None:  # leased in device memory: found, read through the stream
+        if mapped.head.name == TierName.GPU:  # leased in device memory: found, read through the stream
             mapped.release([loc.lease_id for loc in found if loc is not None and loc.lease_id], owner_of(context))
             found = [None if loc is None else replace(loc, offset=0, lease_id=0) for loc in found]
         out = []

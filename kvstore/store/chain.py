@@ -1,8 +1,9 @@
 """The ordered chain of tiers a store composes, and the policy of each edge.
 
-``[ram, disk]`` today; ``[gpu, ram, disk, peer, object]`` later. The head is
-a :class:`~kvstore.tiers.base.MappableTier` (same-host clients read and
-write it in place); below it come local tiers, each edge with its own
+``[ram, disk]`` by default, ``[gpu, ram, disk, peer, object]`` with every
+tier configured. The head is a :class:`~kvstore.tiers.base.MappableTier`
+(same-host clients read and write it in place); below it come the other
+tiers, each edge with its own
 :class:`~kvstore.store.limits.EdgePolicy`. The store asks the chain
 positional questions (the best tier of a block, the tier below, whether a
 read from a tier is promoted to the head) and never branches on a tier's

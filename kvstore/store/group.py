@@ -14,7 +14,7 @@ group exactly as they called one store:
   goes by the id: each store puts its arena's index in the top bits of its
   lease and slot ids (``id_tag``; the other 55 bits stay random), so no
   shared table maps ids to stores and nothing has to be kept in step. With
-  one arena (the default config) ids stay 63 random bits, as before;
+  one arena (the default config) ids are 63 random bits;
 - calls about the node (stats without a namespace, holdings, persist_ram,
   close, lease expiry) cover every store; stats sum them.
 
@@ -74,13 +74,6 @@ class StoreArena:
     def shm(self) -> ShmArena:
         """The shared-memory file a same-host client maps for this arena (the RAM tier's)."""
         return self.ram.arena
-
-    @property
-    def gpu(self):
-        """The gpu tier when the chain starts there (its extents are what Lookup and Allocate hand
-        out, instead of the arena's), else None."""
-        head = self.store.head
-        return head if head.name == TierName.GPU else None
 
 
 class StoreGroup:

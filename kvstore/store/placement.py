@@ -19,7 +19,7 @@ free is *fruitless*; after ``MAX_FRUITLESS_ROUNDS`` of them in a row, or
 ``MAX_IDLE_WAITS`` waits in a row in which no copy ended at all, the writer
 is refused with a retry delay, whatever the clock says. Copies that land
 are progress, even when another writer takes the room they made: that
-writer waits on, until its deadline, as before.
+writer waits on, until its deadline.
 """
 
 from __future__ import annotations

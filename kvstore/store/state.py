@@ -83,7 +83,7 @@ class StoreState:
         self.namespaces = {validate_namespace(ns) for ns in namespaces}
         self.auto_create = auto_create_namespaces
         # Told of every change (under the lock: publish never blocks): the
-        # prefix index's and the metrics' feed, and later replication's.
+        # prefix index's and the metrics' feed.
         self.events = events
         self.unhealthy_until: dict[TierName, float] = {}  # a lower tier that failed a write: skipped until then
         self.unhealthy_reason: dict[TierName, str] = {}

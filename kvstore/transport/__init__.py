@@ -1,4 +1,8 @@
-"""Transports: how block bytes move between a client and a daemon (later, between daemons).
+"""Transports: how block bytes move between a client and a daemon.
+
+Daemons move blocks between each other with :mod:`kvstore.peer`'s
+:class:`~kvstore.peer.base.PeerTransport`; its listeners are also reachable
+from a client through the ``peer-*`` transports below.
 
 One contract (:class:`~kvstore.transport.base.Transport`, stated in its
 module docstring), a registry of implementations by name, one contract

@@ -35,7 +35,7 @@ _THROTTLED = re.compile(r"\b503\b|SlowDown|\b429\b|TooManyRequests")
 
 
 @dataclass(frozen=True)
-class S3Options:
+class S3OriginOptions:
     """How to reach the bucket. Credentials left empty are found by obstore the usual AWS way
     (environment, profile, instance role)."""
 
@@ -51,7 +51,7 @@ class S3Options:
 
 
 class S3Origin(Origin):
-    def __init__(self, location: str, options: S3Options, revision: str | None = None) -> None:
+    def __init__(self, location: str, options: S3OriginOptions, revision: str | None = None) -> None:
         import obstore
         from obstore.store import S3Store
 

@@ -46,11 +46,13 @@ arrive are kept (``successful_keys``).
 """
 
 from kvstore.integrations.vllm.mapping import KVLayout, block_key, offload_key
-from kvstore.integrations.vllm.settings import MODULE_PATH, TIER_TYPE, TierSettings
+from kvstore.integrations.vllm.settings import MODULE_PATH, TIER_TYPE, StrataTierSettings
 from kvstore.integrations.vllm.tier import StrataTier
 
 # vLLM's factory resolves an out-of-tree tier as ``getattr(import_module(module_path), type)``:
 # "type": "strata" finds this name, "type": "StrataTier" the class's own.
 strata = StrataTier
 
-__all__ = ["MODULE_PATH", "TIER_TYPE", "KVLayout", "StrataTier", "TierSettings", "block_key", "offload_key", "strata"]
+__all__ = [
+    "MODULE_PATH", "TIER_TYPE", "KVLayout", "StrataTier", "StrataTierSettings", "block_key", "offload_key", "strata",
+]

@@ -43,7 +43,7 @@ from kvstore.errors import (
 from kvstore.integrations.health import DaemonHealth
 from kvstore.integrations.vllm.mapping import KVLayout, block_key
 from kvstore.integrations.vllm.metrics import TierMetrics
-from kvstore.integrations.vllm.settings import TierSettings
+from kvstore.integrations.vllm.settings import StrataTierSettings
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Outcome:
 class ChunkStore:
     """Presence, stores and loads of chunks; see the module docstring."""
 
-    def __init__(self, settings: TierSettings, layout: KVLayout, rows: memoryview, health: DaemonHealth,
+    def __init__(self, settings: StrataTierSettings, layout: KVLayout, rows: memoryview, health: DaemonHealth,
                  metrics: TierMetrics, client_factory=Client) -> None:
         self.settings = settings
         self.layout = layout

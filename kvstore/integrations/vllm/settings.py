@@ -15,7 +15,7 @@ MAX_PREFIX_CHARS = 48  # of ``namespace``: the model and layout need the rest of
 
 
 @dataclass(frozen=True)
-class TierSettings:
+class StrataTierSettings:
     """Options of one Strata entry; every default suits a sidecar on the engine's host.
 
     ``namespace`` is a prefix (a tenant, a team): the tier appends the model,
@@ -51,7 +51,7 @@ class TierSettings:
     tls_server_name: str | None = None
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> TierSettings:
+    def from_options(cls, options: dict[str, Any]) -> StrataTierSettings:
         """From the entry's keys (``type`` and ``module_path`` already taken by vLLM's factory)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)

@@ -40,7 +40,7 @@ from kvstore.integrations.vllm.chunks import ChunkStore, Outcome
 from kvstore.integrations.vllm.jobs import Job, JobRunner, Kind
 from kvstore.integrations.vllm.lookups import StrataLookups
 from kvstore.integrations.vllm.mapping import KVLayout
-from kvstore.integrations.vllm.settings import TierSettings
+from kvstore.integrations.vllm.settings import StrataTierSettings
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class StrataTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.settings = TierSettings.from_options(options)
+        self.settings = StrataTierSettings.from_options(options)
         self.locality = Locality(self.settings.locality) if self.settings.locality else None
         self.layout = KVLayout.of(offloading_spec, self.block_size_bytes, self.settings.namespace)
         self._health = DaemonHealth(self.settings.down_backoff_s, engine="vLLM")
