@@ -17,6 +17,7 @@
     strata route --endpoint URL ...  a cache-aware router in front of OpenAI-compatible engines (vLLM)
     strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
     strata clean [SERVE FLAGS]       remove the arena a stopped daemon kept in shared memory (and its table)
+    strata auth init DIR             the tokens and policy file of a cluster's auth Secrets, and their kubectl commands
 """
 
 from __future__ import annotations
@@ -505,11 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--dry-run", action="store_true", help="list what would be removed")
     _add_settings_flags(clean)
     clean.set_defaults(func=cmd_clean)
-    from kvstore.cli import doctor, objects, route
+    from kvstore.cli import auth, doctor, objects, route
 
     doctor.add_parser(sub, _add_settings_flags)
     objects.add_parser(sub)
     route.add_parser(sub)
+    auth.add_parser(sub)
     return parser
 
 
@@ -568,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
-    if args.command in ("serve", "doctor", "route", "clean"):
+    if args.command in ("serve", "doctor", "route", "clean", "auth"):
         return args.func(args)
     from kvstore.errors import DaemonUnavailable, StrataError
 
