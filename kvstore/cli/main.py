@@ -17,6 +17,7 @@
     strata route --endpoint URL ...  a cache-aware router in front of OpenAI-compatible engines (vLLM)
     strata doctor [SERVE FLAGS]      check this host for strata serve: tmpfs, disk, memory, ports, Redis, S3, UCX
     strata clean [SERVE FLAGS]       remove the arena a stopped daemon kept in shared memory (and its table)
+    strata auth init DIR             the tokens and policy file of a cluster's auth Secrets, and their kubectl commands
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("weights", add_help=False,
                    help="model weights: publish, ls, fetch, evict, serve, prefetch, wait (strata weights --help)")
     clean.add_parser(sub)
-    from kvstore.cli import doctor, objects, route  # heavier (S3, the router): not loaded for `strata weights`
+    from kvstore.cli import auth, doctor, objects, route  # heavier (S3, the router): not loaded for `strata weights`
 
     doctor.add_parser(sub)
     objects.add_parser(sub)
     route.add_parser(sub)
+    auth.add_parser(sub)
     return parser
 
 
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
-    if args.command in ("serve", "doctor", "route", "clean"):
+    if args.command in ("serve", "doctor", "route", "clean", "auth"):
         return args.func(args)
     from kvstore.errors import DaemonUnavailable, StrataError
 

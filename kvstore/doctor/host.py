@@ -25,6 +25,7 @@ from kvstore.shm.table import UNIT_BYTES, max_table_units, table_units
 
 PAGE_BYTES = 4096
 PROCESS_HEADROOM_BYTES = 512 << 20  # the daemon's own heap, threads and buffers beside the arena
+POD_MEMORY_STEP_BYTES = 256 << 20  # a pod's memory request is rounded up to this
 MAX_FILES_COUNTED = 1_000_000  # a limit on the walk over the disk tier's files
 MEMORY_FS = {"tmpfs", "ramfs"}
 CONTAINER_LAYER_FS = {"overlay", "aufs"}
@@ -83,18 +84,45 @@ def state_dir(settings: Settings) -> Path:
 # ---- the arena's tmpfs --------------------------------------------------------------------
 
 
+def arena_bytes(settings: Settings) -> int:
+    """Every arena's file: its blocks (``ram_bytes``) and its header."""
+    plan = settings.arena_plan()
+    return sum(a["ram_bytes"] for a in plan) + ARENA_HEADER_BYTES * len(plan)
+
+
+def table_bytes(settings: Settings, worst: bool = False) -> int:
+    """The arenas' block tables as they start (a unit per arena page: 1/16 of the arena), or at
+    their worst-case growth. The table grows with long keys and layouts, while the tmpfs keeps room
+    for the arena's unwritten pages; beyond that a put is refused, never lost."""
+    if not settings.tiers.ram.crash_safe:
+        return 0
+    units = max_table_units if worst else table_units
+    return sum(units(a["ram_bytes"], PAGE_BYTES) for a in settings.arena_plan()) * UNIT_BYTES
+
+
+def memory_needed(settings: Settings) -> int:
+    """What a daemon with these settings holds in memory once its cache is full: the arenas and
+    their block tables (tmpfs pages count against the cgroup that first touches them) and the
+    daemon's own heap, threads and buffers (``PROCESS_HEADROOM_BYTES``)."""
+    return arena_bytes(settings) + table_bytes(settings) + PROCESS_HEADROOM_BYTES
+
+
+def pod_memory_bytes(settings: Settings) -> int:
+    """The daemon container's memory request and limit: :func:`memory_needed` rounded up to
+    ``POD_MEMORY_STEP_BYTES``. Request equal to limit, so the pod is Guaranteed and the kubelet
+    evicts it after the pods that use more than they asked."""
+    step = POD_MEMORY_STEP_BYTES
+    return -(-memory_needed(settings) // step) * step
+
+
 def check_shm(settings: Settings, host: Host) -> list[Finding]:
     ram = settings.tiers.ram
     directory = Path(ram.shm_dir).expanduser()
-    plan = settings.arena_plan()
-    arena_bytes = sum(a["ram_bytes"] for a in plan) + ARENA_HEADER_BYTES * len(plan)
-    # The block table starts at a unit per arena page and grows with long keys and layouts, while
-    # the tmpfs keeps room for the arena's unwritten pages; beyond that a put is refused, never lost.
-    table_bytes = sum(table_units(a["ram_bytes"], PAGE_BYTES) for a in plan) * UNIT_BYTES if ram.crash_safe else 0
-    table_most = sum(max_table_units(a["ram_bytes"], PAGE_BYTES) for a in plan) * UNIT_BYTES if ram.crash_safe else 0
+    arena = arena_bytes(settings)
+    table, table_most = table_bytes(settings), table_bytes(settings, worst=True)
     if not directory.is_dir():
         return [fail("shm", f"--shm-dir {directory} does not exist",
-                     f"create it on a tmpfs of at least {size(arena_bytes + table_bytes)}, or point --shm-dir at "
+                     f"create it on a tmpfs of at least {size(arena + table)}, or point --shm-dir at "
                      "one (in Kubernetes: an emptyDir with medium: Memory, or a hostPath under the node's /dev/shm)")]
     if not os.access(directory, os.W_OK | os.X_OK):
         return [fail("shm", f"--shm-dir {directory} is not writable by uid {os.getuid()}",
@@ -109,16 +137,16 @@ def check_shm(settings: Settings, host: Host) -> list[Finding]:
     findings = []
     where = f"--shm-dir {directory} ({fstype}, {size(total)}, {size(free)} free"
     where += f", {size(reused)} held by this node's arena)" if reused else ")"
-    need = f"the arena needs {size(arena_bytes)}" + (
-        f" and its block table {size(table_bytes)} (growing with long keys and layouts, up to {size(table_most)} "
-        "at worst, as the tmpfs allows: beyond it a put is refused)" if table_bytes else "")
-    grow = (f"give {directory} at least {size(arena_bytes + table_bytes)}: in Kubernetes an emptyDir "
-            f"{{medium: Memory, sizeLimit: {size(arena_bytes + table_bytes)}}}, or the node's /dev/shm "
+    need = f"the arena needs {size(arena)}" + (
+        f" and its block table {size(table)} (growing with long keys and layouts, up to {size(table_most)} "
+        "at worst, as the tmpfs allows: beyond it a put is refused)" if table else "")
+    grow = (f"give {directory} at least {size(arena + table)}: in Kubernetes an emptyDir "
+            f"{{medium: Memory, sizeLimit: {size(arena + table)}}}, or the node's /dev/shm "
             "(mount -o remount,size=... /dev/shm) for a hostPath; docker run --shm-size; or lower --ram-bytes")
-    if available < arena_bytes:
+    if available < arena:
         findings.append(fail("shm", f"{where}: {need}; a page fault past the end of the filesystem kills the "
                                     "daemon (SIGBUS)", grow))
-    elif available < arena_bytes + table_bytes:
+    elif available < arena + table:
         findings.append(warn("shm", f"{where}: {need}; it fits only while blocks are large", grow))
     else:
         findings.append(ok("shm", f"{where}: {need}"))
@@ -160,18 +188,18 @@ def memory_limit(host: Host) -> tuple[int | None, str]:
 
 def check_memory(settings: Settings, host: Host) -> list[Finding]:
     limit, source = memory_limit(host)
-    ram = int(settings.tiers.ram.bytes)
-    need = ram + PROCESS_HEADROOM_BYTES
+    arena, table = arena_bytes(settings), table_bytes(settings)
+    need = memory_needed(settings)
     if not source:
         return [skip("memory", "no cgroup memory limit could be read")]
     if limit is None:
-        return [ok("memory", f"no memory limit ({source}); the arena takes {size(ram)} of the host's memory")]
-    summary = (f"memory limit {size(limit)} ({source}); the arena's pages ({size(ram)}) count against it, plus "
-               f"about {size(PROCESS_HEADROOM_BYTES)} for the daemon itself")
+        return [ok("memory", f"no memory limit ({source}); the arena takes {size(arena)} of the host's memory")]
+    summary = (f"memory limit {size(limit)} ({source}); the arena's pages ({size(arena)}) and its block table's "
+               f"({size(table)}) count against it, plus about {size(PROCESS_HEADROOM_BYTES)} for the daemon itself")
     if limit < need:
         return [fail("memory", summary + ": the daemon is OOM-killed once the cache fills",
-                     f"raise the container's memory limit to at least {size(need)} "
-                     "(resources.limits.memory), or lower --ram-bytes")]
+                     f"give the container {size(pod_memory_bytes(settings))} "
+                     "(resources.requests.memory and limits.memory), or lower --ram-bytes")]
     return [ok("memory", summary)]
 
 
