@@ -17,7 +17,13 @@ and ``--smoke``: every case once, at tiny sizes, in seconds, so that a test
 can run each benchmark and a benchmark cannot rot unnoticed. A smoke run's
 figures mean nothing (tiny blocks, the fewest rounds, a test runner beside
 it), so it writes no results: ``benchmarks/results/`` keeps the last real
-run's.
+run's. A smoke run in which every case was skipped (each row says why) fails: it
+proved nothing ran.
+
+The benchmarks that drive a daemon (``kv_local``, ``kv_pool``) also charge each
+case with the daemon's CPU seconds per GB moved and report what the daemon
+burns idle (:mod:`benchmarks.daemon_cpu`): one more column and a line under
+the table.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.daemon_cpu import CpuUse, IdleCpu
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -109,6 +117,7 @@ class Case:
     metric: str = "throughput"
     unit: str = "GB/s"
     note: str = ""
+    daemon_cpu: CpuUse | None = None  # the candidate's daemon CPU, where a daemon moved its bytes
 
     @property
     def ratio(self) -> float | None:
@@ -136,14 +145,21 @@ class Case:
             "target_ratio": self.target_ratio,
             "meets_target": self.meets_target,
         }
+        if self.daemon_cpu is not None:
+            out["daemon_cpu"] = self.daemon_cpu.to_json()
         if self.note:
             out["note"] = self.note
         return out
 
+    @property
+    def skipped(self) -> bool:
+        """No figure: the case could not run here (its note says why)."""
+        return self.value is None
+
 
 def compare(
     samples: dict[str, list[float]], candidate: str, baseline: str, *, case: str | None = None,
-    target_ratio: float | None = None, note: str = "",
+    target_ratio: float | None = None, note: str = "", daemon_cpu: CpuUse | None = None,
 ) -> Case:
     """The case ``candidate`` vs ``baseline`` from samples of one :func:`interleave` run."""
     return Case(
@@ -153,19 +169,33 @@ def compare(
         baseline_value=statistics.median(samples[baseline]),
         target_ratio=target_ratio,
         note=note,
+        daemon_cpu=daemon_cpu,
     )
+
+
+def skipped(case: str, baseline: str, reason: str, target_ratio: float | None = None) -> Case:
+    """A row for a case that cannot run here: no figure, and the reason in its note (never a silent gap)."""
+    return Case(case, None, baseline, None, target_ratio=target_ratio, note=f"skipped: {reason}")
 
 
 # ---- reporting ---------------------------------------------------------------
 
 _COLUMNS = (("case", 36), ("GB/s", 8), ("baseline", 26), ("GB/s", 8), ("ratio", 7), ("target", 7), ("met", 5))
+# With the daemon's CPU: longer case names (the call and what it is measured against), and its CPU per GB.
+_CPU_COLUMNS = (("case", 52), ("GB/s", 8), ("baseline", 34), ("GB/s", 8), ("ratio", 7), ("target", 7),
+                ("met", 5), ("daemon CPU s/GB", 15))
 
 
 class Benchmark:
     """Parses ``--quick`` and ``--smoke``, prints rows as cases finish, writes ``results/<name>.json``
-    (except after ``--smoke``)."""
+    (except after ``--smoke``).
 
-    def __init__(self, name: str, description: str, argv: list[str] | None = None) -> None:
+    ``daemon_cpu``: the table has a column for each case's daemon CPU per GB moved, and
+    :meth:`add_idle` records what a daemon burns with no traffic.
+    """
+
+    def __init__(self, name: str, description: str, argv: list[str] | None = None, *,
+                 daemon_cpu: bool = False) -> None:
         parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
         size = parser.add_mutually_exclusive_group()
         size.add_argument("--quick", action="store_true", help="fewer, smaller rounds: finishes in under 60 s")
@@ -177,6 +207,8 @@ class Benchmark:
         self.command = f"python -m benchmarks.{name}" + self.mode_flag
         self.when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.cases: list[Case] = []
+        self.idle: list[IdleCpu] = []
+        self._columns = _CPU_COLUMNS if daemon_cpu else _COLUMNS
         self._started = time.monotonic()
         self._header_printed = False
 
@@ -191,8 +223,8 @@ class Benchmark:
 
     def add(self, case: Case) -> None:
         if not self._header_printed:
-            self._print_row([title for title, _ in _COLUMNS])
-            self._print_row(["-" * width for _, width in _COLUMNS])
+            self._print_row([title for title, _ in self._columns])
+            self._print_row(["-" * width for _, width in self._columns])
             self._header_printed = True
         self.cases.append(case)
         ratio = case.ratio
@@ -204,25 +236,56 @@ class Benchmark:
             "n/a" if case.baseline_value is None else f"{case.baseline_value:.3f}",
             "" if ratio is None else f"{ratio:.2f}",
             "" if case.target_ratio is None else f"{case.target_ratio:g}",
-            met,
+            "skip" if case.skipped else met,
+            _cpu_cell(case.daemon_cpu),
         ])
+        if case.skipped:
+            print(f"    {case.note}", flush=True)
 
-    @staticmethod
-    def _print_row(cells: list[str]) -> None:
-        print("  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _COLUMNS)).rstrip(), flush=True)
+    def add_idle(self, idle: IdleCpu) -> None:
+        """The daemon's CPU with no traffic: printed under the rows, and in the JSON."""
+        self.idle.append(idle)
+        print(f"{idle.daemon} idle: {idle.share_of_core:.3f} of a core ({idle.cpu_s:.3f} CPU s over "
+              f"{idle.wall_s:.1f} s with its clients connected and no traffic)", flush=True)
+
+    def _print_row(self, cells: list[str]) -> None:
+        print("  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, self._columns)).rstrip(), flush=True)
+
+    def daemon_cpu_by_op(self) -> dict[str, dict]:
+        """The daemon's CPU per GB over every case of each op (put, get, handoff) that has a figure."""
+        totals: dict[str, list[float]] = {}
+        counted = set()
+        for case in self.cases:
+            use = case.daemon_cpu
+            if use is not None and use.nbytes and (use.measurement or id(use)) not in counted:
+                counted.add(use.measurement or id(use))
+                t = totals.setdefault(use.op, [0.0, 0, 0])
+                t[0] += use.seconds
+                t[1] += use.nbytes
+                t[2] += 1
+        return {op: CpuUse(op, s, n).to_json() | {"measurements": k} for op, (s, n, k) in totals.items()}
 
     def finish(self) -> Path | None:
         """Write the JSON results and print a summary; returns the results path (None after ``--smoke``,
         which writes nothing)."""
         judged = [c for c in self.cases if c.meets_target is not None]
         missed = [c.case for c in judged if not c.meets_target]
+        skips = [c.case for c in self.cases if c.skipped]
         print(
             f"\n{len(self.cases)} cases in {time.monotonic() - self._started:.0f} s; "
             f"targets met {len(judged) - len(missed)} of {len(judged)}"
-            + (f"; missed: {', '.join(missed)}" if missed else ""),
+            + (f"; missed: {', '.join(missed)}" if missed else "")
+            + (f"; skipped {len(skips)}: {', '.join(skips)}" if skips else ""),
             flush=True,
         )
+        by_op = self.daemon_cpu_by_op()
+        if by_op:
+            totals = [f"{op} {t['cpu_s_per_gb']} s/GB ({t['measurements']} measurements, {t['gb']} GB)"
+                      for op, t in by_op.items()]
+            print("daemon CPU per GB moved, over all measurements of each op: " + "; ".join(totals), flush=True)
         if self.smoke:
+            if self.cases and len(skips) == len(self.cases):
+                raise SystemExit(f"smoke run of {self.name}: every case was skipped, so nothing was checked")
             print(smoke_line(self.name), flush=True)
             return None
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -234,9 +297,17 @@ class Benchmark:
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "cases": [c.to_json() for c in self.cases],
         }
+        if by_op or self.idle:
+            doc["daemon_cpu"] = {"by_op": by_op, "idle": [i.to_json() for i in self.idle]}
         path.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results: {path}", flush=True)
         return path
+
+
+def _cpu_cell(use: CpuUse | None) -> str:
+    if use is None or use.s_per_gb is None:
+        return ""
+    return f"{use.s_per_gb:.3g}"
 
 
 class UnitBenchmark(Benchmark):
@@ -383,9 +454,25 @@ daemon.stop(0)
 """
 
 
+@dataclass(frozen=True)
+class DaemonProcess:
+    """A daemon :func:`strata_daemon_process` started: where to reach it, and its process (for its CPU time)."""
+
+    target: str  # host:port
+    pid: int
+
+
 @contextlib.contextmanager
 def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
-    """A Strata daemon in its own process on a free loopback port; yields its ``host:port``.
+    """A Strata daemon in its own process on a free loopback port; yields its ``host:port``
+    (:func:`strata_daemon_process`)."""
+    with strata_daemon_process(start_timeout_s, **settings) as daemon:
+        yield daemon.target
+
+
+@contextlib.contextmanager
+def strata_daemon_process(start_timeout_s: float = 30.0, **settings) -> Iterator[DaemonProcess]:
+    """A Strata daemon in its own process on a free loopback port; yields its address and process id.
 
     ``settings`` are :func:`kvstore.config.load_settings` overrides: flag
     names of ``strata serve`` (``ram_bytes="1GiB"``; sizes as strings) or a
@@ -416,7 +503,7 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
             log.seek(0)
             reason = log.read().decode(errors="replace").strip()[-2000:]
             raise ServerUnavailable(f"the Strata daemon did not start:\n{reason}")
-        yield f"127.0.0.1:{port}"
+        yield DaemonProcess(f"127.0.0.1:{port}", proc.pid)
     finally:
         if proc.stdin is not None and not proc.stdin.closed:
             with contextlib.suppress(OSError):
