@@ -1,7 +1,21 @@
 """Same-host block throughput: the daemon's transports, Redis, the disk tier.
 
-Run as ``python -m benchmarks.kv_local [--quick | --smoke] [--auth]``. For
-each block size (64 KiB, 1 MiB, 4 MiB, 16 MiB; ``--smoke``: 64 KiB and 1 MiB,
+Run as ``python -m benchmarks.kv_local [--quick | --smoke] [--auth]``.
+
+First, the calls the README shows (:data:`CALL_CASES`: each row of issue 27's
+first table by a name that says what it is, with the issue's target), through
+the same-host client against a daemon in its own process: ``put()`` of fresh
+keys one call per block and ``put_many()`` batched, ``get()`` and
+``get_many()`` that return new bytes, ``get_into()`` the caller's buffers,
+against Redis SET/GET/MGET, a numpy copy, and ``bytes(view)`` of the same
+size (allocation + copy: what a call that returns bytes cannot avoid). Their
+blocks and their destinations are pools of distinct blocks and distinct
+preallocated buffers (256 MiB each in the full run, several times the CPU's
+last-level cache), walked through round after round: an engine's KV buffers
+are many, and one reused buffer stays in cache. The smoke run takes these
+at the issue's sizes too (64 KiB, 1 MiB, 16 MiB), with tiny pools.
+
+Then, for each block size (64 KiB, 1 MiB, 4 MiB, 16 MiB; ``--smoke``: 64 KiB and 1 MiB,
 which take every path: inline puts and puts in place, the targets of 1 MiB
 and up) it measures, alternately in the same rounds:
 
@@ -32,6 +46,12 @@ them afterwards, outside the timed part, so the RAM tier never fills and no
 demotion to disk runs during a measurement. Each measurement also counts the
 client's minor page faults in its timed part: a path that hands back freshly
 allocated buffers pays for them, and on a VM that can cost more than the copy.
+
+Every case that goes through the daemon is charged with the daemon's CPU
+seconds per GB it moved (its timed parts only, warm-up rounds included:
+:mod:`benchmarks.daemon_cpu`), and after the daemon cases the daemon's idle
+CPU is read over a few seconds with every client still connected and no
+traffic, as a share of one core.
 """
 
 from __future__ import annotations
@@ -63,7 +83,9 @@ from benchmarks.harness import (
     scratch_dir,
     size_label,
     strata_daemon,
+    strata_daemon_process,
 )
+from benchmarks.daemon_cpu import CpuUse, DaemonCpu, DaemonMeter
 from kvstore import BlockKey, BlockMeta, BlockPut, Client
 from kvstore.block import checksum
 from kvstore.errors import StrataError
@@ -82,7 +104,7 @@ REDIS_TARGET = 2.0  # same-host path vs Redis, one block per call (the goal is 3
 REDIS_GOAL = 3.0
 PATHS = ("shm", "grpc-arena", "grpc")  # case label -> Client(transport=...)
 TRANSPORT_OF = {"shm": "same-host", "grpc-arena": "grpc-arena", "grpc": "grpc"}
-DISK_TARGET = 0.8  # disk tier vs plain file I/O
+DISK_TARGET = 0.9  # disk tier vs plain file I/O (issue 27)
 
 
 @dataclass(frozen=True)
@@ -93,13 +115,16 @@ class Plan:
     warmup: int
     sizes: tuple[int, ...] = SIZES
     floor_calls: int = 200  # bare messages timed for the RPC floors the notes quote
+    pool_bytes: int = 256 * MiB  # the README calls' pools of distinct blocks and of destination buffers, per size
+    idle_s: float = 5.0  # seconds of no traffic the daemon's idle CPU is read over
 
 
 FULL = Plan(round_bytes=64 * MiB, max_calls=256, rounds=9, warmup=2)
-QUICK = Plan(round_bytes=8 * MiB, max_calls=128, rounds=5, warmup=1)
-# Every case once, in seconds: the smallest size (inline puts) and the smallest with targets (puts in place).
+QUICK = Plan(round_bytes=8 * MiB, max_calls=128, rounds=5, warmup=1, pool_bytes=128 * MiB, idle_s=3.0)
+# Every case once, in seconds: the smallest size (inline puts) and the smallest with targets (puts in place);
+# the README calls at their own sizes, with pools too small to mean anything.
 SMOKE = Plan(round_bytes=1 * MiB, max_calls=2, rounds=5, warmup=0, sizes=(64 * KiB, SHM_TARGET_MIN_BYTES),
-             floor_calls=5)
+             floor_calls=5, pool_bytes=4 * MiB, idle_s=1.0)
 
 
 class Workload:
@@ -145,20 +170,26 @@ def _minor_faults() -> int:
 
 
 class Meter:
-    """Times the measured part of a round and counts this process's minor page faults in it."""
+    """Times the measured part of a round and counts this process's minor page faults in it; for
+    a round that goes through the daemon (``daemon`` given), the daemon's CPU in it too."""
 
-    def __init__(self) -> None:
+    def __init__(self, daemon: DaemonCpu | None = None, op: str = "") -> None:
         self.faults = 0
-        self.nbytes = 0
+        self.clock = DaemonMeter(daemon, op)
+
+    @property
+    def nbytes(self) -> int:
+        return self.clock.nbytes
 
     def measure(self, nbytes: int, run: Callable[[], None]) -> tuple[int, float]:
+        self.clock.start()
         f0 = _minor_faults()
-        t0 = time.perf_counter()
         run()
-        seconds = time.perf_counter() - t0
         self.faults += _minor_faults() - f0
-        self.nbytes += nbytes
-        return nbytes, seconds
+        return nbytes, self.clock.stop(nbytes)
+
+    def daemon_cpu(self) -> CpuUse | None:
+        return self.clock.use()
 
     def faults_note(self) -> str:
         per_mib = self.faults / (self.nbytes / MiB) if self.nbytes else 0.0
@@ -488,7 +519,7 @@ def targets(op: str, path: str, size: int) -> tuple[float | None, float | None]:
 
 
 def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, Client], asking: Transport,
-                 redis_: RedisSide, rpc_us: dict[str, float]) -> None:
+                 redis_: RedisSide, rpc_us: dict[str, float], daemon: DaemonCpu) -> None:
     L, N = w.label, w.batch
     xN = f"x{N} batch"
     shm = clients["shm"]
@@ -507,16 +538,19 @@ def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, C
         redis_fn = redis_set if op == "put" else redis_get
         meters: dict[str, Meter] = {}
 
-        def meter(name: str) -> Meter:
-            return meters.setdefault(name, Meter())
+        def meter(name: str, through_daemon: bool = False) -> Meter:
+            return meters.setdefault(name, Meter(daemon if through_daemon else None, op))
+
+        def cpu(name: str) -> CpuUse | None:
+            return meters[name].daemon_cpu()
 
         fns: dict[str, RoundFn] = {f"numpy copy {L}": numpy_copy(w, meter(f"numpy copy {L}"))}
         for path, client in clients.items():
-            fns[f"{op} {L} {path}"] = strata(w, client, False, meter(f"{op} {L} {path}"))
-            fns[f"{op} {L} {path} {xN}"] = strata(w, client, True, meter(f"{op} {L} {path} {xN}"))
+            fns[f"{op} {L} {path}"] = strata(w, client, False, meter(f"{op} {L} {path}", True))
+            fns[f"{op} {L} {path} {xN}"] = strata(w, client, True, meter(f"{op} {L} {path} {xN}", True))
         first = f"get {L} shm first read"
         if op == "get":
-            fns[first] = transport_get(w, asking, meter(first))
+            fns[first] = transport_get(w, asking, meter(first, True))
         if r is not None:
             fns[single_redis] = redis_fn(w, r, False, meter(single_redis))
             fns[batch_redis] = redis_fn(w, r, True, meter(batch_redis))
@@ -530,38 +564,415 @@ def bench_daemon(bench: Benchmark, plan: Plan, w: Workload, clients: dict[str, C
         for path in clients:
             single, batch = f"{op} {L} {path}", f"{op} {L} {path} {xN}"
             single_target, batch_target = targets(op, path, w.size)
-            bench.add(compare(s, single, base, target_ratio=single_target, note=(
+            bench.add(compare(s, single, base, target_ratio=single_target, daemon_cpu=cpu(single), note=(
                 f"{_HOW[op, path]}; {us(single)} ({rpc_floor(path, rpc_us)}); {meters[single].faults_note()}")))
             grouped = "one stream" if path == "grpc" else "one set of control messages"
             target = batch_target
             slower = (" Slower per byte than one block per call: the batch's fresh output buffers are "
                       "page-faulted in on every call" if op == "get" and med[batch] < med[single] else "")
-            bench.add(compare(s, batch, base, target_ratio=target, note=(
+            bench.add(compare(s, batch, base, target_ratio=target, daemon_cpu=cpu(batch), note=(
                 f"{grouped} per {N} blocks; {us(batch, N)}; {meters[batch].faults_note()}.{slower}")))
         if op == "get":
-            bench.add(compare(s, first, base, note=(
+            bench.add(compare(s, first, base, daemon_cpu=cpu(first), note=(
                 f"{_HOW['get', 'shm first read']}; {us(first)} ({rpc_floor('shm', rpc_us)}); "
                 f"{meters[first].faults_note()}")))
         if r is not None:
             if op == "get":
-                bench.add(compare(s, first, single_redis, case=f"{first} vs redis", note=(
+                bench.add(compare(s, first, single_redis, case=f"{first} vs redis", daemon_cpu=cpu(first), note=(
                     "no target asked, for context: a read that pays the round trip (first read of a block)")))
             bench.add(compare(s, f"{op} {L} shm", single_redis, case=f"{op} {L} shm vs redis",
-                              target_ratio=REDIS_TARGET, note=(
+                              target_ratio=REDIS_TARGET, daemon_cpu=cpu(f"{op} {L} shm"), note=(
                                   f"one block per call on both sides (goal {REDIS_GOAL:g}x); Redis {cmd} through "
                                   f"{redis_.parser}: {us(single_redis)}, {meters[single_redis].faults_note()}")))
-            bench.add(compare(s, f"{op} {L} shm {xN}", batch_redis, case=f"{op} {L} shm {xN} vs redis", note=(
+            bench.add(compare(s, f"{op} {L} shm {xN}", batch_redis, case=f"{op} {L} shm {xN} vs redis",
+                              daemon_cpu=cpu(f"{op} {L} shm {xN}"), note=(
                 f"no target asked, for context: one Strata batch of {N} vs one M{cmd} of {N} values; "
                 f"Redis {meters[batch_redis].faults_note()}")))
         else:
             for case, baseline, target in ((f"{op} {L} shm vs redis", single_redis, REDIS_TARGET),
                                            (f"{op} {L} shm {xN} vs redis", batch_redis, None)):
-                bench.add(Case(case, med[case.removesuffix(" vs redis")], baseline, None, target_ratio=target,
-                               note=f"the Redis baseline could not run here: {redis_.why_not}"))
+                ours = case.removesuffix(" vs redis")
+                bench.add(Case(case, med[ours], baseline, None, target_ratio=target,
+                               daemon_cpu=cpu(ours), note=f"the Redis baseline could not run here: {redis_.why_not}"))
 
     shm.delete(NS, w.stored)
     if r is not None:
         r.delete(*w.stored)
+
+
+# ---- the calls the README shows (issue 27's first table) ----------------------
+
+
+@dataclass(frozen=True)
+class CallCase:
+    """One row of the calls' table: a client call at one size against a baseline, with its target.
+
+    ``against``: ``redis`` (SET, MSET, GET or MGET, as the call is), ``copy`` (a numpy copy from the
+    pool of blocks into the pool of buffers: the memory bandwidth), ``bytes`` (``bytes(view)`` of a
+    stored value: the allocation and copy that a call returning new bytes cannot avoid).
+    """
+
+    call: str  # the Client method: put, put_many, get, get_many, get_into
+    size: int
+    against: str
+    target: float | None
+    batched: bool = False  # get_into of a batch per call (put_many and get_many always are)
+
+    @property
+    def many(self) -> bool:
+        return self.batched or self.call in ("put_many", "get_many")
+
+    @property
+    def op(self) -> str:
+        return "put" if self.call.startswith("put") else "get"
+
+    @property
+    def batch(self) -> int:
+        """Blocks per call of a batched call (the transport matrix's batches)."""
+        return max(1, min(BATCH_BLOCKS, BATCH_BYTES // self.size))
+
+    @property
+    def label(self) -> str:
+        return size_label(self.size) + (f" x{self.batch}" if self.many else "")
+
+    @property
+    def round_name(self) -> str:
+        """The candidate's rounds: the call and its size."""
+        return f"{self.call}() {self.label}"
+
+    @property
+    def versus(self) -> str:
+        if self.against == "copy":
+            return "numpy copy"
+        if self.against == "bytes":
+            return "bytes(view)"
+        return "redis " + ("M" if self.many else "") + ("SET" if self.op == "put" else "GET")
+
+    @property
+    def baseline_name(self) -> str:
+        """The baseline's rounds (a copy and bytes(view) move blocks one by one, batched or not)."""
+        if self.against == "redis":
+            return f"{self.versus} {self.label}"
+        return f"{self.versus} {size_label(self.size)}" + (" distinct" if self.against == "copy" else "")
+
+    @property
+    def name(self) -> str:
+        """The row: what is called, at what size, on what, against what."""
+        return f"{self.round_name} {_WHAT[self.call]} vs {self.versus}"
+
+
+CALL_CASES = (
+    CallCase("put", 64 * KiB, "redis", 2.0),
+    CallCase("put", 1 * MiB, "copy", 0.6),
+    CallCase("put_many", 1 * MiB, "copy", 0.8),
+    CallCase("get", 64 * KiB, "redis", 1.5),
+    CallCase("get", 1 * MiB, "bytes", 0.7),
+    CallCase("get_into", 64 * KiB, "redis", 5.0),
+    CallCase("get_into", 1 * MiB, "copy", 0.85),
+    CallCase("get_into", 16 * MiB, "copy", 0.9, batched=True),
+    CallCase("get_many", 16 * MiB, "bytes", 0.7),
+    # For context, no target: each call that returns bytes against the other baseline.
+    CallCase("get", 64 * KiB, "bytes", None),
+    CallCase("get", 1 * MiB, "redis", None),
+    CallCase("get_many", 16 * MiB, "redis", None),
+)
+_WHAT = {"put": "fresh keys", "put_many": "fresh keys", "get": "bytes", "get_many": "bytes",
+         "get_into": "distinct buffers"}
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    """Page-aligned, as an engine's KV tensors are, and written once so that no round pays its page
+    faults (``np.zeros`` would map untouched zero pages: the first write to each one faults)."""
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    raw.fill(0)
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + nbytes]
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest data cache of CPU 0 (from sysfs), or None where it cannot be read."""
+    best = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": KiB, "M": MiB, "G": GiB}.get(text[-1:], 1)
+        size = int(text.rstrip("KMG")) * scale
+        best = max(best or 0, size)
+    return best
+
+
+class Walk:
+    """Indices 0 .. n-1 in turn, wrapping: each round takes the next ones, so a round's blocks
+    and buffers are the ones touched longest ago."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.at = 0
+
+    def take(self, k: int) -> list[int]:
+        out = [(self.at + i) % self.n for i in range(k)]
+        self.at = (self.at + k) % self.n
+        return out
+
+
+class CallPool:
+    """One size's blocks for the README calls: ``n`` distinct stored blocks and ``n`` distinct
+    preallocated destination buffers, each pool ``plan.pool_bytes`` (bigger than the CPU's
+    last-level cache in the full and quick plans), walked through round after round.
+
+    Why pools: an engine's KV buffers are many, and one reused destination (or one value put
+    over and over) stays in cache and flatters every path. The stored values are slices of
+    ``source``, a page-aligned random buffer the sizes share.
+    """
+
+    def __init__(self, size: int, plan: Plan, source: np.ndarray) -> None:
+        self.size = size
+        self.batch, self.per_round, self.per_round_batched, self.n = self.shape(size, plan)
+        self.value_arrays = [source[i * size : (i + 1) * size] for i in range(self.n)]
+        self.values = [memoryview(a) for a in self.value_arrays]
+        dst = _page_aligned(self.n * size)
+        self.buffer_arrays = [dst[i * size : (i + 1) * size] for i in range(self.n)]
+        self.buffers = [memoryview(a) for a in self.buffer_arrays]
+        self.keys = [b"call-%d-%d" % (size, i) for i in range(self.n)]
+        self._fresh = itertools.count()
+
+    @staticmethod
+    def shape(size: int, plan: Plan) -> tuple[int, int, int, int]:
+        """(blocks per batch, blocks per round one per call, blocks per batched round, blocks in each pool)."""
+        batch = CallCase("", size, "", None).batch
+        per_round = max(1, min(plan.max_calls, -(-plan.round_bytes // size)))
+        per_round_batched = -(-per_round // batch) * batch
+        return batch, per_round, per_round_batched, max(plan.pool_bytes // size, per_round_batched)
+
+    def count(self, many: bool) -> int:
+        return self.per_round_batched if many else self.per_round
+
+    def fresh_keys(self, kind: str, n: int) -> list[bytes]:
+        r = next(self._fresh)
+        return [b"put-call-%s-%d-%d-%d" % (kind.encode(), self.size, r, i) for i in range(n)]
+
+    def groups(self, seq: list, many: bool) -> list[list]:
+        step = self.batch if many else 1
+        return [seq[i : i + step] for i in range(0, len(seq), step)]
+
+
+def call_put(pool: CallPool, client: Client, c: CallCase, m: Meter) -> RoundFn:
+    n, walk = pool.count(c.many), Walk(pool.n)
+
+    def round_() -> tuple[int, float]:
+        keys = pool.fresh_keys(c.call, n)
+        values = [pool.values[i] for i in walk.take(n)]
+        stored: list[bool] = []
+        if c.many:
+            batches = [[BlockPut(k, v) for k, v in zip(ks, vs)]
+                       for ks, vs in zip(pool.groups(keys, True), pool.groups(values, True))]
+
+            def run() -> None:
+                for items in batches:
+                    stored.extend(client.put_many(NS, items))
+        else:
+
+            def run() -> None:
+                for k, v in zip(keys, values):
+                    stored.append(client.put(NS, k, v))
+
+        result = m.measure(n * pool.size, run)
+        if len(stored) != n or not all(stored):
+            raise AssertionError(f"{c.call}: {n - sum(stored)} of {n} fresh puts were not stored")
+        client.delete(NS, keys)  # untimed: the RAM tier never fills
+        return result
+
+    return round_
+
+
+def call_get(pool: CallPool, client: Client, c: CallCase, m: Meter) -> RoundFn:
+    n, keys_walk, buffers_walk = pool.count(c.many), Walk(pool.n), Walk(pool.n)
+    size = pool.size
+
+    def round_() -> tuple[int, float]:
+        keys = [pool.keys[i] for i in keys_walk.take(n)]
+        groups = pool.groups(keys, c.many)
+        into = pool.groups([pool.buffers[j] for j in buffers_walk.take(n)], c.many) if c.call == "get_into" else []
+        missed = 0
+
+        def run() -> None:
+            nonlocal missed
+            if c.call == "get":
+                for k in keys:
+                    data = client.get(NS, k)
+                    if data is None or len(data) != size:
+                        missed += 1
+            elif c.call == "get_many":
+                for group in groups:
+                    missed += sum(1 for b in client.get_many(NS, group) if b is None or len(b.data) != size)
+            else:
+                for group, buffers in zip(groups, into):
+                    missed += sum(1 for b in client.get_into(NS, group, buffers) if b is None or len(b.data) != size)
+
+        result = m.measure(n * size, run)
+        if missed:
+            raise AssertionError(f"{c.call}: {missed} gets missed blocks that were stored")
+        return result
+
+    return round_
+
+
+def pool_copy(pool: CallPool, m: Meter) -> RoundFn:
+    n, sources, destinations = pool.per_round, Walk(pool.n), Walk(pool.n)
+
+    def round_() -> tuple[int, float]:
+        pairs = [(pool.buffer_arrays[j], pool.value_arrays[i]) for i, j in zip(sources.take(n), destinations.take(n))]
+
+        def run() -> None:
+            for dst, src in pairs:
+                np.copyto(dst, src)
+
+        return m.measure(n * pool.size, run)
+
+    return round_
+
+
+def pool_bytes(pool: CallPool, m: Meter) -> RoundFn:
+    n, walk = pool.per_round, Walk(pool.n)
+
+    def round_() -> tuple[int, float]:
+        views = [pool.values[i] for i in walk.take(n)]
+
+        def run() -> None:
+            for view in views:
+                if len(bytes(view)) != pool.size:
+                    raise AssertionError("bytes(view) came back short")
+
+        return m.measure(n * pool.size, run)
+
+    return round_
+
+
+def pool_redis(pool: CallPool, r, c: CallCase, m: Meter) -> RoundFn:
+    n, walk = pool.count(c.many), Walk(pool.n)
+
+    def round_() -> tuple[int, float]:
+        idx = walk.take(n)
+        if c.op == "put":
+            keys = pool.fresh_keys("redis" + c.call, n)
+            pairs = pool.groups(list(zip(keys, (pool.values[i] for i in idx))), c.many)
+
+            def run() -> None:
+                for group in pairs:
+                    if c.many:
+                        r.mset(dict(group))
+                    else:
+                        r.set(*group[0])
+
+            result = m.measure(n * pool.size, run)
+            r.delete(*keys)
+            return result
+        groups = pool.groups([pool.keys[i] for i in idx], c.many)
+        missed = 0
+
+        def run() -> None:
+            nonlocal missed
+            for group in groups:
+                got = r.mget(group) if c.many else [r.get(group[0])]
+                missed += sum(1 for v in got if v is None or len(v) != pool.size)
+
+        result = m.measure(n * pool.size, run)
+        if missed:
+            raise AssertionError(f"{missed} Redis GETs missed")
+        return result
+
+    return round_
+
+
+_CALL_HOW = {
+    "put": "one put() per block, fresh keys (deleted untimed after each round), values from the pool of "
+           "distinct blocks",
+    "put_many": "one put_many() per batch, fresh keys (deleted untimed), values from the pool",
+    "get": "one get() per block: new bytes per call (allocation, copy out of the arena, verification)",
+    "get_many": "one get_many() per batch: new bytes per block",
+    "get_into": "get_into() the caller's buffers: each call's destinations are the next of the pool of "
+                "distinct preallocated buffers, never one reused buffer",
+}
+_BASELINE_HOW = {
+    "copy": "the baseline copies the same number of blocks from the pool of values into the pool of buffers",
+    "bytes": "the baseline is bytes(view) of stored values from the pool: allocation + copy",
+    "redis": "Redis through redis-py ({parser}) on the same keys",
+}
+
+
+def bench_calls(bench: Benchmark, plan: Plan, client: Client, redis_: RedisSide, daemon: DaemonCpu) -> None:
+    """The calls the README shows first, each case of issue 27's first table by name with its target,
+    against its baseline in the same rounds; one size at a time, its puts and then its gets.
+
+    Why puts and gets in rounds of their own: a put round deletes its fresh keys afterwards, and a
+    Delete voids every location the same-host client remembers (the daemon's removal count), so gets
+    interleaved with puts would all pay a Lookup, as no engine's repeat reads do.
+    """
+    sizes = sorted({c.size for c in CALL_CASES})
+    largest = max(CallPool.shape(size, plan)[3] * size for size in sizes)
+    source = _page_aligned(largest)
+    source[:] = np.frombuffer(np.random.default_rng(27).bytes(largest), dtype=np.uint8)
+    llc = last_level_cache_bytes()
+    r = redis_.client
+    for size in sizes:
+        pool = CallPool(size, plan, source)
+        for i in range(0, pool.n, pool.batch):
+            client.put_many(NS, [BlockPut(k, v) for k, v in zip(pool.keys[i : i + pool.batch],
+                                                                 pool.values[i : i + pool.batch])])
+        if r is not None:
+            for i in range(0, pool.n, pool.batch):
+                r.mset(dict(zip(pool.keys[i : i + pool.batch], pool.values[i : i + pool.batch])))
+        for op in ("put", "get"):
+            cases = [c for c in CALL_CASES if c.size == size and c.op == op]
+            if not cases:
+                continue
+            if op == "get":
+                for k, v in zip(pool.keys, pool.values):  # untimed: right bytes, and every block read once
+                    got = client.get(NS, k)
+                    if got is None or got != v:
+                        raise AssertionError(f"{k!r} came back different")
+            _call_rounds(bench, plan, pool, cases, client, redis_, daemon, llc)
+        client.delete(NS, pool.keys)
+        if r is not None:
+            r.delete(*pool.keys)
+
+
+def _call_rounds(bench: Benchmark, plan: Plan, pool: CallPool, cases: list[CallCase], client: Client,
+                 redis_: RedisSide, daemon: DaemonCpu, llc: int | None) -> None:
+    r = redis_.client
+    meters: dict[str, Meter] = {}
+    fns: dict[str, RoundFn] = {}
+    for c in cases:
+        ours, theirs = c.round_name, c.baseline_name
+        if ours not in fns:
+            meters[ours] = Meter(daemon, c.op)
+            fns[ours] = (call_put if c.op == "put" else call_get)(pool, client, c, meters[ours])
+        if theirs not in fns and (c.against != "redis" or r is not None):
+            meters[theirs] = Meter()
+            fns[theirs] = (pool_copy(pool, meters[theirs]) if c.against == "copy" else
+                           pool_bytes(pool, meters[theirs]) if c.against == "bytes" else
+                           pool_redis(pool, r, c, meters[theirs]))
+    s = interleave(fns, rounds=plan.rounds, warmup=plan.warmup)
+    pooled = pool.n * pool.size
+    cache = (f"{pooled / llc:.1f}x the {size_label(llc)} last-level cache" if llc
+             else "the last-level cache's size unknown")
+    for c in cases:
+        ours, theirs = c.round_name, c.baseline_name
+        per_call = pool.size * (pool.batch if c.many else 1) / (statistics.median(s[ours]) * 1e3)
+        note = (f"{_CALL_HOW[c.call]}; {per_call:.0f} us per call; pools of {pool.n} blocks and {pool.n} "
+                f"buffers, {size_label(pooled)} each ({cache}); "
+                f"{_BASELINE_HOW[c.against].format(parser=redis_.parser)}; {meters[ours].faults_note()}")
+        if theirs in s:
+            bench.add(compare(s, ours, theirs, case=c.name, target_ratio=c.target, note=note,
+                              daemon_cpu=meters[ours].daemon_cpu()))
+        else:
+            bench.add(Case(c.name, statistics.median(s[ours]), theirs, None, target_ratio=c.target,
+                           daemon_cpu=meters[ours].daemon_cpu(),
+                           note=f"the Redis baseline could not run here: {redis_.why_not}; {note}"))
 
 
 def bench_disk(bench: Benchmark, plan: Plan, w: Workload, tier: DiskTier, folder: Path, fs: str) -> None:
@@ -670,13 +1081,14 @@ def main(argv: list[str] | None = None) -> int:
         bench_auth(bench, bench.plan(FULL, QUICK, SMOKE))
         bench.finish()
         return 0
-    bench = Benchmark(NAME, __doc__.splitlines()[0], argv)
+    bench = Benchmark(NAME, __doc__.splitlines()[0], argv, daemon_cpu=True)
     plan = bench.plan(FULL, QUICK, SMOKE)
     with scratch_dir("kv") as scratch:
         fs = f"on {filesystem_of(scratch)}"
-        with redis_baseline() as redis_side, strata_daemon(
+        with redis_baseline() as redis_side, strata_daemon_process(
             disk_dir=scratch / "daemon", ram_bytes="1GiB", disk_bytes="4GiB", max_block_bytes="64MiB",
-        ) as target, contextlib.ExitStack() as stack:
+        ) as process, contextlib.ExitStack() as stack:
+            target, daemon = process.target, DaemonCpu([process.pid])
             try:
                 clients = {path: stack.enter_context(Client(target, transport=TRANSPORT_OF[path])) for path in PATHS}
                 for client in clients.values():
@@ -687,8 +1099,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"a transport cannot be measured here: {err}") from None
             rpc_us = {"grpc": control_rpc_us(clients["shm"], plan.floor_calls),
                       "socket": socket_round_trip_us(clients["shm"], 5 * plan.floor_calls // 2)}
+            bench_calls(bench, plan, clients["shm"], redis_side, daemon)
             for seed, size in enumerate(plan.sizes):  # one size's buffers at a time
-                bench_daemon(bench, plan, Workload(size, plan, seed), clients, asking, redis_side, rpc_us)
+                bench_daemon(bench, plan, Workload(size, plan, seed), clients, asking, redis_side, rpc_us, daemon)
+            bench.add_idle(daemon.idle(plan.idle_s))
         tier = DiskTier(scratch / "tier", 4 * GiB, fsync=False)
         files = scratch / "files"
         files.mkdir()
