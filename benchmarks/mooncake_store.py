@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.harness import Case, RoundFn, ServerUnavailable, free_port
+from benchmarks.harness import Case, RoundFn, ServerUnavailable, free_port, skipped
 
 TARGET = 2.0  # Strata's throughput over Mooncake's, per operation
 LOCAL_BUFFER_BYTES = 64 << 20  # the client's staging buffer; the zero-copy calls do not use it
@@ -77,10 +77,9 @@ def master_executable(package_dir: Path) -> str | None:
     return shutil.which("mooncake_master")
 
 
-def left_out(reason: str) -> Case:
-    """A row in the results that says the Mooncake cases did not run, and why: never a silent gap."""
-    return Case(case="vs mooncake", value=None, baseline="mooncake store (tcp)", baseline_value=None,
-                target_ratio=TARGET, note=f"left out: {reason}")
+def left_out(reason: str, case: str = "vs mooncake", baseline: str = "mooncake store (tcp)") -> Case:
+    """A row in the results that says a Mooncake case did not run, and why: never a silent gap."""
+    return skipped(case, baseline, reason, TARGET)
 
 
 def name(op: str, label: str, batch: int) -> str:
