@@ -657,6 +657,25 @@ def test_the_secret_keys_the_manifests_read_are_those_strata_auth_init_writes(tm
         assert key in written[secret], f"the manifests read key {key} of Secret {secret}; strata auth init writes {written[secret]}"
 
 
+def test_every_call_to_a_weight_node_authenticates_with_a_token_the_pod_mounts():
+    """The weight node serves with --auth-file: a ``strata weights`` command that names it (--node)
+    needs --token-file, a file of a Secret mounted in its container."""
+    calls = 0
+    for overlay, obj, spec, c in strata_containers():
+        args, at = c["args"], where(overlay, obj, c)
+        if args[0] != "weights" or "--node" not in args:
+            continue
+        calls += 1
+        assert "--token-file" in args, f"{at}: calls the weight node {_arg(args, '--node')} without --token-file"
+        path = Path(_arg(args, "--token-file"))
+        secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+        mounts = [m for m in c.get("volumeMounts", []) if m["name"] in secrets and path.parent == Path(m["mountPath"])]
+        assert mounts, f"{at}: no Secret is mounted at {path.parent} for --token-file {path}"
+        items = secrets[mounts[0]["name"]].get("items")
+        assert items is None or path.name in {i["path"] for i in items}, f"{at}: the Secret mounted has no {path.name}"
+    assert calls >= 3  # the prefetch Job, the router overlay's engines, the weights-wait component
+
+
 def test_a_hugging_face_token_is_optional_and_only_from_its_secret():
     found = set()
     for overlay, obj in objects(WORKLOADS):

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -124,10 +126,17 @@ def k(i: int) -> bytes:
 class TestEngine:
     __test__ = False
 
-    def __init__(self, ctx: zmq.Context, *, replay: bool = False, buffer_steps: int = 10_000, topic: bytes = b"") -> None:
+    def __init__(self, ctx: zmq.Context, *, replay: bool = False, buffer_steps: int = 10_000, topic: bytes = b"",
+                 port: int | None = None, replay_port: int | None = None) -> None:
+        """``port``, ``replay_port``: given ones (a subscriber already waits there), else free ones."""
+        self.ctx = ctx
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        if port is None:
+            self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.port = port
+            self.pub.bind(f"tcp://127.0.0.1:{port}")
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.topic = topic
         self.seq = 0
@@ -136,11 +145,17 @@ class TestEngine:
         self.replay_endpoint: str | None = None
         self.replay_requests: list[int] = []
         self._stop = threading.Event()
+        self.replay_gate = threading.Event()  # cleared: a replay request waits (after it is recorded)
+        self.replay_gate.set()
         self._thread: threading.Thread | None = None
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
-            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+            if replay_port is None:
+                rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+            else:
+                rport = replay_port
+                self.router.bind(f"tcp://127.0.0.1:{rport}")
             self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()
@@ -156,6 +171,9 @@ class TestEngine:
             client_id, _, start_seq_bytes = frame
             start_seq = int.from_bytes(start_seq_bytes, "big")
             self.replay_requests.append(start_seq)
+            while not self.replay_gate.wait(0.02):
+                if self._stop.is_set():
+                    return
             with self._lock:
                 buffered = list(self.buffer)
             for seq, buf in buffered:
@@ -185,6 +203,26 @@ class TestEngine:
         self.seq = 0
         with self._lock:
             self.buffer.clear()
+
+    def restart_process(self, *published: list[dict]) -> None:
+        """:meth:`restart`, its PUB socket closed and bound again, so subscribers see a disconnect
+        and connect anew (as to a new process); ``published``: the new process's first batches,
+        sent before any subscriber is back (so only its replay buffer has them)."""
+        self.pub.close(linger=0)
+        self.restart()
+        for events in published:
+            self.publish(events, send=False)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        end = time.monotonic() + WAIT_S
+        while True:
+            try:
+                self.pub.bind(self.endpoint)
+                return
+            except zmq.ZMQError:  # the closed socket's port, released by ZMQ's I/O thread shortly
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.01)
 
     def close(self) -> None:
         self._stop.set()
@@ -673,6 +711,103 @@ def test_replay_after_a_restart_recovers_the_new_engines_first_batches():
             assert t.sub.resyncs["reset"] == 1
             assert t.sub.epoch(ENGINE) > epoch
             assert [len(x) for x in await t.index.holders(NS, [k(1), k(30), k(31)])] == [0, 1, 1]
+
+    run(main())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_what_an_engine_published_before_its_subscriber_joined_reaches_every_daemons_index(redis_url, request):
+    """The slow joiner. A daemon usually starts before its engine, so its SUB socket joins after
+    the engine bound its PUB, and a PUB sends only to the subscriptions it has seen: the
+    engine's first batch (a first request's prompt) never arrives, and no later message need
+    come to reveal it. The subscriber asks the engine's replay socket when it connects; the
+    blocks are then in Redis for another daemon's index (the one a router's Score asks)."""
+    from kvstore.index.redis import RedisIndex
+
+    async def main():
+        prefix = "t" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
+        writer, reader = RedisIndex.from_url(redis_url, prefix=prefix), RedisIndex.from_url(redis_url, prefix=prefix)
+        ctx = zmq.Context()
+        port, replay_port = free_port(), free_port()
+        source = EngineSource(f"tcp://127.0.0.1:{port}", ENGINE, NS, replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+        sub = KVEventSubscriber(writer, [source], registry=CollectorRegistry())
+        await sub.start()  # nothing listens there yet: its SUB socket retries
+        engine = TestEngine(ctx, replay=True, port=port, replay_port=replay_port)
+        try:
+            engine.publish([stored([h(i) for i in range(4)])], send=False)  # dropped: no subscription yet
+            chain = [k(i) for i in range(4)]  # and then the engine idles: no later batch shows the gap
+
+            async def indexed():
+                return await reader.lookup(NS, chain) == [NodeMatch(ENGINE, 4, TierName.GPU)]
+
+            await eventually(indexed, "the blocks the engine published before the subscriber joined")
+            assert sub.replays["filled"] == 1
+            assert sub.epoch_bumps["loss"] == 0 and not sub.resyncs
+        finally:
+            await sub.stop()
+            engine.close()
+            ctx.term()
+            await writer.close()
+            await reader.close()
+        assert sub.failure is None
+
+    run(main())
+
+
+def test_a_batch_both_replayed_at_connect_and_received_live_is_applied_once():
+    async def main():
+        t = Harness(replay=True)
+        e = t.engine
+        e.replay_gate.clear()  # the catch-up's request waits, with the lock held, while ...
+        e.publish([stored([h(1)])], send=False)  # (published before the subscriber joined)
+        await t.sub.start()
+        try:
+            await eventually(lambda: e.replay_requests == [0], "the catch-up's replay request")
+            epoch = t.sub.epoch(ENGINE)
+
+            def subscribed():  # unreadable frames consume no seq; they are only counted
+                e.send_raw([b"", b"probe"])
+                return t.sub.malformed["frames"] > 0
+
+            await eventually(subscribed, "the subscription to reach the engine")
+            e.publish([stored([h(2)])])  # ... this batch is sent live and buffered for the replay
+            e.replay_gate.set()
+            await flush(e, t.sub)
+            assert t.sub.status(ENGINE).batches == 3  # h(1) and h(2) from the replay, the probe live
+            assert not t.sub.resyncs and not t.sub.epoch_bumps  # the live copy is no restart
+            assert t.sub.epoch(ENGINE) == epoch
+            assert await t.blocks([k(1)]) == 1 and await t.blocks([k(2)]) == 1
+        finally:
+            await t.__aexit__(None, None, None)
+
+    run(main())
+
+
+def test_a_restart_seen_at_reconnect_drops_the_old_engines_blocks():
+    """A new engine process that published past the old one's last seq before the subscriber
+    connected again: its replay continues where the old stream stopped, seq for seq. The batch
+    at the old last seq, asked again, differs from the one applied: the old blocks go."""
+
+    async def main():
+        async with Harness(replay=True) as t:
+            e = t.engine
+            e.publish([stored([h(1), h(2)])])
+            await flush(e, t.sub)
+            last, epoch = t.sub.status(ENGINE).last_seq, t.sub.epoch(ENGINE)
+            e.restart_process(*([stored([h(100 + i)])] for i in range(last + 2)))
+            await eventually(lambda: t.sub.resyncs["reset"] == 1, "the restart seen at the reconnect")
+            await flush(e, t.sub)
+            assert t.sub.epoch(ENGINE) > epoch
+            assert await t.blocks([k(1)]) == 0
+            # The new process's batches from the old last seq on are indexed; those before, a miss.
+            assert [len(x) for x in await t.index.holders(NS, [k(100 + i) for i in range(last + 2)])] == (
+                [0] * last + [1, 1]
+            )
 
     run(main())
 

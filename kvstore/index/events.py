@@ -9,6 +9,11 @@ reset (engine restarted, messages dropped at a high-water mark) is filled from t
 socket when it can be, and otherwise the engine's epoch is bumped, which drops all of its
 entries from answers at once. A message that cannot be read is a loss of the same kind.
 
+What an engine published before its SUB socket joined never arrives on that socket (ZMQ's
+slow joiner: a PUB sends only to subscriptions it has seen), and no later message need come
+to reveal it: an engine that computed one prefix and then idles would stay unindexed. So at
+every connection the subscriber asks the replay socket for what it missed, at once.
+
 Errors, beyond :mod:`kvstore.errors`::
 
     InvalidArgument
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import math
 import time
@@ -76,9 +82,12 @@ class SubscriberConfig:
     max_replay_batches: int = 10_000  # vLLM's default buffer_steps; a longer gap is not asked for
     max_tracked_blocks: int = 1 << 20  # per engine: keys (and further copies) whose holdings are remembered
     zmq_heartbeat_s: float = 5.0  # ZMTP pings, so a dead peer is seen as a disconnect
+    # ZMQ's reconnect backoff doubles up to this. A daemon usually starts before its engine, so
+    # this bounds how long after the engine binds it is followed (a failed connect is cheap).
+    reconnect_max_s: float = 1.0
 
     def __post_init__(self) -> None:
-        positive = ("ttl_s", "heartbeat_interval_s", "replay_timeout_s", "zmq_heartbeat_s")
+        positive = ("ttl_s", "heartbeat_interval_s", "replay_timeout_s", "zmq_heartbeat_s", "reconnect_max_s")
         for name in positive:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -130,6 +139,18 @@ class EngineStatus:
 _Op = tuple[str, Any]  # ("add", [(key, tier)]) | ("remove", [key]) | ("clear", None)
 
 
+def _digest(payload: bytes) -> bytes:
+    """A batch's identity: its seq alone cannot tell a restarted engine's batch from the one
+    replay already gave (the payload carries the batch's timestamp)."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    batch: EventBatch
+    digest: bytes
+
+
 @dataclass(eq=False)
 class _Engine:
     source: EngineSource
@@ -139,6 +160,10 @@ class _Engine:
     joined: bool = False
     dirty: bool = False  # the index may lack what holdings say: re-join and re-publish
     last_seq: int | None = None
+    last_digest: bytes | None = None  # of the batch at last_seq
+    # seq -> digest of what a catch-up applied that the live socket may bring again; emptied
+    # by the first live message past them (ZMQ delivers in order)
+    replayed: dict[int, bytes] = field(default_factory=dict)
     last_message_at: float = -math.inf
     connected: bool = False
     batches: int = 0
@@ -148,7 +173,9 @@ class KVEventSubscriber:
     """Follows vLLM engines' KV events and records each engine as a holder in the index.
 
     One SUB socket and one task per engine: messages are applied in ``seq`` order; ZMQ's
-    receive high-water mark is the only queue, and what overflows it is seen as a gap.
+    receive high-water mark is the only queue, and what overflows it is seen as a gap. At
+    each connection the engine's replay socket (when it has one) is asked for what was
+    published while the socket was not there, under the same per-engine lock.
     The engine is joined to the index under an epoch this subscriber owns (one more than
     any the index knew at start) and heartbeated while its socket is connected or its
     messages arrive; otherwise its entries leave answers after ``ttl_s``.
@@ -206,7 +233,7 @@ class KVEventSubscriber:
             ivl_ms = int(cfg.zmq_heartbeat_s * 1000)
             sub.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
             sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_max_s * 1000))
             sub.setsockopt(zmq.SUBSCRIBE, eng.source.topic.encode())
             monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sub.connect(eng.source.endpoint)
@@ -278,6 +305,8 @@ class KVEventSubscriber:
                 eng.connected = connected
                 self.metrics.connected.inc(1 if connected else -1)
                 log.info("KV events of engine %s: %s", eng.source.engine_id, "connected" if connected else "disconnected")
+            if connected:
+                await self._catch_up(eng)
 
     async def _heartbeats(self) -> None:
         cfg = self._config
@@ -307,13 +336,19 @@ class KVEventSubscriber:
             self._count_malformed(eng, e)
             return  # no seq to account for; the next message's seq shows whether anything was lost
         eng.last_message_at = time.monotonic()
-        try:
-            batch: EventBatch | None = decode_batch(payload, max_bytes=self._config.max_payload_bytes)
-        except MalformedEvent as e:
-            self._count_malformed(eng, e)
-            batch = None
+        digest = _digest(payload)
         async with eng.lock:
             last = eng.last_seq
+            if last is not None and seq <= last and eng.replayed.get(seq) == digest:
+                for s in [s for s in eng.replayed if s <= seq]:
+                    del eng.replayed[s]
+                return  # a catch-up applied it already
+            eng.replayed.clear()
+            try:
+                batch: EventBatch | None = decode_batch(payload, max_bytes=self._config.max_payload_bytes)
+            except MalformedEvent as e:
+                self._count_malformed(eng, e)
+                batch = None
             if last is None:
                 # What the engine did before we listened is unknown (the index holds nothing
                 # for it at our fresh epoch): take whatever recent history replay still has.
@@ -330,7 +365,47 @@ class KVEventSubscriber:
                 await self._new_epoch(eng, republish=False)
             else:
                 await self._apply(eng, batch, "live")
-            eng.last_seq = seq  # applied through ``seq``
+            eng.last_seq, eng.last_digest = seq, digest  # applied through ``seq``
+
+    async def _catch_up(self, eng: _Engine) -> None:
+        """On a connection: apply what the engine published while this SUB was not there.
+
+        Asked from ``last_seq`` itself, not the one after: its echo, the batch already applied,
+        shows the engine is the same publisher. Without it (a restart, or a buffer that rolled
+        past) the engine's state since is unknown: a new, empty epoch. Then the newest
+        contiguous run is applied, which onto a subset of the engine's state keeps a subset.
+        The live socket may bring some of the run again; those are recognized and skipped.
+        """
+        src = eng.source
+        if src.replay_endpoint is None:
+            return
+        async with eng.lock:
+            last = eng.last_seq
+            start = 0 if last is None else last
+            got = await self._fetch_replay(eng, src.replay_endpoint, start, None)
+            if not got:
+                return
+            first = newest = max(got)
+            while first - 1 in got:
+                first -= 1
+            outcome = "filled" if first == 0 else "short"  # short: its early history is gone
+            if last is not None:
+                if first == last and got[last].digest == eng.last_digest:
+                    first += 1  # the same publisher
+                    if first > newest:
+                        return  # nothing published since
+                    outcome = "filled"
+                else:
+                    self._count_resync("reset" if first == last else "gap")
+                    await self._new_epoch(eng, republish=False)
+                    outcome = "short"
+            self.replays[outcome] += 1
+            self.metrics.replays.labels(outcome).inc()
+            eng.replayed.clear()  # at most one run's worth: what this connection may bring again
+            for s in range(first, newest + 1):
+                await self._apply(eng, got[s].batch, "replay")
+                eng.replayed[s] = got[s].digest
+            eng.last_seq, eng.last_digest = newest, got[newest].digest
 
     async def _resync(self, eng: _Engine, start: int, end: int, *, lost: bool) -> None:
         """Account for batches ``start .. end-1`` that never arrived.
@@ -349,7 +424,7 @@ class KVEventSubscriber:
             got = await self._fetch_replay(eng, src.replay_endpoint, start, end)
             s = end - 1
             while s >= start and s in got:
-                run.append(got[s])
+                run.append(got[s].batch)
                 s -= 1
             run.reverse()
             covered = s < start
@@ -361,11 +436,14 @@ class KVEventSubscriber:
         for batch in run:
             await self._apply(eng, batch, "replay")
 
-    async def _fetch_replay(self, eng: _Engine, endpoint: str, start: int, end: int) -> dict[int, EventBatch]:
-        """Batches ``start .. end-1`` the engine's replay socket still has (maybe none)."""
+    async def _fetch_replay(
+        self, eng: _Engine, endpoint: str, start: int, end: int | None
+    ) -> dict[int, _Replayed]:
+        """Batches ``start .. end-1`` (``end`` None: all from ``start``) the engine's replay
+        socket still has (maybe none), at most ``max_replay_batches``."""
         assert self._ctx is not None
         cfg = self._config
-        got: dict[int, EventBatch] = {}
+        got: dict[int, _Replayed] = {}
         sock = self._ctx.socket(zmq.DEALER)  # a REQ socket would take only the first reply
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, cfg.max_replay_batches + 1)
@@ -387,12 +465,13 @@ class KVEventSubscriber:
                 if frames[0] == REPLAY_END:
                     break
                 seq = int.from_bytes(frames[0], "big")
-                if start <= seq < end:
+                if start <= seq and (end is None or seq < end) and len(got) < cfg.max_replay_batches:
                     try:
-                        got[seq] = decode_batch(frames[1], max_bytes=cfg.max_payload_bytes)
+                        batch = decode_batch(frames[1], max_bytes=cfg.max_payload_bytes)
+                        got[seq] = _Replayed(batch, _digest(frames[1]))
                     except MalformedEvent as e:
                         self._count_malformed(eng, e)
-                if seq >= end - 1:
+                if end is not None and seq >= end - 1:
                     break  # the rest is what the live socket brings
         finally:
             sock.close(linger=0)
