@@ -18,7 +18,7 @@ other; what they decide is decided here, once:
   the Put and Allocate requests, the Commit groups and their copies
   (into the arena, or a gpu region through its mapping).
 
-``tests/test_samehost_twins.py`` checks that both transports send the same
+``tests/transport/test_samehost_twins.py`` checks that both transports send the same
 requests for the same calls.
 """
 
