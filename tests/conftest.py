@@ -1,10 +1,27 @@
 """Fixtures the whole suite shares: real daemons on real ports (in-process and as subprocesses),
-private Redis and S3 servers, certificates, and the /dev/shm guard. What is not a fixture lives in
-``tests/support``; fixtures only one folder's tests use live in that folder's conftest.py."""
+private Redis and S3 servers, certificates, and the /dev/shm guard; and the ``system`` marker.
+What is not a fixture lives in ``tests/support``; fixtures only one folder's tests use live in
+that folder's conftest.py.
+
+A test is ``system`` when it starts a process or a daemon: ``strata serve``, an in-process daemon
+on real ports, redis-server, moto, Prometheus, kubectl, network namespaces, engines, routers, a
+virtual environment. It is marked in one of three ways, all read here:
+
+- by a fixture it uses (:data:`SYSTEM_FIXTURES`, also through another fixture);
+- by its module, ``pytestmark = pytest.mark.system``, where every test of the module is one;
+- by itself, ``@pytest.mark.system``, or a contract suite's row,
+  ``pytest.param("redis", marks=pytest.mark.system)``.
+
+``-m "not system and not slow"`` is the developer's fast lane (docs/development.md). A module whose
+own ``pytestmark`` deselects it is not even imported (the imports of those marked system, vLLM and
+LMCache among them, are most of a full collection), so its tests are not counted as deselected.
+"""
 
 from __future__ import annotations
 
+import ast
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -20,6 +37,58 @@ from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
 from tests.support import shm_guard
 from tests.support.daemons import SMALL, DaemonProcess
+
+# Fixtures that start a process or a daemon (the folder conftests' too): a test that uses one,
+# directly or through another fixture, is a system test.
+SYSTEM_FIXTURES = frozenset({
+    "make_daemon", "daemon", "daemon_process",  # this file: in-process daemons and strata serve
+    "redis_url", "redis_cluster_url", "s3",  # this file: redis-server, moto_server
+    "index_url", "nodes", "network",  # peer/conftest.py: a fleet on its own redis, network namespaces
+    "engines", "routers", "fleet",  # router/conftest.py: stand-in engines, routers on real ports
+    "weights_moto",  # weightcache/conftest.py: moto's server
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SYSTEM_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.system)
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """Leave a test module unimported when its module-level marks alone deselect it (``-m "not system"``
+    and a module marked system as a whole): importing it would only cost time."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    marks = _module_marks(collection_path)
+    return True if marks and _deselected(markexpr, marks) else None
+
+
+def _deselected(markexpr: str, marks: set[str]) -> bool:
+    """Whether ``-m markexpr`` deselects every test that carries ``marks``, whatever other marks it has
+    (checked with none and with all of them: enough for the expressions people type)."""
+    try:
+        from _pytest.mark.expression import Expression  # no public API; without it, import everything
+
+        expression = Expression.compile(markexpr)
+        with_these = expression.evaluate(lambda name, **_: name in marks)
+        return not with_these and not expression.evaluate(lambda name, **_: True)
+    except Exception:  # noqa: BLE001 - an optimisation only: pytest reports a bad expression itself
+        return False
+
+
+def _module_marks(path: Path) -> set[str]:
+    """The names of the marks in a module's ``pytestmark``, read from its source, not imported."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError):
+        return set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return set()
 
 
 @pytest.fixture

@@ -55,6 +55,7 @@ def test_off_mode_starts_nothing(not_installed):
         assert client is None and "--no-mooncake" in why
 
 
+@pytest.mark.system
 def test_a_master_that_exits_is_reported_not_waited_for(tmp_path):
     exe = tmp_path / "mooncake_master"
     exe.write_text("#!/bin/sh\necho 'E1201 bind failed: address in use' >&2\nexit 3\n")
@@ -64,6 +65,7 @@ def test_a_master_that_exits_is_reported_not_waited_for(tmp_path):
             pass
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_rounds_move_their_bytes_through_a_holder_process():
     ok, why = mooncake_store.available()

@@ -126,6 +126,7 @@ def run_smoke(smoke: Smoke) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.parametrize("smoke", [pytest.param(s, id=s.id, marks=pytest.mark.timeout(s.timeout_s + 60))
                                    for s in SMOKES if not s.covered_by])

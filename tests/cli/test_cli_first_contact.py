@@ -117,6 +117,7 @@ def _serve(tmp_path: Path) -> subprocess.Popen:
     )
 
 
+@pytest.mark.system
 def test_serve_says_it_is_ready_and_where_and_clean_removes_the_arena_it_kept(tmp_path, capsys):
     (tmp_path / "shm").mkdir()
     flags = ["--disk-dir", str(tmp_path / "disk"), "--shm-dir", str(tmp_path / "shm")]

@@ -285,6 +285,7 @@ def test_event_sources_build_the_index_type():
     assert load_settings(environ={}, score_weights="GPU=2, disk=0").index.tier_weights() == {"gpu": 2.0, "disk": 0.0}
 
 
+@pytest.mark.system
 def test_config_imports_no_index_module():
     code = "import sys, kvstore.config; print(sorted(m for m in sys.modules if m.startswith('kvstore.index')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

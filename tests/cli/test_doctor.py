@@ -28,6 +28,8 @@ from kvstore.doctor import Host, Status, failed, run_checks
 from tests.support import redis_servers
 from tests.support.small_filesystem import tmpfs
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -30,6 +30,8 @@ from tests.support import redis_servers
 from tests.support.peer_cluster import PeerNode
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 NS = "ops-kv"
 REPLICATED, SHORT = "ops-rep", "ops-short"  # k=2 on a fleet of two: met; k=3: short
 # Label names a Strata metric may carry: each names a bounded set (STYLE.md), never a key or a request.

@@ -22,6 +22,8 @@ from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from kvstore.client import AsyncClient
 
+pytestmark = pytest.mark.system
+
 BLOCK = 300_000
 
 

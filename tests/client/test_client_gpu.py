@@ -21,6 +21,8 @@ from kvstore.transport.attached import connect_attached
 from kvstore.transport.attached_aio import connect_attached_async
 from kvstore.transport.base import Deadline
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 GPU = dict(gpu_bytes="8MiB", gpu_memory="host", gpu_host_addressable=False, max_block_bytes="2MiB")
 

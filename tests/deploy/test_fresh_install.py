@@ -25,7 +25,7 @@ from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 # Prints every command path of both parsers, one JSON list per line.
 COMMANDS = textwrap.dedent("""

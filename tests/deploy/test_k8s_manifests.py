@@ -74,7 +74,7 @@ def kustomize_unavailable() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(kustomize_unavailable() is not None, reason=str(kustomize_unavailable()))
+pytestmark = [pytest.mark.system, pytest.mark.skipif(kustomize_unavailable() is not None, reason=str(kustomize_unavailable()))]
 
 
 @lru_cache(maxsize=None)

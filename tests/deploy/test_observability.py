@@ -106,6 +106,7 @@ def legend_labels(target: dict) -> set[str]:
 # ---- promtool --------------------------------------------------------------------------
 
 
+@pytest.mark.system
 @needs_promtool
 def test_promtool_checks_the_rules_and_the_scrape_config_and_runs_the_rule_tests():
     for args in (["check", "rules", str(RULES)], ["check", "config", str(SCRAPE)],

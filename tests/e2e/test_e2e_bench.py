@@ -234,6 +234,7 @@ def test_policies_are_chosen_by_letter():
 # ---- the whole orchestration, small ------------------------------------------------
 
 
+@pytest.mark.system
 def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_faults(tmp_path):
     """Real processes end to end: Redis, two daemons, two engines on the tiny model, the router, in the
     fault phase (cache-aware + shared pool; a daemon SIGKILLed and restarted, then an engine SIGKILLed).
@@ -271,6 +272,7 @@ def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_fa
     assert phase["router"]["decisions_by_reason"]
 
 
+@pytest.mark.system
 def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own_daemon(tmp_path):
     """Policy (d)'s fleet: two daemons on one Redis index, each with the peer tier; engine 0 computes a
     prompt and stores its blocks to daemon 0; engine 1, asked the same prompt, loads them from daemon 1,

@@ -30,6 +30,8 @@ from kvstore.client.sync import Client  # noqa: E402
 from kvstore.index.keys import BlockHasher, event_key_bytes  # noqa: E402
 from tests.support.wait import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 BLOCK = 16
 SEED = "7"
 ROOT = Path(__file__).resolve().parents[2]

@@ -53,6 +53,8 @@ from kvstore.server.daemon import Daemon
 from tests.support.raw_frames import weighted
 from tests.support.router_stand_in import BLOCK, HASH_SEED, NS, RouterThread, StandIn, build_tokenizer, http, wait_for
 
+pytestmark = pytest.mark.system
+
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "25"))
 RAW_EXAMPLES = max(5, EXAMPLES // 3)
 # Derandomized under the default (CI) profile; HYPOTHESIS_PROFILE=explore draws fresh examples.

@@ -31,6 +31,8 @@ from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
 from tests.support.store_blocks import MiB, value
 
+pytestmark = pytest.mark.system
+
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "25"))
 RAW_EXAMPLES = max(5, EXAMPLES // 3)
 # Derandomized under the default (CI) profile; HYPOTHESIS_PROFILE=explore draws fresh examples.

@@ -52,6 +52,8 @@ from tests.support.raw_frames import (
 )
 from tests.support.store_blocks import value
 
+pytestmark = pytest.mark.system
+
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "25"))
 RAW_EXAMPLES = max(5, EXAMPLES // 3)
 # Derandomized under the default (CI) profile; HYPOTHESIS_PROFILE=explore draws fresh examples.

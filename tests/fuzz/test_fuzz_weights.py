@@ -48,6 +48,8 @@ from weightcache.peers import WAITED_KEY
 from weightcache.prefetch import Prefetcher
 from weightcache.service import serve
 
+pytestmark = pytest.mark.system
+
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "25"))
 RAW_EXAMPLES = max(5, EXAMPLES // 3)
 # Derandomized under the default (CI) profile; HYPOTHESIS_PROFILE=explore draws fresh examples.

@@ -178,6 +178,7 @@ print(json.dumps([k.hex() for k in h.chain(v["token_ids"], cache_salt="s")]))
 """
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("process_seed", ["0", "12345", "random", None])
 def test_keys_do_not_depend_on_the_process_hash_seed(vector, process_seed):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}

@@ -52,6 +52,7 @@ TTL_S = 0.5
 MARGIN_S = 0.1  # a lease counts as lapsed only this long after it certainly ran out
 STEP_S = 0.01  # time let pass after each churn step (fake for memory, real for Redis)
 BEAT_EVERY_S = TTL_S / 4
+REDIS = [pytest.param(name, marks=pytest.mark.system) for name in ("redis", "redis-cluster")]  # real redis-servers
 SWEEP_EVERY_S = TTL_S  # at most; a sweep also ends lapsed leases in Redis, the lookup must not rely on it
 READERS = 3
 FINAL_READS = 40  # reads each reader makes once every stopped lease has surely lapsed
@@ -544,7 +545,7 @@ def _matches(state: State, ns: str, nodes: Iterable[str], keys: list[bytes]) -> 
 # ---- the test -----------------------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", *REDIS])
 def backend(request) -> tuple[str, Callable[[], PrefixIndex], Clock]:
     if request.param == "memory":
         clock = Clock(fake=True)

@@ -33,6 +33,7 @@ GPU, HOST, DISK, PEER, OBJECT = TierName.GPU, TierName.HOST, TierName.DISK, Tier
 NS = "model-a"
 LONG_TTL = 120.0
 WAIT_LIMIT_S = 30.0  # bound on polling for an expiry (simulated seconds for the memory index)
+REDIS = [pytest.param(name, marks=pytest.mark.system) for name in ("redis", "redis-cluster")]  # real redis-servers
 
 
 class FakeClock:
@@ -55,7 +56,7 @@ def _prefix(request) -> str:
     return "t" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", *REDIS])
 def backend(request) -> Backend:
     if request.param == "memory":
         clock = FakeClock()
@@ -776,7 +777,7 @@ def test_from_url_rejects_other_schemes():
         RedisIndex.from_url("http://127.0.0.1:6379")
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
+@pytest.fixture(params=REDIS)
 def redis_backend(request) -> Backend:
     from kvstore.index.redis import RedisIndex
 

@@ -16,6 +16,8 @@ from kvstore.index.keys import BlockHasher, event_key_bytes
 from tests.support import redis_servers
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 TOKENS = list(range(1000, 1000 + 16 * 6 + 5))  # six full blocks and a partial one
 HASHER = BlockHasher(16, "42")
 KEYS = [event_key_bytes(h) for h in HASHER.chain(TOKENS)]

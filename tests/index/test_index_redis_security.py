@@ -36,7 +36,7 @@ SECRETS = (PASSWORD, quote(PASSWORD, safe=""), ALICE, BOB, CAROL, WRONG)
 NS = "llama"
 KEY = b"k" * 32
 
-pytestmark = pytest.mark.skipif(not redis_servers.available(), reason="redis-server is not installed")
+pytestmark = [pytest.mark.system, pytest.mark.skipif(not redis_servers.available(), reason="redis-server is not installed")]
 
 
 def no_secret(text: str) -> bool:

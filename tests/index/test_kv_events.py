@@ -616,6 +616,7 @@ def test_two_engines_one_subscriber():
     run(main())
 
 
+@pytest.mark.slow  # waits out a real liveness timeout
 def test_engine_stays_alive_while_connected_and_expires_once_gone():
     async def main():
         cfg = SubscriberConfig(ttl_s=1.0, heartbeat_interval_s=0.1, zmq_heartbeat_s=0.2)
@@ -773,7 +774,7 @@ def stored_in(group: int, hashes, **kw):
     return stored(hashes, extra_keys=None, group_idx=group, **kw)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.system)])
 def make_index(request):
     """A factory of the index backend under test; call it inside the test's event loop."""
     if request.param == "memory":

@@ -49,6 +49,8 @@ from tests.support.lmcache_engine import (  # noqa: E402
 )
 from tests.support.wait import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[2]
 
 # ---- mapping: keys, namespaces, layouts, settings ------------------------------

@@ -34,6 +34,8 @@ from tests.support.lmcache_engine import (  # noqa: E402
     CHUNKS, HEAD_SIZE, HEADS, LAYERS, MODEL, TOKENS, Engine, kv_source, same_bytes, wait_for_blocks,
 )
 
+pytestmark = pytest.mark.system
+
 
 class RecordingAsyncClient(AsyncClient):
     """A real client that keeps what the connector hands it: the values it puts, the buffers it places."""

@@ -32,6 +32,8 @@ from kvstore.integrations.vllm.jobs import Job, JobRunner, Kind  # noqa: E402
 from tests.support.vllm_engine import ROW, Engine, chunk_bytes, chunk_keys, offloading_config, strata_entry  # noqa: E402
 from tests.support.wait import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 FAST = dict(timeout_s=1.0, down_backoff_s=0.3, job_timeout_s=5.0)
 
 

@@ -19,6 +19,9 @@ from kvstore.metrics import StoreMetrics
 from kvstore.rpc.status import from_rpc_error
 from kvstore.server.admission import AdmissionInterceptor
 
+# Importing every kvstore module takes vLLM's and LMCache's integrations with it: seconds at collection.
+pytestmark = pytest.mark.slow
+
 RAISE = "/strata.test.v1.Errors/Raise"
 
 
@@ -114,6 +117,7 @@ def test_each_error_crosses_grpc_as_its_own_class(raising_server, cls):
         assert err.retry_after_s == pytest.approx(0.25)
 
 
+@pytest.mark.system
 def test_a_client_that_never_imported_the_defining_module_still_gets_the_class():
     names = sorted(errors.DEFINED_ELSEWHERE)
     script = (

@@ -159,12 +159,14 @@ def find_cycles(base: Path, roots: Iterable[str]) -> tuple[list[str], list[str]]
             [told(c, files) for c in _cycles(sorted(modules), files)])
 
 
+@pytest.mark.slow  # parses every module of the three packages
 def test_no_package_imports_another_that_imports_it_back():
     package_cycles, _ = find_cycles(REPO, ROOTS)
     assert not package_cycles, "packages import each other in a loop (move the line that runs against the " \
                                "order, or import it where it is used):\n" + "\n".join(package_cycles)
 
 
+@pytest.mark.slow  # parses every module of the three packages
 def test_no_module_imports_another_that_imports_it_back():
     _, file_cycles = find_cycles(REPO, ROOTS)
     assert not file_cycles, "modules import each other in a loop:\n" + "\n".join(file_cycles)

@@ -36,6 +36,8 @@ from tests.support import redis_servers
 from tests.support.peer_cluster import FlipProxy, PeerNode
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 NS = "req-kv"
 MARKER = b"STRATA-FLIP-HERE"
 

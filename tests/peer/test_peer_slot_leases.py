@@ -29,6 +29,8 @@ from kvstore.peer.ucx_link import ucx_available
 from tests.support.peer_listener import raw_hello
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 UCX, NO_UCX = ucx_available()
 
 MiB = 1 << 20

@@ -466,6 +466,7 @@ def test_a_byte_flipped_in_transit_is_reported_corrupt_and_never_delivered(peer)
         proxy.close()
 
 
+@pytest.mark.system
 def test_a_peer_killed_mid_transfer_fails_the_rest_and_never_reports_partial_bytes(tmp_path):
     d = DaemonProcess(tmp_path, "--ram-bytes", "160MiB", "--disk-bytes", "0", "--max-block-bytes", "16MiB",
                       "--peer-listen", "127.0.0.1:0", "--peer-advertise", "").start()

@@ -32,6 +32,8 @@ from tests.support import redis_servers
 from tests.support.peer_cluster import NS, FlipProxy, PeerNode, held_by, holders_of, keys_of, peers, value
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 MARKER = b"STRATA-FLIP-HERE"
 
 

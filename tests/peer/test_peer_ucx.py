@@ -32,7 +32,7 @@ from tests.support.peer_cluster import NS, held_by, keys_of, peers, value
 from tests.support.wait import wait_until
 
 UCX, NO_UCX = ucx_available()
-pytestmark = pytest.mark.skipif(not UCX, reason=NO_UCX)
+pytestmark = [pytest.mark.system, pytest.mark.skipif(not UCX, reason=NO_UCX)]
 
 MiB = 1 << 20
 UCX_PEER = dict(ram_bytes="160MiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,

@@ -37,7 +37,7 @@ from tests.support.peer_cluster import NS, REPO, PeerNode, held_by, keys_of, val
 from tests.support.wait import wait_until
 
 UCX, NO_UCX = ucx_available()
-pytestmark = pytest.mark.skipif(not UCX, reason=NO_UCX)
+pytestmark = [pytest.mark.system, pytest.mark.skipif(not UCX, reason=NO_UCX)]
 
 MiB = 1 << 20
 SHM = ("--ram-bytes", "160MiB", "--disk-bytes", "0", "--max-block-bytes", "16MiB", "--peer-ucx-shm")

@@ -161,7 +161,7 @@ def _place(request) -> str:
     return "t" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
 
 
-@pytest.fixture(params=sorted(ROWS))
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.system) if ROWS[n].fixture else n for n in sorted(ROWS)])
 def remote(request) -> Harness:
     row = ROWS[request.param]
     env = request.getfixturevalue(row.fixture) if row.fixture else None

@@ -21,6 +21,8 @@ from kvstore.client.sync import Client
 from kvstore.index.keys import BlockHasher, event_key_bytes
 from tests.support.router_stand_in import BLOCK, HASH_SEED, NS, completion, seed, wait_for, words
 
+pytestmark = pytest.mark.system
+
 
 P_A = words(1, 16)  # 4 blocks of 4 tokens
 P_B = words(100, 16)

@@ -174,6 +174,7 @@ def test_settings_name_what_to_change():
     assert s.endpoint_specs() == [("http://a:1", ("x", "y")), ("http://b:2", ())]
 
 
+@pytest.mark.system
 def test_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "route", "--help"], capture_output=True,
                          text=True, check=True).stdout

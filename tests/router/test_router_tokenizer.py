@@ -35,6 +35,7 @@ def test_a_generic_tokenizer_is_autotokenizers_class_with_the_same_ids(generic_d
             == auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
 
+@pytest.mark.system
 def test_a_generic_tokenizer_loads_without_importing_torch(generic_dir):
     pytest.importorskip("torch")  # only where torch is installed can its import be the cost
     out = subprocess.run([sys.executable, "-c", LOAD, str(generic_dir)], capture_output=True, text=True, timeout=120,

@@ -28,6 +28,8 @@ from kvstore.transport.samehost import regions
 from kvstore.wire.unix import connect_unix
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

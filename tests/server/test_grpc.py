@@ -31,6 +31,8 @@ from kvstore.errors import (
 )
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 
 

@@ -23,6 +23,8 @@ from kvstore.transport.samehost import frames
 from kvstore.wire.unix import connect_unix
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 
 

@@ -181,5 +181,5 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.a.free_extent_count == len(gaps)
         assert self.a.largest_free_bytes == max(gaps, default=0)
 
-TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine = pytest.mark.slow(AllocatorMachine.TestCase)  # 200 examples of 60 steps
 TestAllocatorMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)

@@ -172,6 +172,7 @@ def test_close_with_live_view_raises_then_succeeds(tmp_path):
         a.view(0, 1)
 
 
+@pytest.mark.system
 def test_separate_process_writes_and_leaves_the_file(arena):
     run_child_writer(arena.path, arena.token, 4096, b"from the child")
     v = arena.view(4096, 14)
@@ -182,6 +183,7 @@ def test_separate_process_writes_and_leaves_the_file(arena):
     ShmArena.attach(arena.path, arena.token).close()
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_default_directory_is_dev_shm():
     name = f"strata-test-{uuid.uuid4().hex}"
@@ -361,6 +363,7 @@ def test_empty_block_takes_one_page(tier):
     assert tier.stats().used_bytes == PAGE
 
 
+@pytest.mark.system
 def test_client_process_writes_a_reserved_slot(tier):
     data = random_bytes(PAGE + 17)
     offset = tier.reserve(len(data))

@@ -301,6 +301,7 @@ def test_restart_recovers_disk_blocks_and_chains(make_store, tmp_path):
     assert again.tier_stats()[1].blocks == on_disk
 
 
+@pytest.mark.system
 def test_disk_full_keeps_serving_from_ram(make_store, tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()

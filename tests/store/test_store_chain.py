@@ -80,7 +80,7 @@ def stores():
         s.close()
 
 
-@pytest.fixture(params=sorted(CHAINS))
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.system) if n in NEEDS else n for n in sorted(CHAINS)])
 def store(request, tmp_path, clock, stores):
     needs = [request.getfixturevalue(NEEDS[request.param])] if request.param in NEEDS else []
     s = TieredStore(CHAINS[request.param](tmp_path, len(stores), *needs), limits=StoreLimits.from_settings(max_block_bytes=2 * MiB, demotion_threads=0), clock=clock)

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -27,6 +28,8 @@ from kvstore.store.tiered import StoreLimits, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.ram import HostRamTier
 from kvstore.tiers.remote import RemoteTier
+
+pytestmark = pytest.mark.slow  # each machine runs tens of examples through real arenas and files
 
 KiB = 1 << 10
 PAGE = 4 * KiB

@@ -183,6 +183,7 @@ SWEEP = [
 ]
 
 
+@pytest.mark.slow  # a full workload per N, for N = 1, 2, ... until the workload no longer reaches N
 @pytest.mark.parametrize(("kind", "err", "persist"), SWEEP, ids=[f"{k}-{errno.errorcode[e]}{'-on' if p else ''}" for k, e, p in SWEEP])
 def test_the_nth_failing_call_loses_nothing_committed_and_shows_nothing_torn(tmp_path, kind, err, persist):
     runs = 0

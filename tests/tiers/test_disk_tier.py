@@ -273,6 +273,7 @@ def check_after_kill(root: Path, reported: list[int]) -> None:
     tier.close()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fsync", [False, True], ids=["no-fsync", "fsync"])
 @pytest.mark.parametrize("kill_after", [1, 4, 9, 30])
@@ -289,6 +290,7 @@ def test_sigkill_mid_stream_loses_nothing_committed_and_tears_nothing(root, kill
     check_after_kill(root, reported)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_sigkill_while_a_block_is_half_written(root):
     """Kill the writer while a temp file provably exists, i.e. between create and rename.
@@ -329,6 +331,7 @@ def test_sigkill_while_a_block_is_half_written(root):
 # -- broken filesystems --------------------------------------------------------------
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("block_bytes", [3000, 100_000, 300_000])
 def test_a_full_disk_raises_disk_full_and_keeps_what_was_written(tmp_path, block_bytes):
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
@@ -356,6 +359,7 @@ def test_a_full_disk_raises_disk_full_and_keeps_what_was_written(tmp_path, block
         tier.close()
 
 
+@pytest.mark.system
 def test_a_read_only_filesystem_makes_puts_unavailable_and_reads_still_work(tmp_path):
     with tmpfs(tmp_path / "mnt", "4m") as mnt:
         tier = DiskTier(mnt, BIG)
@@ -503,5 +507,5 @@ class DiskTierMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir)
 
 
-TestDiskTierMachine = DiskTierMachine.TestCase
+TestDiskTierMachine = pytest.mark.slow(DiskTierMachine.TestCase)  # real files, fsync on and off
 TestDiskTierMachine.settings = settings(max_examples=20, stateful_step_count=30, deadline=None)

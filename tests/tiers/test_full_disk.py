@@ -74,6 +74,7 @@ def test_the_daemon_starts_on_a_full_disk_serves_from_ram_and_recovers_when_spac
         c.close()
 
 
+@pytest.mark.system
 def test_an_epoch_that_cannot_be_written_at_all_is_the_clock_and_written_once_there_is_room(tmp_path):
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         filler = fill(mnt)  # a first start on a full disk: no epoch file to rewrite in place
@@ -85,6 +86,7 @@ def test_an_epoch_that_cannot_be_written_at_all_is_the_clock_and_written_once_th
         assert NodeIdentity.start("n", mnt).epoch > node.epoch
 
 
+@pytest.mark.system
 def test_disk_bytes_larger_than_the_filesystem_is_bounded_by_it(tmp_path, caplog):
     with tmpfs(tmp_path / "mnt", "2m") as mnt:
         caplog.set_level(logging.WARNING)
@@ -106,6 +108,7 @@ def _store(tmp_path: Path, mnt: Path, ram_blocks: int, **limits) -> TieredStore:
     return TieredStore(tiers, limits=StoreLimits.from_settings(**limits), clock=Clock())
 
 
+@pytest.mark.system
 def test_a_disk_that_fills_drops_no_block_while_ram_has_room(tmp_path):
     """300 acknowledged blocks, RAM room for all of them, headroom demotion pushing them down,
     and a 2 MiB disk that fills: every one of them is kept."""
@@ -126,6 +129,7 @@ def test_a_disk_that_fills_drops_no_block_while_ram_has_room(tmp_path):
             store.close()
 
 
+@pytest.mark.system
 def test_with_the_disk_full_and_ram_full_a_put_is_refused_not_accepted_and_dropped(tmp_path):
     """The filesystem under the disk tier is full (another writer's file) and RAM fills: puts beyond
     RAM get RESOURCE_EXHAUSTED with a retry delay; no acknowledged block is ever dropped."""

@@ -108,6 +108,7 @@ def test_async_client_puts_from_and_reads_into_tensors(daemon, use_shm):
 # ---- the device check is not dead on arrival ------------------------------------------
 
 
+@pytest.mark.system
 def test_device_check_dry_run_passes_on_the_host_stand_in(tmp_path):
     """The device check's smoke run (its dry run at its smallest; tests/benchmarks/test_bench_smoke.py leaves it
     to this test), its results written where --out says and checked."""

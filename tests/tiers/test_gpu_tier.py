@@ -301,6 +301,7 @@ sys.stdout.write(f"{got} {data.hex()}")
 """
 
 
+@pytest.mark.system
 def test_another_process_reads_a_leased_block_through_the_handle(tmp_path):
     tier = gpu(tmp_path, capacity=4 * MiB)
     store = TieredStore([tier, HostRamTier(16 * MiB, shm_dir=str(tmp_path), arena_name="r")],

@@ -46,6 +46,7 @@ def ram(d: Path, size: int = 64 * PAGE, **kw) -> HostRamTier:
     return HostRamTier(size, shm_dir=str(d), arena_name="arena", **kw)
 
 
+@pytest.mark.system
 def test_blocks_survive_a_real_sigkill(tmp_path):
     """A child process stores blocks (streamed and through slots), deletes one, uses some, and SIGKILLs itself."""
     child = f"""

@@ -15,12 +15,14 @@ import os
 import signal
 
 import grpc
-
+import pytest
 
 from kvstore import AsyncClient, Client
 from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.config.tiers import arena_name
+
+pytestmark = pytest.mark.system
 
 BLOCK = 300_000
 

@@ -23,6 +23,8 @@ from kvstore.transport.attached_aio import connect_attached_async
 from kvstore.transport.base import BlockPut, Deadline, placement
 from kvstore.transport.samehost import frames
 
+pytestmark = pytest.mark.system
+
 KiB = 1 << 10
 VALUES = {b"small": b"s" * 1000, b"large": bytes(range(256)) * (300 * KiB // 256), b"tiny": b"t" * 10}
 

@@ -11,6 +11,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 import weightcache
 from kvstore import errors as kv_errors
 from weightcache import errors
@@ -36,6 +38,7 @@ def test_no_kvstore_source_imports_weightcache():
     assert not offenders, f"kvstore imports weightcache at {offenders}"
 
 
+@pytest.mark.system
 def test_importing_all_of_kvstore_loads_no_weightcache():
     script = (
         "import importlib, pkgutil, sys, kvstore\n"
@@ -83,6 +86,7 @@ def test_the_error_tree_is_drawn_where_it_is_defined():
         assert not hasattr(kv_errors, cls.__name__), f"{cls.__name__} shadows a kvstore error"
 
 
+@pytest.mark.system
 def test_strata_weights_runs_weightcache(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()

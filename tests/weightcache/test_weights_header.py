@@ -126,6 +126,7 @@ def test_every_accepted_shape_makes_a_numpy_view_and_a_torch_tensor():
         assert torch_tensor(t, b"", 0).numel() == 0 and torch is not None
 
 
+@pytest.mark.system
 def test_publish_refuses_a_hostile_header_naming_the_file_without_a_traceback(tmp_path):
     """``strata weights publish`` of a nested or oversized header: exit 1, the file and the reason."""
     import os

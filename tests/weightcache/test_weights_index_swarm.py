@@ -26,6 +26,8 @@ from tests.support.weights_s3 import s3_options
 from weightcache.api.v1 import weights_pb2 as pb
 from weightcache.index_swarm import MEMBER_KEY, chunk_key, namespace_of
 
+pytestmark = pytest.mark.system
+
 CHUNK = 64 << 10
 
 

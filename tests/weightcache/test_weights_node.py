@@ -24,6 +24,8 @@ from weightcache.peers import PeerChunkSource
 from weightcache.prefetch import Prefetcher
 from weightcache.service import serve
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 << 10
 FAST = FetchLimits(max_in_flight=4, origin_concurrency=4, backoff_base_s=0.001, backoff_max_s=0.01, poll_interval_s=0.005)

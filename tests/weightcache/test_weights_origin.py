@@ -15,7 +15,7 @@ from weightcache.origin import ORIGINS, S3Options, open_origin
 FILES = {"model.safetensors": bytes(range(256)) * 600, "config.json": b'{"a": 1}', "sub/tok.txt": b"tokens"}
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.system)])
 def origin(request, tmp_path):
     if request.param == "local":
         root = tmp_path / "rev"

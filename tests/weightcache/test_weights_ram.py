@@ -28,6 +28,8 @@ from weightcache.prefetch import Prefetcher
 from weightcache.ram_copy import RamCopy
 from weightcache.service import serve
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 << 10
 FAST = FetchLimits(max_in_flight=4, origin_concurrency=4, backoff_base_s=0.001, backoff_max_s=0.01, poll_interval_s=0.005)

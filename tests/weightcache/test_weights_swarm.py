@@ -24,6 +24,8 @@ from weightcache.peers import Swarm
 from weightcache.prefetch import Prefetcher
 from weightcache.service import serve
 
+pytestmark = pytest.mark.system
+
 CHUNK = 64 << 10
 
 

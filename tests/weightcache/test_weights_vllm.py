@@ -17,6 +17,8 @@ import weightcache  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 from tests.support.weights_models import write_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 
 class Tiny(torch.nn.Module):
     """Shaped as vLLM models are: ``load_weights`` takes (name, tensor) pairs, returns what it loaded."""

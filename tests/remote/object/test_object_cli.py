@@ -16,6 +16,8 @@ from kvstore.remote.object.layout import KeyLayout
 from kvstore.remote.object.source import ObjectSource
 from tests.support import s3_servers
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 def prefix(request) -> str:

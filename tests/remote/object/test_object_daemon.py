@@ -21,6 +21,8 @@ from tests.support import s3_servers
 from tests.support.daemons import DaemonProcess
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 BLOCK = 512 << 10
 BLOCKS = 64  # 32 MiB through 16 MiB of RAM and 8 MiB of disk
 

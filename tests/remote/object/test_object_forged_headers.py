@@ -34,6 +34,8 @@ from kvstore.remote.object.metrics import ObjectMetrics
 from kvstore.remote.object.source import ObjectSource
 from tests.support import s3_servers
 
+pytestmark = pytest.mark.system
+
 CREDS = StaticCredentials(s3_servers.ACCESS_KEY, s3_servers.SECRET_KEY)
 GiB = 1 << 30
 PAYLOAD = 3000

@@ -33,6 +33,8 @@ from tests.support import s3_servers
 from tests.support.store_blocks import MiB, value
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 CREDS = StaticCredentials(s3_servers.ACCESS_KEY, s3_servers.SECRET_KEY)
 
 

@@ -26,6 +26,8 @@ from tests.support import s3_servers
 from tests.support.store_blocks import Clock, MiB, value
 from tests.support.wait import wait_until
 
+pytestmark = pytest.mark.system
+
 HOST, DISK, OBJECT = TierName.HOST, TierName.DISK, TierName.OBJECT
 BLOCKS = 12  # 12 MiB through a 4 MiB RAM tier and a 3 MiB disk tier: most end up in the bucket
 
