@@ -9,7 +9,7 @@
 #   docker build --target engine -t strata-vllm:0.1.0 .             # vLLM with Strata's plugins (the engines)
 #
 # The suite lints this file (hadolint) and checks its structure against the settings and the
-# manifests (tests/test_image.py); no CI machine has a Docker engine, so none builds it.
+# manifests (tests/deploy/test_image.py); no CI machine has a Docker engine, so none builds it.
 
 # The runtime's base: any image with a Python 3.11+ (python3) or apt-get to install one.
 ARG BASE=python:3.11-slim-bookworm

@@ -7,7 +7,7 @@ On a machine with an NVIDIA GPU (a few minutes on an H200)::
 runs, in order, and stops at nothing (every step reports):
 
 1. ``contract``: pytest over the tier contract suite's gpu rows and
-   tests/test_gpu_tier.py with the ``cuda`` memory kind
+   tests/tiers/test_gpu_tier.py with the ``cuda`` memory kind
    (``STRATA_TEST_GPU_MEMORY=cuda``, no conftest: those modules need only
    the tiers and the store);
 2. ``ipc``: a second process maps the tier's region through its CUDA IPC
@@ -137,7 +137,7 @@ class Check:
 
     def contract(self) -> None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-               "tests/test_tier_contract.py", "tests/test_gpu_tier.py", "-k", "gpu or test_gpu_tier"]
+               "tests/tiers/test_tier_contract.py", "tests/tiers/test_gpu_tier.py", "-k", "gpu or test_gpu_tier"]
         env = child_env(STRATA_TEST_GPU_MEMORY=self.memory)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

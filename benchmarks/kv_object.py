@@ -1,7 +1,7 @@
 """Object tier: read-through and write-back against an S3-compatible server, and a fleet's cold restart.
 
 Run as ``python -m benchmarks.kv_object [--quick | --smoke]``. moto's S3 server runs
-in a child process on loopback (the tests' ``tests/s3_servers.py``); every
+in a child process on loopback (the tests' ``tests/support/s3_servers.py``); every
 case and its baseline talk to that same server, in the same rounds, so the
 ratios measure what Strata adds over a bare client, not S3.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,11 +49,10 @@ QUICK = {"rounds": 5, "warmup": 1, "round_bytes": 16 * MiB, "restart_blocks": 24
 FULL = {"rounds": 9, "warmup": 2, "round_bytes": 64 * MiB, "restart_blocks": 96, "sizes": SIZES, "fleet": 3}
 SMOKE = {"rounds": 5, "warmup": 0, "round_bytes": 2 * MiB, "restart_blocks": 2, "sizes": (1 * MiB,), "fleet": 2}
 UPLOADS = 8
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def _environ(home: str) -> dict[str, str]:
-    import s3_servers
+    from tests.support import s3_servers
 
     return {"AWS_ACCESS_KEY_ID": s3_servers.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": s3_servers.SECRET_KEY, "HOME": home}
 
@@ -67,7 +65,7 @@ def _tier(env, prefix: str, home: str, metrics: ObjectMetrics, **options):
 
 
 def _raw_store(env):
-    import s3_servers
+    from tests.support import s3_servers
     from obstore.store import S3Store
 
     return S3Store(env.bucket, endpoint=env.endpoint, region="us-east-1", access_key_id=s3_servers.ACCESS_KEY,
@@ -161,7 +159,7 @@ def cold_restart(env, prefix: str, plan: dict) -> Case:
     RAM and disk: what a fleet restarted from scratch (scale to zero and back) finds in the bucket."""
     import signal
 
-    import s3_servers
+    from tests.support import s3_servers
 
     n, fleet = plan["restart_blocks"], plan["fleet"]
     data = [os.urandom(FLEET_BLOCK) for _ in range(n)]
@@ -205,7 +203,7 @@ def cold_restart(env, prefix: str, plan: dict) -> Case:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import s3_servers
+    from tests.support import s3_servers
 
     bench = UnitBenchmark(NAME, __doc__.splitlines()[0], argv)
     bench.baseline_width = 30

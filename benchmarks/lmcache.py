@@ -3,7 +3,7 @@
 Run as ``python -m benchmarks.lmcache [--quick | --smoke]``. One LMCacheEngine per
 backend, all built the same way (LMCache's own engine on CPU, its
 ``MockGPUConnector`` made to copy into and out of a CPU tensor, as in
-``tests/test_lmcache.py``), each with one remote backend:
+``tests/integrations/test_lmcache.py``), each with one remote backend:
 
 - Strata: the remote-storage plugin (``kvstore.integrations.lmcache``) on a
   Strata daemon in its own process, shared-memory path (checked), no disk tier;

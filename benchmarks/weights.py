@@ -4,7 +4,7 @@ Run as ``python -m benchmarks.weights [--quick | --smoke]``. A model of ``--shar
 safetensors files (written by the safetensors library: float16 matrices of
 4 MiB, 16 MiB a file; 64 files, 1 GiB, by default) is published with 4 MiB
 chunks into a scratch folder, and the same files and manifest are uploaded
-to a private moto S3 server (``tests/s3_servers.py``, on loopback). Then, in
+to a private moto S3 server (``tests/support/s3_servers.py``, on loopback). Then, in
 one run, each case's baseline alternating with it in rotating order
 (``--rounds``, median kept):
 
@@ -68,7 +68,6 @@ BUCKET = "strata-bench"
 PREFIX = "bench/rev1"
 TARGETS = {"first_over_all": 0.05, "first_over_all_goal": 0.02, "warm_vs_safe_open": 1.0,
            "warm_vs_sequential": 0.8, "cold_s3_vs_raw": 0.8, "swarm_origin": 1.1, "swarm_origin_goal": 1.05}
-sys.path.insert(0, str(ROOT / "tests"))
 SMOKE = dict(shards=1, rounds=1, nodes=[2], warmup=0)
 
 
@@ -155,7 +154,7 @@ def load_runai(folder: Path, out: dict) -> float:
 
 
 def s3_options(endpoint: str):
-    import s3_servers
+    from tests.support import s3_servers
 
     from weightcache.origin import S3OriginOptions
 
@@ -164,7 +163,7 @@ def s3_options(endpoint: str):
 
 
 def raw_store(endpoint: str):
-    import s3_servers
+    from tests.support import s3_servers
     from obstore.store import S3Store
 
     return S3Store(BUCKET, endpoint=endpoint, region=s3_servers.REGION, access_key_id=s3_servers.ACCESS_KEY,
@@ -241,7 +240,7 @@ class Nodes:
 
     def __init__(self, scratch: Path, count: int, endpoint: str | None, tag: str) -> None:
         import grpc
-        import s3_servers
+        from tests.support import s3_servers
 
         from weightcache.api.v1 import weights_pb2_grpc as pb_grpc
         from weightcache.peers import CHANNEL_OPTIONS
@@ -404,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.shards, args.rounds, args.nodes, warmup = (SMOKE[k] for k in ("shards", "rounds", "nodes", "warmup"))
     nodes = args.nodes or [4, 8]
-    import s3_servers
+    from tests.support import s3_servers
 
     import weightcache
 

@@ -25,7 +25,7 @@ home directory) is written as what it stands for, never as this machine's value;
 parsers are built with every ``STRATA_*`` variable removed from the environment, since
 some of their defaults read one. This lives beside the docs, not in ``kvstore``: it
 reads ``weightcache`` too, which ``kvstore`` never imports. CI runs ``--check`` through
-``tests/test_docs_reference.py``.
+``tests/docs/test_docs_reference.py``.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def field_type_of(annotation: Any) -> str:
 
 
 def anchor_of(heading: str) -> str:
-    """The anchor GitHub gives a heading (what tests/test_docs_links.py checks links against)."""
+    """The anchor GitHub gives a heading (what tests/docs/test_docs_links.py checks links against)."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 

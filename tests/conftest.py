@@ -1,17 +1,29 @@
-"""Shared fixtures: real daemons on real ports, in-process and as subprocesses."""
+"""Fixtures the whole suite shares: real daemons on real ports (in-process and as subprocesses),
+private Redis and S3 servers, certificates, and the /dev/shm guard; and the ``system`` marker.
+What is not a fixture lives in ``tests/support``; fixtures only one folder's tests use live in
+that folder's conftest.py.
+
+A test is ``system`` when it starts a process or a daemon: ``strata serve``, an in-process daemon
+on real ports, redis-server, moto, Prometheus, kubectl, network namespaces, engines, routers, a
+virtual environment. It is marked in one of three ways, all read here:
+
+- by a fixture it uses (:data:`SYSTEM_FIXTURES`, also through another fixture);
+- by its module, ``pytestmark = pytest.mark.system``, where every test of the module is one;
+- by itself, ``@pytest.mark.system``, or a contract suite's row,
+  ``pytest.param("redis", marks=pytest.mark.system)``.
+
+``-m "not system and not slow"`` is the developer's fast lane (docs/development.md). A module whose
+own ``pytestmark`` deselects it is not even imported (the imports of those marked system, vLLM and
+LMCache among them, are most of a full collection), so its tests are not counted as deselected.
+"""
 
 from __future__ import annotations
 
+import ast
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, settings
 
 # The same examples on every run: CI must not find (and then spend minutes
@@ -23,26 +35,60 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from kvstore.config import load_settings
 from kvstore.server.daemon import Daemon
+from tests.support import shm_guard
+from tests.support.daemons import SMALL, DaemonProcess
+
+# Fixtures that start a process or a daemon (the folder conftests' too): a test that uses one,
+# directly or through another fixture, is a system test.
+SYSTEM_FIXTURES = frozenset({
+    "make_daemon", "daemon", "daemon_process",  # this file: in-process daemons and strata serve
+    "redis_url", "redis_cluster_url", "s3",  # this file: redis-server, moto_server
+    "index_url", "nodes", "network",  # peer/conftest.py: a fleet on its own redis, network namespaces
+    "engines", "routers", "fleet",  # router/conftest.py: stand-in engines, routers on real ports
+    "weights_moto",  # weightcache/conftest.py: moto's server
+})
 
 
-if str(Path(__file__).resolve().parent.parent) not in sys.path:  # a test module run as a script: the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import free_port  # noqa: E402  (one way to pick a port, outside the ephemeral range)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SYSTEM_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.system)
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):
-    """Poll until ``predicate()`` is truthy; fail the test (not assert a timing) if it never is."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """Leave a test module unimported when its module-level marks alone deselect it (``-m "not system"``
+    and a module marked system as a whole): importing it would only cost time."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    marks = _module_marks(collection_path)
+    return True if marks and _deselected(markexpr, marks) else None
 
 
-SMALL = dict(ram_bytes="32MiB", disk_bytes="128MiB", max_block_bytes="8MiB", metrics_listen="")
+def _deselected(markexpr: str, marks: set[str]) -> bool:
+    """Whether ``-m markexpr`` deselects every test that carries ``marks``, whatever other marks it has
+    (checked with none and with all of them: enough for the expressions people type)."""
+    try:
+        from _pytest.mark.expression import Expression  # no public API; without it, import everything
+
+        expression = Expression.compile(markexpr)
+        with_these = expression.evaluate(lambda name, **_: name in marks)
+        return not with_these and not expression.evaluate(lambda name, **_: True)
+    except Exception:  # noqa: BLE001 - an optimisation only: pytest reports a bad expression itself
+        return False
+
+
+def _module_marks(path: Path) -> set[str]:
+    """The names of the marks in a module's ``pytestmark``, read from its source, not imported."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError):
+        return set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return set()
 
 
 @pytest.fixture
@@ -69,49 +115,6 @@ def daemon(make_daemon):
     return make_daemon()
 
 
-class DaemonProcess:
-    """``strata serve`` as a real child process."""
-
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.disk_dir = tmp_path / "daemon"
-        self.args = [
-            "--listen", self.target, "--metrics-listen", "", "--disk-dir", str(self.disk_dir),
-            "--shm-dir", str(tmp_path), "--ram-bytes", "32MiB", "--disk-bytes", "256MiB",
-            "--max-block-bytes", "8MiB", "--log-format", "text", *args,
-        ]
-        self.proc: subprocess.Popen | None = None
-        self.log = tmp_path / "daemon.log"
-
-    def start(self) -> DaemonProcess:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli.main", "serve", *self.args], stdout=log, stderr=subprocess.STDOUT
-            )
-        wait_until(self.healthy, what=f"daemon on {self.target} to serve (log: {self.log})")
-        return self
-
-    def healthy(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
-        try:
-            with grpc.insecure_channel(self.target) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                return r.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    def kill(self, sig: int = signal.SIGKILL) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill(signal.SIGKILL)
-
-
 @pytest.fixture
 def daemon_process(tmp_path):
     procs: list[DaemonProcess] = []
@@ -126,14 +129,12 @@ def daemon_process(tmp_path):
         p.stop()
 
 
-# ---- nothing left in /dev/shm (tests/shm_guard.py) ---------------------------------
+# ---- nothing left in /dev/shm (tests/support/shm_guard.py) ---------------------------------
 # Per module (module-scoped daemons stop at its end) and per test (to name the test).
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _shm_clean_module(request, tmp_path_factory):
-    import shm_guard
-
     before, since = shm_guard.entries(), shm_guard.now()
     yield
     leak = shm_guard.check(before, lambda: shm_guard.recent(tmp_path_factory.getbasetemp(), since), request.node.nodeid)
@@ -143,8 +144,6 @@ def _shm_clean_module(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _shm_clean(request, tmp_path_factory):
-    import shm_guard
-
     before, since = shm_guard.entries(), shm_guard.now()
     yield
     leak = shm_guard.check(before, lambda: shm_guard.recent(tmp_path_factory.getbasetemp(), since), request.node.nodeid)
@@ -167,7 +166,7 @@ def _no_proxy():
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    import redis_servers
+    from tests.support import redis_servers
 
     if not redis_servers.available():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
@@ -178,7 +177,7 @@ def redis_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory):
-    import redis_servers
+    from tests.support import redis_servers
 
     if not redis_servers.available():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
@@ -190,15 +189,39 @@ def redis_cluster_url(tmp_path_factory):
 
 # ---- a private S3-compatible server (the object tier) ---------------------------
 # moto's server in a child process, one bucket; tests isolate themselves with a
-# prefix of their own (tests/s3_servers.py).
+# prefix of their own (tests/support/s3_servers.py).
 
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    import s3_servers
+    from tests.support import s3_servers
 
     if not s3_servers.available():
         pytest.skip("moto_server is not installed (pip install 'moto[server]')")
     env = s3_servers.S3Env(s3_servers.start_moto(tmp_path_factory.mktemp("moto")))
     yield env
     env.close()
+
+
+# ---- certificates (TLS and mTLS: the daemon, the weight node) -----------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, the daemon's certificate and three client certificates, as PEM files."""
+    import trustme
+
+    root = tmp_path_factory.mktemp("pki")
+    ca, stranger_ca = trustme.CA(), trustme.CA()
+    files = {"ca": root / "ca.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    server.private_key_pem.write_to_path(str(root / "server.key"))
+    server.cert_chain_pems[0].write_to_path(str(root / "server.pem"))
+    files["server_key"], files["server_cert"] = root / "server.key", root / "server.pem"
+    for name, issuer in (("router", ca), ("intruder", ca), ("forged", stranger_ca)):
+        cert = issuer.issue_cert(f"{name}.strata.test", common_name=f"{name}.strata.test")
+        cert.private_key_pem.write_to_path(str(root / f"{name}.key"))
+        cert.cert_chain_pems[0].write_to_path(str(root / f"{name}.pem"))
+        files[name] = (str(root / f"{name}.pem"), str(root / f"{name}.key"))
+    return files

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from peer_cluster import PeerNode
+from tests.support.peer_cluster import PeerNode
 
 REPORTED = (
     "strata_peer_fallbacks_total", "strata_peer_reads_total", "strata_peer_index_repairs_total",

@@ -36,7 +36,6 @@ import contextlib
 import errno
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,19 +43,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-
-import redis_servers  # noqa: E402
-import s3_servers  # noqa: E402
-from peer_cluster import PeerNode, VirtualNetwork, netns_unavailable  # noqa: E402
-
-from benchmarks.chaos.counters import Counters  # noqa: E402
-from benchmarks.chaos.path import PeerPath  # noqa: E402
-from benchmarks.harness import free_port  # noqa: E402
-from kvstore.block import BlockKey  # noqa: E402
-from kvstore.client.sync import Client  # noqa: E402
-from kvstore.remote.object.layout import KeyLayout  # noqa: E402
-from kvstore.tiers.block_file import block_name  # noqa: E402
+from benchmarks.chaos.counters import Counters
+from benchmarks.chaos.path import PeerPath
+from benchmarks.harness import free_port
+from kvstore.block import BlockKey
+from kvstore.client.sync import Client
+from kvstore.remote.object.layout import KeyLayout
+from kvstore.tiers.block_file import block_name
+from tests.support import redis_servers, s3_servers
+from tests.support.peer_cluster import PeerNode, VirtualNetwork, netns_unavailable
 
 NS = "chaos"
 PREFIX = "chaos"
@@ -172,7 +167,7 @@ class Fleet:
 
     def _mount_small_disk(self, node: PeerNode, stack: contextlib.ExitStack) -> None:
         import pytest
-        from small_filesystem import tmpfs
+        from tests.support.small_filesystem import tmpfs
 
         try:
             self.small_disk = stack.enter_context(tmpfs(node.home / "cache", self.plan.small_disk))

@@ -65,8 +65,7 @@ class PeerPath:
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO / "tests"))
-    from peer_cluster import FlipProxy
+    from tests.support.peer_cluster import FlipProxy
 
     upstream_host, upstream_port, listen_host = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     proxy = FlipProxy((upstream_host, upstream_port), MARKER, host=listen_host)

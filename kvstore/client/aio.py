@@ -1,7 +1,7 @@
 """asyncio client of a Strata daemon: the twin of :class:`kvstore.client.sync.Client`.
 
 The same constructor arguments and the same methods with the same
-arguments and results, each call a coroutine; ``tests/test_client_twins.py``
+arguments and results, each call a coroutine; ``tests/client/test_client_twins.py``
 checks it. Two differ in kind only: the blocking client's properties
 ``shared_memory`` and ``transport_name`` may need an Attach, so here they are
 coroutine methods (taking the namespace, default the default arena's);

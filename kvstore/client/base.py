@@ -16,7 +16,7 @@ that opens its channel and transports, waits between attempts and awaits
 - the retry policy: which failures are tried again, after how long
   (:func:`retry_delay`, :class:`Retries`); the shells loop over its answers.
 
-``tests/test_client_twins.py`` compares the two shells' public methods and
+``tests/client/test_client_twins.py`` compares the two shells' public methods and
 signatures, so they cannot drift apart again.
 """
 

@@ -7,7 +7,7 @@ current: a node that deregistered, missed its heartbeats, or restarted (its
 epoch grew) drops out of every answer at once, before any background sweep
 has removed its rows.
 
-Two implementations pass one contract suite (``tests/test_index_contract.py``):
+Two implementations pass one contract suite (``tests/index/test_index_contract.py``):
 :class:`~kvstore.index.memory.MemoryIndex`, the daemon's embedded default,
 and :class:`~kvstore.index.redis.RedisIndex` (single node or Cluster).
 

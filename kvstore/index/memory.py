@@ -2,7 +2,7 @@
 
 The daemon's default when no Redis is configured (it then knows only its own
 holdings), and the reference the Redis index is tested against: both pass
-``tests/test_index_contract.py``.
+``tests/index/test_index_contract.py``.
 
 Every holder row is tagged with an *incarnation*, a number this index hands
 out each time a node (re)starts membership. An answer counts a row only if

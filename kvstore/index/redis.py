@@ -43,7 +43,7 @@ so no script hashes in Lua (~10 us a key there). The reverse index does not
 repeat block keys: it counts a holder's rows per bucket, so clearing a holder
 visits only the buckets it has rows in: O(its blocks), the constant being one
 bucket scan. Measured with 32-byte keys: ~52 bytes per block with one holder,
-~4 more per extra holder (``tests/test_index_contract.py::test_bytes_per_entry``).
+~4 more per extra holder (``tests/index/test_index_contract.py::test_bytes_per_entry``).
 
 Lookups are one EVALSHA (EVAL again after NOSCRIPT); a chain travels as two
 arguments (key lengths, then the fields end to end), not one per key. What a

@@ -3,7 +3,7 @@
 What another daemon's peer tier does through the peer protocol clients
 (:class:`~kvstore.peer.tcp.TcpPeerClient` over TCP, and its UCX and UCX
 shared-memory kinds), offered under the client-side transport contract, so
-the same contract suite runs over them (``tests/test_transport_contract.py``)
+the same contract suite runs over them (``tests/transport/test_transport_contract.py``)
 and a client on another host can read a daemon's blocks without gRPC. They
 are registered in :data:`kvstore.transport.TRANSPORTS` as ``peer-tcp``,
 ``peer-ucx`` and ``peer-ucx-shm``, imported only when one is opened.

@@ -82,7 +82,7 @@ it through :class:`kvstore.remote.bridge.RemoteBridge`. Blocking I/O never
 runs on that loop: an implementation uses asynchronous I/O or a worker
 thread.
 
-Implementations pass one contract suite (``tests/test_remote_contract.py``):
+Implementations pass one contract suite (``tests/remote/test_remote_contract.py``):
 :class:`~kvstore.remote.memory.MemoryRemote`, the in-process source that
 tests and embedded use rely on, and :class:`~kvstore.remote.object.ObjectSource`
 (an S3-compatible bucket, run against a moto server). The peer source is

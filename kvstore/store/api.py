@@ -8,7 +8,7 @@ does not reach below this boundary with ``hasattr`` or through a group's
 arenas. What only a group answers (its arenas, ``arena_of``, ``only``)
 stays on :class:`~kvstore.store.group.StoreGroup`. A method a server needs
 from either is added here and to both classes;
-``tests/test_store_api.py`` checks that both keep the same names and
+``tests/store/test_store_api.py`` checks that both keep the same names and
 parameters.
 
 Why a :class:`~typing.Protocol` and not a base class: the two share no code

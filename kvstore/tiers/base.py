@@ -31,7 +31,7 @@ Every local tier:
   persistent tier, in batches, which blocks were used (``touch``).
 
 New tiers join by a factory in :mod:`kvstore.tiers`' registry and a row in
-``tests/test_tier_contract.py``.
+``tests/tiers/test_tier_contract.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from a client through the ``peer-*`` transports below.
 
 One contract (:class:`~kvstore.transport.base.Transport`, stated in its
 module docstring), a registry of implementations by name, one contract
-suite over all of them (``tests/test_transport_contract.py``):
+suite over all of them (``tests/transport/test_transport_contract.py``):
 
 - ``in-process``: calls a :class:`~kvstore.store.tiered.TieredStore` in this process;
 - ``grpc``: Put/Get streams over gRPC, any host;

@@ -5,7 +5,7 @@ owns. It knows nothing of namespaces' policy, eviction or the index: those
 stay in the store and the daemon. The same contract will carry blocks
 between daemons (TCP, UCX), so nothing in it names gRPC or shared memory.
 
-Contract (``tests/test_transport_contract.py`` runs it over every transport):
+Contract (``tests/transport/test_transport_contract.py`` runs it over every transport):
 
 - ``put(namespace, blocks, deadline)`` stores each block and returns, per
   block, whether it was newly stored (False: the key was already there; a

@@ -38,7 +38,7 @@ relieving it.
 
 Every method is a coroutine run on one event loop; blocking I/O goes to a
 thread. Implementations register by URL scheme in :mod:`weightcache.origin`
-and pass ``tests/test_weights_origin.py``: the local directory (in-process,
+and pass ``tests/weightcache/test_weights_origin.py``: the local directory (in-process,
 what tests and single hosts use) and S3 through obstore.
 """
 

@@ -18,7 +18,7 @@ other; what they decide is decided here, once:
   the Put and Allocate requests, the Commit groups and their copies
   (into the arena, or a gpu region through its mapping).
 
-``tests/test_samehost_twins.py`` checks that both transports send the same
+``tests/transport/test_samehost_twins.py`` checks that both transports send the same
 requests for the same calls.
 """
 
@@ -113,7 +113,7 @@ def granted_slot_ids(allocate_answer) -> list[int]:
 
 
 @dataclass(slots=True)
-class Copy:
+class ReadCopy:
     """One block's bytes between the arena (or a gpu region) and the caller's buffer."""
 
     index: int  # of the key in the call
@@ -127,7 +127,7 @@ class Copy:
     tier: TierName
 
 
-def copy_out(arena: ShmArena, mapped: regions.Regions, handles: list[MemoryHandle], copies: Sequence[Copy],
+def copy_out(arena: ShmArena, mapped: regions.Regions, handles: list[MemoryHandle], copies: Sequence[ReadCopy],
              ) -> list[int | None]:
     """Each copy's bytes into its buffer; their checksums (None: copied device to device, verified on the way in)."""
     return [mapped.region(handles, c.region).read_into(c.offset, c.out) if c.region is not None
@@ -174,18 +174,18 @@ class Read:
         out = self._placed[i] = regions.placed_out(view, info.size)
         return out
 
-    def _deliver(self, c: Copy) -> None:
+    def _deliver(self, c: ReadCopy) -> None:
         self.blocks[c.index] = Block(self.keys[c.index], c.out.obj if self.place is None else c.out, c.layout,
                                      c.parent, c.tier)
 
     # ---- blocks whose arena extent this client remembers ---------------------------------
 
-    def known_copies(self) -> list[Copy]:
+    def known_copies(self) -> list[ReadCopy]:
         """Copies for the remembered blocks (placed now); the others stay in :attr:`todo`."""
         locations = self.locations
         self._epoch = locations.epoch()
         todo: list[int] = []
-        copies: list[Copy] = []
+        copies: list[ReadCopy] = []
         for i, key in enumerate(self.keys):
             where = locations.get(self.namespace, key)
             if where is None:
@@ -194,11 +194,11 @@ class Read:
             offset, size, sum_, parent, layout = where
             out = self._out(i, BlockInfo(key, size, layout, parent))
             if out is not None:
-                copies.append(Copy(i, out, offset, None, size, sum_, parent, layout, TierName.HOST))
+                copies.append(ReadCopy(i, out, offset, None, size, sum_, parent, layout, TierName.HOST))
         self.todo = todo
         return copies
 
-    def known_copied(self, copies: Sequence[Copy], sums: Sequence[int | None]) -> list[bytes]:
+    def known_copied(self, copies: Sequence[ReadCopy], sums: Sequence[int | None]) -> list[bytes]:
         """Keep the copies that verified; the keys read that way (the daemon hears of them by Touch)."""
         hits: list[int] = []
         for c, got in zip(copies, sums):
@@ -236,10 +236,10 @@ class Read:
         self._entries = list(zip(self.todo, entries))
         self.lease_ids = [e[5] for e in entries if e is not None and e[5]]
 
-    def leased_copies(self) -> list[Copy]:
+    def leased_copies(self) -> list[ReadCopy]:
         """Copies for the blocks the Lookup leased (placed now, in key order). Found but not leased (not in
         the arena): read again. Declined by the placement: a miss, its lease still given back."""
-        copies: list[Copy] = []
+        copies: list[ReadCopy] = []
         for i, entry in self._entries:
             if entry is None:
                 continue
@@ -249,11 +249,11 @@ class Read:
                 continue
             out = self._out(i, BlockInfo(self.keys[i], size, layout, parent))
             if out is not None:
-                copies.append(Copy(i, out, offset, region[0] if region else None, size, sum_, parent, layout,
+                copies.append(ReadCopy(i, out, offset, region[0] if region else None, size, sum_, parent, layout,
                                    TierName(tier)))
         return copies
 
-    def leased_copied(self, copies: Sequence[Copy], sums: Sequence[int | None]) -> None:
+    def leased_copied(self, copies: Sequence[ReadCopy], sums: Sequence[int | None]) -> None:
         """Keep the copies that verified; read the others again (torn under an expired lease, or corrupt)."""
         for c, got in zip(copies, sums):
             if got is not None and got != c.checksum:

@@ -1,0 +1,332 @@
+"""The end-to-end benchmark's own parts: the seeded workload, the statistics, the fault attribution,
+the verdict on the targets; a small run of the whole orchestration (real daemons, engines, router
+and Redis as processes) and a prefix shared across replicas through the pool, where torch and
+transformers are installed.
+
+No timings are judged here: the figures live in ``benchmarks/results/e2e.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from benchmarks.e2e.faults import FaultEvent, classify, fault_report
+from benchmarks.e2e.policies import POLICIES, parse_policies
+from benchmarks.e2e.report import targets
+from benchmarks.e2e.stats import PolicyStats, RequestRecord, Summary, percentile
+from benchmarks.e2e.workload import Workload, WorkloadSpec
+
+# ---- workload ------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_workload_and_another_seed_another():
+    a, b = Workload(WorkloadSpec(seed=7)), Workload(WorkloadSpec(seed=7))
+    assert a.system == b.system
+    assert a.sessions == b.sessions
+    assert [a.prompt(s, 4) for s in range(8)] == [b.prompt(s, 4) for s in range(8)]
+    c = Workload(WorkloadSpec(seed=8))
+    assert c.system != a.system
+    assert [t.think_s for t in c.sessions[0].turns] != [t.think_s for t in a.sessions[0].turns]
+
+
+def test_token_counts_follow_the_spec_turn_by_turn():
+    w = Workload(WorkloadSpec())
+    assert w.requests == 40 and len(w.sessions) == 8
+    assert len(w.system) == 1000
+    for s in w.sessions:
+        assert len(s.turns) == 5
+        for t in s.turns:
+            assert len(t.user) == 200 and len(t.reply) == 50
+            assert len(w.prompt(s.index, t.index)) == w.prompt_tokens(t.index) == 1000 + 250 * t.index + 200
+    assert [w.prompt_tokens(t) for t in range(5)] == [1200, 1450, 1700, 1950, 2200]
+
+
+def test_each_turn_extends_the_previous_turns_prompt_and_reply():
+    w = Workload(WorkloadSpec())
+    for s in range(8):
+        for t in range(1, 5):
+            prev, this = w.prompt(s, t - 1), w.prompt(s, t)
+            turn = w.sessions[s].turns[t - 1]
+            assert this[: len(prev)] == prev
+            assert this[len(prev): len(prev) + 50] == list(turn.reply)
+            assert this[-200:] == list(w.sessions[s].turns[t].user)
+
+
+def test_sessions_share_the_system_prompt_and_nothing_after_it():
+    w = Workload(WorkloadSpec())
+    prompts = [w.prompt(s, 0) for s in range(8)]
+    assert all(p[:1000] == list(w.system) for p in prompts)
+    firsts = {tuple(p[1000:1016]) for p in prompts}  # the first block after the system prompt
+    assert len(firsts) == 8
+
+
+def test_token_ids_stay_inside_the_vocabulary_and_above_the_special_tokens():
+    spec = WorkloadSpec(vocab_size=300, first_id=10, seed=3)
+    w = Workload(spec)
+    ids = [i for s in range(8) for i in w.prompt(s, 4)]
+    assert min(ids) >= 10 and max(ids) < 300
+
+
+def test_think_times_are_exponential_above_a_floor_never_back_to_back():
+    spec = WorkloadSpec(sessions=400, turns=6, think_mean_s=2.0, think_min_s=0.25, seed=11, system_tokens=1,
+                        user_tokens=1, output_tokens=1)
+    w = Workload(spec)
+    thinks = [t.think_s for s in w.sessions for t in s.turns[1:]]
+    assert len(thinks) == 2000
+    assert min(thinks) >= 0.25
+    assert all(s.turns[0].think_s == 0.0 for s in w.sessions)
+    excess = [x - 0.25 for x in thinks]
+    # An exponential's mean equals its standard deviation; 2000 draws put both within ~10% of 2.0.
+    assert statistics.mean(excess) == pytest.approx(2.0, rel=0.1)
+    assert statistics.pstdev(excess) == pytest.approx(2.0, rel=0.15)
+    # Its median is mean·ln 2.
+    assert statistics.median(excess) == pytest.approx(2.0 * math.log(2), rel=0.12)
+    starts = [s.start_s for s in w.sessions]
+    assert min(starts) >= 0 and len(set(starts)) == len(starts)
+
+
+def test_think_times_scale_with_the_mean_and_keep_the_tokens():
+    slow, fast = Workload(WorkloadSpec(think_mean_s=4.0, seed=2)), Workload(WorkloadSpec(think_mean_s=1.0, seed=2))
+    assert slow.prompt(3, 4) == fast.prompt(3, 4)
+    for s_slow, s_fast in zip(slow.sessions, fast.sessions):
+        for a, b in zip(s_slow.turns[1:], s_fast.turns[1:]):
+            assert a.think_s - 0.25 == pytest.approx(4 * (b.think_s - 0.25))
+
+
+def test_a_workload_that_would_arrive_back_to_back_is_refused():
+    with pytest.raises(ValueError, match="back to back"):
+        WorkloadSpec(think_mean_s=0, think_min_s=0)
+    with pytest.raises(ValueError, match="turns must be at least 1"):
+        WorkloadSpec(turns=0)
+
+
+# ---- statistics ----------------------------------------------------------------
+
+
+def test_percentiles_interpolate_between_ranks_as_numpy_does():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 95) == pytest.approx(4.8)
+    assert percentile(values, 99) == pytest.approx(4.96)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([1.0, 2.0], 25) == pytest.approx(1.25)
+    numpy = pytest.importorskip("numpy")
+    data = [0.31, 0.05, 2.2, 1.7, 0.9, 0.4, 0.41, 3.3, 0.07, 1.1, 0.6]
+    for q in (1, 10, 50, 90, 95, 99):
+        assert percentile(data, q) == pytest.approx(float(numpy.percentile(data, q)))
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summary_of_nothing_is_empty_not_an_error():
+    s = Summary.of([])
+    assert s.n == 0 and s.mean is None and s.p99 is None
+    assert Summary.of([1.0, 3.0]).mean == 2.0
+
+
+def _rec(session, turn, sent, ttft, *, total=2.0, prompt=1000, cached=0, tokens=50, error=""):
+    r = RequestRecord(session=session, turn=turn, sent_s=sent, prompt_tokens_sent=prompt)
+    if error:
+        r.error = error
+        r.ended_s = sent + 0.1
+        return r
+    r.first_token_s = sent + ttft
+    r.done_s = r.ended_s = sent + total
+    r.prompt_tokens, r.completion_tokens, r.cached_tokens = prompt, tokens, cached
+    return r
+
+
+def test_policy_stats_split_turn_one_and_count_hits_tpot_and_goodput():
+    records = [
+        _rec(0, 0, 0.0, 1.0, prompt=1200, cached=992),
+        _rec(0, 1, 3.0, 0.2, prompt=1450, cached=1184),
+        _rec(1, 0, 0.5, 1.5, prompt=1200, cached=0),
+        _rec(1, 1, 4.0, 0.6, prompt=1450, cached=1200, total=2.6),  # done at 6.6 s: the last answer
+        _rec(1, 2, 7.0, 0.0, error="http_500: boom"),
+    ]
+    s = PolicyStats.of(records, slo_s=0.5)
+    assert s.ttft_turn1.n == 2 and s.ttft_turn1.mean == pytest.approx(1.25)
+    assert s.ttft_later.n == 2 and s.ttft_later.mean == pytest.approx(0.4)
+    assert s.answered == 4 and s.failed == 1
+    assert s.hit_ratio_later == pytest.approx((1184 + 1200) / 2900)
+    assert s.hit_ratio == pytest.approx((992 + 1184 + 1200) / 5300)
+    assert s.tpot.mean == pytest.approx(statistics.mean([1.0 / 49, 1.8 / 49, 0.5 / 49, 2.0 / 49]))
+    assert s.within_slo == 1
+    assert s.span_s == pytest.approx(6.6)
+    assert s.goodput_rps == pytest.approx(1 / 6.6)
+    json.dumps(s.to_json())
+
+
+def test_a_request_without_its_first_token_is_not_answered():
+    r = RequestRecord(session=0, turn=0, sent_s=1.0, prompt_tokens_sent=10)
+    assert not r.ok and r.ttft_s is None and r.tpot_s is None
+
+
+# ---- fault attribution -----------------------------------------------------------
+
+
+def test_failures_are_put_down_to_the_fault_they_met():
+    events = [FaultEvent("daemon_killed", 0, 10.0), FaultEvent("daemon_ready", 0, 12.0),
+              FaultEvent("engine_killed", 1, 20.0)]
+    in_flight = _rec(0, 2, 19.0, 0, error="stream_broken: the stream ended before [DONE]")
+    within = _rec(1, 2, 20.5, 0, error="http_502: upstream refused")
+    late = _rec(2, 2, 25.0, 0, error="connect: refused")
+    outage = _rec(3, 1, 11.0, 0, error="http_500: strata unavailable")
+    other = _rec(4, 0, 1.0, 0, error="bad_stream: no token in the stream")
+    reasons = [classify(r, events, health_interval_s=1.0) for r in (in_flight, within, late, outage, other)]
+    assert reasons == ["engine_killed_in_flight", "sent_to_dead_engine_within_health_interval",
+                       "sent_to_dead_engine_after_health_interval", "during_daemon_outage", "other"]
+    ok = [_rec(5, t, 5.0 * t, 0.3, prompt=1200, cached=600) for t in range(5)]
+    report = fault_report([in_flight, within, late, outage, other, *ok], events, 1.0, [])
+    assert report["sent"] == 10 and report["answered"] == 5 and report["failed"] == 5
+    assert report["failed_for_a_cache_reason"] == 1 and report["late_to_dead_engine"] == 1
+    assert report["windows"]["before_faults"]["answered"] == 2  # sent at 0 and 5 s
+    assert report["windows"]["after_engine_kill"]["sent"] == 3  # within, late, and the answer sent at 20 s
+    json.dumps(report)
+
+
+# ---- targets -----------------------------------------------------------------------
+
+
+def _stats(mean, p95=None):
+    recs = [_rec(0, 1, 0.0, mean), _rec(1, 1, 0.0, mean)]
+    s = PolicyStats.of(recs, slo_s=1.0)
+    if p95 is not None:
+        s = PolicyStats(**{**s.__dict__, "ttft_later": Summary(2, mean, mean, p95, p95, p95)})
+    return s
+
+
+def test_targets_are_judged_from_the_figures_and_unmeasured_ones_are_not_judged():
+    stats = {"a": _stats(1.2, 1.5), "b": _stats(0.5, 0.9), "c": _stats(0.3, 0.5), "d": _stats(0.32, 0.55),
+             "e": _stats(0.28, 0.4)}
+    rows = {t.name: t for t in targets(stats, {"cold_ttft_s": 2.0, "hit_ttft_s": 0.08})}
+    assert rows["(c) vs (a): mean TTFT turns 2+, speedup"].met is True
+    assert rows["(c) vs (b): mean TTFT turns 2+, speedup"].measured == pytest.approx(0.5 / 0.3)
+    assert rows["(d) vs (c): mean TTFT turns 2+, ratio"].met is True
+    assert rows["(e): lowest p95 TTFT turns 2+"].met is True
+    assert rows["4k prompt: cold / prefix-hit TTFT"].measured == pytest.approx(25.0)
+    stats["b"] = _stats(0.4, 0.3)
+    rows = {t.name: t for t in targets(stats, None)}
+    assert rows["(c) vs (b): mean TTFT turns 2+, speedup"].met is False
+    assert rows["(e): lowest p95 TTFT turns 2+"].met is False
+    assert rows["4k prompt: cold / prefix-hit TTFT"].met is None
+    del stats["a"]
+    rows = {t.name: t for t in targets(stats, None)}
+    assert rows["(c) vs (a): mean TTFT turns 2+, speedup"].met is None
+    assert rows["(e): lowest p95 TTFT turns 2+"].met is None
+
+
+def test_policies_are_chosen_by_letter():
+    assert [p.key for p in parse_policies("all")] == list("abcde")
+    assert [p.key for p in parse_policies("e,a")] == ["e", "a"]
+    assert POLICIES["c"].kv_events and not POLICIES["c"].pool and POLICIES["d"].pool
+    with pytest.raises(ValueError, match="choose from a, b, c, d, e"):
+        parse_policies("f")
+
+
+# ---- the whole orchestration, small ------------------------------------------------
+
+
+@pytest.mark.system
+def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_faults(tmp_path):
+    """Real processes end to end: Redis, two daemons, two engines on the tiny model, the router, in the
+    fault phase (cache-aware + shared pool; a daemon SIGKILLed and restarted, then an engine SIGKILLed).
+    Checks what must hold whatever the machine's speed: every request accounted for, cached prefixes
+    found, no failure for a cache reason, the dead engine out of rotation and sent nothing after."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    from tests.support import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    from benchmarks.e2e.__main__ import main
+
+    out = tmp_path / "results"
+    assert main(["--model-size", "tiny", "--faults-only", "--sessions", "3", "--turns", "3", "--think-mean", "0.3",
+                 "--no-prefix-4k", "--results-dir", str(out)]) == 0
+    doc = json.loads((out / "e2e.json").read_text())
+    assert (out / "e2e_ttft.png").stat().st_size > 0
+    phase = doc["policies"]["faults"]
+    assert "error" not in phase, phase.get("error")
+    requests = phase["requests"]
+    assert len(requests) == 9
+    answered = [r for r in requests if not r["error"]]
+    assert all(r["prompt_tokens"] == r["prompt_tokens_sent"] for r in answered)  # the engines saw our tokens
+    assert sum(r["cached_tokens"] for r in answered if r["turn"] >= 1) > 0  # and found cached prefixes
+    faults = phase["faults"]
+    assert faults["injection_errors"] == []
+    assert [ev["what"] for ev in faults["events"]] == ["daemon_killed", "daemon_ready", "engine_killed",
+                                                        "engine_out_of_rotation"]
+    assert faults["sent"] == 9 and faults["answered"] + faults["failed"] == 9
+    assert faults["failed_for_a_cache_reason"] == 0 and faults["late_to_dead_engine"] == 0
+    assert set(faults["failed_by_reason"]) <= {"engine_killed_in_flight", "sent_to_dead_engine_within_health_interval"}
+    assert faults["router_upstream_errors_after_rotation"] == 0
+    assert phase["router"]["decisions_by_reason"]
+
+
+@pytest.mark.system
+def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own_daemon(tmp_path):
+    """Policy (d)'s fleet: two daemons on one Redis index, each with the peer tier; engine 0 computes a
+    prompt and stores its blocks to daemon 0; engine 1, asked the same prompt, loads them from daemon 1,
+    which fetches them from daemon 0 (its Exists alone would have said "absent"). Then the next phase's
+    fleet on the same engines, reconfigured rather than restarted: nothing the first phase cached is a
+    hit there, in an engine's own cache or through the pool (a namespace of its own)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import random
+
+    from tests.support import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    from benchmarks.e2e import model
+    from benchmarks.e2e.__main__ import one_request
+    from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase
+    from kvstore.client.sync import Client
+
+    from tests.support.wait import wait_until
+
+    model_dir = model.build(tmp_path / "model", size="tiny")
+    # The next phase: (d) again, under a name of its own (its namespace and engine ids); round robin, so
+    # its router starts without loading a tokenizer.
+    phase, then = Phase("d", POLICIES["d"]), Phase("d2", POLICIES["d"])
+    rng = random.Random(5)
+    prompt = [rng.randrange(8, 500) for _ in range(320)]  # 20 full blocks
+    with Nodes(FleetSpec(model_dir=model_dir), [phase, then]) as nodes, Engines(nodes) as engines:
+        with Fleet(nodes, phase, engines) as fleet:
+            first = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
+            assert first.cached_tokens == 0
+
+            def stored() -> bool:
+                samples = fleet.engine_metrics()[fleet.replicas[0].engine_id]
+                key = ("e2e_engine_pool_blocks_total", (("op", "store"), ("outcome", "stored")))
+                return (samples.get(key) or 0) >= 20  # no sample before the first store
+
+            wait_until(stored, what="engine 0's blocks stored to daemon 0")
+            with Client(nodes.nodes[1].target) as kv:  # the index names node-0 as their holder
+
+                def indexed() -> bool:
+                    scores = kv.score(phase.namespace, tokens=prompt, block_size=16, hash_seed="0")
+                    return any(s.node_id == "node-0" and s.blocks == 20 for s in scores)
+
+                wait_until(indexed, what="node-0's blocks in the shared index")
+            second = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
+            assert second.cached_pool == 320 and second.cached_local == 0
+
+        with Fleet(nodes, then, engines) as fleet:
+            assert fleet.engine_starts == 0 and engines.starts == 2
+            # Engine 1 first: its own cache held the prompt, and the pool did under the first namespace.
+            again = one_request(fleet.replicas[1].url, fleet.model, prompt + [7] * 16, 2)
+            assert again.cached_tokens == 0
+            # Engine 0 computed it in the first phase: its own cache is empty now (what engine 1 just
+            # stored may reach it through the pool: that is this phase's own).
+            again = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
+            assert again.cached_local == 0
