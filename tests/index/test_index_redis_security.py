@@ -24,6 +24,7 @@ from kvstore.index import open_index
 from kvstore.index.base import IndexUnavailable, NodeMatch
 from kvstore.index.redis_url import redact
 from tests.support import redis_servers
+from tests.support.wait import wait_until
 
 trustme = pytest.importorskip("trustme")
 
@@ -272,8 +273,7 @@ def test_cli_errors_show_no_password(tmp_path):
 
 def test_daemon_with_refused_credentials_serves_and_logs_the_fix_not_the_password(daemon_process, auth_server):
     daemon = daemon_process("--index-url", f"redis://alice:{WRONG}@127.0.0.1:{auth_server.port}/0", "--log-level", "DEBUG")
-    _conftest = sys.modules.get("tests.conftest") or __import__("conftest")
-    _conftest.wait_until(
+    wait_until(
         lambda: "refused the index's credentials" in daemon.log.read_text(), what="the index failure to be logged"
     )
     stats = subprocess.run(

@@ -16,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 TOP_LEVEL = {"__init__.py", "conftest.py", "install.py"}  # install.py: the README runs python tests/install.py
+DYNAMIC = {"__import__", "importlib.import_module", "import_module"}
 
 
 def python_files(*roots: Path) -> list[Path]:
@@ -27,11 +28,15 @@ def module_paths() -> list[Path]:
 
 
 def imported(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it; ``from tests.support import x`` imports
-    ``tests.support.x`` (a name imported from a module is left out: it may be anything)."""
+    """Every module ``path`` imports, anywhere in it, also by name (``__import__("x")``,
+    ``importlib.import_module("x")``); ``from tests.support import x`` imports ``tests.support.x``
+    (a name imported from a module is left out: it may be anything)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and ast.unparse(node.func) in DYNAMIC:
+            names.add(node.args[0].value)
+        elif isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
@@ -84,3 +89,6 @@ def test_the_checks_see_what_they_are_for(tmp_path):
                      "tests.peer.test_peer_tier.NS", "tests.support", "tests.support.wait", "kvstore.tiers"}
     assert sorted(n for n in names if forbidden(n)) == [
         "conftest", "test_auth", "tests.conftest", "tests.peer.test_peer_tier", "tests.peer.test_peer_tier.NS"]
+    by_name = tmp_path / "test_y.py"
+    by_name.write_text(f"import importlib\nw = __import__({name!r}).wait_until\nimportlib.import_module('test_auth')\n")
+    assert imported(by_name) == {"importlib", "conftest", "test_auth"}

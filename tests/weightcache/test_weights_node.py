@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import weightcache
+from benchmarks.harness import free_port
 from tests.support.wait import wait_until
 from tests.support.weights_models import layered_tensors, write_numpy_model
 from weightcache.api.v1 import weights_pb2 as pb
@@ -91,8 +92,6 @@ def test_wait_gives_up_at_its_deadline_with_a_clear_message(node):
 
 
 def test_wait_on_a_node_that_is_not_up_says_so_at_the_deadline(tmp_path):
-    from benchmarks.harness import free_port
-
     done = cli("wait", "0" * 64, "--node", f"127.0.0.1:{free_port()}", "--deadline", "0.5s", "--interval", "0.1s",
                "--no-progress")
     assert done.returncode == 4 and "the node answered" in done.stderr
@@ -226,7 +225,7 @@ def test_a_swarm_member_never_asked_for_the_model_costs_only_its_join_wait(tmp_p
     idle_server, idle_port = serve(idle, "127.0.0.1:0")
     me_server = None
     try:
-        me = f"127.0.0.1:{__import__('conftest').free_port()}"
+        me = f"127.0.0.1:{free_port()}"
         peer = f"127.0.0.1:{idle_port}"
         prefetcher = Prefetcher(tmp_path / "me", limits=FAST, swarm=Swarm([peer, me], me, wait_s=600))
         me_server, _ = serve(prefetcher, me)
