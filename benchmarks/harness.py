@@ -208,9 +208,14 @@ class Benchmark:
         self.when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.cases: list[Case] = []
         self.idle: list[IdleCpu] = []
-        self._columns = _CPU_COLUMNS if daemon_cpu else _COLUMNS
+        self._daemon_cpu = daemon_cpu
         self._started = time.monotonic()
         self._header_printed = False
+
+    @property
+    def _columns(self) -> tuple[tuple[str, int], ...]:
+        """The table's (title, width) columns."""
+        return _CPU_COLUMNS if self._daemon_cpu else _COLUMNS
 
     @property
     def mode_flag(self) -> str:
@@ -315,18 +320,19 @@ class UnitBenchmark(Benchmark):
 
     baseline_width = 44
 
+    @property
     def _columns(self) -> tuple[tuple[str, int], ...]:
         return (("case", 40), ("value", 10), ("unit", 9), ("baseline", self.baseline_width), ("value", 10),
                 ("ratio", 7), ("target", 7), ("met", 4))
 
     def add(self, case: Case) -> None:
         if not self._header_printed:
-            self._unit_row([t for t, _ in self._columns()])
-            self._unit_row(["-" * w for _, w in self._columns()])
+            self._print_row([t for t, _ in self._columns])
+            self._print_row(["-" * w for _, w in self._columns])
             self._header_printed = True
         self.cases.append(case)
         ratio = case.ratio
-        self._unit_row([
+        self._print_row([
             case.case,
             "n/a" if case.value is None else f"{case.value:.4g}",
             case.unit,
@@ -336,9 +342,6 @@ class UnitBenchmark(Benchmark):
             "" if case.target_ratio is None else f"{case.target_ratio:.3g}",
             {True: "yes", False: "NO", None: ""}[case.meets_target],
         ])
-
-    def _unit_row(self, cells: list[str]) -> None:
-        print("  ".join(c.ljust(w) for c, (_, w) in zip(cells, self._columns())).rstrip(), flush=True)
 
 
 # ---- private servers ---------------------------------------------------------

@@ -27,7 +27,7 @@ names the file, the chunk or the tensor, and what to do.
 
 ``DiskFull`` is kvstore's own class: a full disk is a full disk, whichever
 package found it. A class here is defined here and nowhere else; the test
-``tests/test_weights_errors.py`` checks this docstring against the classes.
+``tests/weightcache/test_weights_errors.py`` checks this docstring against the classes.
 
 A message quotes bad input through :func:`quoted`: a digest or a location
 comes from the caller and may be any length, and a message as long as its
