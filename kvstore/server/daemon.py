@@ -272,7 +272,7 @@ class Daemon:
         kv_pb2_grpc.add_KVServiceServicer_to_server(
             KVServicer(self.store, self.node, int(s.server.chunk_bytes),
                        {name: sh.path for name, sh in self._same_hosts.items()},
-                       lambda name: self._same_hosts[name].removed() if name in self._same_hosts else None,
+                       self._removed,
                        self.put_budget, handoffs=lambda: self.handoffs.metrics.counts(), served=self.served,
                        replication=self.replicator.report if self.replicator is not None else None,
                        pin_copies=self.replicator.pins if self.replicator is not None else None,
@@ -382,6 +382,12 @@ class Daemon:
         advertises, shared memory first (``ucx-shm://<host id>:port``, for daemons on this host).
         Empty when no peer listener is configured (--peer-listen, --peer-ucx-listen, --peer-ucx-shm)."""
         return endpoints.peer_addresses(self.settings, self.peer_server, self.ucx_server, self.ucx_shm_server)
+
+    def _removed(self, arena: str, namespace: str, keys: list[bytes]) -> None:
+        """A Delete removed blocks of ``arena``: its same-host clients forget where they saw those keys."""
+        same_host = self._same_hosts.get(arena)
+        if same_host is not None:
+            same_host.removed(namespace, keys)
 
     def _handoff_servicer(self) -> HandoffServicer:
         """Both sides of the prefill/decode handoff (kvstore.handoff): the table of handoffs this

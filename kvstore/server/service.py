@@ -60,7 +60,7 @@ class _Held:
 
 class KVServicer(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, store: StoreGroup, node: NodeIdentity, chunk_bytes: int,
-                 control_sockets: Mapping[str, str] | None = None, removed: Callable[[str], None] | None = None,
+                 control_sockets: Mapping[str, str] | None = None, removed: Callable[[str, str, list[bytes]], None] | None = None,
                  put_budget: ByteBudget | None = None, handoffs: Callable[[], HandoffCounts] | None = None,
                  served: ServedBytes | None = None, replication: Callable[[], ReplicationReport] | None = None,
                  pin_copies: PinCopies | None = None, open_handoffs: Callable[[str], int] | None = None) -> None:
@@ -271,9 +271,10 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         return pb.ExistsResponse(prefix_blocks=len(tiers), tiers=[int(t) for t in tiers])
 
     def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
-        deleted = self._store.delete(request.namespace, list(request.keys))
+        keys = list(request.keys)
+        deleted = self._store.delete(request.namespace, keys)
         if deleted and self._removed is not None:
-            self._removed(self._store.arena_of(request.namespace).name)
+            self._removed(self._store.arena_of(request.namespace).name, request.namespace, keys)
         return pb.DeleteResponse(deleted=deleted)
 
     def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:

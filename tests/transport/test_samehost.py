@@ -370,6 +370,22 @@ def test_repeat_reads_skip_the_round_trip_until_a_delete(daemon):
         assert reader.get("m", b"k") is None  # ... is seen at once, the bytes still intact in RAM
 
 
+def test_a_delete_leaves_the_other_remembered_blocks_read_without_a_round_trip(daemon):
+    from kvstore.transport.samehost.locations import bucket
+
+    values = {b"k%d" % i: os.urandom(70_000) for i in range(8)}
+    gone = b"k0"
+    kept = [k for k in values if bucket("m", k) != bucket("m", gone)]
+    with Client(daemon.target) as reader, Client(daemon.target) as other:
+        reader.put_many("m", [BlockPut(k, v) for k, v in values.items()])
+        assert [b.data for b in reader.get_many("m", list(values))] == list(values.values())
+        assert other.delete("m", [gone]) == 1
+        before = ops(daemon, "Lookup")
+        assert [reader.get("m", k) for k in kept] == [values[k] for k in kept]
+        assert ops(daemon, "Lookup") == before  # every one read from where it was seen
+        assert reader.get("m", gone) is None
+
+
 def test_an_extent_given_to_another_block_is_noticed_and_the_block_read_again(make_daemon):
     daemon = make_daemon(ram_bytes="16MiB", disk_bytes="64MiB", max_block_bytes="4MiB")
     first = os.urandom(3 * MiB)
@@ -398,16 +414,64 @@ def test_a_restarted_daemon_voids_what_a_client_remembers(make_daemon, tmp_path)
 
     page = RemovalPage(str(tmp_path / "page"), b"t" * 16)
     seen = Locations(str(tmp_path / "page"), b"t" * 16)
-    epoch = seen.epoch()
-    seen.learn(epoch, "m", b"k", (0, 10, 1, None, ""))
+    seen.check()
+    seen.learn(seen.stamp("m", b"k"), "m", b"k", (0, 10, 1, None, ""))
     assert seen.get("m", b"k") is not None
     RemovalPage(str(tmp_path / "page"), b"u" * 16)  # a restart: same name, new file, count from 0
-    seen.epoch()
+    seen.check()
     assert seen.get("m", b"k") is None
-    seen.learn(seen.epoch(), "m", b"k", (0, 10, 1, None, ""))
+    seen.learn(seen.stamp("m", b"k"), "m", b"k", (0, 10, 1, None, ""))
     assert seen.get("m", b"k") is None  # and nothing is learned about the old arena any more
     seen.close()
     page.close()
+
+
+def test_a_delete_voids_only_the_locations_of_its_keys_buckets(tmp_path):
+    from kvstore.transport.samehost.locations import Locations, RemovalPage, bucket
+
+    page = RemovalPage(str(tmp_path / "page"), b"t" * 16)
+    seen = Locations(str(tmp_path / "page"), b"t" * 16)
+    keys = [b"k%d" % i for i in range(64)]
+    for key in keys:
+        seen.learn(seen.stamp("m", key), "m", key, (0, 10, 1, None, ""))
+    gone = keys[0]
+    shares = {k for k in keys if bucket("m", k) == bucket("m", gone)}
+    page.bump("m", [gone])
+    seen.check()
+    assert [k for k in keys if seen.get("m", k) is None] == sorted(shares, key=keys.index)
+    assert len(shares) < len(keys) // 2  # most of what the client remembers outlives the Delete
+    assert seen.get("other", keys[1]) is None  # never learned in that namespace
+    page.bump()  # the whole arena (the daemon stopping): everything goes
+    seen.check()
+    assert all(seen.get("m", k) is None for k in keys)
+    seen.learn(seen.stamp("m", gone), "m", gone, (0, 10, 1, None, ""))
+    stamp = seen.stamp("m", gone)
+    page.bump("m", [gone])  # a Delete answered between a Lookup and what it taught
+    seen.learn(stamp, "m", gone, (0, 10, 1, None, ""))
+    assert seen.get("m", gone) is None
+    seen.close()
+    page.close()
+
+
+def test_an_older_daemons_page_without_buckets_voids_everything_on_each_delete(tmp_path):
+    """A daemon of the first page layout (4096 bytes: the token and one count) bumps that count on every
+    Delete: a client stamps every key with it."""
+    import mmap
+
+    from kvstore.transport.samehost.locations import Locations
+
+    path = tmp_path / "page"
+    path.write_bytes(b"t" * 16 + struct.pack("<Q", 7) + bytes(4096 - 24))
+    seen = Locations(str(path), b"t" * 16)
+    seen.check()
+    for key in (b"a", b"b"):
+        seen.learn(seen.stamp("m", key), "m", key, (0, 10, 1, None, ""))
+    assert seen.get("m", b"a") is not None
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096) as old_daemon:
+        struct.pack_into("<Q", old_daemon, 16, 8)  # its Delete of "a"
+    seen.check()
+    assert seen.get("m", b"a") is None and seen.get("m", b"b") is None
+    seen.close()
 
 
 def test_async_repeat_reads_skip_the_round_trip_until_a_delete(daemon):

@@ -6,10 +6,14 @@ from the same arena extent without asking the daemon: if the extent has
 since been given to another block (eviction, then reuse), the checksum
 fails and the client asks the daemon after all. What a checksum cannot
 tell is a block *deleted* while its bytes still lie intact; for that the
-daemon keeps a removal count in a small shared page (:data:`PAGE`), bumped
-before each Delete answers. The table is valid only while the count stands:
-a read takes the count before and after its copies and keeps them only if
-it did not move.
+daemon keeps removal counts in a small shared page (:data:`HEADER`), bumped
+before each Delete answers: one per bucket of keys (a key's bucket is the
+CRC-32 of its namespace and key, modulo :data:`BUCKETS`), and one for the
+whole arena (the daemon stopping). A remembered location holds while its
+key's *stamp* (the whole-arena count plus its bucket's) stands: a read
+takes the stamp before and after its copy and keeps the copy only if it
+did not move, so a Delete costs the other clients only the locations that
+share its keys' buckets, not everything they remember.
 
 What such a read gives up, and why it is acceptable: it takes no lease, so
 the extent may be overwritten during the copy (the checksum catches it); it
@@ -18,7 +22,11 @@ the keys it read in batches (Touch); a block evicted but still intact in
 RAM may be served after the daemon forgot it (its bytes are the ones that
 were stored under that key, checksum-verified).
 
-Page layout (little-endian): 16-byte arena token, then u64 removal count.
+Page layout (little-endian): 16-byte arena token, u64 count of every
+removal, u64 count of whole-arena removals, then at :data:`BUCKETS_AT` a
+u64 count per bucket. The first count is the one clients of the first page
+layout (4096 bytes, no buckets) watch; a client that finds a page of that
+size (an older daemon) stamps every key with it, as they did.
 """
 
 from __future__ import annotations
@@ -28,18 +36,29 @@ import mmap
 import os
 import struct
 import threading
+import zlib
+from collections.abc import Iterable
 
 from kvstore.errors import ArenaUnusable
 
-PAGE = struct.Struct("<16sQ")
+HEADER = struct.Struct("<16sQQ")  # token, every removal, whole-arena removals
 _COUNT = struct.Struct("<Q")
-PAGE_BYTES = 4096
+EVERY_AT, WHOLE_AT = 16, 24
+BUCKETS = 4096
+BUCKETS_AT = 64
+PAGE_BYTES = BUCKETS_AT + 8 * BUCKETS
+FIRST_LAYOUT_BYTES = 4096  # the page without buckets: an older daemon's
 # Locations remembered per client (about 150 bytes each).
 DEFAULT_CAPACITY = 65536
 
 
+def bucket(namespace: str, key: bytes) -> int:
+    """The removal-count bucket of a key: the same in the daemon and every client."""
+    return zlib.crc32(key, zlib.crc32(namespace.encode())) % BUCKETS
+
+
 class RemovalPage:
-    """The daemon's side: the shared page and its count. Thread-safe."""
+    """The daemon's side: the shared page and its counts. Thread-safe."""
 
     def __init__(self, path: str, token: bytes) -> None:
         self.path = path
@@ -53,15 +72,24 @@ class RemovalPage:
             self._map = mmap.mmap(fd, PAGE_BYTES)
         finally:
             os.close(fd)
-        self._count = 0
+        self._every = self._whole = 0
+        self._buckets = [0] * BUCKETS
         self._lock = threading.Lock()
-        PAGE.pack_into(self._map, 0, bytes(token), 0)
+        HEADER.pack_into(self._map, 0, bytes(token), 0, 0)
 
-    def bump(self) -> None:
-        """Called before a Delete answers: every client's remembered locations go stale."""
+    def bump(self, namespace: str | None = None, keys: Iterable[bytes] = ()) -> None:
+        """Called before a Delete answers: the clients' remembered locations of these keys go stale
+        (of every key without ``namespace``). Each count is one aligned 8-byte store."""
         with self._lock:
-            self._count += 1
-            _COUNT.pack_into(self._map, 16, self._count)  # one aligned 8-byte store
+            if namespace is None:
+                self._whole += 1
+                _COUNT.pack_into(self._map, WHOLE_AT, self._whole)
+            else:
+                for b in {bucket(namespace, key) for key in keys}:
+                    self._buckets[b] += 1
+                    _COUNT.pack_into(self._map, BUCKETS_AT + 8 * b, self._buckets[b])
+            self._every += 1
+            _COUNT.pack_into(self._map, EVERY_AT, self._every)
 
     def close(self) -> None:
         try:
@@ -72,7 +100,7 @@ class RemovalPage:
 
 
 class Locations:
-    """The client's side: remembered (namespace, key) → arena extent, and the page that voids them.
+    """The client's side: remembered (namespace, key) → (arena extent, stamp), and the page that voids them.
 
     Safe to share between threads: lookups are plain dict reads; inserts and
     the bound are taken under a lock.
@@ -84,7 +112,11 @@ class Locations:
         except OSError as err:
             raise ArenaUnusable(f"cannot open the daemon's removal page {page_path}: {err}") from None
         try:
-            self._map = mmap.mmap(fd, PAGE_BYTES, prot=mmap.PROT_READ)
+            size = os.fstat(fd).st_size
+            self._bucketed = size >= PAGE_BYTES
+            self._map = mmap.mmap(fd, PAGE_BYTES if self._bucketed else FIRST_LAYOUT_BYTES, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as err:
+            raise ArenaUnusable(f"cannot map the daemon's removal page {page_path}: {err}") from None
         finally:
             os.close(fd)
         if not hmac.compare_digest(self._map[:16], bytes(token)):
@@ -93,27 +125,24 @@ class Locations:
         self._path = page_path
         self._inode = os.stat(page_path).st_ino
         self._capacity = capacity
-        self._table: dict[tuple[str, bytes], tuple] = {}
-        self._epoch = self._read()
+        self._table: dict[tuple[str, bytes], tuple[tuple, int]] = {}
+        self._seeds: dict[str, int] = {}
+        self._whole = self._whole_count()
         self._lock = threading.Lock()
 
-    def _read(self) -> int:
-        return PAGE.unpack_from(self._map, 0)[1]
+    def _whole_count(self) -> int:
+        return _COUNT.unpack_from(self._map, WHOLE_AT if self._bucketed else EVERY_AT)[0]
 
-    def epoch(self) -> int:
-        """The removal count now; the table is emptied when it moved since the last look.
-
-        A daemon that restarted (even after SIGKILL) made a new page under the
-        same name: this client's mapping of the old one, and of the old arena,
-        no longer says anything, so nothing is remembered until the client
-        attaches again (one ``stat`` per read call).
-        """
-        now = self._read()
-        if now != self._epoch or not self._current():
+    def check(self) -> None:
+        """Once per read call: empty the table when the whole arena's count moved, or when the daemon
+        restarted (even after SIGKILL a new daemon makes a new page under the same name: this
+        client's mapping of the old one, and of the old arena, no longer says anything, so nothing is
+        remembered until the client attaches again; one ``stat``)."""
+        now = self._whole_count()
+        if now != self._whole or not self._current():
             with self._lock:
                 self._table.clear()
-                self._epoch = now
-        return now
+                self._whole = now
 
     def _current(self) -> bool:
         try:
@@ -124,24 +153,39 @@ class Locations:
             self._capacity = 0  # learn nothing more either
         return current
 
-    def still(self, epoch: int) -> bool:
-        """Whether no Delete answered since ``epoch`` was taken."""
-        return self._read() == epoch
+    def stamp(self, namespace: str, key: bytes) -> int:
+        """The key's removal stamp now: it moves when a Delete of the key (or one sharing its bucket)
+        answers, or the whole arena's count moves. Both counts only grow, so their sum moves iff one did."""
+        whole = self._whole_count()
+        if not self._bucketed:
+            return whole
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            seed = self._seeds[namespace] = zlib.crc32(namespace.encode())
+        at = BUCKETS_AT + 8 * (zlib.crc32(key, seed) % BUCKETS)
+        return whole + _COUNT.unpack_from(self._map, at)[0]
 
-    def get(self, namespace: str, key: bytes) -> tuple | None:
-        """(offset, size, checksum, parent, layout), or None."""
-        return self._table.get((namespace, key))
+    def get(self, namespace: str, key: bytes) -> tuple[tuple, int] | None:
+        """((offset, size, checksum, parent, layout), stamp) while no Delete of the key answered since
+        it was learned; None otherwise."""
+        found = self._table.get((namespace, key))
+        if found is None:
+            return None
+        if self.stamp(namespace, key) != found[1]:
+            self.forget(namespace, key)
+            return None
+        return found
 
-    def learn(self, epoch: int, namespace: str, key: bytes, location: tuple) -> None:
-        """Remember a location seen by a Lookup sent when the count was ``epoch``."""
+    def learn(self, stamp: int, namespace: str, key: bytes, location: tuple) -> None:
+        """Remember a location seen by a Lookup sent when the key's stamp was ``stamp``."""
         with self._lock:
-            if self._read() != epoch or epoch != self._epoch:
+            if self.stamp(namespace, key) != stamp:
                 return  # a Delete answered meanwhile: the Lookup's answer may be stale already
             if not self._capacity:
                 return
             if len(self._table) >= self._capacity:
                 self._table.pop(next(iter(self._table)))  # the oldest learned
-            self._table[(namespace, key)] = location
+            self._table[(namespace, key)] = (location, stamp)
 
     def forget(self, namespace: str, key: bytes) -> None:
         with self._lock:

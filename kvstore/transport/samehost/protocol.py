@@ -157,10 +157,10 @@ class Read:
         self.todo = list(range(len(keys)))  # indices still to look up
         self.refetch: list[int] = []  # indices to read again through the fallback
         self.lease_ids: list[int] = []
-        self.learned: list[tuple[bytes, tuple]] = []  # arena extents seen, for the location table
+        self.learned: list[tuple[int, tuple]] = []  # (index, arena extent) seen, for the location table
         self._placed: dict[int, object] = {}  # index -> where its bytes go (the placement's answer, fitted)
         self._staged: dict[int, memoryview] = {}  # index -> host staging of a CUDA tensor read through the fallback
-        self._epoch = 0
+        self._stamps: dict[int, int] = {}  # index -> its key's removal stamp when it was read or looked up
         self._entries: list[tuple[int, list | None]] = []
         self._lease_deadline = 0
         self._received = 0.0
@@ -183,15 +183,15 @@ class Read:
     def known_copies(self) -> list[ReadCopy]:
         """Copies for the remembered blocks (placed now); the others stay in :attr:`todo`."""
         locations = self.locations
-        self._epoch = locations.epoch()
+        locations.check()
         todo: list[int] = []
         copies: list[ReadCopy] = []
         for i, key in enumerate(self.keys):
-            where = locations.get(self.namespace, key)
-            if where is None:
+            found = locations.get(self.namespace, key)
+            if found is None:
                 todo.append(i)
                 continue
-            offset, size, sum_, parent, layout = where
+            (offset, size, sum_, parent, layout), self._stamps[i] = found
             out = self._out(i, BlockInfo(key, size, layout, parent))
             if out is not None:
                 copies.append(ReadCopy(i, out, offset, None, size, sum_, parent, layout, TierName.HOST))
@@ -200,27 +200,26 @@ class Read:
 
     def known_copied(self, copies: Sequence[ReadCopy], sums: Sequence[int | None]) -> list[bytes]:
         """Keep the copies that verified; the keys read that way (the daemon hears of them by Touch)."""
-        hits: list[int] = []
+        locations, namespace, hits = self.locations, self.namespace, []
         for c, got in zip(copies, sums):
+            key = self.keys[c.index]
             if got != c.checksum:
-                self.locations.forget(self.namespace, self.keys[c.index])  # the extent went to another block
+                locations.forget(namespace, key)  # the extent went to another block
                 self.todo.append(c.index)
-                continue
-            self._deliver(c)
-            hits.append(c.index)
-        if hits and not self.locations.still(self._epoch):  # a Delete answered while we copied: nothing counts
-            for i in hits:
-                self.blocks[i] = None
-            self.todo = sorted(self.todo + hits)
-            return []
+            elif locations.stamp(namespace, key) != self._stamps[c.index]:
+                self.todo.append(c.index)  # a Delete of the key answered while we copied: the copy does not count
+            else:
+                self._deliver(c)
+                hits.append(key)
         self.todo.sort()
-        return [self.keys[i] for i in hits]
+        return hits
 
     # ---- one Lookup --------------------------------------------------------------------------
 
     def lookup_args(self, lease_ms: int, timeout: int, releases: list[int]) -> list:
         """The Lookup of the keys in :attr:`todo`, carrying ``releases`` (leases of earlier reads)."""
-        self._epoch = self.locations.epoch() if self.locations is not None else 0
+        if self.locations is not None:
+            self._stamps = {i: self.locations.stamp(self.namespace, self.keys[i]) for i in self.todo}
         return [self.namespace, [self.keys[i] for i in self.todo], lease_ms, timeout, releases]
 
     def answered(self, answer, received_ms: float) -> None:
@@ -261,7 +260,7 @@ class Read:
                 continue
             self._deliver(c)
             if c.region is None:  # the location table holds arena extents only
-                self.learned.append((self.keys[c.index], (c.offset, c.size, c.checksum, c.parent, c.layout)))
+                self.learned.append((c.index, (c.offset, c.size, c.checksum, c.parent, c.layout)))
 
     def release_now(self) -> bool:
         """Whether the leases must be released now and the answer applied (:meth:`released`), rather than
@@ -284,8 +283,8 @@ class Read:
 
     def learn(self) -> None:
         if self.locations is not None:
-            for key, where in self.learned:
-                self.locations.learn(self._epoch, self.namespace, key, where)
+            for i, where in self.learned:
+                self.locations.learn(self._stamps[i], self.namespace, self.keys[i], where)
 
     # ---- reads again through the fallback -----------------------------------------------------
 

@@ -48,6 +48,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 
 from kvstore.auth import READ, WRITE, owner_of
 from kvstore.auth.identity import set_caller
@@ -163,12 +164,13 @@ class SameHostServer:
         if self._removals is not None:
             self._removals.close()
 
-    def removed(self) -> None:
-        """Blocks were deleted: clients forget where they saw blocks (see kvstore.transport.samehost.locations).
+    def removed(self, namespace: str | None = None, keys: Iterable[bytes] = ()) -> None:
+        """These blocks were deleted (every block, without ``namespace``): clients forget where they saw
+        them (see kvstore.transport.samehost.locations).
 
         Called after the store deleted and before the Delete answers."""
         if self._removals is not None:
-            self._removals.bump()
+            self._removals.bump(namespace, keys)
 
     # ---- connections ---------------------------------------------------------
 
