@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.block import copy_and_checksum
+from kvstore.block import checksum, copy_and_checksum
 from kvstore.shm.arena import ShmArena
 
 # A lease is relied on only until this margin before its deadline (client and
@@ -53,13 +53,18 @@ def copy_in(arena: ShmArena, offset: int, value: memoryview) -> int:
         dst.release()
 
 
-def target(place, i: int, info) -> memoryview | None:
-    """Where a block read out of the arena goes: a fresh buffer, or the caller's placement
-    (``None``: declined, a miss), cut to the block's size."""
-    if place is None:
-        return memoryview(bytearray(info.size))
-    view = place(i, info)
-    return None if view is None else view[: info.size]
+def copy_new(arena: ShmArena, offset: int, size: int) -> tuple[memoryview, int]:
+    """``size`` bytes at ``offset`` of the arena in a new buffer, and their checksum.
+
+    One allocation that is the copy (``bytearray(view)`` never zeroes what it
+    is about to overwrite, as ``bytearray(size)`` does), then the checksum of
+    the copy, read back from the cache the copy left it in."""
+    src = arena.view(offset, size)
+    try:
+        out = bytearray(src)
+    finally:
+        src.release()
+    return memoryview(out), checksum(out)
 
 
 def commit_groups(sizes: list[int]) -> list[list[int]]:

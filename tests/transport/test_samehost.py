@@ -409,7 +409,8 @@ def test_an_unusable_socket_path_stops_the_daemon_saying_what_to_change(make_dae
 
 
 def test_a_restarted_daemon_voids_what_a_client_remembers(make_daemon, tmp_path):
-    """Even after SIGKILL a client must not serve a dead daemon's arena: the new daemon's page is another file."""
+    """Even after SIGKILL a client must not serve a dead daemon's arena: the new daemon marks the page it
+    replaces as dead before it makes its own, another file under the same name."""
     from kvstore.transport.samehost.locations import Locations, RemovalPage
 
     page = RemovalPage(str(tmp_path / "page"), b"t" * 16)
@@ -471,6 +472,11 @@ def test_an_older_daemons_page_without_buckets_voids_everything_on_each_delete(t
         struct.pack_into("<Q", old_daemon, 16, 8)  # its Delete of "a"
     seen.check()
     assert seen.get("m", b"a") is None and seen.get("m", b"b") is None
+    seen.learn(seen.stamp("m", b"b"), "m", b"b", (0, 10, 1, None, ""))
+    path.unlink()  # it restarts: a new page under the same name, the old one unmarked
+    path.write_bytes(b"u" * 16 + bytes(4096 - 16))
+    seen.check()  # one stat tells
+    assert seen.get("m", b"b") is None
     seen.close()
 
 

@@ -32,6 +32,7 @@ size (an older daemon) stamps every key with it, as they did.
 from __future__ import annotations
 
 import hmac
+import logging
 import mmap
 import os
 import struct
@@ -41,6 +42,8 @@ from collections.abc import Iterable
 
 from kvstore.errors import ArenaUnusable
 
+log = logging.getLogger(__name__)
+
 HEADER = struct.Struct("<16sQQ")  # token, every removal, whole-arena removals
 _COUNT = struct.Struct("<Q")
 EVERY_AT, WHOLE_AT = 16, 24
@@ -48,6 +51,7 @@ BUCKETS = 4096
 BUCKETS_AT = 64
 PAGE_BYTES = BUCKETS_AT + 8 * BUCKETS
 FIRST_LAYOUT_BYTES = 4096  # the page without buckets: an older daemon's
+SUPERSEDED = (1 << 64) - 1  # both counts of a page a later daemon replaced
 # Locations remembered per client (about 150 bytes each).
 DEFAULT_CAPACITY = 65536
 
@@ -57,11 +61,34 @@ def bucket(namespace: str, key: bytes) -> int:
     return zlib.crc32(key, zlib.crc32(namespace.encode())) % BUCKETS
 
 
+def supersede(path: str) -> None:
+    """Mark the page a previous daemon left at ``path`` (killed, so it never closed it) as dead: the
+    clients still mapping it stop reading from what they remember of its arena at their next read.
+    A page that cannot be opened is left alone: no client can have mapped it either."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size < FIRST_LAYOUT_BYTES:
+            return
+        with mmap.mmap(fd, FIRST_LAYOUT_BYTES) as old:
+            _COUNT.pack_into(old, EVERY_AT, SUPERSEDED)
+            _COUNT.pack_into(old, WHOLE_AT, SUPERSEDED)
+    except (OSError, ValueError) as err:
+        log.warning("could not mark the removal page %s of a previous daemon as dead (%s): its clients "
+                    "notice the restart at their next call to this daemon instead", path, err)
+    finally:
+        os.close(fd)
+
+
 class RemovalPage:
     """The daemon's side: the shared page and its counts. Thread-safe."""
 
     def __init__(self, path: str, token: bytes) -> None:
         self.path = path
+        supersede(path)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -135,14 +162,17 @@ class Locations:
 
     def check(self) -> None:
         """Once per read call: empty the table when the whole arena's count moved, or when the daemon
-        restarted (even after SIGKILL a new daemon makes a new page under the same name: this
-        client's mapping of the old one, and of the old arena, no longer says anything, so nothing is
-        remembered until the client attaches again; one ``stat``)."""
+        restarted. Even after SIGKILL, a new daemon marks the page it replaces :data:`SUPERSEDED`
+        before it makes its own under the same name: this client's mapping of the old one, and of the
+        old arena, then says nothing more, so nothing is remembered until the client attaches again.
+        A daemon of the first page layout marks nothing: with its page, one ``stat`` tells."""
         now = self._whole_count()
-        if now != self._whole or not self._current():
+        if now != self._whole or (not self._bucketed and not self._current()):
             with self._lock:
                 self._table.clear()
                 self._whole = now
+                if now == SUPERSEDED:
+                    self._capacity = 0  # learn nothing more either
 
     def _current(self) -> bool:
         try:

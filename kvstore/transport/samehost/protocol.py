@@ -45,6 +45,7 @@ MAX_PENDING_RELEASES = 256
 RELEASE_DELAY_S = 0.05
 MAX_TOUCHED = 4096  # keys read without asking, reported per flush
 DEFAULT_LOCATIONS = DEFAULT_CAPACITY
+NEW = object()  # where a get's block goes: a buffer its copy makes (see Read._out)
 
 
 def timeout_ms(remaining: float | None) -> int:
@@ -117,7 +118,7 @@ class ReadCopy:
     """One block's bytes between the arena (or a gpu region) and the caller's buffer."""
 
     index: int  # of the key in the call
-    out: object  # a host view, or a CUDA tensor's bytes
+    out: object  # a host view, or a CUDA tensor's bytes; None: a new buffer, made by the copy (a get's)
     offset: int
     region: int | None  # index into the Hello's regions; None: the arena
     size: int
@@ -129,9 +130,18 @@ class ReadCopy:
 
 def copy_out(arena: ShmArena, mapped: regions.Regions, handles: list[MemoryHandle], copies: Sequence[ReadCopy],
              ) -> list[int | None]:
-    """Each copy's bytes into its buffer; their checksums (None: copied device to device, verified on the way in)."""
-    return [mapped.region(handles, c.region).read_into(c.offset, c.out) if c.region is not None
-            else regions.arena_into(arena, c.offset, c.out) for c in copies]
+    """Each copy's bytes into its buffer; their checksums (None: copied device to device, verified on the way in).
+    A copy without a buffer gets a new one, filled as it is made."""
+    sums: list[int | None] = []
+    for c in copies:
+        if c.region is not None:
+            sums.append(mapped.region(handles, c.region).read_into(c.offset, c.out))
+        elif c.out is None:
+            c.out, got = arena_io.copy_new(arena, c.offset, c.size)
+            sums.append(got)
+        else:
+            sums.append(regions.arena_into(arena, c.offset, c.out))
+    return sums
 
 
 class Read:
@@ -165,9 +175,11 @@ class Read:
         self._lease_deadline = 0
         self._received = 0.0
 
-    def _out(self, i: int, info: BlockInfo):
+    def _out(self, i: int, info: BlockInfo, region: int | None):
+        """Where block ``i``'s bytes go: the placement's buffer (None: declined, a miss); for a get (no
+        placement), NEW: a buffer the copy makes as it copies, or a zeroed one to read a gpu region into."""
         if self.place is None:
-            return memoryview(bytearray(info.size))
+            return NEW if region is None else memoryview(bytearray(info.size))
         view = self.place(i, info)
         if view is None:
             return None  # declined: a miss
@@ -192,9 +204,10 @@ class Read:
                 todo.append(i)
                 continue
             (offset, size, sum_, parent, layout), self._stamps[i] = found
-            out = self._out(i, BlockInfo(key, size, layout, parent))
+            out = self._out(i, BlockInfo(key, size, layout, parent), None)
             if out is not None:
-                copies.append(ReadCopy(i, out, offset, None, size, sum_, parent, layout, TierName.HOST))
+                copies.append(ReadCopy(i, None if out is NEW else out, offset, None, size, sum_, parent, layout,
+                                       TierName.HOST))
         self.todo = todo
         return copies
 
@@ -246,10 +259,11 @@ class Read:
             if not lease_id:
                 self.refetch.append(i)
                 continue
-            out = self._out(i, BlockInfo(self.keys[i], size, layout, parent))
+            at = region[0] if region else None
+            out = self._out(i, BlockInfo(self.keys[i], size, layout, parent), at)
             if out is not None:
-                copies.append(ReadCopy(i, out, offset, region[0] if region else None, size, sum_, parent, layout,
-                                   TierName(tier)))
+                copies.append(ReadCopy(i, None if out is NEW else out, offset, at, size, sum_, parent, layout,
+                                       TierName(tier)))
         return copies
 
     def leased_copied(self, copies: Sequence[ReadCopy], sums: Sequence[int | None]) -> None:
