@@ -56,6 +56,7 @@ class TierStats:
 class Tier(abc.ABC):
     name: TierName
     persistent: bool = False  # keeps its blocks across a restart (the store recovers them)
+    prefaults: bool = False  # faults its arena's pages in at start: same-host clients may map them all at attach
     remote: bool = False  # another machine's: a local miss reads through to it (kvstore.tiers.remote)
 
     @property

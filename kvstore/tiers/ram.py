@@ -52,7 +52,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName, checksum, validate_key,
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
 from kvstore.shm.allocator import ExtentAllocator
 from kvstore.shm import table as block_table
-from kvstore.shm.arena import ArenaMismatch, ShmArena
+from kvstore.shm.arena import ArenaMismatch, Prefault, ShmArena
 from kvstore.shm.table import BlockTable, Loaded, TableMismatch
 from kvstore.tiers.extents import ExtentTier
 
@@ -92,10 +92,12 @@ class HostRamTier(ExtentTier):
         *,
         crash_safe: bool = False,
         keep_on_exit: bool = False,
+        prefault: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``crash_safe``: keep the block table and re-adopt a previous run's arena (see the module
-        docstring); ``keep_on_exit``: :meth:`close` leaves the arena and its table for the next start.
+        docstring); ``keep_on_exit``: :meth:`close` leaves the arena and its table for the next start;
+        ``prefault``: fault the arena's pages in on a thread of its own (:class:`~kvstore.shm.arena.Prefault`).
         ``clock`` is wall-clock seconds, the clock writers' slot leases are told in."""
         super().__init__()
         self._alloc = ExtentAllocator(capacity_bytes)
@@ -112,6 +114,8 @@ class HostRamTier(ExtentTier):
         else:
             block_table.remove(table_path)
             self._arena = ShmArena.create(self._alloc.capacity_bytes, shm_dir, arena_name)
+        self._prefault = Prefault(self._arena) if prefault else None
+        self.prefaults = prefault
 
     # ---- Tier ------------------------------------------------------------
 
@@ -143,6 +147,8 @@ class HostRamTier(ExtentTier):
         daemon that stored nothing, or failed to start on a fresh one) is
         not worth a file in the shared-memory directory.
         """
+        if self._prefault is not None:
+            self._prefault.stop()
         with self._lock:
             if self._closing is None:  # decided once: a close retried after a BufferError keeps to it
                 self._closing = self._keep and bool(self._blocks)

@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 
 from kvstore.errors import ArenaUnusable, DaemonUnavailable, InvalidArgument, StrataError
-from kvstore.shm.arena import ShmArena
+from kvstore.shm.arena import Prefault, ShmArena
 from kvstore.transport import arena_io
 from kvstore.transport.base import Block, BlockPut, Deadline, Place, Transport
 from kvstore.transport.samehost import frames, protocol, regions
@@ -86,6 +86,7 @@ class SameHostTransport(Transport):
         self._give(first)
         self._hello = first.hello
         self.device_tensors = first.hello.device_tensors
+        self._prefault = Prefault(arena) if self._hello.prefaults_arena() else None
         self._batch_bytes = arena.size // 4
 
     # ---- connections ---------------------------------------------------------
@@ -148,6 +149,8 @@ class SameHostTransport(Transport):
             conn.close()
         if flusher is not None:
             flusher.join(1.0)
+        if self._prefault is not None:
+            self._prefault.stop()
         if self._locations is not None:
             self._locations.close()
         self._regions.close()

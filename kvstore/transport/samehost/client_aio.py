@@ -31,7 +31,7 @@ import msgpack
 
 from kvstore.block import TierName
 from kvstore.errors import DaemonUnavailable, DeadlineExceeded, InvalidArgument, StrataError
-from kvstore.shm.arena import ShmArena
+from kvstore.shm.arena import Prefault, ShmArena
 from kvstore.transport import arena_io
 from kvstore.transport.base import AsyncTransport, Block, BlockPut, Deadline, Place
 from kvstore.transport.off_loop import OffLoop
@@ -76,6 +76,7 @@ class AsyncSameHostTransport(AsyncTransport):
         self._batch_bytes = arena.size // 4
         self._reading: asyncio.Task | None = None
         self._locations: Locations | None = None
+        self._prefault: Prefault | None = None
         self._touched: dict[str, dict[bytes, None]] = {}  # read without asking: reported for recency
         self._path, self._token, self._options = "", b"", {}
 
@@ -103,6 +104,8 @@ class AsyncSameHostTransport(AsyncTransport):
                                       Deadline.after(CONNECT_TIMEOUT_S))
             self._hello = protocol.Hello.parse(answer)
             self.device_tensors = self._hello.device_tensors
+            if self._hello.prefaults_arena():
+                self._prefault = Prefault(self._arena)
             if self._hello.removal_page and locations:
                 self._locations = Locations(self._hello.removal_page, self._token, locations)
         except BaseException:  # refused (a token of another run), unreadable, cancelled: nothing stays open
@@ -157,6 +160,8 @@ class AsyncSameHostTransport(AsyncTransport):
             await asyncio.gather(self._reading, return_exceptions=True)
         if self._locations is not None:
             self._locations.close()
+        if self._prefault is not None:
+            await asyncio.to_thread(self._prefault.stop)
         self._regions.close()
 
     # ---- requests ------------------------------------------------------------

@@ -31,8 +31,9 @@ OK, ERROR = 0, 1
 # Request operations.
 HELLO = 1  # [version, arena token(, [capability])] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks,
 #            removal page path(, head)]; version 2 sends capabilities and gets ``head`` back:
-#            {"tier": the head's TierName, "regions": [handle]} (kvstore.transport.samehost.regions; regions
-#            only for a client that declared "gpu", when the head is the gpu tier)
+#            {"tier": the head's TierName, "regions": [handle], "prefault": bool}
+#            (kvstore.transport.samehost.regions; regions only for a client that declared "gpu", when the head
+#            is the gpu tier; prefault: the daemon faults the arena's pages in, so a client may map them all)
 LOOKUP = 2  # [ns, keys, lease_ms, timeout_ms, release_ids] -> [lease_deadline_unix_ms, [entry or None]]
 #            entry: [size, checksum, parent, layout, offset, lease_id, tier(, region)]: region, the
 #            index into Hello's regions, when the lease is on a gpu region (offset then inside it)

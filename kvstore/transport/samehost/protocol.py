@@ -75,6 +75,7 @@ class Hello:
     removal_page: str
     head: TierName
     regions: list[MemoryHandle]
+    prefault: bool = False  # the daemon faults the arena's pages in: the client maps them all at attach
 
     @classmethod
     def parse(cls, answer) -> Hello:
@@ -83,7 +84,7 @@ class Hello:
             max_meta, max_payload, max_batch, removal_page, *head = answer
             head = head[0] if head else {"tier": int(TierName.HOST), "regions": []}
             return cls(max_meta, max_payload, max_batch, removal_page, TierName(head["tier"]),
-                       regions.regions_from_wire(head["regions"]))
+                       regions.regions_from_wire(head["regions"]), bool(head.get("prefault", False)))
         except (TypeError, ValueError, KeyError):
             raise StrataError(f"the daemon sent a malformed Hello answer: {answer!r:.120}") from None
 
@@ -91,6 +92,11 @@ class Hello:
     def in_place(self) -> bool:
         """Whether slots and leases are usable in place: in the arena, or in regions this client was handed."""
         return self.head == TierName.HOST or bool(self.regions)
+
+    def prefaults_arena(self) -> bool:
+        """Whether the client should fault its mapping of the arena in (see :class:`kvstore.shm.arena.Prefault`):
+        a first touch of each page of a fresh mapping costs a fault, several times the copy of the page."""
+        return self.prefault and self.head == TierName.HOST
 
     @property
     def device_tensors(self) -> bool:

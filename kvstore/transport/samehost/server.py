@@ -248,7 +248,7 @@ class SameHostServer:
         if version >= 2:
             head = TierName.GPU if self._gpu else TierName.HOST
             handles = [regions.to_wire(h) for h in self._head.handles()] if gpu else []
-            limits.append({"tier": int(head), "regions": handles})
+            limits.append({"tier": int(head), "regions": handles, "prefault": self._head.prefaults})
         frames.send(conn, frames.encode([rid, frames.OK, limits]))
         return True
 
