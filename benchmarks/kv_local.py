@@ -909,8 +909,9 @@ def bench_calls(bench: Benchmark, plan: Plan, client: Client, redis_: RedisSide,
     against its baseline in the same rounds; one size at a time, its puts and then its gets.
 
     Why puts and gets in rounds of their own: a put round deletes its fresh keys afterwards, and a
-    Delete voids every location the same-host client remembers (the daemon's removal count), so gets
-    interleaved with puts would all pay a Lookup, as no engine's repeat reads do.
+    Delete voids the locations the same-host client remembers of every key that shares a removal
+    bucket with one it deleted (kvstore.transport.samehost.locations): few, but a get round should
+    read what it measures the same way every round.
     """
     sizes = sorted({c.size for c in CALL_CASES})
     largest = max(CallPool.shape(size, plan)[3] * size for size in sizes)
