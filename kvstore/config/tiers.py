@@ -51,7 +51,8 @@ class RamSettings(Section):
         True,
         "fault the arena's pages in at start, on a thread of its own, so puts find them ready (a put into "
         "pages the kernel has not yet given the arena costs a page fault and a zeroed page per 4 KiB, on a "
-        "VM over ten times the copy); the arena's memory is then taken at start, not as blocks arrive",
+        "VM over ten times the copy); the arena's memory is then taken at start, not as blocks arrive. "
+        "Only where shm_dir is a tmpfs",
     )
 
     @field_validator("bytes")

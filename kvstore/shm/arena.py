@@ -45,6 +45,7 @@ import secrets
 import struct
 import threading
 import time
+from pathlib import Path
 
 from kvstore.errors import StrataError, TierUnavailable
 
@@ -317,6 +318,25 @@ class Prefault:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def filesystem_of(path: str | os.PathLike) -> str:
+    """The filesystem type mounted at ``path`` (from /proc/mounts), or ``"unknown"``."""
+    path = Path(path).resolve()
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, fstype = mount, fields[2]
+    except OSError:
+        pass
+    return fstype
 
 
 def _remove_stale(path: str) -> None:

@@ -52,7 +52,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName, checksum, validate_key,
 from kvstore.errors import BlockTooLarge, CorruptBlock, InvalidArgument, TierFull, TierUnavailable
 from kvstore.shm.allocator import ExtentAllocator
 from kvstore.shm import table as block_table
-from kvstore.shm.arena import ArenaMismatch, Prefault, ShmArena
+from kvstore.shm.arena import ArenaMismatch, Prefault, ShmArena, filesystem_of
 from kvstore.shm.table import BlockTable, Loaded, TableMismatch
 from kvstore.tiers.extents import ExtentTier
 
@@ -114,6 +114,11 @@ class HostRamTier(ExtentTier):
         else:
             block_table.remove(table_path)
             self._arena = ShmArena.create(self._alloc.capacity_bytes, shm_dir, arena_name)
+        if prefault and filesystem_of(shm_dir) != "tmpfs":
+            # A page faulted in on a disk's file system is a disk block allocated and written back.
+            log.info("arena %s is on %s, not a tmpfs: its pages are not faulted in at start", self._arena.path,
+                     filesystem_of(shm_dir))
+            prefault = False
         self._prefault = Prefault(self._arena) if prefault else None
         self.prefaults = prefault
 

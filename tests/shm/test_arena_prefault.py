@@ -9,9 +9,10 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvstore.block import BlockKey, BlockMeta, checksum
-from kvstore.shm.arena import Prefault, ShmArena
+from kvstore.shm.arena import Prefault, ShmArena, filesystem_of
 from kvstore.tiers.ram import HostRamTier
 from tests.support.small_filesystem import tmpfs
 from tests.support.wait import wait_until
@@ -79,6 +80,16 @@ def test_a_tmpfs_that_runs_out_of_room_stops_the_prefault_with_a_warning(tmp_pat
         assert bytes(view) == b"y" * 4096
         view.release()
         arena.close(unlink=True)
+
+
+def test_an_arena_on_a_disks_file_system_is_not_prefaulted(tmp_path):
+    """A page faulted in there would be a disk block allocated and written back: the first write pays instead."""
+    if filesystem_of(tmp_path) == "tmpfs":
+        pytest.skip("the temporary directory is a tmpfs here")
+    tier = HostRamTier(32 * MiB, shm_dir=str(tmp_path), arena_name="a", prefault=True)
+    assert tier.prefaults is False
+    assert tier.arena.unbacked_bytes() > 30 * MiB
+    tier.close()
 
 
 def test_prefault_is_the_daemons_default_and_a_setting():
