@@ -515,3 +515,39 @@ def test_a_client_attached_before_a_daemon_restart_attaches_again(daemon_process
         assert c.get("ns", b"b") == b"y" * (2 * MiB)
         assert c.get("ns", b"a") == b"x" * (2 * MiB)  # kept across the clean stop
         assert c.transport_name == "same-host"
+
+
+def mapped_kib(path: str) -> int:
+    """Resident KiB of every mapping of ``path`` in this process (its smaps' Rss lines)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                inside = fields[-1] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_a_client_maps_every_page_of_an_arena_the_daemon_faulted_in(make_daemon, tmp_path):
+    """The Hello says the daemon faults its arena in: the client's mapping of it is populated too, so no copy
+    of the client's pays a page fault per 4 KiB. Daemon and client share this process, each with a mapping."""
+    from tests.support.small_filesystem import tmpfs
+
+    with tmpfs(tmp_path / "shm", "96m") as shm:
+        daemon = make_daemon(shm_dir=str(shm), ram_bytes="32MiB")
+        with Client(daemon.target) as c:
+            assert c.transport_name == "same-host"
+            [arena] = c._mapped
+            path = arena.path
+            wait_until(lambda: mapped_kib(path) >= 2 * 32 * 1024, what="the daemon's and the client's mappings")
+            c.put("m", b"k", b"v" * 300_000)
+            assert c.get("m", b"k") == b"v" * 300_000
+        daemon.stop(0)
+        cold = make_daemon(shm_dir=str(shm), ram_bytes="32MiB", ram_prefault=False)
+        with Client(cold.target) as c:
+            c.put("m", b"k", b"v" * 300_000)
+            [arena] = c._mapped
+            path = arena.path
+            assert mapped_kib(path) < 32 * 1024  # neither side faulted in what no block touched
