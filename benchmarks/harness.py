@@ -51,7 +51,10 @@ from kvstore.shm.arena import filesystem_of  # noqa: F401 - the benchmarks take 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_DIR = Path(__file__).resolve().parent
-SHM_DIR = "/dev/shm"  # where the daemons the benchmarks start keep their arenas, when it is a tmpfs
+# Where the daemons the benchmarks start keep their arenas (a folder of their own there, "bench-strata-…",
+# which no test's /dev/shm guard takes for a leak), when it is a tmpfs with this much room.
+SHM_DIR = "/dev/shm"
+SHM_ROOM = 8 << 30
 
 # One round of one measurement: (bytes moved, seconds the timed part took).
 # Setup and cleanup (fresh keys, deletes) stay outside the timed part.
@@ -475,6 +478,17 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
         yield daemon.target
 
 
+def _roomy_tmpfs(path: str) -> bool:
+    """Whether ``path`` is a tmpfs with room for the benchmarks' arenas (a container's default /dev/shm of
+    64 MB is not)."""
+    try:
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return False
+    return filesystem_of(path) == "tmpfs" and free >= SHM_ROOM
+
+
 @contextlib.contextmanager
 def strata_daemon_process(start_timeout_s: float = 30.0, **settings) -> Iterator[DaemonProcess]:
     """A Strata daemon in its own process on a free loopback port; yields its address and process id.
@@ -493,8 +507,7 @@ def strata_daemon_process(start_timeout_s: float = 30.0, **settings) -> Iterator
         scratch = tempfile.TemporaryDirectory(prefix="strata-bench-")
         settings["disk_dir"] = f"{scratch.name}/disk"
     if "shm_dir" not in settings:  # a tmpfs as in production (a folder of its own there), else a scratch folder
-        shm = tempfile.TemporaryDirectory(prefix="bench-strata-", dir=SHM_DIR if filesystem_of(SHM_DIR) == "tmpfs"
-                                          else None)  # not "strata-…": no test's /dev/shm guard takes it for a leak
+        shm = tempfile.TemporaryDirectory(prefix="bench-strata-", dir=SHM_DIR if _roomy_tmpfs(SHM_DIR) else None)
         settings["shm_dir"] = shm.name
     settings = {"listen": "127.0.0.1:0", "metrics_listen": "", "ram_keep_on_exit": False, **settings}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
