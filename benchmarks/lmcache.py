@@ -73,11 +73,15 @@ class Plan:
     warmup: int
     op_timeout_s: float  # deadline of one store / lookup / retrieve
     close_timeout_s: float
+    # Each engine's CPU buffer (LMCache's max_local_cpu_size, GB): only an allocator here (local_cpu
+    # is off), sized for the largest sequence with room to spare. Five engines each allocating 1 GB
+    # took most of a smoke run, whose two chunks need 4 MiB.
+    cpu_buffer_gb: float = 1.0
 
 
 FULL = Plan(sizes=(8192, 16384, 32768), rounds=5, warmup=1, op_timeout_s=120.0, close_timeout_s=10.0)
 QUICK = Plan(sizes=(8192,), rounds=3, warmup=1, op_timeout_s=10.0, close_timeout_s=3.0)
-SMOKE = Plan(sizes=(2 * CHUNK,), rounds=1, warmup=0, op_timeout_s=5.0, close_timeout_s=1.0)
+SMOKE = Plan(sizes=(2 * CHUNK,), rounds=1, warmup=0, op_timeout_s=5.0, close_timeout_s=1.0, cpu_buffer_gb=0.05)
 
 
 class LMCacheBenchmark(UnitBenchmark):
@@ -163,11 +167,11 @@ class Backend:
     remote: object = None  # LMCache's RemoteBackend of this engine
     samples: dict = field(default_factory=dict)  # (op, size) -> [values]
 
-    def build(self, max_tokens: int, timeout_s: float) -> None:
+    def build(self, max_tokens: int, timeout_s: float, cpu_buffer_gb: float) -> None:
         torch, Builder, Config, _, Metadata = _lmcache()
         extra = dict(self.plugin or {})
         config = Config.from_defaults(
-            chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=1.0, remote_url=self.remote_url,
+            chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=cpu_buffer_gb, remote_url=self.remote_url,
             remote_serde="naive", remote_storage_plugins=[self.plugin_name] if self.plugin else None,
             save_unfull_chunk=False, blocking_timeout_secs=int(timeout_s), extra_config=extra or None,
         )
@@ -479,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             if b.failed:
                 continue
             try:
-                b.build(max(plan.sizes), max(plan.op_timeout_s, 30.0))
+                b.build(max(plan.sizes), max(plan.op_timeout_s, 30.0), plan.cpu_buffer_gb)
             except Hung as err:
                 b.failed = str(err)
             except Exception as err:  # noqa: BLE001

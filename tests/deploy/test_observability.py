@@ -268,10 +268,12 @@ def fleet(tmp_path_factory, s3):
                          env={"AWS_ACCESS_KEY_ID": s3_servers.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": s3_servers.SECRET_KEY,
                               "HOME": str(home)})
             nodes += [g, a, b, c, o]
+            weights = WeightNode(home / "weights")  # starts beside the daemons; the wait for its first scrape waits for it
+            for node in nodes:  # all started at once, then each waited for
+                node.spawn()
             for node in nodes:
-                node.start()
+                wait_until(node.healthy, timeout=60, what=f"{node.name} to serve on {node.target} (log: {node.log})")
             proxy.down = True
-            weights = WeightNode(home / "weights")
             instances = {n.name: f"{n.host}:{n.metrics_port}" for n in nodes}
             instances["weights"] = f"127.0.0.1:{weights.metrics_port}"
             prometheus = Prometheus(home / "prometheus", list(instances.values()))
@@ -292,7 +294,7 @@ def fleet(tmp_path_factory, s3):
 
 
 def drive(g: PeerNode, a: PeerNode, b: PeerNode, c: PeerNode, o: PeerNode) -> None:
-    """Traffic in rounds a few scrapes apart, so every counter grows while Prometheus watches."""
+    """Traffic in rounds a scrape interval or more apart, so every counter grows while Prometheus watches."""
     ghost, rep, warm, hand = keys("ghost", 4), keys("rep", 6), keys("warm", 40), keys("hand", 4)
     with Client(g.target, use_shm=False) as cg:
         for k in ghost:
@@ -338,7 +340,7 @@ def drive(g: PeerNode, a: PeerNode, b: PeerNode, c: PeerNode, o: PeerNode) -> No
             if round_ == 1:
                 params, _ = ca.open_handoff("hand", hand, lease_s=60)
                 cb.pull_handoff(params)
-            time.sleep(1.5)  # spread the rounds over scrapes (the assertions below wait on data, not time)
+            time.sleep(1.0)  # rounds a scrape interval apart (the assertions below wait on data, not time)
         assert refused, "c never refused a put: its RAM and disk should both be full"
         assert pin.lease_id
 

@@ -204,8 +204,22 @@ def test_heartbeats_extend_the_lease_and_ids_are_checked(nodes):
             pc.complete_handoff(NS, params.handoff_id)
 
 
+def reset(s: socket.socket) -> None:
+    """Closes ``s`` with a reset, not a FIN: the other end learns at once that nobody reads any more."""
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    s.close()
+
+
 class ThrottleProxy:
-    """Forwards TCP to ``upstream``, the replies at about ``rate`` bytes a second: a pull that lasts."""
+    """Forwards TCP to ``upstream``, the replies at about ``rate`` bytes a second: a pull that lasts.
+
+    When either side of a connection goes away, the other is reset (once both directions have
+    stopped), as the kernel of a process killed with bytes still coming does: a socket only shut
+    down, or closed with a full window, leaves the prefill side's send waiting on a window that
+    never opens, until its read lease runs out, instead of failing at once."""
 
     def __init__(self, upstream: tuple[str, int], rate: int) -> None:
         self.upstream, self.rate = upstream, rate
@@ -222,10 +236,11 @@ class ThrottleProxy:
                 up.settimeout(None)
             except OSError:
                 return
-            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+            ended = threading.Barrier(2, action=lambda d=down, u=up: (reset(d), reset(u)))
+            threading.Thread(target=self._pump, args=(down, up, False, ended), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True, ended), daemon=True).start()
 
-    def _pump(self, src, dst, slow: bool) -> None:
+    def _pump(self, src, dst, slow: bool, ended: threading.Barrier) -> None:
         try:
             while data := src.recv(64 << 10):
                 dst.sendall(data)
@@ -237,9 +252,13 @@ class ThrottleProxy:
         finally:
             for s in (src, dst):
                 try:
-                    s.shutdown(socket.SHUT_RDWR)
+                    s.shutdown(socket.SHUT_RDWR)  # wakes the other direction's recv or send
                 except OSError:
                     pass
+            try:
+                ended.wait()  # the last of the two closes both sockets
+            except threading.BrokenBarrierError:
+                pass
 
     def close(self) -> None:
         self._server.close()
@@ -305,9 +324,9 @@ class CutProxy(ThrottleProxy):
         self.live: list[socket.socket] = []
         super().__init__(upstream, rate)
 
-    def _pump(self, src, dst, slow: bool) -> None:
+    def _pump(self, src, dst, slow: bool, ended: threading.Barrier) -> None:
         self.live += [src, dst]
-        super()._pump(src, dst, slow)
+        super()._pump(src, dst, slow, ended)
 
     def cut(self) -> None:
         self.close()
@@ -550,15 +569,16 @@ def test_one_caller_cannot_take_every_pull_slot(nodes):
     p.proc.send_signal(signal.SIGSTOP)
     try:
         with Client(d.target, use_shm=False, retries=0) as greedy:
-            def hold() -> None:  # one pull that hangs on P; the probe below may hold the share a moment
-                while True:
+            checked = threading.Event()
+
+            def hold() -> None:  # pulls that hang on P, one after another, until the checks are done;
+                while not checked.is_set():  # the probe below may hold the share a moment
                     try:
-                        greedy.pull_handoff(params, timeout=20)
+                        greedy.pull_handoff(params, timeout=2)
                     except Overloaded:
                         time.sleep(0.05)
-                        continue
-                    except StrataError:
-                        return
+                    except StrataError:  # this pull's deadline passed on the stopped P: hang again
+                        pass
 
             hanging = threading.Thread(target=hold, daemon=True)
             hanging.start()
@@ -580,6 +600,7 @@ def test_one_caller_cannot_take_every_pull_slot(nodes):
                     stub.PullHandoff(hpb.PullHandoffRequest(namespace=NS, params=params.to_proto(), timeout_ms=500),
                                      timeout=30)
             assert theirs.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, theirs.value.details()
+            checked.set()
             hanging.join(60)
     finally:
         p.proc.send_signal(signal.SIGCONT)

@@ -4,8 +4,12 @@ The engine is LMCache's own (``LMCacheEngineBuilder``, its storage manager, its
 RemoteBackend loading the plugin from config); only the GPU side is replaced by a
 connector that copies to and from a CPU tensor, so what comes back can be compared byte
 for byte with what went in. Engines of other processes run this module
-(``python -m tests.support.lmcache_engine store|retrieve TARGET``) with a fixed
-PYTHONHASHSEED, as LMCache's token hashing without vLLM requires.
+(``python -m tests.support.lmcache_engine store|retrieve TARGET``) without vLLM and with
+a fixed PYTHONHASHSEED, as LMCache's token hashing without vLLM requires. vLLM is
+installed here for the vLLM connector's tests; a process run as this module does
+without it (``sys.modules["vllm"] = None``), as an LMCache deployment without vLLM
+does, because LMCache imports most of vLLM (seconds) only to look for a hash function
+and falls back to Python's builtin hash anyway.
 
 It imports lmcache at its top: import it after ``pytest.importorskip("lmcache")``.
 """
@@ -17,15 +21,18 @@ import os
 import sys
 import uuid
 
-import torch  # lmcache brings torch
-from lmcache.v1.cache_engine import LMCacheEngineBuilder
-from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
-from lmcache.v1.metadata import LMCacheMetadata
+if __name__ == "__main__":
+    sys.modules["vllm"] = None  # LMCache without vLLM (see above): imports of vllm fail at once
 
-from kvstore import Client
-from kvstore.integrations.lmcache import StrataConnector, namespace_of
-from tests.support.wait import wait_until
+import torch  # noqa: E402 (lmcache brings torch)
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+from kvstore import Client  # noqa: E402
+from kvstore.integrations.lmcache import StrataConnector, namespace_of  # noqa: E402
+from tests.support.wait import wait_until  # noqa: E402
 
 MODEL = "acme/tiny-llm"
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 32, 256
