@@ -155,6 +155,10 @@ class ExtentAllocator:
     def largest_free_bytes(self) -> int:
         return self._free_by_size[-1][0] if self._free_by_size else 0
 
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Every free extent as (start, size), in address order."""
+        return sorted(self._free_by_start.items())
+
     @property
     def free_extent_count(self) -> int:
         return len(self._free_by_size)

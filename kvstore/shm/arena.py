@@ -255,6 +255,14 @@ class ShmArena:
         length = self._size - start if length is None else length
         self._mmap.madvise(POPULATE_WRITE, HEADER_BYTES + start, length)
 
+    def release_pages(self, start: int, length: int) -> None:
+        """Give the tmpfs pages of ``[start, start + length)`` back (``MADV_REMOVE``: the file gets a hole
+        there, which reads as zeros): for extents that hold no block, in an arena kept for the next start.
+        OSError where the file system cannot punch holes."""
+        if self._mmap is None:
+            raise ValueError(f"arena {self._path!r} is closed")
+        self._mmap.madvise(mmap.MADV_REMOVE, HEADER_BYTES + start, length)
+
     def close(self, unlink: bool = False) -> None:
         """Unmap the arena and, when ``unlink``, remove its file. Safe to call twice.
 

@@ -158,11 +158,24 @@ class HostRamTier(ExtentTier):
             if self._closing is None:  # decided once: a close retried after a BufferError keeps to it
                 self._closing = self._keep and bool(self._blocks)
             keep = self._closing
+            if keep and self.prefaults:
+                self._release_free_pages()
             self._blocks.clear()
             self._reserved.clear()
             if self._table is not None:
                 self._table.close(unlink=not keep)
         self._arena.close(unlink=not keep)
+
+    def _release_free_pages(self) -> None:
+        """A kept arena that was faulted in holds every page; what no block uses goes back to the tmpfs,
+        so the kept arena takes the memory of its blocks only, as it would have without the prefault."""
+        try:
+            for start, size in self._alloc.free_extents():
+                self._arena.release_pages(start, size)
+        except OSError as err:
+            log.warning("arena %s: could not give its unused pages back to the tmpfs (%s); the kept arena "
+                        "takes its whole size until the next start reuses it or `strata clean` removes it",
+                        self._arena.path, err)
 
     # ---- shared-memory fast path -------------------------------------------
 

@@ -55,6 +55,25 @@ def test_a_kept_arena_reopened_with_prefault_keeps_every_block(tmp_path):
         assert os.listdir(shm) == []
 
 
+def test_an_arena_kept_at_a_graceful_stop_gives_back_the_pages_no_block_uses(tmp_path):
+    """A trial's kept arena takes the memory of its blocks, not its whole size: the prefault is undone
+    where nothing is stored, and the next start still finds every block."""
+    with tmpfs(tmp_path / "shm", "64m") as shm:
+        tier = HostRamTier(32 * MiB, shm_dir=str(shm), arena_name="a", crash_safe=True, keep_on_exit=True,
+                           prefault=True)
+        wait_until(lambda: tier.arena.unbacked_bytes() == 0, what="the arena to be faulted in")
+        blocks = [block(1 * MiB, seed) for seed in range(3)]
+        for key, data, meta in blocks:
+            assert tier.put(key, data, meta)
+        arena_path = tier.arena.path
+        tier.close()
+        st = os.stat(arena_path)
+        assert st.st_blocks * 512 < 5 * MiB  # about the 3 MiB of blocks and the header, not 32 MiB
+        again = HostRamTier(32 * MiB, shm_dir=str(shm), arena_name="a", crash_safe=True, keep_on_exit=False)
+        assert [again.get(key) for key, _, _ in blocks] == [data for _, data, _ in blocks]
+        again.close()
+
+
 def test_closing_the_tier_stops_the_prefault_within_a_chunk(tmp_path):
     with tmpfs(tmp_path / "shm", "600m") as shm:
         tier = HostRamTier(512 * MiB, shm_dir=str(shm), arena_name="a", prefault=True)
