@@ -114,10 +114,10 @@ class HostRamTier(ExtentTier):
         else:
             block_table.remove(table_path)
             self._arena = ShmArena.create(self._alloc.capacity_bytes, shm_dir, arena_name)
-        if prefault and filesystem_of(shm_dir) != "tmpfs":
+        fstype = filesystem_of(shm_dir) if prefault else "tmpfs"
+        if fstype != "tmpfs":
             # A page faulted in on a disk's file system is a disk block allocated and written back.
-            log.info("arena %s is on %s, not a tmpfs: its pages are not faulted in at start", self._arena.path,
-                     filesystem_of(shm_dir))
+            log.info("arena %s is on %s, not a tmpfs: its pages are not faulted in at start", self._arena.path, fstype)
             prefault = False
         self._prefault = Prefault(self._arena) if prefault else None
         self.prefaults = prefault

@@ -31,6 +31,7 @@ size (an older daemon) stamps every key with it, as they did.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import mmap
@@ -56,9 +57,14 @@ SUPERSEDED = (1 << 64) - 1  # both counts of a page a later daemon replaced
 DEFAULT_CAPACITY = 65536
 
 
+@functools.lru_cache(maxsize=1024)
+def _seed(namespace: str) -> int:
+    return zlib.crc32(namespace.encode())
+
+
 def bucket(namespace: str, key: bytes) -> int:
     """The removal-count bucket of a key: the same in the daemon and every client."""
-    return zlib.crc32(key, zlib.crc32(namespace.encode())) % BUCKETS
+    return zlib.crc32(key, _seed(namespace)) % BUCKETS
 
 
 def supersede(path: str) -> None:
@@ -153,7 +159,6 @@ class Locations:
         self._inode = os.stat(page_path).st_ino
         self._capacity = capacity
         self._table: dict[tuple[str, bytes], tuple[tuple, int]] = {}
-        self._seeds: dict[str, int] = {}
         self._whole = self._whole_count()
         self._lock = threading.Lock()
 
@@ -189,11 +194,7 @@ class Locations:
         whole = self._whole_count()
         if not self._bucketed:
             return whole
-        seed = self._seeds.get(namespace)
-        if seed is None:
-            seed = self._seeds[namespace] = zlib.crc32(namespace.encode())
-        at = BUCKETS_AT + 8 * (zlib.crc32(key, seed) % BUCKETS)
-        return whole + _COUNT.unpack_from(self._map, at)[0]
+        return whole + _COUNT.unpack_from(self._map, BUCKETS_AT + 8 * bucket(namespace, key))[0]
 
     def get(self, namespace: str, key: bytes) -> tuple[tuple, int] | None:
         """((offset, size, checksum, parent, layout), stamp) while no Delete of the key answered since
