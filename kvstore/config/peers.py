@@ -33,6 +33,11 @@ class PeerSettings(Section):
         "extra; advertised as ucx-shm://<host id>:<port>, tried first by a reader on this host that lists "
         "ucx-shm in its peer transports); reachable by this user's processes on this host only",
     )
+    ucx_over_tcp: bool = setting(
+        False, "read from and pull from peers over UCX (ucx in --peer-transports or --handoff-transports) even "
+        "where UCX's only transport to other hosts is its own tcp one (no RDMA): slower than the tcp scheme in "
+        "every case measured, so by default such a daemon takes tcp first for a peer that advertises both",
+    )
     max_connections: int = setting(
         64, "peer connections at once; one more is refused with a retry delay. At most half of them may be "
         "waiting for their Hello (a quarter from one address): one more closes the oldest waiting", ge=1, le=4096,

@@ -5,14 +5,23 @@ imported here only when a transport of its scheme is opened (UCX needs
 ucxx, which a node without the ``ucx`` extra does not have). A new peer
 transport is one module and one entry in :data:`PEER_TRANSPORTS` (and in
 :data:`PEER_CLIENTS` when a handoff may pull over it).
+
+:func:`fabric_order` is the order a node actually uses: UCX is worth its
+hops only where it has a fabric Strata's TCP path lacks (RDMA); with its
+``tcp`` transport alone it moved every block size slower than the ``tcp``
+scheme (``docs/guide/peers.md``), so there ``tcp`` goes first unless
+``[peers] ucx_over_tcp`` says otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.peer.base import PeerTransport
+
+log = logging.getLogger(__name__)
 
 
 def _tcp(**options) -> PeerTransport:
@@ -101,3 +110,34 @@ def schemes(*, writes: bool = False) -> tuple[str, ...]:
 def pull_schemes() -> tuple[str, ...]:
     """The schemes a handoff pull can use (those with a blocking client)."""
     return tuple(PEER_CLIENTS)
+
+
+def fabric_order(schemes: Sequence[str], *, ucx_over_tcp: bool = False,
+                 network: Callable[[], set[str]] | None = None) -> tuple[str, ...]:
+    """``schemes`` as this node should use them: where ``ucx`` comes before ``tcp`` and UCX's only
+    transport to another host is its own ``tcp`` (no RDMA: what ``network()`` returns, by default
+    the UCX worker's :meth:`~kvstore.peer.ucx_link.UcxRuntime.network_transports`), ``tcp`` takes
+    ``ucx``'s place and ``ucx`` follows it, since UCX over TCP is the same wire with more hops.
+    Unchanged with ``ucx_over_tcp``, when UCX has a fabric of its own, or when ucxx cannot start
+    (the daemon's start says why)."""
+    order = tuple(schemes)
+    if ucx_over_tcp or "ucx" not in order or "tcp" not in order or order.index("tcp") < order.index("ucx"):
+        return order
+    if network is None:
+        from kvstore.peer.ucx_link import UcxRuntime, UcxUnavailable
+
+        try:
+            found = UcxRuntime.get().network_transports()
+        except UcxUnavailable:
+            return order
+    else:
+        found = network()
+    if found - {"tcp"}:
+        return order
+    moved = [scheme for scheme in order if scheme != "tcp"]
+    moved.insert(moved.index("ucx"), "tcp")
+    log.info("UCX reaches other hosts over tcp only here (no RDMA transport: %s), which is slower than "
+             "Strata's own tcp peer path; peers that advertise tcp:// are reached over it first (order %s; "
+             "[peers] ucx_over_tcp = true keeps %s)", ", ".join(sorted(found)) or "none", ",".join(moved),
+             ",".join(order))
+    return tuple(moved)

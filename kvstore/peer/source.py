@@ -194,7 +194,8 @@ class PeerSource(RemoteSource):
     def from_options(
         cls, rest: str = "", *, index: PrefixIndex | None = None, node_id: str = "", token_file: str = "",
         tls_ca: str = "", fetch_s: float = PeerLimits.fetch_s, max_holders: int = PeerLimits.max_holders,
-        backoff_s: float = PeerLimits.backoff_s, max_block_bytes: int = PeerLimits.max_block_bytes, **options,
+        backoff_s: float = PeerLimits.backoff_s, max_block_bytes: int = PeerLimits.max_block_bytes,
+        ucx_over_tcp: bool = False, **options,
     ) -> PeerSource:
         """``open_remote("peer://", index=..., node_id=..., ...)``: plain values (as the ``[tiers.peer]``
         section gives them, plus what the daemon adds: its index, node id, host, metrics); the other
@@ -208,6 +209,10 @@ class PeerSource(RemoteSource):
             )
         from kvstore.auth.credentials import read_token_file
 
+        from kvstore.peer.registry import fabric_order
+
+        if "schemes" in options:
+            options["schemes"] = fabric_order(options["schemes"], ucx_over_tcp=ucx_over_tcp)
         common: dict[str, object] = {"token": read_token_file(token_file)} if token_file else {}
         transport_options = {scheme: dict(common) for scheme in options.get("schemes", ("grpc",))}
         if tls_ca:  # the gRPC transport's channel verifies the peers' certificates with it

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -57,6 +58,7 @@ from kvstore.wire.frames import HEADER, MAX_META_BYTES, FrameError, check_length
 __all__ = ["UcxLink", "UcxRuntime", "UcxUnavailable", "ucx_available"]
 
 PROGRESS_MODE = "blocking"
+_LOCAL_TRANSPORT_PREFIXES = ("self", "cuda", "gdr", "rocm", "ze_")  # host or device memory, never a link
 _ABORT_WAIT_S = 5.0
 
 
@@ -132,6 +134,21 @@ class UcxRuntime:
 
     def tag(self, value: int):
         return self._tag(value)
+
+    def resources(self) -> list[tuple[str, str]]:
+        """(transport, device) of every resource this worker's context may use, as UCX lists them
+        (``tcp``/``eth0``, ``rc_mlx5``/``mlx5_0:1``, ``posix``/``memory``)."""
+        return re.findall(r"^#\s+resource\s+\d+\s*:.*\s(\w+)/(\S+)\s*$", self.context.ucp_context_info, re.M)
+
+    def transports(self) -> set[str]:
+        """The UCX transports this worker may use (``tcp``, ``rc_mlx5``, ``posix``, ``self``...)."""
+        return {transport for transport, _ in self.resources()}
+
+    def network_transports(self) -> set[str]:
+        """The transports that reach another host: those on a network device (``tcp`` on ``eth0``,
+        ``rc_mlx5`` on ``mlx5_0:1``), not host memory or a GPU's."""
+        return {transport for transport, device in self.resources()
+                if device != "memory" and not transport.startswith(_LOCAL_TRANSPORT_PREFIXES)}
 
     async def tag_send(self, endpoint, buffer, tag) -> None:
         """Send ``buffer`` as one tag message on the ucxx ``endpoint``, awaited without spinning."""

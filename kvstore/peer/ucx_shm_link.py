@@ -48,7 +48,6 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import secrets
 import socket
 import struct
@@ -130,10 +129,6 @@ class UcxShmRuntime(UcxRuntime):
             raise InvalidArgument(f"the shared-memory worker's address is {len(self.address)} bytes, more than the handshake takes")
         if not self.transports() & {"posix", "sysv", "cma", "knem", "xpmem"}:
             raise InvalidArgument(f"UCX has no shared-memory transport here (it offers {sorted(self.transports())})")
-
-    def transports(self) -> set[str]:
-        """The UCX transports this worker may use (``sysv``, ``posix``, ``cma``, ``self``)."""
-        return set(re.findall(r"^#\s+resource\s+\d+\s*:.*\s(\w+)/\S+\s*$", self.context.ucp_context_info, re.M))
 
     async def endpoint(self, address: bytes):
         """An endpoint to the worker at ``address``, error handling off (what shared memory needs)."""

@@ -397,7 +397,7 @@ class Daemon:
         from kvstore.handoff.metrics import HandoffMetrics
         from kvstore.handoff.pull import HandoffPuller, PullLimits
         from kvstore.handoff.table import HandoffLimits, HandoffTable
-        from kvstore.peer.registry import open_peer_client
+        from kvstore.peer.registry import fabric_order, open_peer_client
 
         s = self.settings
         h = s.handoff
@@ -411,7 +411,8 @@ class Daemon:
         token_file = h.token_file or s.tiers.peer.token_file
         token = read_token_file(token_file) if token_file else ""
         security = ChannelSecurity.build(token=token or None, tls_ca=s.tiers.peer.tls_ca or None)
-        self._handoff_peers = {scheme: open_peer_client(scheme, security) for scheme in h.transports}
+        self._handoff_peers = {scheme: open_peer_client(scheme, security)
+                               for scheme in fabric_order(h.transports, ucx_over_tcp=s.peers.ucx_over_tcp)}
         puller = HandoffPuller(
             self.store, self._handoff_peers, lambda address: Client(address, security=security, retries=1, timeout=10),
             self.index_agent.publish,
@@ -448,7 +449,7 @@ class Daemon:
         runtime["peer"] = {
             "index": index, "index_loop": self.index_agent.loop, "node_id": self.node.node_id,
             "host": s.server.advertised_host(), "metrics": self.peer_metrics,
-            "max_block_bytes": int(s.store.max_block_bytes),
+            "max_block_bytes": int(s.store.max_block_bytes), "ucx_over_tcp": s.peers.ucx_over_tcp,
         }
         return runtime
 

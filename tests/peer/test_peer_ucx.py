@@ -155,29 +155,57 @@ def test_a_round_trip_between_two_daemon_processes(tmp_path):
 
 
 def test_the_peer_tier_reads_a_holder_over_ucx_when_both_sides_have_it(nodes):
-    """Two daemon processes and a real Redis index: the holder advertises ucx:// (after tcp://);
-    a reader whose transports put ucx first fetches over UCX, one that lacks it over TCP."""
+    """Daemon processes and a real Redis index: the holder advertises ucx:// (after tcp://); a
+    reader whose transports put ucx first fetches over UCX, one that lacks it over TCP, and one
+    that lists ucx before tcp takes tcp where UCX has no RDMA transport (this host), unless
+    --peer-ucx-over-tcp keeps UCX."""
     from kvstore.client.sync import Client
+    from kvstore.peer.ucx_link import UcxRuntime
 
     tcp_port = free_port()
     a = nodes("a", "--peer-listen", f"127.0.0.1:{tcp_port}", "--peer-ucx-listen", "127.0.0.1:0", "--insecure")
     b = nodes("b", "--peer-transports", "ucx,grpc")
     c = nodes("c", "--peer-transports", "tcp,grpc")
-    keys = keys_of("ucx", 6)  # b reads the first three, c the others: a is their only holder
-    data = [value(f"ucx/{i}", 3 << 20) for i in range(6)]
-    with Client(a.target) as ca, Client(b.target, use_shm=False) as cb, Client(c.target, use_shm=False) as cc:
+    d = nodes("d", "--peer-transports", "ucx,tcp,grpc")
+    e = nodes("e", "--peer-transports", "ucx,tcp,grpc", "--peer-ucx-over-tcp")
+    readers = [b, c, d, e]
+    keys = keys_of("ucx", 3 * len(readers))  # each reader reads three blocks of its own: a is their only holder
+    data = [value(f"ucx/{i}", 3 << 20) for i in range(len(keys))]
+    with Client(a.target) as ca:
         for k, v in zip(keys, data):
             ca.put(NS, k, v)
-        wait_until(lambda: held_by(cb, keys, "a"), what="a to publish its blocks")
+        with Client(b.target, use_shm=False) as cb:
+            wait_until(lambda: held_by(cb, keys, "a"), what="a to publish its blocks")
         transports = {n["node_id"]: n for n in peers(b.target)}["a"]["transports"]
         assert transports[0] == f"tcp://127.0.0.1:{tcp_port}" and transports[1].startswith("ucx://127.0.0.1:")
-        for k, v in zip(keys[:3], data[:3]):
-            assert cb.get(NS, k) == v
-        for k, v in zip(keys[3:], data[3:]):
-            assert cc.get(NS, k) == v
-        assert b.metric("strata_peer_fetched_bytes_total", transport="ucx") == 9 << 20
-        assert not b.metric("strata_peer_fetched_bytes_total", transport="grpc")
-        assert c.metric("strata_peer_fetched_bytes_total", transport="tcp") == 9 << 20
+        for i, reader in enumerate(readers):
+            with Client(reader.target, use_shm=False) as cr:
+                for k, v in zip(keys[3 * i:3 * i + 3], data[3 * i:3 * i + 3]):
+                    assert cr.get(NS, k) == v
+    assert b.metric("strata_peer_fetched_bytes_total", transport="ucx") == 9 << 20
+    assert not b.metric("strata_peer_fetched_bytes_total", transport="grpc")
+    assert c.metric("strata_peer_fetched_bytes_total", transport="tcp") == 9 << 20
+    assert e.metric("strata_peer_fetched_bytes_total", transport="ucx") == 9 << 20
+    rdma = UcxRuntime.get().network_transports() - {"tcp"}
+    assert d.metric("strata_peer_fetched_bytes_total", transport="ucx" if rdma else "tcp") == 9 << 20
+
+
+def test_fabric_order_puts_tcp_first_only_where_ucx_has_no_fabric_of_its_own():
+    """What the readers above act on, for each kind of host: UCX with tcp alone yields to the tcp
+    scheme; UCX with an RDMA transport, an explicit ucx_over_tcp, or an order that already has
+    tcp first, or no tcp, stay as they are. On this host the worker's network transports are real."""
+    from kvstore.peer.registry import fabric_order
+    from kvstore.peer.ucx_link import UcxRuntime
+
+    tcp_only, rdma = (lambda: {"tcp"}), (lambda: {"tcp", "rc_mlx5"})
+    assert fabric_order(["ucx", "tcp", "grpc"], network=tcp_only) == ("tcp", "ucx", "grpc")
+    assert fabric_order(["ucx-shm", "ucx", "grpc", "tcp"], network=tcp_only) == ("ucx-shm", "tcp", "ucx", "grpc")
+    assert fabric_order(["ucx", "tcp"], network=rdma) == ("ucx", "tcp")
+    assert fabric_order(["ucx", "tcp"], ucx_over_tcp=True, network=tcp_only) == ("ucx", "tcp")
+    assert fabric_order(["tcp", "ucx"], network=tcp_only) == ("tcp", "ucx")
+    assert fabric_order(["ucx", "grpc"], network=tcp_only) == ("ucx", "grpc")
+    found = UcxRuntime.get().network_transports()
+    assert "tcp" in found and not found & {"self", "posix", "sysv", "cma"}
 
 
 def test_a_peer_killed_mid_transfer_fails_the_rest_and_never_reports_partial_bytes(tmp_path):
