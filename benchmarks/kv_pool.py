@@ -331,12 +331,13 @@ def _handoff_cases(bench: Benchmark, plan: dict, stack: contextlib.ExitStack, in
     home = stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-handoff-bench-"))
     common = dict(ram_bytes="768MiB", disk_bytes="0", max_block_bytes="16MiB", auto_create_namespaces=True,
                   index_url=index_url)
-    p = stack.enter_context(strata_daemon_process(node_id="prefill", disk_dir=f"{home}/p", shm_dir=home,
+    # Each daemon's arena in a folder of its own on a tmpfs, as in production (the harness picks it):
+    # an arena on a disk's file system would write every pulled block back to the disk.
+    p = stack.enter_context(strata_daemon_process(node_id="prefill", disk_dir=f"{home}/p",
                                                   peer_listen=f"127.0.0.1:{peer_port}", **common))
-    d = stack.enter_context(strata_daemon_process(node_id="decode", disk_dir=f"{home}/d", shm_dir=f"{home}/d",
-                                                  **common))
+    d = stack.enter_context(strata_daemon_process(node_id="decode", disk_dir=f"{home}/d", **common))
     # Pulls over gRPC only, as every decode daemon does from a prefill node without --peer-listen.
-    g = stack.enter_context(strata_daemon_process(node_id="decode-grpc", disk_dir=f"{home}/g", shm_dir=f"{home}/g",
+    g = stack.enter_context(strata_daemon_process(node_id="decode-grpc", disk_dir=f"{home}/g",
                                                   handoff_transports="grpc", **common))
     plain = stack.enter_context(plain_socket(total))
     prefill = stack.enter_context(Client(p.target, use_shm=False, timeout=120))
