@@ -304,8 +304,15 @@ class AsyncClient(BaseClient):
     # ---- control -------------------------------------------------------------
 
     async def exists(self, namespace: str, keys: Sequence[bytes]) -> list[TierName]:
-        """For a prefix chain (head first): the tier of each leading present block."""
-        return codec.parse_exists(await self._call("Exists", pb.ExistsRequest(namespace=namespace, keys=list(keys))))
+        """For a prefix chain (head first): the tier of each leading present block. On the same-host
+        path one message on the daemon's socket; otherwise (or from an older daemon) the Exists RPC."""
+        keys = list(keys)
+        if keys and not self._streams_only():
+            found = await self._on_data("Exists", namespace,
+                                        lambda t: t.exists(namespace, keys, self._deadline()))
+            if found is not None:
+                return found
+        return codec.parse_exists(await self._call("Exists", pb.ExistsRequest(namespace=namespace, keys=keys)))
 
     async def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
         return (await self._call("Delete", pb.DeleteRequest(namespace=namespace, keys=list(keys)))).deleted

@@ -209,6 +209,11 @@ class Transport(ABC):
         served them from its own memory), so its eviction keeps them. Transports without a
         cheap way to say it do nothing."""
 
+    def exists(self, namespace: str, keys: Sequence[bytes], deadline: Deadline) -> list[TierName] | None:
+        """For a prefix chain (head first): the tier of each leading present block, asked over this
+        transport; None when it has no cheaper way than the daemon's control plane (the client asks that)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Give back what the transport holds. Idempotent."""
@@ -240,6 +245,10 @@ class AsyncTransport(ABC):
 
     async def touch(self, namespace: str, keys: Sequence[bytes]) -> None:
         """As :meth:`Transport.touch`: best effort, nothing by default."""
+
+    async def exists(self, namespace: str, keys: Sequence[bytes], deadline: Deadline) -> list[TierName] | None:
+        """As :meth:`Transport.exists`: None by default."""
+        return None
 
     @abstractmethod
     async def close(self) -> None:

@@ -551,3 +551,37 @@ def test_a_client_maps_every_page_of_an_arena_the_daemon_faulted_in(make_daemon,
             [arena] = c._mapped
             path = arena.path
             assert mapped_kib(path) < 32 * 1024  # neither side faulted in what no block touched
+
+
+def test_exists_is_one_message_on_the_socket_and_answers_as_the_rpc(daemon, monkeypatch):
+    """A prefix chain's leading hits over the same-host socket (what LMCache asks before every
+    retrieve), the same answer the gRPC Exists gives; a malformed Exists is refused and the
+    connection goes on."""
+    keys = [b"e%d" % i for i in range(5)]
+    asked = []
+    real = SameHostTransport.exists
+
+    def counted(self, namespace, keys, deadline):
+        asked.append(list(keys))
+        return real(self, namespace, keys, deadline)
+
+    monkeypatch.setattr(SameHostTransport, "exists", counted)
+    with Client(daemon.target, transport="same-host") as c, Client(daemon.target, transport="grpc") as g:
+        for k in keys[:3] + keys[4:]:  # a gap at keys[3]: the chain's leading run is three
+            c.put("m", k, b"v" * 1000)
+        before = ops(daemon, "Exists")
+        assert c.exists("m", keys) == [TierName.HOST] * 3 == g.exists("m", keys)
+        assert asked == [keys]  # the same-host client asked on the socket, once
+        assert ops(daemon, "Exists") == before + 2  # one over the socket, one RPC
+        assert c.exists("m", [b"absent"]) == [] and c.exists("m", []) == []
+    raw = Raw(daemon)
+    try:
+        assert raw.call(frames.EXISTS, ["m", keys])[1:] == (frames.OK, [int(TierName.HOST)] * 3)
+        rid, status, result = raw.call(frames.EXISTS, ["m", "not a list"])
+        assert status == frames.ERROR and "keys is not a list" in str(result)
+        rid, status, result = raw.call(frames.EXISTS, ["m"])
+        assert status == frames.ERROR
+        assert raw.call(frames.EXISTS, ["m", keys[:1]])[1:] == (frames.OK, [int(TierName.HOST)])
+    finally:
+        raw.close()
+    assert served(daemon)

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvstore.block import TierName
 from kvstore.errors import ArenaUnusable, DaemonUnavailable, InvalidArgument, StrataError
 from kvstore.shm.arena import Prefault, ShmArena
 from kvstore.transport import arena_io
@@ -217,6 +218,18 @@ class SameHostTransport(Transport):
         """Tell the daemon these blocks were used (recency), with the next flush; no reply."""
         if keys:
             self._touch_later(namespace, list(keys))
+
+    def exists(self, namespace: str, keys: Sequence[bytes], deadline: Deadline) -> list[TierName] | None:
+        """One Exists on the socket (no leases taken): a prefix chain's leading hits; None when the
+        daemon answers Exists over gRPC only."""
+        if not self._hello.exists:
+            return None
+        conn = self._take()
+        try:
+            answer = conn.call(frames.EXISTS, [namespace, list(keys)], deadline=deadline)
+        finally:
+            self._give(conn)
+        return protocol.exists_answer(answer)
 
     # ---- reads ---------------------------------------------------------------
 

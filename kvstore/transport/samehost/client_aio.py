@@ -301,6 +301,12 @@ class AsyncSameHostTransport(AsyncTransport):
         if keys:
             self._touch_later(namespace, list(keys))
 
+    async def exists(self, namespace: str, keys: Sequence[bytes], deadline: Deadline) -> list[TierName] | None:
+        """As the blocking transport's: one Exists on the socket; None when the daemon has none."""
+        if not self._hello.exists:
+            return None
+        return protocol.exists_answer(await self._call(frames.EXISTS, [namespace, list(keys)], (), deadline))
+
     async def get_into(self, namespace: str, keys: Sequence[bytes], place: Place | None,
                        deadline: Deadline) -> list[Block | None]:
         keys = list(keys)

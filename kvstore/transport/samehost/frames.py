@@ -31,9 +31,10 @@ OK, ERROR = 0, 1
 # Request operations.
 HELLO = 1  # [version, arena token(, [capability])] -> [max_meta_bytes, max_payload_bytes, max_batch_blocks,
 #            removal page path(, head)]; version 2 sends capabilities and gets ``head`` back:
-#            {"tier": the head's TierName, "regions": [handle], "prefault": bool}
+#            {"tier": the head's TierName, "regions": [handle], "prefault": bool, "exists": bool}
 #            (kvstore.transport.samehost.regions; regions only for a client that declared "gpu", when the head
-#            is the gpu tier; prefault: the daemon faults the arena's pages in, so a client may map them all)
+#            is the gpu tier; prefault: the daemon faults the arena's pages in, so a client may map them all;
+#            exists: the daemon answers EXISTS, else a client asks the gRPC service)
 LOOKUP = 2  # [ns, keys, lease_ms, timeout_ms, release_ids] -> [lease_deadline_unix_ms, [entry or None]]
 #            entry: [size, checksum, parent, layout, offset, lease_id, tier(, region)]: region, the
 #            index into Hello's regions, when the lease is on a gpu region (offset then inside it)
@@ -44,5 +45,6 @@ ALLOCATE = 5  # [ns, lease_ms, timeout_ms, [[key, size, parent, layout]]] -> [de
 COMMIT = 6  # [slot_ids] -> [[stored, tier]]
 ABORT = 7  # [slot_ids] -> None
 TOUCH = 8  # [ns, keys] -> None: blocks read without asking (kvstore.transport.samehost.locations), for recency
+EXISTS = 9  # [ns, keys] -> [tier of each leading present block]: a prefix chain's hits, without leases
 OP_NAMES = {HELLO: "Hello", LOOKUP: "Lookup", RELEASE: "Release", PUT: "Put", ALLOCATE: "Allocate",
-            COMMIT: "Commit", ABORT: "Abort", TOUCH: "Touch"}
+            COMMIT: "Commit", ABORT: "Abort", TOUCH: "Touch", EXISTS: "Exists"}

@@ -60,6 +60,14 @@ def stale_attachment(refusal: InvalidArgument) -> StaleAttachment:
                            "client attached: attach again")
 
 
+def exists_answer(answer) -> list[TierName]:
+    """An Exists answer's tiers; StrataError when it is not a list of tier numbers."""
+    try:
+        return [TierName(t) for t in answer]
+    except (TypeError, ValueError):
+        raise StrataError(f"the daemon sent a malformed Exists answer: {answer!r:.120}") from None
+
+
 def hello_request(token: bytes, gpu: bool) -> list:
     """Protocol 2 with the client's capabilities: with ``gpu``, a gpu head's extents come with their region."""
     return [frames.PROTOCOL_VERSION, bytes(token), [regions.CAPABILITY] if gpu else []]
@@ -76,6 +84,7 @@ class Hello:
     head: TierName
     regions: list[MemoryHandle]
     prefault: bool = False  # the daemon faults the arena's pages in: the client maps them all at attach
+    exists: bool = False  # the daemon answers Exists on this socket (an older one only over gRPC)
 
     @classmethod
     def parse(cls, answer) -> Hello:
@@ -84,7 +93,8 @@ class Hello:
             max_meta, max_payload, max_batch, removal_page, *head = answer
             head = head[0] if head else {"tier": int(TierName.HOST), "regions": []}
             return cls(max_meta, max_payload, max_batch, removal_page, TierName(head["tier"]),
-                       regions.regions_from_wire(head["regions"]), bool(head.get("prefault", False)))
+                       regions.regions_from_wire(head["regions"]), bool(head.get("prefault", False)),
+                       bool(head.get("exists", False)))
         except (TypeError, ValueError, KeyError):
             raise StrataError(f"the daemon sent a malformed Hello answer: {answer!r:.120}") from None
 

@@ -133,7 +133,7 @@ class SameHostServer:
         handlers = {
             frames.LOOKUP: self._lookup, frames.RELEASE: self._release, frames.PUT: self._put,
             frames.ALLOCATE: self._allocate, frames.COMMIT: self._commit, frames.ABORT: self._abort,
-            frames.TOUCH: self._touch,
+            frames.TOUCH: self._touch, frames.EXISTS: self._exists,
         }
         # Per operation: its handler and its latency series, bound once (labels cost a lookup per call).
         m = self._metrics
@@ -248,7 +248,7 @@ class SameHostServer:
         if version >= 2:
             head = TierName.GPU if self._gpu else TierName.HOST
             handles = [regions.to_wire(h) for h in self._head.handles()] if gpu else []
-            limits.append({"tier": int(head), "regions": handles, "prefault": self._head.prefaults})
+            limits.append({"tier": int(head), "regions": handles, "prefault": self._head.prefaults, "exists": True})
         frames.send(conn, frames.encode([rid, frames.OK, limits]))
         return True
 
@@ -386,6 +386,12 @@ class SameHostServer:
         namespace, keys = _fields(args, 2, "Touch")
         self._gate.check(namespace, READ)
         self._store.touch(namespace, _list(keys, "keys"))
+
+    def _exists(self, args, payload) -> list[int]:
+        """The tier of each leading present block of a prefix chain, as the gRPC Exists answers."""
+        namespace, keys = _fields(args, 2, "Exists")
+        self._gate.check(namespace, READ)
+        return [int(tier) for tier in self._store.exists(namespace, _list(keys, "keys"))]
 
     def _abort(self, args, payload) -> None:
         [slot_ids] = _fields(args, 1, "Abort")
