@@ -16,7 +16,25 @@
 Needs the ``router`` extra (aiohttp; transformers for the cache-aware policy).
 """
 
-from kvstore.config.router import RouterSettings, load_router_settings
-from kvstore.router.server import Router
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.config.router import RouterSettings, load_router_settings
+    from kvstore.router.server import Router
+
+# Imported on first use, not with the package: the policies, the TTFT model and the endpoint
+# records are plain Python that a simulation (benchmarks.fleet) imports without the HTTP server.
+_LAZY = {"Router": "kvstore.router.server", "RouterSettings": "kvstore.config.router",
+         "load_router_settings": "kvstore.config.router"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Router", "RouterSettings", "load_router_settings"]

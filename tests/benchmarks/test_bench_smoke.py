@@ -93,6 +93,8 @@ SMOKES = [
     # Two daemons, Redis and moto under traffic while a daemon is killed and bytes are damaged; exits 1 on a
     # lost block or wrong bytes.
     Smoke("chaos", programs=("redis-server",), s3=True),
+    # The trace-driven fleet simulation, on a trace it generates (the shared traces are not needed).
+    Smoke("fleet"),
     Smoke("index"),  # without redis-server or hiredis its Redis cases say so
     Smoke("index_churn", programs=("redis-server",)),
     Smoke("kv_local", expects=_kv_local_expects()),  # without redis-server its Redis cases say so
