@@ -41,11 +41,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import daemon_cpu
 from benchmarks.daemon_cpu import CpuUse, IdleCpu
 from kvstore.shm.arena import filesystem_of  # noqa: F401 - the benchmarks take it from here
 
@@ -476,6 +478,28 @@ def strata_daemon(start_timeout_s: float = 30.0, **settings) -> Iterator[str]:
     (:func:`strata_daemon_process`)."""
     with strata_daemon_process(start_timeout_s, **settings) as daemon:
         yield daemon.target
+
+
+def settle(pids: Iterable[int] = (), timeout_s: float = 30.0, idle_share: float = 0.05) -> float:
+    """Wait until start-up work is over, before anything is timed: this process's arena prefault
+    threads (a same-host client faults its mapping of the arena in at attach) and the daemons' own
+    (a daemon faults its arena in at start, about a second a GiB on these VMs), the latter seen as
+    each daemon's CPU falling below ``idle_share`` of a core over a quarter second. Returns the
+    seconds waited; gives up, saying so, after ``timeout_s``."""
+    start, pids = time.monotonic(), list(pids)
+    deadline = start + timeout_s
+    while time.monotonic() < deadline:
+        busy = any(t.name == "strata-prefault" and t.is_alive() for t in threading.enumerate())
+        if not busy and pids:
+            before = {pid: daemon_cpu.read(pid) for pid in pids}
+            time.sleep(0.25)
+            busy = any(daemon_cpu.seconds_between(before[pid], daemon_cpu.read(pid)) > idle_share * 0.25
+                       for pid in pids)
+        if not busy:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    print(f"start-up work still running after {timeout_s:g} s; measuring anyway", file=sys.stderr)
+    return time.monotonic() - start
 
 
 def _roomy_tmpfs(path: str) -> bool:

@@ -81,6 +81,7 @@ from benchmarks.harness import (
     interleave,
     private_redis,
     scratch_dir,
+    settle,
     size_label,
     strata_daemon,
     strata_daemon_process,
@@ -1098,6 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
                 asking = stack.enter_context(open_transport("same-host", target=target, locations=0))
             except StrataError as err:
                 raise SystemExit(f"a transport cannot be measured here: {err}") from None
+            settle([process.pid])  # the arena's pages faulted in, by the daemon and by each client
             rpc_us = {"grpc": control_rpc_us(clients["shm"], plan.floor_calls),
                       "socket": socket_round_trip_us(clients["shm"], 5 * plan.floor_calls // 2)}
             bench_calls(bench, plan, clients["shm"], redis_side, daemon)

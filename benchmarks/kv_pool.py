@@ -103,6 +103,7 @@ from benchmarks.harness import (
     free_port,
     interleave,
     private_redis,
+    settle,
     size_label,
     skipped,
     strata_daemon_process,
@@ -349,6 +350,7 @@ def _handoff_cases(bench: Benchmark, plan: dict, stack: contextlib.ExitStack, in
     for client in (decode, decode_grpc):
         wait_for_node(client, "prefill")
     buffers = [memoryview(bytearray(block)) for _ in range(blocks)]
+    settle([p.pid, d.pid, g.pid])  # their arenas faulted in before anything is timed
     tcp = DaemonMeter(DaemonCpu([p.pid, d.pid]), "handoff")
     grpc = DaemonMeter(DaemonCpu([p.pid, g.pid]), "handoff")
     fns = {
@@ -503,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             ucx_client = UcxPeerClient()
             shm_at, shm_client = shm_reader(process.target)
             ucx_clients = (ucx_client, f"ucx://127.0.0.1:{ucx_port}", shm_client, shm_at)
+        settle([process.pid])  # the daemon's arena faulted in before anything is timed
         try:
             if mc is None:
                 print(f"Mooncake cases skipped: {mc_why}")

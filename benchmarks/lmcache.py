@@ -54,14 +54,16 @@ import uuid  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
-from benchmarks.harness import Case, ServerUnavailable, UnitBenchmark, free_port, private_redis, scratch_dir, strata_daemon  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    Case, ServerUnavailable, UnitBenchmark, free_port, private_redis, scratch_dir, settle, strata_daemon,
+)
 
 NAME = "lmcache"
 MODEL = "bench/strata-lmcache"
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 8, 4, 64, 256
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD_SIZE * 2  # K and V, bf16
 TARGET = 2.0  # Strata's retrieve >= 2x the best of LMCache's backends
-FLOOR_TARGET = 0.9  # Strata's retrieve >= 0.9x the in-process floor (LMCache's own work plus one copy)
+FLOOR_TARGET = 0.95  # Strata's retrieve >= 0.95x the in-process floor (LMCache's own work plus one copy)
 STRATA = "Strata"
 FLOOR = "floor"
 
@@ -488,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 b.failed = str(err)
             except Exception as err:  # noqa: BLE001
                 b.failed = f"engine start failed: {type(err).__name__}: {err}"[:300]
+        settle()  # the daemon's arena and the plugin's mapping of it faulted in before anything is timed
         run_rounds(backends, plan, source)
         strata = backends[0]
         if strata.engine is not None:
