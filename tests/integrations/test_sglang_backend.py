@@ -241,3 +241,12 @@ def test_pages_the_pool_does_not_hold_are_refused_not_written():
     assert backend.counts["get:pages"] == 1
     assert backend.batch_get_v1(page_hashes(2), pool.indices([0]), info()) == [False, False]  # too few indices
     backend.close()
+
+
+def test_hybrid_models_pool_calls_answer_misses():
+    backend = attach(storage_config("127.0.0.1:1"), PageFirstPool(pages=2))
+    transfer = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=page_hashes(2))
+    assert backend.batch_exists_v2(page_hashes(2), [transfer]).kv_hit_pages == 0
+    assert backend.batch_get_v2([transfer]) == {storage.PoolName.MAMBA: [False, False]}
+    assert backend.batch_set_v2([transfer]) == {storage.PoolName.MAMBA: [False, False]}
+    backend.close()

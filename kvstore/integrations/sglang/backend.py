@@ -14,10 +14,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransferResult,
+)
 
 from kvstore.client import BlockInfo, BlockPut, Client
-from kvstore.errors import CorruptBlock, DaemonUnavailable, DeadlineExceeded, ResourceExhausted, StrataError, UnknownNamespace
+from kvstore.errors import (
+    CorruptBlock,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    ResourceExhausted,
+    StrataError,
+    UnknownNamespace,
+)
 from kvstore.integrations.health import DaemonHealth
 from kvstore.integrations.sglang.host_pages import HostPages, PagesOutOfPool
 from kvstore.integrations.sglang.layout import PageLayout
@@ -185,6 +197,26 @@ class StrataHiCacheStorage(HiCacheStorage):
             log.warning("Strata HiCache read found a corrupt block (%s); the daemon dropped it, reading again", err,
                         extra={"op": "get", "reason": "corrupt", "namespace": namespace})
             return self.client().get_into(namespace, blocks, place)
+
+    # ---- hybrid models' pools (not supported: misses) -------------------------------------------
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        self._unsupported("exists_v2", len(keys))
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
+        self._unsupported("get_v2", sum(len(t.keys or ()) for t in transfers))
+        return {t.name: [False] * len(t.keys or ()) for t in transfers}
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
+        self._unsupported("set_v2", sum(len(t.keys or ()) for t in transfers))
+        return {t.name: [False] * len(t.keys or ()) for t in transfers}
+
+    def _unsupported(self, op: str, pages: int) -> None:
+        if not self.counts[f"{op}:unsupported"]:
+            log.warning("the Strata HiCache backend does not store hybrid models' extra pools (SGLang's %s): misses",
+                        op, extra={"op": op, "reason": "unsupported", "pages": pages})
+        self.counts[f"{op}:unsupported"] += max(pages, 1)
 
     # ---- the page-by-page interface (SGLang calls it only without interface_v1) ----------------
 
