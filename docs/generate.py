@@ -8,8 +8,8 @@ Each page is rendered from one source of truth, so it cannot drift from the code
 - ``configuration.md``: every daemon setting (:data:`kvstore.config.SETTINGS`, the
   fields of the section models), with the four names each one goes by;
 - ``router-configuration.md``: ``strata route``'s settings (``ROUTER_SETTINGS``);
-- ``vllm-tier.md`` and ``lmcache-plugin.md``: the options of the two engine integrations
-  (their settings dataclasses);
+- ``vllm-tier.md``, ``lmcache-plugin.md`` and ``sglang-backend.md``: the options of the engine
+  integrations (their settings dataclasses);
 - ``cli.md``: every ``strata`` command's argparse parser, and ``strata weights``'s
   (``weightcache.cli``), as usage lines and option tables (the approach of vLLM's
   ``docs/mkdocs/hooks/generate_argparse.py``);
@@ -331,6 +331,29 @@ def render_lmcache_plugin() -> str:
     ]))
     out.append("\n" + docstring(settings.PluginSettings) + "\n\n")
     out.append(table(["option", "default", "type"], dataclass_rows(settings.PluginSettings)))
+    return "".join(out)
+
+
+def render_sglang_backend() -> str:
+    settings = integration_settings("sglang")
+    out = [HEADER, "# SGLang HiCache backend options\n\n"]
+    out.append(
+        "The keys of SGLang's `--hicache-storage-backend-extra-config` (with `--hicache-storage-backend dynamic`) "
+        f"that load the Strata backend, and the options of its {code(settings.OPTIONS_KEY)} object, from "
+        "`kvstore.integrations.sglang.settings.StrataStorageSettings`. An unknown option is refused with the known "
+        "ones listed; the keys beside the object are SGLang's. What each does, and how to run it: "
+        "[the SGLang integration](../integrations/sglang.md).\n\n"
+    )
+    out.append(table(["key", "value", "type"], [
+        [code("backend_name"), code(toml_value(settings.BACKEND_NAME)), "any name (SGLang logs it)"],
+        [code("module_path"), code(toml_value(settings.MODULE_PATH)), "required"],
+        [code("class_name"), code(toml_value(settings.CLASS_NAME)), "required"],
+        [code("interface_v1"), code("1"), "required: pages move in place"],
+        [code(settings.OPTIONS_KEY), "an object of the options below", "optional"],
+    ]))
+    out.append("\n" + docstring(settings.StrataStorageSettings) + "\n\n")
+    out.append(table(["option", "default", "type"], dataclass_rows(settings.StrataStorageSettings)))
+    out.append(f"\n`namespace` is a prefix of at most {settings.MAX_PREFIX_CHARS} characters.\n")
     return "".join(out)
 
 
@@ -704,6 +727,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "router-configuration.md": render_router_configuration,
     "vllm-tier.md": render_vllm_tier,
     "lmcache-plugin.md": render_lmcache_plugin,
+    "sglang-backend.md": render_sglang_backend,
     "cli.md": render_cli,
     "metrics.md": render_metrics,
     "status-codes.md": render_status_codes,

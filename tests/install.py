@@ -22,13 +22,18 @@ What it installs, in order, and why the order:
    cuda-bindings<13 against lmcache's cuda-python, and on a CPU ucxx imports neither.
 6. Mooncake Store's CPU build (the pool benchmark's side-by-side baseline and its test); its
    store.so needs Debian's libibverbs1, installed in step 1.
+7. SGLang's Python package (the HiCache backend's tests), without its requirements (a CUDA torch,
+   flashinfer, triton and GBs more) and without compiling its 6,000 modules to bytecode: the
+   storage modules the tests import (``srt/mem_cache/hicache_storage.py``,
+   ``storage/backend_factory.py``) need only torch (``tests/support/sglang_pool.py`` says how
+   they are imported without ``sglang/__init__.py``'s front end). About 5 s.
 
-Steps 1, 4, 5 and 6 are optional parts: when one cannot install (no root, a registry that answers
+Steps 1, 4, 5, 6 and 7 are optional parts: when one cannot install (no root, a registry that answers
 no), this says so and goes on, and the tests that need it skip with the reason. Steps 2 and 3 are
 the suite itself; their failure stops the command.
 
     python tests/install.py            # everything
-    python tests/install.py --no-system --no-vllm --no-ucx --no-mooncake   # the Python core only
+    python tests/install.py --no-system --no-vllm --no-ucx --no-mooncake --no-sglang   # the Python core only
 """
 
 from __future__ import annotations
@@ -57,8 +62,15 @@ VLLM_NO_DEPS = ["xgrammar", "llguidance", "apache-tvm-ffi", "einops"]
 UCXX = ["ucxx-cu12>=0.52,<0.53", "libucxx-cu12>=0.52,<0.53", "libucx-cu12", "librmm-cu12>=26.10,<26.11",
         "rapids-logger"]
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+SGLANG = "sglang==0.5.23"
+# What the HiCache backend's tests import of SGLang, entered as tests/support/sglang_pool.py does.
+SGLANG_CHECK = (
+    "import importlib, importlib.util, sys, types; spec = importlib.util.find_spec('sglang'); "
+    "p = types.ModuleType('sglang'); p.__path__ = list(spec.submodule_search_locations); sys.modules['sglang'] = p; "
+    "importlib.import_module('sglang.srt.mem_cache.storage.backend_factory')"
+)
 # Installed without their requirements on purpose: pip check may name them, nothing else.
-NO_DEPS_PACKAGES = ("vllm", "xgrammar", "ucxx-cu12", "libucxx-cu12")
+NO_DEPS_PACKAGES = ("vllm", "xgrammar", "ucxx-cu12", "libucxx-cu12", "sglang")
 
 
 class StepFailed(RuntimeError):
@@ -137,6 +149,13 @@ def mooncake() -> None:
         raise StepFailed("mooncake.store does not import (its store.so needs libibverbs1)")
 
 
+def sglang_layers() -> None:
+    pip("--no-deps", "--no-compile", SGLANG, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SGLANG_CHECK], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise StepFailed(f"sglang's HiCache storage modules do not import: {done.stderr.strip()[-300:]}")
+
+
 def check_requirements() -> None:
     """Every requirement holds, but for the packages installed without theirs on purpose."""
     done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=300)
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's Python layers")
     parser.add_argument("--no-ucx", action="store_true", help="skip ucxx")
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake Store's CPU build")
+    parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's Python package")
     args = parser.parse_args(argv)
     if sys.prefix == sys.base_prefix:
         print("tests/install.py installs into a virtual environment: "
@@ -169,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 missing.append(f"system packages ({e})")
         core(with_vllm=not args.no_vllm)
         for name, step, skip in (("vLLM's Python layers", vllm_layers, args.no_vllm), ("ucxx", ucx, args.no_ucx),
-                                 ("Mooncake Store", mooncake, args.no_mooncake)):
+                                 ("Mooncake Store", mooncake, args.no_mooncake),
+                                 ("SGLang's Python package", sglang_layers, args.no_sglang)):
             if skip:
                 continue
             try:
