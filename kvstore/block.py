@@ -108,7 +108,12 @@ class Checksummer:
         return self._h.intdigest()
 
 
-COPY_CHUNK = 256 << 10
+# A copy's pieces: small enough that a piece just copied is still in the last-level cache when it
+# is hashed, large enough for memcpy's fastest path. Pieces of 256 KiB copied 2.5-4x slower than
+# pieces of 512 KiB and up on the AMD EPYC hosts this was measured on (glibc takes ``rep movsb``
+# below its vector loop there): 64 MiB of 2 MiB blocks out of a tmpfs mapping, copied and hashed,
+# 25.7 ms in 256 KiB pieces, 10.1 ms in 1 MiB ones, against 8.2 ms for the bare copy.
+COPY_CHUNK = 1 << 20
 
 
 def copy_and_checksum(dst: memoryview, src: bytes | bytearray | memoryview) -> int:
