@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvstore.block import COPY_CHUNK, BlockKey, BlockMeta, Checksummer, TierName, copy_and_checksum
+from kvstore.block import BlockKey, BlockMeta, Checksummer, TierName, copy_and_checksum
 from kvstore.errors import (
     BlockTooLarge,
     CorruptBlock,
@@ -68,6 +68,8 @@ DEFAULT_CAPACITY_BYTES = 256 << 20
 MAX_SHARED_NAMES = 256  # named block sets in one process; each is bounded by its capacity
 TIER_FULL_RETRY_S = 1.0  # a full remote frees room only when something else deletes
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+_PACED_CHUNK = 256 << 10  # at bytes_per_s, the bytes copied between two pauses (a deadline can fall between)
 
 
 class _Blocks:
@@ -353,8 +355,8 @@ class MemoryRemote(RemoteSource):
             return copy_and_checksum(dst, src)
         src = memoryview(src)
         h = Checksummer()
-        for off in range(0, len(dst), COPY_CHUNK):
-            end = min(off + COPY_CHUNK, len(dst))
+        for off in range(0, len(dst), _PACED_CHUNK):
+            end = min(off + _PACED_CHUNK, len(dst))
             dst[off:end] = src[off:end]
             h.update(dst[off:end])
             await self._pause((end - off) / self.bytes_per_s)
