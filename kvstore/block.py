@@ -109,10 +109,10 @@ class Checksummer:
 
 
 # A copy's pieces: small enough that a piece just copied is still in the last-level cache when it
-# is hashed, large enough for memcpy's fastest path. Pieces of 256 KiB copied 2.5-4x slower than
-# pieces of 512 KiB and up on the AMD EPYC hosts this was measured on (glibc takes ``rep movsb``
-# below its vector loop there): 64 MiB of 2 MiB blocks out of a tmpfs mapping, copied and hashed,
-# 25.7 ms in 256 KiB pieces, 10.1 ms in 1 MiB ones, against 8.2 ms for the bare copy.
+# is hashed, large enough for memcpy's fastest path. In an isolated test on the AMD EPYC hosts this
+# was measured on (64 MiB of 2 MiB blocks out of a tmpfs mapping into heap buffers), 256 KiB pieces
+# took 25.7 ms and 1 MiB pieces 10.1 ms, against 8.2 ms for the bare copy; in the node benchmark's
+# reads and writes the two sizes differ by less than its run-to-run noise.
 COPY_CHUNK = 1 << 20
 
 
