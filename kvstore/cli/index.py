@@ -1,5 +1,5 @@
 """``strata index lookup|holders``: query the prefix index (cache-aware routing);
-``strata index serve``: the indexer HTTP API over it (:mod:`kvstore.index.indexer_http`)."""
+``strata index serve``: the indexer HTTP API over it (:mod:`kvstore.indexer.server`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def add_parser(sub, client_opts: argparse.ArgumentParser, key_opts: argparse.Arg
 
 
 def add_serve_parser(index_sub) -> None:
-    from kvstore.index.indexer_http import IndexerSettings
+    from kvstore.indexer.server import IndexerSettings
 
     d = IndexerSettings()
     serve = index_sub.add_parser(
@@ -72,7 +72,7 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
     import sys
 
     from kvstore.errors import InvalidArgument
-    from kvstore.index.indexer_http import IndexerError, IndexerSettings, run
+    from kvstore.indexer.server import IndexerError, IndexerSettings, run
 
     try:
         settings = IndexerSettings(

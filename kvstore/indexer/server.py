@@ -1,4 +1,4 @@
-"""``strata index serve``: the indexer HTTP API over a prefix index (shapes: :mod:`kvstore.index.indexer_api`).
+"""``strata index serve``: the indexer HTTP API over a prefix index (shapes: :mod:`kvstore.indexer.api`).
 
     POST /query           per instance, its cached prefix of a prompt's token ids, per tier
     POST /query_by_hash   the same for a chain of block hashes
@@ -45,7 +45,7 @@ from kvstore.errors import InvalidArgument, PrefixIndexError
 from kvstore.index import open_index
 from kvstore.index.base import PrefixIndex
 from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
-from kvstore.index.indexer_api import (
+from kvstore.indexer.api import (
     Conflict, Query, Registration, Unauthorized, hash_chain, instance_answers, parse_query, parse_query_by_hash,
     parse_registration, parse_unregistration,
 )

@@ -5,7 +5,7 @@ Mooncake Conductor and Dynamo's standalone indexer serve one API to gateways:
 block hashes, and ``POST /register`` / ``/unregister`` for the engines whose KV
 events the indexer follows. This module reads those bodies and computes the
 answers from Strata's own :class:`~kvstore.index.base.PrefixIndex`; the HTTP
-server around it is :mod:`kvstore.index.indexer_http`.
+server around it is :mod:`kvstore.indexer.server`.
 
 Keys. The token ids are hashed exactly as the engines hash them
 (:class:`~kvstore.index.keys.BlockHasher`: vLLM's ``sha256_cbor`` with the
