@@ -1,4 +1,5 @@
-"""``strata index lookup|holders``: query the prefix index (cache-aware routing)."""
+"""``strata index lookup|holders``: query the prefix index (cache-aware routing);
+``strata index serve``: the indexer HTTP API over it (:mod:`kvstore.indexer.server`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,58 @@ def add_parser(sub, client_opts: argparse.ArgumentParser, key_opts: argparse.Arg
         description="For each block of the chain, the nodes holding it now (live, at their current epoch).",
     )
     holders.set_defaults(func=cmd_index_holders)
+    add_serve_parser(index_sub)
+
+
+def add_serve_parser(index_sub) -> None:
+    from kvstore.indexer.server import IndexerSettings
+
+    d = IndexerSettings()
+    serve = index_sub.add_parser(
+        "serve", help="the indexer HTTP API (/query, /query_by_hash, /register, /unregister)",
+        description="Serve the indexer HTTP API gateways share (Mooncake RFC #1403 shapes) over a prefix index: "
+        "per instance, the cached prefix of a prompt in tokens, per tier (GPU, CPU, DISK, PEER, OBJECT) and per "
+        "DP rank; /register follows an engine's vLLM KV events into the index. See docs/integrations/indexer-api.md.",
+    )
+    serve.add_argument("--index-url", default=d.index_url, help=f"the prefix index to answer from [{d.index_url}]")
+    serve.add_argument("--listen", default=d.listen, help=f"HTTP address, HOST:PORT (port 0: any free one) [{d.listen}]")
+    serve.add_argument("--hash-seed", default="", help="the engines' PYTHONHASHSEED, to hash /query's token ids as "
+                       "they do (without it /query is refused; /query_by_hash still answers)")
+    serve.add_argument("--token-file", default="", help="file holding the bearer token clients must send; needed "
+                       "beyond loopback unless --insecure")
+    serve.add_argument("--insecure", action="store_true", help="serve a non-loopback --listen without a token")
+    serve.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                       help=f"largest request body (413 beyond) [{d.max_body_bytes}]")
+    serve.add_argument("--body-timeout-seconds", type=float, default=d.body_timeout_s,
+                       help=f"a body must arrive whole within this (408 beyond) [{d.body_timeout_s:g}]")
+    serve.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
+                       help=f"requests answered at once (429 beyond) [{d.max_in_flight}]")
+    serve.add_argument("--index-timeout-seconds", type=float, default=d.index_timeout_s,
+                       help=f"deadline of one answer's index calls (503 beyond) [{d.index_timeout_s:g}]")
+    serve.add_argument("--max-engines", type=int, default=d.max_engines,
+                       help=f"engines /register may follow [{d.max_engines}]")
+    serve.add_argument("--event-ttl-seconds", type=float, default=d.event_ttl_s,
+                       help=f"a followed engine's liveness in the index without messages [{d.event_ttl_s:g}]")
+    serve.set_defaults(func=cmd_index_serve)
+
+
+def cmd_index_serve(args: argparse.Namespace) -> int:
+    import sys
+
+    from kvstore.errors import InvalidArgument
+    from kvstore.indexer.server import IndexerError, IndexerSettings, run
+
+    try:
+        settings = IndexerSettings(
+            index_url=args.index_url, listen=args.listen, hash_seed=args.hash_seed, token_file=args.token_file,
+            insecure=args.insecure, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_seconds,
+            max_in_flight=args.max_in_flight, index_timeout_s=args.index_timeout_seconds, max_engines=args.max_engines,
+            event_ttl_s=args.event_ttl_seconds,
+        )
+        return run(settings)
+    except (IndexerError, InvalidArgument, OSError) as err:  # protected mode, a bad URL, a port in use
+        print(f"strata index serve: {err}", file=sys.stderr)
+        return 2
 
 
 def _chain_args(args: argparse.Namespace) -> dict:

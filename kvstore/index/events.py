@@ -59,6 +59,7 @@ from kvstore.index.holdings import EngineHoldings
 log = logging.getLogger(__name__)
 
 INDEX_BATCH_BLOCKS = 1024  # keys per index call (the index bounds what it accepts)
+MAX_ENGINES = 1024  # engines one subscriber follows (as many as [index] kv_events may list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +168,9 @@ class _Engine:
     last_message_at: float = -math.inf
     connected: bool = False
     batches: int = 0
+    followed: bool = True  # False once unfollowed: nothing may write for it again
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    sockets: list[zmq.asyncio.Socket] = field(default_factory=list)
 
 
 class KVEventSubscriber:
@@ -184,6 +188,10 @@ class KVEventSubscriber:
     an unreadable batch) mean the engine's state is unknown: a new epoch, starting empty.
     Index trouble (a failed write, an expired or displaced membership) leaves the event
     stream intact: a new epoch, re-published from the holdings the events describe.
+
+    Engines can be followed and unfollowed while it runs (:meth:`follow`, :meth:`unfollow`,
+    what the indexer API's ``/register`` and ``/unregister`` call), up to ``max_engines``;
+    ``sources`` may then start empty (``allow_empty``).
     """
 
     def __init__(
@@ -193,17 +201,17 @@ class KVEventSubscriber:
         config: SubscriberConfig | None = None,
         *,
         registry: CollectorRegistry | None = None,
+        allow_empty: bool = False,
+        max_engines: int = MAX_ENGINES,
     ) -> None:
         self._index = index
         self._config = config or SubscriberConfig()
         self.metrics = KVEventMetrics(registry)
+        self._max_engines = max_engines
         self._engines: dict[str, _Engine] = {}
         for src in sources:
-            validate_namespace(src.namespace)
-            if src.engine_id in self._engines:
-                raise InvalidArgument(f"engine {src.engine_id!r} is configured twice; give each engine one source")
-            self._engines[src.engine_id] = _Engine(src, EngineHoldings(self._config.max_tracked_blocks))
-        if not self._engines:
+            self._add_engine(src)
+        if not self._engines and not allow_empty:
             raise InvalidArgument("no engine sources given; configure at least one (endpoint, engine_id, namespace)")
         # Plain counters for tests and status pages, mirroring the Prometheus ones.
         self.malformed: collections.Counter[str] = collections.Counter()
@@ -214,7 +222,6 @@ class KVEventSubscriber:
         self.failure: BaseException | None = None  # an unexpected error that ended a task
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._sockets: list[zmq.asyncio.Socket] = []
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -222,25 +229,84 @@ class KVEventSubscriber:
         if self._ctx is not None:
             raise RuntimeError("KVEventSubscriber.start() called twice")
         self._ctx = zmq.asyncio.Context()
-        cfg = self._config
         for eng in self._engines.values():
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
-            # A message over the limit makes ZMQ drop the connection; the seq gap that
-            # follows is handled like any other loss.
-            sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes + 4096)
-            ivl_ms = int(cfg.zmq_heartbeat_s * 1000)
-            sub.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
-            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_max_s * 1000))
-            sub.setsockopt(zmq.SUBSCRIBE, eng.source.topic.encode())
-            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            sub.connect(eng.source.endpoint)
-            self._sockets += [sub, monitor]
-            self._spawn(self._receive(eng, sub), f"kv-events-{eng.source.engine_id}")
-            self._spawn(self._watch(eng, monitor), f"kv-events-monitor-{eng.source.engine_id}")
+            self._open(eng)
         self._spawn(self._heartbeats(), "kv-events-heartbeat")
+
+    def _add_engine(self, src: EngineSource) -> _Engine:
+        validate_namespace(src.namespace)
+        if src.engine_id in self._engines:
+            raise InvalidArgument(f"engine {src.engine_id!r} is configured twice; give each engine one source")
+        if len(self._engines) >= self._max_engines:
+            raise InvalidArgument(f"{self._max_engines} engines are followed already; unregister one first")
+        eng = self._engines[src.engine_id] = _Engine(src, EngineHoldings(self._config.max_tracked_blocks))
+        return eng
+
+    def _open(self, eng: _Engine) -> None:
+        """The engine's SUB socket, its monitor and their tasks (the context is running)."""
+        assert self._ctx is not None
+        cfg = self._config
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
+        # A message over the limit makes ZMQ drop the connection; the seq gap that
+        # follows is handled like any other loss.
+        sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes + 4096)
+        ivl_ms = int(cfg.zmq_heartbeat_s * 1000)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_max_s * 1000))
+        sub.setsockopt(zmq.SUBSCRIBE, eng.source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sub.connect(eng.source.endpoint)
+        eng.sockets += [sub, monitor]
+        eng.tasks.append(self._spawn(self._receive(eng, sub), f"kv-events-{eng.source.engine_id}"))
+        eng.tasks.append(self._spawn(self._watch(eng, monitor), f"kv-events-monitor-{eng.source.engine_id}"))
+
+    async def follow(self, source: EngineSource) -> None:
+        """Start following one more engine (InvalidArgument: its id is followed already, or
+        ``max_engines`` are). Before :meth:`start` it is opened with the others."""
+        eng = self._add_engine(source)
+        if self._ctx is None:
+            return
+        try:
+            self._open(eng)
+        except zmq.ZMQError as e:  # an endpoint ZMQ cannot connect to (bad address, unknown transport)
+            del self._engines[source.engine_id]
+            await self._close(eng)
+            raise InvalidArgument(f"cannot follow {source.endpoint!r}: {e}; give tcp://HOST:PORT") from None
+
+    async def unfollow(self, engine_id: str) -> bool:
+        """Stop following an engine and drop its entries from the index now; False if it was not followed."""
+        eng = self._engines.pop(engine_id, None)
+        if eng is None:
+            return False
+        eng.followed = False
+        await self._close(eng)
+        async with eng.lock:
+            if eng.joined:
+                eng.joined = False
+                try:
+                    await self._index.leave(engine_id)
+                except PrefixIndexError as e:
+                    self._index_error("leave", eng, e)  # its entries leave answers after ttl_s
+        return True
+
+    def sources(self) -> list[EngineSource]:
+        """The engines followed now, in the order they were added."""
+        return [eng.source for eng in self._engines.values()]
+
+    async def _close(self, eng: _Engine) -> None:
+        tasks, eng.tasks = eng.tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        sockets, eng.sockets = eng.sockets, []
+        for s in sockets:
+            s.close(linger=0)
+        if eng.connected:
+            eng.connected = False
+            self.metrics.connected.dec()
 
     async def stop(self, *, leave: bool = False) -> None:
         """Stop reading; with ``leave`` also drop the engines from the index now.
@@ -252,16 +318,12 @@ class KVEventSubscriber:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        sockets, self._sockets = self._sockets, []
-        for s in sockets:
-            s.close(linger=0)
+        for eng in list(self._engines.values()):
+            await self._close(eng)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        for eng in self._engines.values():
-            if eng.connected:
-                eng.connected = False
-                self.metrics.connected.dec()
+        for eng in list(self._engines.values()):
             if leave and eng.joined:
                 eng.joined = False
                 try:
@@ -269,10 +331,16 @@ class KVEventSubscriber:
                 except PrefixIndexError as e:
                     self._index_error("leave", eng, e)
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         task.add_done_callback(self._task_done)
         self._tasks.append(task)
+        task.add_done_callback(self._forget)
+        return task
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -313,10 +381,12 @@ class KVEventSubscriber:
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
             now = time.monotonic()
-            for eng in self._engines.values():
+            for eng in list(self._engines.values()):  # follow/unfollow may change the dict meanwhile
                 if not (eng.connected or now - eng.last_message_at < cfg.ttl_s):
                     continue  # neither connected nor heard from: let the engine expire
                 async with eng.lock:
+                    if not eng.followed:
+                        continue
                     if eng.dirty or not eng.joined:
                         await self._new_epoch(eng, republish=True)
                         continue

@@ -1,0 +1,326 @@
+"""``strata index serve``: the indexer HTTP API over a prefix index (shapes: :mod:`kvstore.indexer.api`).
+
+    POST /query           per instance, its cached prefix of a prompt's token ids, per tier
+    POST /query_by_hash   the same for a chain of block hashes
+    POST /register        follow an engine's KV events (its ZMQ PUB socket) into the index
+    POST /unregister      stop following it and drop its entries now
+    GET  /instances       the engines followed
+    GET  /health          200 while the index answers
+
+It answers from the index the URL names: ``memory://`` holds what this
+process's own subscriber ingests (the engines registered here); a Redis URL
+adds what every daemon publishes there, so the API sees the whole fleet.
+Registered engines are followed by a :class:`~kvstore.index.events.KVEventSubscriber`
+(replay on connect, seq-gap handling, epochs) writing into that index, at
+most ``max_engines`` of them; registrations live in this process (a restart
+forgets them, and the engines' entries expire after the subscriber's TTL).
+
+Limits, as ``strata route`` has them: a body over ``max_body_bytes`` is 413,
+one not whole within ``body_timeout_s`` is 408, more than ``max_in_flight``
+requests at once are 429, and the index's own calls have ``index_timeout_s``
+(503 beyond it, as when the index is down). Every refusal is a JSON error
+body naming the fix; none is a 500.
+
+Protected mode, as the daemon's: ``/register`` makes this process connect
+wherever a client says, so a listen address beyond loopback needs a bearer
+token (``token_file``; clients send ``Authorization: Bearer <token>``) or
+``insecure``, or the server refuses to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.auth.exposure import is_loopback, split_host
+from kvstore.errors import InvalidArgument, PrefixIndexError
+from kvstore.index import open_index
+from kvstore.index.base import PrefixIndex
+from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
+from kvstore.indexer.api import (
+    Conflict, Query, Registration, Unauthorized, hash_chain, instance_answers, parse_query, parse_query_by_hash,
+    parse_registration, parse_unregistration,
+)
+from kvstore.router.body import parse_object
+from kvstore.router.errors import (
+    BadRequest, BodyTimeout, BodyTooLarge, MethodNotAllowed, NotFound, RequestRefused, TooManyRequests,
+)
+
+log = logging.getLogger(__name__)
+
+OFF_LOOP_TOKENS = 2048  # a longer prompt is hashed in a worker thread
+ROUTES = ("POST /query", "POST /query_by_hash", "POST /register", "POST /unregister", "GET /instances", "GET /health")
+
+
+class IndexerError(Exception):
+    """The server cannot start as configured; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerSettings:
+    index_url: str = "memory://"
+    listen: str = "127.0.0.1:8090"
+    hash_seed: str = ""  # the engines' PYTHONHASHSEED; "" leaves /query refused (use /query_by_hash)
+    token_file: str = ""
+    insecure: bool = False
+    max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 10.0
+    max_in_flight: int = 64
+    index_timeout_s: float = 2.0
+    max_engines: int = 1024
+    event_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_in_flight", "max_engines"):
+            if getattr(self, name) < 1:
+                raise IndexerError(f"--{name.replace('_', '-')} is {getattr(self, name)}; give a positive integer")
+        for name in ("body_timeout_s", "index_timeout_s", "event_ttl_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                flag = name.removesuffix("_s").replace("_", "-")
+                raise IndexerError(f"--{flag}-seconds is {getattr(self, name)}; give seconds in (0, 3600]")
+
+    @property
+    def host(self) -> str:
+        return split_host(self.listen)[0] or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        port = split_host(self.listen)[1]
+        if not port.isdigit() or int(port) > 65535:
+            raise IndexerError(f"--listen {self.listen!r} must be HOST:PORT, e.g. 127.0.0.1:8090")
+        return int(port)
+
+    def token(self) -> str | None:
+        """The bearer token clients must send, read once at start; None: none needed (loopback or insecure)."""
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as err:
+                raise IndexerError(f"--token-file {self.token_file}: {err.strerror}") from None
+            if len(token) < 16:
+                raise IndexerError(f"--token-file {self.token_file} holds a token of {len(token)} characters; "
+                                   "give one of at least 16 (e.g. openssl rand -hex 32)")
+            return token
+        if not self.insecure and not is_loopback(self.host):
+            raise IndexerError(
+                f"protected mode: --listen {self.listen} is not a loopback address and no --token-file is given; "
+                "/register makes this server connect wherever a client says: give --token-file with a bearer "
+                "token, listen on loopback (--listen 127.0.0.1:PORT), or pass --insecure")
+        return None
+
+
+def error_body(err: RequestRefused) -> web.Response:
+    headers = dict(err.headers)
+    if err.retry_after_s:
+        headers["Retry-After"] = str(int(err.retry_after_s))
+    response = web.json_response({"error": {"message": str(err), "type": err.kind, "code": err.status}},
+                                 status=err.status, headers=headers)
+    if err.body_unread:
+        response.force_close()
+    return response
+
+
+class IndexerServer:
+    """The API on an aiohttp server inside a running loop: ``await start()``, ``port``, ``await stop()``."""
+
+    def __init__(self, settings: IndexerSettings, index: PrefixIndex | None = None) -> None:
+        self.settings = settings
+        self._token = settings.token()
+        self._own_index = index is None
+        self.index = index if index is not None else open_index(settings.index_url)
+        ttl = settings.event_ttl_s
+        self.subscriber = KVEventSubscriber(self.index, [], SubscriberConfig(ttl_s=ttl, heartbeat_interval_s=ttl / 3),
+                                            allow_empty=True, max_engines=settings.max_engines)
+        self.registrations: dict[str, Registration] = {}  # holder id -> what /register gave
+        self._in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    async def start(self) -> IndexerServer:
+        await self.subscriber.start()
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._guard])
+        app.router.add_post("/query", functools.partial(self._post, self._query))
+        app.router.add_post("/query_by_hash", functools.partial(self._post, self._query_by_hash))
+        app.router.add_post("/register", functools.partial(self._post, self._register))
+        app.router.add_post("/unregister", functools.partial(self._post, self._unregister))
+        app.router.add_get("/instances", self._instances)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        log.info("indexer API on %s over index %s", self.url, self.settings.index_url.split("@")[-1])
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.subscriber.stop(leave=True)
+        if self._own_index:
+            await self.index.close()
+
+    # ---- the request's way -------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Authentication first, then aiohttp's own refusals as JSON error bodies, like every other answer."""
+        try:
+            if self._token is not None:
+                sent = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(sent.encode(), f"Bearer {self._token}".encode()):
+                    raise Unauthorized("send the server's bearer token: Authorization: Bearer <token from its "
+                                       "--token-file>", headers={"WWW-Authenticate": "Bearer"})
+            return await handler(request)
+        except web.HTTPNotFound:
+            err: RequestRefused = NotFound(f"no {request.path[:200]!r} here; this indexer serves {', '.join(ROUTES)}")
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            err = MethodNotAllowed(f"{request.path} takes {allowed}, not {request.method}", headers={"Allow": allowed})
+        except RequestRefused as refused:
+            err = refused
+        return error_body(err)
+
+    async def _post(self, handle, request: web.Request) -> web.StreamResponse:
+        if self._in_flight >= self.settings.max_in_flight:
+            raise TooManyRequests(f"{self.settings.max_in_flight} requests are in flight already; retry later",
+                                  retry_after_s=1)
+        self._in_flight += 1
+        try:
+            body = parse_object(await self._read(request))
+            try:
+                async with asyncio.timeout(self.settings.index_timeout_s):
+                    return web.json_response(await handle(body))
+            except TimeoutError:
+                raise RequestRefused(f"the prefix index did not answer within {self.settings.index_timeout_s:g} s; "
+                                     "retry later", retry_after_s=1) from None
+        except PrefixIndexError as err:  # IndexUnavailable and the rest: the index, not the request
+            raise _Unavailable(f"the prefix index cannot answer: {err}", retry_after_s=1) from None
+        finally:
+            self._in_flight -= 1
+
+    async def _read(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = BodyTooLarge(f"the request body is over {limit} bytes (--max-body-bytes); send a shorter "
+                                 "prompt (only its leading blocks can match) or raise the limit")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except TimeoutError:
+            raise BodyTimeout(f"the request body did not arrive whole within {self.settings.body_timeout_s:g} s; "
+                              "send it at once") from None
+        except web.RequestPayloadError as err:
+            raise BadRequest(f"the request body cannot be read: {str(err).strip()}") from None
+
+    # ---- the routes ----------------------------------------------------------------------------
+
+    async def _query(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not self.settings.hash_seed:
+            raise BadRequest("this indexer was started without --hash-seed, so it cannot hash token ids as the "
+                             "engines do: use /query_by_hash, or restart it with the engines' PYTHONHASHSEED")
+        query, tokens, hasher, salt = parse_query(body, self.settings.hash_seed)
+        try:
+            if len(tokens) > OFF_LOOP_TOKENS:
+                query = await asyncio.to_thread(hash_chain, query, tokens, hasher, salt)
+            else:
+                query = hash_chain(query, tokens, hasher, salt)
+        except InvalidArgument as err:
+            raise BadRequest(str(err)) from None
+        return await self._answer(query)
+
+    async def _query_by_hash(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._answer(parse_query_by_hash(body))
+
+    async def _answer(self, query: Query) -> dict[str, Any]:
+        holders = await self.index.holders(query.namespace, list(query.keys)) if query.keys else []
+        return {"namespace": query.namespace, "block_size": query.block_size, "blocks": len(query.keys),
+                "instances": instance_answers(holders, query.block_size, query.instance_id)}
+
+    async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+        reg = parse_registration(body)
+        known = self.registrations.get(reg.holder_id)
+        if known is not None:
+            if known == reg:
+                return {"registered": reg.holder_id, **reg.as_json()}
+            raise Conflict(f"instance {reg.instance_id!r} (dp_rank {reg.dp_rank}) is registered with "
+                           f"{known.endpoint} in {known.namespace}: /unregister it first")
+        if len(self.registrations) >= self.settings.max_engines:
+            raise Conflict(f"{self.settings.max_engines} engines are registered already (--max-engines); "
+                           "/unregister one first")
+        source = EngineSource(reg.endpoint, reg.holder_id, reg.namespace, reg.replay_endpoint, reg.topic)
+        try:
+            await self.subscriber.follow(source)
+        except InvalidArgument as err:  # an engine id followed from elsewhere, an endpoint ZMQ refuses
+            raise BadRequest(str(err)) from None
+        self.registrations[reg.holder_id] = reg
+        log.info("following KV events of %s at %s into %s", reg.holder_id, reg.endpoint, reg.namespace)
+        return {"registered": reg.holder_id, **reg.as_json()}
+
+    async def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:
+        instance, dp_rank = parse_unregistration(body)
+        gone = [h for h, r in self.registrations.items()
+                if r.instance_id == instance and (dp_rank is None or r.dp_rank == dp_rank)]
+        if not gone:
+            rank = "" if dp_rank is None else f" at dp_rank {dp_rank}"
+            raise NotFound(f"instance {instance!r}{rank} is not registered here; GET /instances lists those that are")
+        for holder in gone:
+            await self.subscriber.unfollow(holder)
+            del self.registrations[holder]
+            log.info("no longer following KV events of %s", holder)
+        return {"unregistered": gone}
+
+    async def _instances(self, request: web.Request) -> web.Response:
+        out: dict[str, dict[str, Any]] = {}
+        for reg in self.registrations.values():
+            entry = out.setdefault(reg.instance_id, {"instance_id": reg.instance_id, "endpoints": {}})
+            status = self.subscriber.status(reg.holder_id)
+            entry["endpoints"][str(reg.dp_rank or 0)] = {**reg.as_json(), "connected": status.connected,
+                                                         "epoch": status.epoch, "batches": status.batches}
+        return web.json_response(list(out.values()))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(self.settings.index_timeout_s):
+                await self.index.nodes()
+        except (TimeoutError, PrefixIndexError) as err:
+            return web.json_response({"status": "unavailable", "error": str(err) or "timed out"}, status=503)
+        return web.json_response({"status": "ok", "engines_followed": len(self.registrations)})
+
+
+class _Unavailable(RequestRefused):
+    status = 503
+    kind = "server_error"
+
+
+async def serve(settings: IndexerSettings) -> int:
+    server = IndexerServer(settings)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"strata index serve: serving on {server.url}", flush=True)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+def run(settings: IndexerSettings) -> int:
+    return asyncio.run(serve(settings))
+
