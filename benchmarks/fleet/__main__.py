@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.fleet import figures, trace
+from benchmarks.fleet import figures, trace, weights
 from benchmarks.fleet.figures import PAPER_RATIO, Runs
 from benchmarks.fleet.sim import KV_BYTES_PER_TOKEN, Links
 from benchmarks.harness import Case, UnitBenchmark
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
               "paper": figures.paper(runs, traces, plan)}
     tables["fleet_size"], tables["peer_bytes"] = figures.fleet_size(runs, traces, plan)
     tables["tiers"] = figures.tiers(runs, traces, plan)
+    tables["weights"] = figures.weights_table(figures.WEIGHTS_SMOKE if bench.smoke else
+                                              figures.WEIGHTS_QUICK if plan is figures.QUICK else figures.WEIGHTS_FULL)
     print()
     for name, t in tables.items():
         _print_table(name, t)
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if path is not None:
         doc = json.loads(path.read_text())
         doc["model"] = {"nodes_in_capacity_figure": plan.nodes, "block_tokens": trace.BLOCK_TOKENS,
-                        "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "links": Links().to_json(), **WHAT_RUNS}
+                        "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "links": Links().to_json(),
+                        "weights_links": weights.WeightLinks().to_json(), **WHAT_RUNS}
         doc["traces"] = [{"name": t.name, "source": t.source, "requests": len(t.requests),
                           "input_tokens": t.input_tokens, "theoretical_max": round(trace.theoretical_max(t), 6)}
                          for t in traces]

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from benchmarks.fleet import weights
 from benchmarks.fleet.sim import FleetConfig, Result, run
 from benchmarks.fleet.trace import Trace, max_hit_tokens, theoretical_max
 
@@ -193,3 +194,25 @@ def maximum(runs: Runs, traces: list[Trace], plan: Plan) -> dict:
 
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
+
+
+# The weights figure: (nodes, chunk scale, holders view). 35,000+ transfers per node-chunk pair are too many at
+# 1,000 nodes for a Python event loop, so chunk counts are scaled (chunks of scale x 16 MiB) as N grows.
+WEIGHTS_FULL = ((10, 1, None), (100, 16, None), (1000, 64, 16))
+WEIGHTS_QUICK = ((10, 16, None), (100, 64, None))
+WEIGHTS_SMOKE = ((4, 16, None), (16, 64, None))
+WEIGHTS_SMOKE_BYTES = 20 * weights.GB  # the smoke run's model: a seventh of the size, same links
+
+
+def weights_table(plan: tuple, log: Callable[[str], None] = print) -> dict:
+    """Time to all-ready per fleet size against the lower bound and against every node reading the origin."""
+    rows = []
+    model = WEIGHTS_SMOKE_BYTES if plan is WEIGHTS_SMOKE else weights.MODEL_BYTES
+    for nodes, scale, view in plan:
+        start = time.perf_counter()
+        rows.append(weights.run(weights.WeightsConfig(nodes, scale, model, holders_view=view)).row())
+        log(f"weights: {nodes} nodes, {rows[-1]['chunks']} chunks: {rows[-1]['all_ready_s']} s "
+            f"({rows[-1]['over_bound']}x the bound) in {time.perf_counter() - start:.1f} s")
+    columns = list(rows[0])
+    return {"columns": columns, "rows": [[r[c] for c in columns] for r in rows],
+            "model_bytes": model, "links": weights.WeightLinks().to_json()}

@@ -91,6 +91,23 @@ def plot_all(tables: dict, folder: Path, prefix: str = "fleet") -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(_save(fig, plt, folder / f"{prefix}_tiers.png"))
+
+    if "weights" in tables:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        rows = _rows(tables["weights"])
+        xs = [r["nodes"] for r in rows]
+        ax.plot(xs, [r["all_ready_s"] for r in rows], "o-", label="swarm (IndexSwarm.route): all nodes ready")
+        ax.plot(xs, [r["bound_s"] for r in rows], "k--", label="lower bound")
+        ax.plot(xs, [r["origin_only_s"] for r in rows], "s:", label="every node from the origin")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("nodes (log scale)")
+        ax.set_ylabel("seconds to all-ready (log scale)")
+        ax.set_title(f"a {tables['weights']['model_bytes'] / 1e9:g} GB model to every node")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(fig, plt, folder / f"{prefix}_weights.png"))
     return paths
 
 

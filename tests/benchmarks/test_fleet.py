@@ -115,3 +115,17 @@ def test_ram_evicts_down_to_disk_and_a_read_there_is_promoted():
     on_disk = next(k for k in (a, b) if DISK in store.catalog.entries[k].tiers)
     store.promote(on_disk, store.catalog.entries[on_disk].meta, DISK)
     assert HOST in store.catalog.entries[on_disk].tiers
+
+
+def test_weights_swarm_reads_the_origin_once_and_stays_above_the_bound():
+    """The weights simulation (IndexSwarm.route and owner over modelled links): every node ends with every
+    chunk, the origin serves each chunk once, and no run beats the lower bound (a check on the link model)."""
+    from benchmarks.fleet import weights
+
+    config = weights.WeightsConfig(8, chunk_scale=64, model_bytes=20 * weights.GB)
+    result = weights.run(config)
+    row = result.row()
+    assert result.origin_bytes == config.model_bytes
+    assert row["over_bound"] >= 1.0
+    assert result.ready_s < weights.lower_bound_s(8, config.model_bytes, config.links)["origin_only_s"]
+    assert weights.run(config).row() == row  # seeded: the same figures every time
