@@ -37,7 +37,7 @@ def add_parser(sub, client_opts: argparse.ArgumentParser, key_opts: argparse.Arg
 
 
 def add_serve_parser(index_sub) -> None:
-    from kvstore.indexer.server import IndexerSettings
+    from kvstore.indexer.settings import IndexerSettings
 
     d = IndexerSettings()
     serve = index_sub.add_parser(
@@ -72,8 +72,13 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
     import sys
 
     from kvstore.errors import InvalidArgument
-    from kvstore.indexer.server import IndexerError, IndexerSettings, run
+    from kvstore.indexer.settings import IndexerError, IndexerSettings
 
+    try:
+        from kvstore.indexer.server import run
+    except ImportError as err:
+        print(f"strata index serve: {err.name} is missing: pip install 'strata-kvcache[router]'", file=sys.stderr)
+        return 2
     try:
         settings = IndexerSettings(
             index_url=args.index_url, listen=args.listen, hash_seed=args.hash_seed, token_file=args.token_file,

@@ -17,7 +17,8 @@ import zmq
 
 from kvstore.block import TierName
 from kvstore.indexer.api import MAX_QUERY_TOKENS, MAX_SEQ_HASHES
-from kvstore.indexer.server import IndexerError, IndexerServer, IndexerSettings
+from kvstore.indexer.server import IndexerServer
+from kvstore.indexer.settings import IndexerError, IndexerSettings
 from kvstore.index.keys import BlockHasher, event_key, event_key_bytes
 from kvstore.index.memory import MemoryIndex
 from tests.support.vllm_events import TestEngine, stored
