@@ -402,9 +402,9 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _redis_ping(port: int) -> bool:
+def _redis_ping(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+        with socket.create_connection((host, port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
     except OSError:
@@ -412,11 +412,14 @@ def _redis_ping(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def private_redis(start_timeout_s: float = 10.0) -> Iterator[int]:
-    """A throwaway ``redis-server`` on a free loopback port, no persistence; yields its port.
+def private_redis(start_timeout_s: float = 10.0, bind: str = "127.0.0.1") -> Iterator[int]:
+    """A throwaway ``redis-server`` on a free port of ``bind`` (loopback by default), no persistence;
+    yields its port.
 
     Never the machine's own 6379: its contents belong to someone else, and
-    another client's load would skew the figures.
+    another client's load would skew the figures. Bound to another address (a
+    virtual network's gateway, where daemons in namespaces reach it), its
+    protected mode is off: nothing outside the machine reaches that address.
     """
     exe = shutil.which("redis-server")
     if exe is None:
@@ -430,14 +433,15 @@ def private_redis(start_timeout_s: float = 10.0) -> Iterator[int]:
             port = free_port()
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                     "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"],
+                    [exe, "--port", str(port), "--bind", bind, "--save", "", "--appendonly", "no",
+                     "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
+                     *(["--protected-mode", "no"] if bind != "127.0.0.1" else [])],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 )
             deadline = time.monotonic() + start_timeout_s
-            while time.monotonic() < deadline and proc.poll() is None and not _redis_ping(port):
+            while time.monotonic() < deadline and proc.poll() is None and not _redis_ping(port, bind):
                 time.sleep(0.05)
-            if proc.poll() is None and _redis_ping(port):
+            if proc.poll() is None and _redis_ping(port, bind):
                 break
             _stop(proc, 2.0)
             proc = None

@@ -45,17 +45,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.chaos.counters import Counters
 from benchmarks.chaos.path import PeerPath
-from benchmarks.harness import free_port
 from kvstore.block import BlockKey
 from kvstore.client.sync import Client
 from kvstore.remote.object.layout import KeyLayout
 from kvstore.tiers.block_file import block_name
 from tests.support import redis_servers, s3_servers
-from tests.support.peer_cluster import PeerNode, VirtualNetwork, netns_unavailable
+from tests.support.peer_cluster import Network, PeerNode
 
 NS = "chaos"
 PREFIX = "chaos"
-NETNS_PORT = 50051  # each namespace is a host of its own: every daemon listens on the same port
 CLIENT_TIMEOUT_S = 5.0
 
 
@@ -65,33 +63,6 @@ class FleetPlan:
     ram_bytes: str = "16MiB"  # small: older blocks are read from disk, where the corruption is
     disk_bytes: str = "1GiB"  # large: nothing is evicted, but while the disk-full fault lasts
     small_disk: str = "512m"  # the tmpfs under the last daemon's disk directory: room for every block
-
-
-class Network:
-    """Where each part listens: namespaces on a virtual network, or loopback."""
-
-    def __init__(self, daemons: int, stack: contextlib.ExitStack) -> None:
-        why = netns_unavailable()
-        self.virtual: VirtualNetwork | None = None
-        if why is None:
-            self.virtual = VirtualNetwork(daemons)
-            stack.callback(self.virtual.close)
-        self.note = ("each daemon in a network namespace of its own, joined by veth pairs to one bridge"
-                     if why is None else f"loopback only (no network namespaces: {why})")
-
-    @property
-    def gateway(self) -> str:
-        """The host's address as the daemons see it: where Redis, moto and the peer-path proxies listen."""
-        return self.virtual.gateway if self.virtual else "127.0.0.1"
-
-    def host(self, i: int) -> str:
-        return self.virtual.address(i) if self.virtual else "127.0.0.1"
-
-    def namespace(self, i: int) -> str:
-        return self.virtual.namespaces[i] if self.virtual else ""
-
-    def port(self) -> int:
-        return NETNS_PORT if self.virtual else free_port()
 
 
 def _set(args: list[str], flag: str, value: str) -> None:
@@ -106,7 +77,8 @@ class Fleet:
     def __init__(self, home: Path, plan: FleetPlan, stack: contextlib.ExitStack) -> None:
         self.home = home
         self.plan = plan
-        self.net = Network(plan.daemons, stack)
+        self.net = Network(plan.daemons)
+        stack.callback(self.net.close)
         self.moto = s3_servers.MotoServer(home / "moto", host=self.net.gateway)  # waited for below
         stack.callback(lambda: self.moto.stop())
         self.redis = self._redis()

@@ -1,37 +1,44 @@
-"""End to end: multi-turn chat TTFT over a fleet of reference engines, per routing and caching policy.
+"""End to end: multi-turn chat TTFT against offered load, per workload and per routing and caching policy.
 
-Run as ``python -m benchmarks.e2e [--quick | --smoke] [--replicas N] [--policies a,b,...] [--no-faults]``.
+Run as ``python -m benchmarks.e2e [--quick | --smoke] [--workloads w1,w2] [--loads 0.2,0.4,0.6,0.8]
+[--policies a,b,...] [--no-faults]``.
 
 A private Redis, one ``strata serve`` per replica (the prefix index and the
 shared pool), one engine per replica (``benchmarks.e2e.engine``, one compute
 thread each, started once and reconfigured with an empty cache for each
-policy) and, per policy, ``strata route`` in front of them, all as child
-processes on loopback (:mod:`benchmarks.e2e.fleet`). Each policy
-(:mod:`benchmarks.e2e.policies`) serves the same seeded workload
-(:mod:`benchmarks.e2e.workload`): 8 sessions × 5 turns, a 1,000-token
-system prompt, 200 user tokens and 50 generated per turn, exponential think
-times between turns. Then a fault phase (:mod:`benchmarks.e2e.faults`):
-the cache-aware + shared-pool fleet with a daemon SIGKILLed and restarted
-mid-run and later an engine SIGKILLed.
+phase) and, per phase, ``strata route`` in front of them, all as child
+processes (:mod:`benchmarks.e2e.fleet`): each replica a host of its own (a
+network namespace with its own address, so pool hits cross a network path
+over the peer transport), Redis and the router on a third; ``--loopback``
+puts everything on 127.0.0.1.
 
-Before the first policy, one replica's idle engine is timed on cold
-turn-1-sized prompts (fresh tokens, nothing to hit): the median is the
-TTFT SLO (a returning user should wait no longer than a new conversation's
-first answer on an idle replica: met by a turn whose history is cached,
-missed by one that recomputes it or queues behind another's prefill), and
-its service time (TTFT plus the decode of the answer) sets the think time:
-``--think-factor`` × it, so the fleet runs at the same load on a fast
-machine and a slow one.
+For each workload (:mod:`benchmarks.e2e.workload`; W1: each session its own
+1,000-token context, nothing shared; W2: one shared 1,000-token system
+prompt) the sweep (:mod:`benchmarks.e2e.sweep`) first sends every prompt
+of every load point once to engines with no cache (the cold reference: the
+tokens every later answer must equal, the fleet's capacity, the TTFT SLO),
+then runs each policy (:mod:`benchmarks.e2e.policies`) at each load point:
+offered load 0.2, 0.4, 0.6 and 0.8 of the capacity, sessions of 4 turns
+(200 user tokens and 16 generated per turn) arriving as a Poisson process,
+each turn after a think time. Every answer is checked token for token
+against the reference (hit fidelity). Then a fault phase
+(:mod:`benchmarks.e2e.faults`): the cache-aware + shared-pool fleet at the
+middle load with a daemon SIGKILLed and restarted mid-run and later an
+engine SIGKILLed, its answers checked too.
 
-Writes ``benchmarks/results/e2e.json`` (every request's timing included)
-and ``benchmarks/results/e2e_ttft.png`` (:mod:`benchmarks.e2e.plot`).
+Writes ``benchmarks/results/e2e.json`` (every request's timing included),
+``benchmarks/results/e2e_load.png`` (TTFT p50/p95 and goodput against load,
+:mod:`benchmarks.e2e.plot`) and ``benchmarks/results/e2e_ttft.png`` (the
+TTFT distributions at one load point).
 
 ``--smoke`` runs every code path once and writes nothing: the tiny model,
-one session of two turns (the second finds the first's KV cached), policy
-(a) (round robin, last prompt cached, no events, no pool) and the fault
-phase, which runs (e) (cache-aware, block cache, KV events, the shared
-pool) with a daemon down for a second, then the prefix-hit measurement on
-a 256-token prompt.
+both workloads at one load point, one session of two turns, their cold
+references, policy (a) (round robin, last prompt cached, no events, no
+pool) and the fault phase, which runs (e) (cache-aware, block cache, KV
+events, the shared pool; the second turn finds the first's KV) with a
+daemon down for a second, then the prefix-hit measurement on a 256-token
+prompt. It fails unless every phase answered and every answer equals the
+reference's tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -61,9 +69,10 @@ from benchmarks.e2e.client import completion_body, monotonic_clock, stream_compl
 from benchmarks.e2e.faults import FaultInjector, FaultPlan, fault_report
 from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase, StartFailed
 from benchmarks.e2e.policies import POLICIES, parse_policies
-from benchmarks.e2e.report import engine_summary, router_summary, table, targets, targets_table
-from benchmarks.e2e.stats import PolicyStats, RequestRecord
-from benchmarks.e2e.workload import Workload, WorkloadSpec
+from benchmarks.e2e.report import engine_summary, router_summary, sweep_targets, table, targets_table
+from benchmarks.e2e.stats import Fidelity, PolicyStats, RequestRecord
+from benchmarks.e2e.sweep import REFERENCE, WORKLOADS, Reference, SweepSpec, parse_loads, parse_workloads, run_reference
+from benchmarks.e2e.workload import Workload
 from benchmarks.harness import RESULTS_DIR, smoke_line
 
 log = logging.getLogger("benchmarks.e2e")
@@ -73,35 +82,43 @@ PREFIX_TOKENS = 4096
 PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
 PREFIX_TIMEOUT_S = 600
 PREFIX_4K = dict(prefix_tokens=PREFIX_TOKENS, prefix_cached=PREFIX_CACHED)
-FULL = dict(sessions=8, turns=5, think_factor=3.0, calibration_prompts=3, prefix_rounds=3, model_size="bench",
-            policies="all", faults={}, **PREFIX_4K)
-QUICK = dict(sessions=4, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1, model_size="bench",
+FULL = dict(sweep=SweepSpec(), prefix_rounds=3, model_size="bench", policies="all", faults={}, **PREFIX_4K)
+QUICK = dict(sweep=SweepSpec(loads=(0.4,), sessions=3, turns=2), prefix_rounds=1, model_size="bench",
              policies="all", faults={}, **PREFIX_4K)
 # (a) and the fault phase's (e) between them take every branch: prefix cache last and blocks, KV events
 # and the index off and on, the pool off and on, round robin and cache-aware routing.
-SMOKE = dict(sessions=1, turns=2, think_factor=1.0, calibration_prompts=1, prefix_rounds=1, model_size="tiny",
-             policies="a", faults=dict(daemon_down_s=1.0), prefix_tokens=256, prefix_cached=240)
+SMOKE = dict(sweep=SweepSpec(loads=(0.5,), sessions=1, turns=2, system_tokens=200, user_tokens=40, output_tokens=4),
+             prefix_rounds=1, model_size="tiny", policies="a", faults=dict(daemon_down_s=1.0), prefix_tokens=256,
+             prefix_cached=240)
+FAULT_LOAD = 0.6  # the fault phase runs at the sweep's load point nearest this
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="4 sessions × 2 turns, shorter think times, one round of the 4k measurement")
+                      help="one load point (0.4), 3 sessions × 2 turns per workload, one round of the 4k "
+                           "measurement: the shape of the full run in minutes")
     size.add_argument("--smoke", action="store_true",
                       help="every code path once, in seconds, writing no results: the tiny model, 1 session × 2 "
-                           "turns, policy a and the fault phase, a 256-token prefix measurement")
+                           "turns per workload, policy a and the fault phase, a 256-token prefix measurement")
     p.add_argument("--replicas", type=int, default=2, help="engines (each with its own daemon); default 2")
+    p.add_argument("--loopback", action="store_true",
+                   help="every part on 127.0.0.1 (by default each replica is a host of its own: a network "
+                        "namespace with its own address, which needs root; without it, loopback is used)")
     p.add_argument("--policies", help="which of a,b,c,d,e to run (default all; a with --smoke)")
+    p.add_argument("--workloads", help=f"which of {', '.join(f'{k} ({v})' for k, v in WORKLOADS.items())} "
+                                       "to run (default both)")
+    p.add_argument("--loads", help="offered loads, as shares of the fleet's cold capacity (default 0.2,0.4,0.6,0.8)")
     p.add_argument("--no-faults", action="store_true", help="leave out the fault phase")
-    p.add_argument("--faults-only", action="store_true", help="run only the fault phase")
+    p.add_argument("--faults-only", action="store_true", help="run only the fault phase (and its reference)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sessions", type=int, help="concurrent sessions (default 8; 4 with --quick)")
-    p.add_argument("--turns", type=int, help="turns per session (default 5; 2 with --quick)")
-    p.add_argument("--think-mean", type=float, help="mean think time in seconds (default: --think-factor × the "
-                   "calibrated service time of a turn-1 request)")
-    p.add_argument("--think-factor", type=float, help="think time mean / an idle turn-1 request's service time")
-    p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default: an idle engine's cold turn-1 TTFT)")
+    p.add_argument("--sessions", type=int, help="sessions per load point (default 16; 3 with --quick)")
+    p.add_argument("--turns", type=int, help="turns per session (default 4; 2 with --quick)")
+    p.add_argument("--think-factor", type=float,
+                   help="mean think time / the mean cold service time of a request (default 2)")
+    p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default: the median cold TTFT of a turn-1 "
+                                             "prompt in the reference run)")
     p.add_argument("--load-weight", type=float, default=FleetSpec.load_weight,
                    help=f"the router's --load-weight for (c) and (e) (default {FleetSpec.load_weight})")
     p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the bench model)")
@@ -119,6 +136,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--faults-only and --no-faults exclude each other")
     if not args.no_faults and args.replicas < 2:
         p.error("the fault phase needs --replicas 2 or more (or --no-faults)")
+    for name in ("sessions", "turns"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.think_factor is not None and args.think_factor <= 0:
+        p.error("--think-factor must be > 0: turns never arrive back to back")
+    try:
+        args.loads = parse_loads(args.loads) if args.loads else None
+        args.workloads = parse_workloads(args.workloads) if args.workloads else None
+        args.policies = parse_policies(args.policies) if args.policies else None
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -144,18 +172,6 @@ def warm_up(fleet: Fleet, vocab: int, rng: random.Random) -> None:
     """One short request per engine, straight to it: first-call costs stay out of the measurement."""
     for r in fleet.replicas:
         one_request(r.url, fleet.model, [rng.randrange(4, vocab) for _ in range(64)], 2)
-
-
-def calibrate(fleet: Fleet, spec: WorkloadSpec, n: int, rng: random.Random) -> dict:
-    """Cold turn-1-sized requests on one idle engine: the SLO and the service time that paces think times."""
-    url = fleet.replicas[0].url
-    tokens = spec.system_tokens + spec.user_tokens
-    runs = [one_request(url, fleet.model, [rng.randrange(spec.first_id, spec.vocab_size) for _ in range(tokens)],
-                        spec.output_tokens) for _ in range(n)]
-    ttft = statistics.median(r.ttft_s for r in runs)
-    service = statistics.median(r.done_s - r.sent_s for r in runs)
-    return {"prompt_tokens": tokens, "output_tokens": spec.output_tokens, "cold_ttft_s": round(ttft, 4),
-            "service_s": round(service, 4), "runs": n}
 
 
 def model_vocab(model_dir: Path) -> int:
@@ -184,41 +200,50 @@ def prefix_4k(model_dir: Path, rounds: int, threads: int, prompt_tokens: int = P
             **{k: r[k] for k in keep if k in r}, "seconds": round(time.monotonic() - started, 1)}
 
 
-def ttft_priors(calibration: dict | None) -> list[str]:
-    """The router's TTFT priors from the calibration, as an operator sets them from a measurement of
+def ttft_priors(reference: Reference | None) -> list[str]:
+    """The router's TTFT priors from the reference run, as an operator sets them from a measurement of
     their hardware: a cold prompt's TTFT over its tokens per token; a request ahead costs its decode
-    (service time less TTFT) beyond the prefill the backlog counts. None before the calibration ran."""
-    if not calibration:
+    (service time less TTFT) beyond the prefill the backlog counts. None before a reference ran."""
+    if reference is None:
         return []
-    per_token = calibration["cold_ttft_s"] / calibration["prompt_tokens"]
-    ahead = max(0.0, calibration["service_s"] - calibration["cold_ttft_s"])
+    ok = [r for r in reference.records if r.ok]
+    per_token = sum(r.ttft_s for r in ok) / sum(r.prompt_tokens for r in ok)
+    ahead = max(0.0, reference.service_s - statistics.fmean(r.ttft_s for r in ok))
     return ["--ttft-prefill-seconds-per-token", f"{per_token:.3g}", "--ttft-seconds-per-request-ahead", f"{ahead:.3g}"]
 
 
-def run_phase(nodes: Nodes, engines: Engines, phase: Phase, workload_for, state: dict,
-              fault_plan: FaultPlan | None) -> dict:
+def run_phase(nodes: Nodes, engines: Engines, phase: Phase, points: list[tuple[int, float, Workload]],
+              reference: Reference | None, fault_plan: FaultPlan | None = None) -> dict:
+    """One policy on one fleet at each load point in turn (``points``: (index, load, workload)); with
+    ``fault_plan``, the faults during the (single) point."""
     started = time.monotonic()
-    out: dict = {"policy": phase.policy.name, "namespace": phase.namespace}
+    out: dict = {"policy": phase.policy.name, "namespace": phase.namespace, "points": []}
     try:
-        with Fleet(nodes, phase, engines, router_args=ttft_priors(state["calibration"])) as fleet:
+        with Fleet(nodes, phase, engines, router_args=ttft_priors(reference)) as fleet:
             # Set-up: engines started or reconfigured, the router started, every engine in rotation.
             out["setup_s"] = round(time.monotonic() - started, 1)
             out["engine_starts"] = fleet.engine_starts
-            rng = random.Random(f"warm-{phase.name}")
-            vocab = model_vocab(nodes.spec.model_dir)
-            warm_up(fleet, vocab, rng)
-            workload = workload_for(fleet)
-            clock = monotonic_clock()
-            if fault_plan is None:
-                records = driver.run(workload, fleet.url, fleet.model, clock=clock)
-            else:
-                with FaultInjector(fleet, fault_plan, clock, workload.requests) as inj:
-                    records = driver.run(workload, fleet.url, fleet.model, clock=clock, on_answer=inj.observe,
-                                         before_last_turn=inj.hold)
-                    after_rotation = inj.upstream_errors_since_rotation()
-                out["faults"] = fault_report(records, inj.events, nodes.spec.health_interval_s, inj.errors,
-                                             after_rotation)
-            out["records"] = records
+            warm_up(fleet, model_vocab(nodes.spec.model_dir), random.Random(f"warm-{phase.name}"))
+            for index, load, workload in points:
+                t = time.monotonic()
+                clock = monotonic_clock()
+                point: dict = {"point": index, "load": load, "arrival_rate_per_s": workload.spec.arrival_rate_per_s}
+                if fault_plan is None:
+                    records = driver.run(workload, fleet.url, fleet.model, clock=clock)
+                else:
+                    with FaultInjector(fleet, fault_plan, clock, workload.requests) as inj:
+                        records = driver.run(workload, fleet.url, fleet.model, clock=clock, on_answer=inj.observe,
+                                             before_last_turn=inj.hold)
+                        after_rotation = inj.upstream_errors_since_rotation()
+                    out["faults"] = fault_report(records, inj.events, nodes.spec.health_interval_s, inj.errors,
+                                                 after_rotation)
+                for r in records:
+                    r.point = index
+                point["records"] = records
+                point["seconds"] = round(time.monotonic() - t, 1)
+                out["points"].append(point)
+                log.info("phase %s, load %.2f: %d requests in %.0f s", phase.name, load, len(records),
+                         point["seconds"])
             out["router"] = router_summary(fleet.router_metrics())
             out["engines"] = engine_summary(fleet.engine_metrics())
     except (StartFailed, RuntimeError, OSError) as e:
@@ -226,6 +251,30 @@ def run_phase(nodes: Nodes, engines: Engines, phase: Phase, workload_for, state:
         out["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
     out["seconds"] = round(time.monotonic() - started, 1)
     return out
+
+
+def reference_phase(nodes: Nodes, engines: Engines, phase: Phase, name: str,
+                    workloads: list[tuple[int, Workload]]) -> tuple[Reference | None, dict]:
+    """The cold reference run of workload ``name`` (:func:`benchmarks.e2e.sweep.run_reference`)."""
+    started = time.monotonic()
+    out: dict = {"policy": phase.policy.name}
+    ref = None
+    try:
+        with Fleet(nodes, phase, engines) as fleet:
+            out["setup_s"] = round(time.monotonic() - started, 1)
+            out["engine_starts"] = fleet.engine_starts
+            warm_up(fleet, model_vocab(nodes.spec.model_dir), random.Random(f"warm-{phase.name}"))
+            ref = run_reference(name, [r.url for r in fleet.replicas], fleet.model, workloads)
+        if ref.failed:
+            raise RuntimeError(f"{len(ref.failed)} of {len(ref.records)} reference requests failed: "
+                               f"{ref.failed[0].error or 'no token ids returned'}")
+        out.update(ref.to_json())
+    except (StartFailed, RuntimeError, OSError) as e:
+        log.error("the reference run of %s failed: %s", name, e)
+        out["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+        ref = None
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return ref, out
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -243,57 +292,79 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def sweep_of(args: argparse.Namespace, mode: dict) -> SweepSpec:
+    sweep: SweepSpec = mode["sweep"]
+    changes = {k: v for k, v in (("workloads", args.workloads), ("loads", args.loads), ("sessions", args.sessions),
+                                 ("turns", args.turns), ("think_factor", args.think_factor), ("seed", args.seed))
+               if v is not None}
+    return replace(sweep, **changes)
+
+
+def fault_point(sweep: SweepSpec) -> int:
+    """The load point the fault phase runs at: the one nearest :data:`FAULT_LOAD`."""
+    return min(range(len(sweep.loads)), key=lambda i: abs(sweep.loads[i] - FAULT_LOAD))
+
+
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     t_start = time.monotonic()
     mode = SMOKE if args.smoke else QUICK if args.quick else FULL
-    sessions = args.sessions or mode["sessions"]
-    turns = args.turns or mode["turns"]
-    think_factor = args.think_factor or mode["think_factor"]
+    sweep = sweep_of(args, mode)
     model_size = args.model_size or mode["model_size"]
-    policies = [] if args.faults_only else parse_policies(args.policies or mode["policies"])
-    phases = [Phase(p.key, p) for p in policies]
-    if not args.no_faults:
-        phases.append(Phase("faults", POLICIES["e"]))
+    policies = [] if args.faults_only else (args.policies or parse_policies(mode["policies"]))
+    faults = not args.no_faults
+    workloads = sweep.workloads[:1] if args.faults_only else sweep.workloads
+    refs = {w: Phase(f"{w}-ref", REFERENCE) for w in workloads}
+    phases = {(w, p.key): Phase(f"{w}-{p.key}", p) for w in workloads for p in policies}
+    fault_phase = Phase("faults", POLICIES["e"]) if faults else None
+    every = [*refs.values(), *phases.values(), *([fault_phase] if fault_phase else [])]
 
     with contextlib.ExitStack() as stack:
         model_dir, build_model = args.model_dir, args.model_dir is None
         if build_model:
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-e2e-model-")))
             model_dir = home / "model"
-        spec = FleetSpec(model_dir=model_dir, replicas=args.replicas, load_weight=args.load_weight)
-        nodes = stack.enter_context(Nodes(spec, phases))
+        spec = FleetSpec(model_dir=model_dir, replicas=args.replicas, load_weight=args.load_weight,
+                         loopback=args.loopback)
+        nodes = stack.enter_context(Nodes(spec, every))
         engines = stack.enter_context(Engines(nodes, reuse=not args.fresh_engines))
         if build_model:
             from benchmarks.e2e import model as model_builder
 
-            if phases:  # the first phase's engines import torch and transformers while the model is built
-                engines.prestart(phases[0], wait_for_model_s=MODEL_BUILD_TIMEOUT_S)
+            engines.prestart(every[0], wait_for_model_s=MODEL_BUILD_TIMEOUT_S)  # imports overlap the build
             t = time.monotonic()
             model_builder.build(model_dir, size=model_size)
             log.info("built the %s model in %.1f s", model_size, time.monotonic() - t)
         vocab = model_vocab(model_dir)
-        state: dict = {"calibration": None, "workload": None}
-
-        def workload_for(fleet: Fleet) -> Workload:
-            if state["workload"] is None:
-                base = WorkloadSpec(sessions=sessions, turns=turns, seed=args.seed, vocab_size=vocab)
-                cal = calibrate(fleet, base, mode["calibration_prompts"], random.Random(f"calibrate-{args.seed}"))
-                state["calibration"] = cal
-                think = args.think_mean if args.think_mean is not None else think_factor * cal["service_s"]
-                state["workload"] = Workload(WorkloadSpec(
-                    sessions=sessions, turns=turns, seed=args.seed, vocab_size=vocab, think_mean_s=think,
-                    think_min_s=0.1 * think, start_mean_s=think / 2))
-                log.info("calibrated: cold turn-1 TTFT %.3f s, service %.3f s; think time mean %.2f s",
-                         cal["cold_ttft_s"], cal["service_s"], think)
-            return state["workload"]
-
-        results = {}
-        for phase in phases:
-            log.info("phase %s: %s", phase.name, phase.policy.name)
-            plan = FaultPlan(**mode["faults"]) if phase.name == "faults" else None
-            results[phase.name] = run_phase(nodes, engines, phase, workload_for, state, plan)
-            log.info("phase %s took %.0f s", phase.name, results[phase.name]["seconds"])
+        results: dict = {"workloads": {}, "faults": None}
+        for w in workloads:
+            log.info("workload %s: the cold reference run", w)
+            tokens_only = [(i, sweep.workload(w, i, vocab)) for i in range(len(sweep.loads))]
+            if args.faults_only:
+                tokens_only = [tokens_only[fault_point(sweep)]]
+            ref, ref_out = reference_phase(nodes, engines, refs[w], w, tokens_only)
+            entry = results["workloads"][w] = {"reference": ref_out, "policies": {}, "ref": ref}
+            if ref is None:
+                continue
+            think = sweep.think_factor * ref.service_s
+            entry["think_mean_s"] = round(think, 4)
+            points = [(i, u, sweep.workload(w, i, vocab, arrival_rate_per_s=ref.arrival_rate(u, sweep.turns),
+                                            think_mean_s=think)) for i, u in enumerate(sweep.loads)]
+            entry["points"] = [{"point": i, "load": u, "arrival_rate_per_s": round(wl.spec.arrival_rate_per_s, 5),
+                                "offered_rps": round(u * ref.capacity_rps, 4)} for i, u, wl in points]
+            log.info("%s: cold service %.3f s, capacity %.2f requests/s, SLO %.3f s, think time mean %.2f s",
+                     w, ref.service_s, ref.capacity_rps, ref.slo_s, think)
+            for p in policies:
+                phase = phases[(w, p.key)]
+                log.info("phase %s: %s", phase.name, p.name)
+                entry["policies"][p.key] = run_phase(nodes, engines, phase, points, ref)
+                log.info("phase %s took %.0f s", phase.name, entry["policies"][p.key]["seconds"])
+            if fault_phase is not None and w == workloads[0]:
+                i = fault_point(sweep)
+                log.info("the fault phase (%s, load %.2f)", w, sweep.loads[i])
+                results["faults"] = run_phase(nodes, engines, fault_phase, [points[i]], ref,
+                                              FaultPlan(**mode["faults"]))
+                results["faults"]["workload"] = w
         engines.close()  # the 4k measurement has the machine to itself, as when each phase stopped its own
         if args.no_prefix_4k:
             prefix = None
@@ -301,29 +372,51 @@ def _main(args: argparse.Namespace) -> int:
             log.info("the %s-token prefix-hit measurement", f"{mode['prefix_tokens']:,}")
             prefix = prefix_4k(model_dir, mode["prefix_rounds"], spec.engine_threads, mode["prefix_tokens"],
                                mode["prefix_cached"])
-        doc = build_document(args, results, state, prefix, spec, time.monotonic() - t_start)
+        results["network"] = nodes.network_note
+        doc = build_document(args, sweep, results, prefix, spec, time.monotonic() - t_start)
     if args.smoke:
+        failed = check_smoke(doc)
+        if failed:
+            print("smoke run failed: " + "; ".join(failed), file=sys.stderr, flush=True)
+            return 1
         print(smoke_line(NAME), flush=True)
     else:
-        write(doc, results, args.results_dir, state)
+        write(doc, results, args.results_dir)
     return 0
 
 
-def build_document(args, results: dict, state: dict, prefix: dict | None, spec: FleetSpec, seconds: float) -> dict:
-    cal = state["calibration"] or {}
-    slo = args.slo if args.slo is not None else cal.get("cold_ttft_s")
-    stats = {k: PolicyStats.of(v["records"], slo) for k, v in results.items() if "records" in v and k != "faults"}
-    names = {k: v["policy"] for k, v in results.items()}
-    rows = targets(stats, prefix)
-    print()
-    print(table(names, stats))
-    print()
-    print(targets_table(rows))
-    if "faults" in results and "faults" in results["faults"]:
-        f = results["faults"]["faults"]
-        print(f"\nfaults: {f['answered']}/{f['sent']} answered; failed by reason {f['failed_by_reason'] or '{}'}; "
-              f"for a cache reason: {f['failed_for_a_cache_reason']}")
-    w = state["workload"]
+def check_smoke(doc: dict) -> list[str]:
+    """What a smoke run must show whatever the machine's speed: every phase ran and answered, and every
+    answer equals the reference's tokens."""
+    problems = []
+    for w, entry in doc["workloads"].items():
+        if "error" in entry["reference"]:
+            problems.append(f"{w} reference: {entry['reference']['error']}")
+        for key, pol in entry["policies"].items():
+            if "error" in pol:
+                problems.append(f"{w}-{key}: {pol['error']}")
+            for pt in pol.get("points", []):
+                if pt["stats"]["answered"] == 0:
+                    problems.append(f"{w}-{key} at load {pt['load']}: nothing answered")
+                if pt["fidelity"]["share"] != 1.0:
+                    problems.append(f"{w}-{key} at load {pt['load']}: fidelity {pt['fidelity']}")
+    f = doc.get("faults")
+    if f is not None and "error" in f:
+        problems.append(f"faults: {f['error']}")
+    return problems
+
+
+def _point_json(pt: dict, ref: Reference | None, slo: float | None) -> dict:
+    records = pt["records"]
+    out = {k: v for k, v in pt.items() if k != "records"}
+    out["stats"] = PolicyStats.of(records, slo).to_json()
+    out["fidelity"] = Fidelity.of(records, ref.expected if ref else {}).to_json()
+    out["requests"] = [{k: v for k, v in r.to_json().items() if k != "output_ids"} for r in records]
+    return out
+
+
+def build_document(args, sweep: SweepSpec, results: dict, prefix: dict | None, spec: FleetSpec,
+                   seconds: float) -> dict:
     doc = {
         "benchmark": NAME,
         "command": "python -m benchmarks.e2e" + (" --smoke" if args.smoke else " --quick" if args.quick else ""),
@@ -332,49 +425,86 @@ def build_document(args, results: dict, state: dict, prefix: dict | None, spec: 
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
         "run_seconds": round(seconds, 1),
-        "setup": setup_summary(results, args.fresh_engines),
         "replicas": spec.replicas,
-        "workload": None if w is None else {**{k: v for k, v in vars(w.spec).items()}},
-        "calibration": cal,
-        "ttft_slo_s": slo,
-        "ttft_slo_rule": "the median cold TTFT of a turn-1-sized prompt on an idle engine" if args.slo is None
-        else "given with --slo",
-        "targets": [t.to_json() for t in rows],
-        "policies": {},
+        "network": results.get("network", ""),
+        "sweep": {k: v for k, v in vars(sweep).items()},
+        "ttft_slo_rule": "the median cold TTFT of a turn-1 prompt in the workload's reference run"
+        if args.slo is None else "given with --slo",
+        "load_rule": "offered requests/s = load × replicas / the mean cold service time of the workload's "
+                     "requests in the reference run",
+        "workloads": {},
+        "faults": None,
         "prefix_4k": prefix,
     }
-    for key, res in results.items():
-        entry = {k: v for k, v in res.items() if k != "records"}
-        if key in stats:
-            entry["stats"] = stats[key].to_json()
-        if "records" in res:
-            entry["requests"] = [r.to_json() for r in res["records"]]
-        doc["policies"][key] = entry
-    print(f"\nran in {seconds:.0f} s: " + ", ".join(f"{k} {v['seconds']:.0f} s" for k, v in results.items()))
+    phases_setup = {}
+    for w, entry in results["workloads"].items():
+        ref = entry["ref"]
+        slo = args.slo if args.slo is not None else (ref.slo_s if ref else None)
+        phases_setup[f"{w}-ref"] = entry["reference"]
+        out = {"name": WORKLOADS[w], "reference": entry["reference"], "ttft_slo_s": slo,
+               "think_mean_s": entry.get("think_mean_s"), "points": entry.get("points", []), "policies": {}}
+        for key, pol in entry["policies"].items():
+            out["policies"][key] = {**{k: v for k, v in pol.items() if k != "points"},
+                                    "points": [_point_json(pt, ref, slo) for pt in pol["points"]]}
+            phases_setup[f"{w}-{key}"] = pol
+        doc["workloads"][w] = out
+    f = results.get("faults")
+    if f is not None:
+        ref = results["workloads"][f["workload"]]["ref"]
+        slo = args.slo if args.slo is not None else (ref.slo_s if ref else None)
+        doc["faults"] = {**{k: v for k, v in f.items() if k != "points"},
+                         "points": [_point_json(pt, ref, slo) for pt in f["points"]]}
+        phases_setup["faults"] = f
+    doc["setup"] = setup_summary(phases_setup, args.fresh_engines)
+    rows = sweep_targets(doc)
+    doc["targets"] = [t.to_json() for t in rows]
+    for w, out in doc["workloads"].items():
+        names = {k: v["policy"] for k, v in out["policies"].items()}
+        for i, pt in enumerate(out["points"]):
+            stats = {k: PolicyStats.of(v["points"][i]["records"], out["ttft_slo_s"])
+                     for k, v in results["workloads"][w]["policies"].items() if len(v.get("points", [])) > i}
+            print(f"\n{out['name']}, load {pt['load']:.2f} ({pt['offered_rps']:.2f} requests/s offered)")
+            print(table(names, stats))
+    print()
+    print(targets_table(rows))
+    if doc["faults"] is not None and "faults" in doc["faults"]:
+        ff = doc["faults"]["faults"]
+        print(f"\nfaults: {ff['answered']}/{ff['sent']} answered; failed by reason {ff['failed_by_reason'] or '{}'}; "
+              f"for a cache reason: {ff['failed_for_a_cache_reason']}")
+    print(f"\nran in {seconds:.0f} s")
     setup = doc["setup"]
-    print(f"set-up: {setup['engine_starts']} engine start-ups, {setup['setup_s']:.0f} s in all "
-          f"({', '.join(f'{k} {v:.0f} s' for k, v in setup['setup_s_by_phase'].items())})")
+    print(f"set-up: {setup['engine_starts']} engine start-ups, {setup['setup_s']:.0f} s in all")
     return doc
 
 
-def setup_summary(results: dict, fresh: bool) -> dict:
+def setup_summary(phases: dict, fresh: bool) -> dict:
     """Each phase's set-up time (engines started or reconfigured, router ready) and engine start-ups."""
-    by_phase = {k: v["setup_s"] for k, v in results.items() if "setup_s" in v}
+    by_phase = {k: v["setup_s"] for k, v in phases.items() if "setup_s" in v}
     return {"engines": "fresh per phase" if fresh else "reused across phases",
-            "engine_starts": sum(v.get("engine_starts", 0) for v in results.values()),
+            "engine_starts": sum(v.get("engine_starts", 0) for v in phases.values()),
             "setup_s": round(sum(by_phase.values()), 1), "setup_s_by_phase": by_phase}
 
 
-def write(doc: dict, results: dict, out_dir: Path, state: dict) -> None:
-    from benchmarks.e2e.plot import plot_ttft
+def write(doc: dict, results: dict, out_dir: Path) -> None:
+    from benchmarks.e2e.plot import plot_load, plot_ttft
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{NAME}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
-    records = {v["policy"]: v["records"] for k, v in results.items() if "records" in v and k != "faults"}
-    png = plot_ttft(records, out_dir / f"{NAME}_ttft.png", slo_s=doc["ttft_slo_s"],
-                    title=f"{doc['command']} ({doc['when']}, load avg {doc['machine']['load_average_at_end'][0]})")
-    print(f"results: {path}\nplot: {png}", flush=True)
+    title = f"{doc['command']} ({doc['when']}, load avg {doc['machine']['load_average_at_end'][0]})"
+    load_png = plot_load(doc, out_dir / f"{NAME}_load.png", title=title)
+    # The distributions at the load point nearest 0.4 of the first workload: where the policies differ most.
+    w = next(iter(results["workloads"]), None)
+    pngs = [load_png]
+    if w is not None and results["workloads"][w]["policies"]:
+        pols = results["workloads"][w]["policies"]
+        loads = [pt["load"] for pt in next(iter(pols.values()))["points"]]
+        if loads:
+            i = min(range(len(loads)), key=lambda j: abs(loads[j] - 0.4))
+            records = {v["policy"]: v["points"][i]["records"] for v in pols.values() if len(v["points"]) > i}
+            pngs.append(plot_ttft(records, out_dir / f"{NAME}_ttft.png", slo_s=doc["workloads"][w]["ttft_slo_s"],
+                                  title=f"{WORKLOADS[w]}, load {loads[i]:.2f}: {title}"))
+    print(f"results: {path}\nplots: {', '.join(str(p) for p in pngs)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
         "ignore_eos": True,  # every answer is max_tokens long, as the workload says
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # the generated ids, checked against a cold reference run (hit fidelity)
     }
 
 
@@ -105,6 +106,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, cloc
     tokens = 0
     usage = None
     strata = None
+    ids = None
     async for raw in resp.content:
         if len(raw) > MAX_LINE_BYTES:
             record.error = "bad_stream: an SSE line over 1 MiB"
@@ -128,6 +130,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, cloc
             record.done_s = now
         if chunk.get("usage"):
             usage = chunk["usage"]
+        if isinstance(chunk.get("token_ids"), list):
+            ids = chunk["token_ids"]
         strata = chunk.get("strata") or (usage or {}).get("strata") or strata
     if not done:
         record.error = "stream_broken: the stream ended before [DONE]"
@@ -142,6 +146,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, cloc
     record.completion_tokens = int(usage.get("completion_tokens", tokens))
     details = usage.get("prompt_tokens_details") or {}
     record.cached_tokens = int(details.get("cached_tokens") or 0)
+    if ids is not None:
+        record.output_ids = [int(i) for i in ids]
     if strata:
         record.cached_local = int(strata.get("cached_local") or 0)
         record.cached_pool = int(strata.get("cached_pool") or 0)

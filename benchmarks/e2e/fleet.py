@@ -1,8 +1,15 @@
 """The processes of one benchmarked fleet: a Redis index, a daemon and an engine per replica, a router.
 
-Every part is a real child process on free loopback ports, as it would be
-deployed (separate GILs: the engines compute while the client times them).
-:class:`Nodes` live for the whole benchmark:
+Every part is a real child process, as it would be deployed (separate
+GILs: the engines compute while the client times them). Each replica (its
+daemon and its engine) is a host of its own: a network namespace with its
+own address on a virtual network (veth pairs on one bridge,
+:class:`tests.support.peer_cluster.Network`), so a block one replica's
+daemon fetches from another's crosses a network path over the peer
+transport; Redis and the router are on the host side (the bridge's
+address), a third host. ``FleetSpec.loopback`` (``--loopback``), or a
+machine where namespaces cannot be made, puts everything on loopback
+instead. :class:`Nodes` live for the whole benchmark:
 
 - one private ``redis-server`` (:func:`benchmarks.harness.private_redis`):
   the prefix index every daemon publishes to, so a router asking any daemon
@@ -55,6 +62,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.e2e.policies import Policy
 from benchmarks.harness import free_port, private_redis
+from tests.support.peer_cluster import Network
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +199,7 @@ class FleetSpec:
     # only the prefill past the shared system prompt: load weighs more than for a batching vLLM.
     # Measured on this workload (b, c, e in one run): c/b mean TTFT 1.67x with 2, 1.0x with 1.
     load_weight: float = 2.0
+    loopback: bool = False  # every part on 127.0.0.1 instead of a host (network namespace) per replica
 
 
 @dataclass
@@ -199,6 +208,7 @@ class Node:
     node_id: str
     daemon: Child
     target: str
+    host: str  # the replica's address: its daemon's and its engine's
     events: dict[str, tuple[str, str]]  # phase name -> where its engine on this node publishes KV events, replays
 
 
@@ -216,6 +226,7 @@ class Nodes:
         self.phases = phases
         self.nodes: list[Node] = []
         self.redis_url = ""
+        self.net: Network | None = None
         self._stack = contextlib.ExitStack()
         self.scratch = Path(tempfile.mkdtemp(prefix="strata-e2e-"))
         shm_parent = SHM_ROOT if SHM_ROOT.is_dir() else None  # a tmpfs for the arena where there is one
@@ -223,8 +234,11 @@ class Nodes:
 
     def start(self) -> Nodes:
         try:
-            port = self._stack.enter_context(private_redis())
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.net = Network(self.spec.replicas, loopback=self.spec.loopback)
+            self._stack.callback(self.net.close)
+            log.info("network: %s", self.net.note)
+            port = self._stack.enter_context(private_redis(bind=self.net.gateway))
+            self.redis_url = f"redis://{self.net.gateway}:{port}/0"
             self.nodes = [self._node(i) for i in range(self.spec.replicas)]
             for n in self.nodes:  # all at once: their start-ups overlap
                 n.daemon.spawn()
@@ -242,28 +256,36 @@ class Nodes:
         shm = self.shm / f"node-{i}"
         shm.mkdir()
         node_id = f"node-{i}"
-        target = f"127.0.0.1:{free_port()}"
-        events = {p.name: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        host = self.net.host(i)
+        target = f"{host}:{free_port()}"
+        events = {p.name: (f"tcp://{host}:{free_port()}", f"tcp://{host}:{free_port()}")
                   for p in self.phases if p.policy.kv_events}
         argv = [
             sys.executable, "-m", "kvstore.cli.main", "serve", "--node-id", node_id, "--listen", target,
-            "--metrics-listen", f"127.0.0.1:{free_port()}", "--disk-dir", str(home / "disk"), "--shm-dir", str(shm),
+            "--metrics-listen", f"{host}:{free_port()}", "--disk-dir", str(home / "disk"), "--shm-dir", str(shm),
             "--ram-bytes", spec.ram_bytes, "--disk-bytes", spec.disk_bytes, "--max-block-bytes", spec.max_block_bytes,
             "--index-url", self.redis_url, "--index-ttl-seconds", str(spec.index_ttl_s),
-            "--tiers", "ram,disk,peer", "--peer-listen", f"127.0.0.1:{free_port()}", "--log-format", "text",
+            "--tiers", "ram,disk,peer", "--peer-listen", f"{host}:{free_port()}", "--log-format", "text",
         ]
+        if self.net.virtual is not None:  # a private virtual network: authentication is not what is measured
+            argv.append("--insecure")
         if events:
             subs = [f"{ep[0]}?engine={p.engine_id(i)}&namespace={p.namespace}&replay={ep[1]}"
                     for p in self.phases if (ep := events.get(p.name))]
             argv += ["--kv-events", ",".join(subs)]
-        daemon = Child(node_id, argv, home / "daemon.log", lambda t=target: grpc_serving(t), start_timeout_s=90)
-        return Node(i, node_id, daemon, target, events)
+        daemon = Child(node_id, self.net.command(i, argv), home / "daemon.log", lambda t=target: grpc_serving(t),
+                       start_timeout_s=90)
+        return Node(i, node_id, daemon, target, host, events)
 
     def restart_daemon(self, i: int) -> None:
         """SIGKILL node ``i``'s daemon and start it again on the same directories (a new epoch)."""
         d = self.nodes[i].daemon
         d.kill()
         d.start()
+
+    @property
+    def network_note(self) -> str:
+        return self.net.note if self.net is not None else ""
 
     def close(self) -> None:
         for n in self.nodes:
@@ -372,8 +394,8 @@ class Engines:
     def _spawn(self, node: Node, settings: dict) -> Replica:
         spec = self.spec
         port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(spec.model_dir), "--host", "127.0.0.1",
+        url = f"http://{node.host}:{port}"
+        argv = [sys.executable, "-m", "benchmarks.e2e.engine", "--model", str(spec.model_dir), "--host", node.host,
                 "--port", str(port), "--block-size", str(BLOCK_SIZE), "--hash-seed", HASH_SEED,
                 "--threads", str(spec.engine_threads), "--admin"]
         if self.wait_for_model_s:
@@ -381,7 +403,8 @@ class Engines:
         for field, value in settings.items():
             if value != "":
                 argv += [_FLAGS[field], str(value)]
-        engine = Child(f"engine-{node.index}", argv, self.home / f"engine-{node.index}.log",
+        engine = Child(f"engine-{node.index}", self.nodes.net.command(node.index, argv),
+                       self.home / f"engine-{node.index}.log",
                        lambda u=url: http_ok(u + "/health"), start_timeout_s=240)
         engine.spawn()
         self.starts += 1

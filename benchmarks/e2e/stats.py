@@ -13,6 +13,10 @@ their ``prompt_tokens``.
 
 Goodput is the requests per second that were answered within the TTFT SLO,
 over the span from the first request sent to the last one answered.
+
+Confidence intervals are 95% percentile-bootstrap intervals
+(:func:`bootstrap_ci`); hit fidelity (:class:`Fidelity`) is the share of
+answered requests whose generated tokens equal a cold reference run's.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class RequestRecord:
     error: str = ""  # empty when answered; else why it failed (a short reason, then detail)
     retries: int = 0  # 429 answers waited out before this one
     ended_s: float | None = None  # when the client was done with it, answered or not
+    output_ids: list[int] | None = None  # the generated token ids, where the engine returned them
+    point: int = 0  # the load point of a sweep it was sent in
 
     @property
     def ok(self) -> bool:
@@ -115,6 +121,8 @@ class PolicyStats:
     within_slo: int
     span_s: float
     goodput_rps: float | None
+    ttft_later_mean_ci: tuple[float, float] | None = None  # 95% bootstrap intervals, turns 2+
+    ttft_later_p95_ci: tuple[float, float] | None = None
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord], slo_s: float | None) -> PolicyStats:
@@ -141,6 +149,8 @@ class PolicyStats:
             within_slo=within,
             span_s=span,
             goodput_rps=(within / span) if (span > 0 and slo_s is not None) else None,
+            ttft_later_mean_ci=bootstrap_ci([r.ttft_s for r in later], "mean"),
+            ttft_later_p95_ci=bootstrap_ci([r.ttft_s for r in later], "p95"),
         )
 
     def to_json(self) -> dict:
@@ -159,4 +169,79 @@ class PolicyStats:
             "within_slo": self.within_slo,
             "span_s": sig(self.span_s),
             "goodput_rps": sig(self.goodput_rps),
+            "ttft_turns2plus_mean_ci95_s": None if self.ttft_later_mean_ci is None
+            else [sig(x) for x in self.ttft_later_mean_ci],
+            "ttft_turns2plus_p95_ci95_s": None if self.ttft_later_p95_ci is None
+            else [sig(x) for x in self.ttft_later_p95_ci],
         }
+
+
+BOOTSTRAP_RESAMPLES = 2000
+MIN_BOOTSTRAP_SAMPLES = 5  # below this an interval says nothing: none is given
+
+
+def bootstrap_ci(values: Sequence[float], stat: str, *, level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """The percentile-bootstrap confidence interval of ``stat`` ("mean" or "p95") of ``values``.
+
+    ``resamples`` resamplings with replacement of the samples, the statistic of each, and the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of those: no assumption about the
+    distribution (TTFTs are skewed: a mixture of hits and cold prefills), seeded so a report is
+    reproducible. None for fewer than :data:`MIN_BOOTSTRAP_SAMPLES` samples.
+    """
+    import numpy as np
+
+    if stat not in ("mean", "p95"):
+        raise ValueError(f"stat must be 'mean' or 'p95', got {stat!r}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    data = np.asarray(values, dtype=float)
+    if data.size < MIN_BOOTSTRAP_SAMPLES:
+        return None
+    rng = np.random.default_rng(seed)
+    draws = data[rng.integers(0, data.size, size=(resamples, data.size))]
+    stats = draws.mean(axis=1) if stat == "mean" else np.percentile(draws, 95, axis=1)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How many answered requests generated exactly the tokens of the cold, cache-free reference run."""
+
+    checked: int  # answered requests with a reference to compare with
+    equal: int
+    unchecked: int  # answered without a reference or without their token ids
+    mismatches: tuple[dict, ...] = ()  # the first few: which request, where it first differs, what it hit
+
+    @property
+    def share(self) -> float | None:
+        return self.equal / self.checked if self.checked else None
+
+    @classmethod
+    def of(cls, records: Iterable[RequestRecord], expected: dict[tuple[int, int, int], list[int]],
+           keep: int = 10) -> Fidelity:
+        """``expected``: (point, session, turn) -> the reference's token ids."""
+        checked = equal = unchecked = 0
+        bad: list[dict] = []
+        for r in records:
+            if not r.ok:
+                continue
+            want = expected.get((r.point, r.session, r.turn))
+            if want is None or r.output_ids is None:
+                unchecked += 1
+                continue
+            checked += 1
+            if r.output_ids == want:
+                equal += 1
+            elif len(bad) < keep:
+                at = next((i for i, (a, b) in enumerate(zip(r.output_ids, want)) if a != b),
+                          min(len(r.output_ids), len(want)))
+                bad.append({"point": r.point, "session": r.session, "turn": r.turn, "first_difference_at": at,
+                            "cached_local": r.cached_local, "cached_pool": r.cached_pool})
+        return cls(checked, equal, unchecked, tuple(bad))
+
+    def to_json(self) -> dict:
+        share = self.share
+        return {"checked": self.checked, "equal": self.equal, "unchecked": self.unchecked,
+                "share": None if share is None else round(share, 4), "mismatches": list(self.mismatches)}

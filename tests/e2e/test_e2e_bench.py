@@ -16,8 +16,9 @@ import pytest
 
 from benchmarks.e2e.faults import FaultEvent, classify, fault_report
 from benchmarks.e2e.policies import POLICIES, parse_policies
-from benchmarks.e2e.report import targets
-from benchmarks.e2e.stats import PolicyStats, RequestRecord, Summary, percentile
+from benchmarks.e2e.report import sweep_targets
+from benchmarks.e2e.stats import Fidelity, PolicyStats, RequestRecord, Summary, bootstrap_ci, percentile
+from benchmarks.e2e.sweep import Reference, SweepSpec, parse_loads, parse_workloads
 from benchmarks.e2e.workload import Workload, WorkloadSpec
 
 # ---- workload ------------------------------------------------------------------
@@ -195,32 +196,153 @@ def test_failures_are_put_down_to_the_fault_they_met():
 # ---- targets -----------------------------------------------------------------------
 
 
-def _stats(mean, p95=None):
-    recs = [_rec(0, 1, 0.0, mean), _rec(1, 1, 0.0, mean)]
-    s = PolicyStats.of(recs, slo_s=1.0)
-    if p95 is not None:
-        s = PolicyStats(**{**s.__dict__, "ttft_later": Summary(2, mean, mean, p95, p95, p95)})
-    return s
+def _pt(load, mean, p95=None, goodput=0.5, equal=10, checked=10):
+    return {"load": load, "stats": {"ttft_turns2plus_s": {"mean": mean, "p95": p95 or mean}, "goodput_rps": goodput},
+            "fidelity": {"checked": checked, "equal": equal, "unchecked": 0}}
+
+
+def _doc(by_policy: dict, loads=(0.2, 0.8), prefix=None, faults=None):
+    """A results document with W1 only: ``by_policy`` key -> [(mean, goodput)] per load."""
+    pols = {k: {"policy": k, "points": [_pt(u, m, goodput=g) for u, (m, g) in zip(loads, v)]}
+            for k, v in by_policy.items()}
+    return {"workloads": {"w1": {"points": [{"load": u} for u in loads], "policies": pols}},
+            "faults": faults, "prefix_4k": prefix}
 
 
 def test_targets_are_judged_from_the_figures_and_unmeasured_ones_are_not_judged():
-    stats = {"a": _stats(1.2, 1.5), "b": _stats(0.5, 0.9), "c": _stats(0.3, 0.5), "d": _stats(0.32, 0.55),
-             "e": _stats(0.28, 0.4)}
-    rows = {t.name: t for t in targets(stats, {"cold_ttft_s": 2.0, "hit_ttft_s": 0.08})}
-    assert rows["(c) vs (a): mean TTFT turns 2+, speedup"].met is True
-    assert rows["(c) vs (b): mean TTFT turns 2+, speedup"].measured == pytest.approx(0.5 / 0.3)
-    assert rows["(d) vs (c): mean TTFT turns 2+, ratio"].met is True
-    assert rows["(e): lowest p95 TTFT turns 2+"].met is True
+    good = {"a": [(1.2, 0.2), (2.0, 0.1)], "b": [(0.5, 0.3), (1.0, 0.2)], "c": [(0.3, 0.4), (0.5, 0.5)],
+            "d": [(0.32, 0.4), (0.52, 0.6)], "e": [(0.28, 0.4), (0.45, 0.7)]}
+    rows = {t.name: t for t in sweep_targets(_doc(good, prefix={"cold_ttft_s": 2.0, "hit_ttft_s": 0.08}))}
+    assert rows["w1 load 0.2: (c) vs (a) mean TTFT t2+, speedup"].met is True
+    assert rows["w1 load 0.2: (c) vs (b) mean TTFT t2+, speedup"].measured == pytest.approx(0.5 / 0.3)
+    assert "w1 load 0.8: (c) vs (a) mean TTFT t2+, speedup" not in rows  # above the low-load limit
+    assert rows["w1 load 0.2: (d) vs (c) mean TTFT t2+, ratio"].met is True
+    assert rows["w1 load 0.8: (d) vs (c) mean TTFT t2+, ratio"].measured == pytest.approx(0.52 / 0.5)
+    assert rows["w1 load 0.8: best goodput at the SLO is a pool policy"].met is True
+    assert rows["w1 (a): hit fidelity, answers equal to the reference"].met is True
     assert rows["4k prompt: cold / prefix-hit TTFT"].measured == pytest.approx(25.0)
-    stats["b"] = _stats(0.4, 0.3)
-    rows = {t.name: t for t in targets(stats, None)}
-    assert rows["(c) vs (b): mean TTFT turns 2+, speedup"].met is False
-    assert rows["(e): lowest p95 TTFT turns 2+"].met is False
+
+    worse = {**good, "b": [(0.4, 0.3), (1.0, 0.9)], "d": [(0.4, 0.4), (0.6, 0.6)]}
+    worse_doc = _doc(worse)
+    worse_doc["workloads"]["w1"]["policies"]["e"]["points"][1]["fidelity"]["equal"] = 9
+    rows = {t.name: t for t in sweep_targets(worse_doc)}
+    assert rows["w1 load 0.2: (c) vs (b) mean TTFT t2+, speedup"].met is False
+    assert rows["w1 load 0.2: (d) vs (c) mean TTFT t2+, ratio"].met is False
+    assert rows["w1 load 0.8: best goodput at the SLO is a pool policy"].met is False  # b has the best
+    assert rows["w1 (e): hit fidelity, answers equal to the reference"].met is False
+    assert rows["w1 (e): hit fidelity, answers equal to the reference"].measured == pytest.approx(19 / 20)
     assert rows["4k prompt: cold / prefix-hit TTFT"].met is None
-    del stats["a"]
-    rows = {t.name: t for t in targets(stats, None)}
-    assert rows["(c) vs (a): mean TTFT turns 2+, speedup"].met is None
-    assert rows["(e): lowest p95 TTFT turns 2+"].met is None
+
+    del good["a"]
+    rows = {t.name: t for t in sweep_targets(_doc(good))}
+    assert rows["w1 load 0.2: (c) vs (a) mean TTFT t2+, speedup"].met is None
+    assert rows["w1 load 0.8: best goodput at the SLO is a pool policy"].met is None
+
+
+def test_a_fault_phase_whose_answers_differ_from_the_reference_misses_its_fidelity_target():
+    faults = {"points": [_pt(0.6, 0.4, equal=7, checked=8)]}
+    rows = {t.name: t for t in sweep_targets(_doc({"a": [(1.0, 0.1), (1.0, 0.1)]}, faults=faults))}
+    assert rows["faults (e): hit fidelity, answers equal to the reference"].met is False
+    assert rows["faults (e): hit fidelity, answers equal to the reference"].detail == "7/8 equal"
+    faults = {"points": [_pt(0.6, 0.4, equal=0, checked=0)]}
+    rows = {t.name: t for t in sweep_targets(_doc({"a": [(1.0, 0.1), (1.0, 0.1)]}, faults=faults))}
+    assert rows["faults (e): hit fidelity, answers equal to the reference"].met is None
+
+
+# ---- the sweep's parts ----------------------------------------------------------------
+
+
+def test_w1_gives_each_session_a_context_of_its_own_and_w2_one_shared_prompt():
+    w1 = Workload(WorkloadSpec(shared=False, seed=4))
+    w2 = Workload(WorkloadSpec(shared=True, seed=4))
+    assert w1.spec.name == "w1" and w2.spec.name == "w2"
+    firsts = [w1.prompt(s, 0) for s in range(8)]
+    assert len({tuple(p[:16]) for p in firsts}) == 8  # no session shares even a first block
+    assert all(len(p) == 1200 for p in firsts) and len(w1.prompt(3, 4)) == 2200
+    assert all(w1.prompt(s, 0)[:1000] == list(w1.context(s)) for s in range(8))
+    assert len({tuple(w2.prompt(s, 0)[:1000]) for s in range(8)}) == 1
+
+
+def test_sessions_arrive_as_a_poisson_process_of_the_rate_and_keep_their_tokens():
+    spec = dict(sessions=2000, turns=2, system_tokens=1, user_tokens=1, output_tokens=1, seed=9)
+    w = Workload(WorkloadSpec(arrival_rate_per_s=4.0, **spec))
+    starts = [s.start_s for s in w.sessions]
+    assert starts == sorted(starts) and starts[0] > 0
+    gaps = [b - a for a, b in zip([0.0] + starts, starts)]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.1)  # 1 / rate
+    assert statistics.pstdev(gaps) == pytest.approx(0.25, rel=0.15)  # exponential: sd = mean
+    slower = Workload(WorkloadSpec(arrival_rate_per_s=1.0, think_mean_s=5.0, **spec))
+    assert [slower.prompt(s, 1) for s in range(50)] == [w.prompt(s, 1) for s in range(50)]
+    assert slower.sessions[10].start_s == pytest.approx(4 * w.sessions[10].start_s)
+    with pytest.raises(ValueError):
+        WorkloadSpec(arrival_rate_per_s=-1.0)
+
+
+def test_every_load_point_of_a_sweep_has_prompts_of_its_own():
+    sweep = SweepSpec(sessions=4, turns=3)
+    p0, p1 = sweep.workload("w1", 0, 4096), sweep.workload("w1", 1, 4096)
+    assert not {tuple(p[:16]) for _, _, p in p0.prompts()} & {tuple(p[:16]) for _, _, p in p1.prompts()}
+    timed = sweep.workload("w1", 1, 4096, arrival_rate_per_s=0.5, think_mean_s=3.0)
+    assert list(timed.prompts()) == list(p1.prompts())
+    assert len(list(p0.prompts())) == 12
+    assert parse_loads("0.8,0.2,0.4") == (0.2, 0.4, 0.8)
+    for bad in ("0", "2", "x", ""):
+        with pytest.raises(ValueError):
+            parse_loads(bad)
+    assert parse_workloads("W2,w1,w2") == ("w2", "w1")
+    with pytest.raises(ValueError, match="choose from w1, w2"):
+        parse_workloads("w3")
+
+
+def _answered(point, session, turn, sent, ttft, total, ids):
+    r = _rec(session, turn, sent, ttft, total=total)
+    r.point, r.output_ids = point, ids
+    return r
+
+
+def test_the_reference_sets_capacity_slo_and_arrival_rate_from_cold_service_times():
+    recs = [_answered(0, 0, 0, 0.0, 0.5, 1.0, [1]), _answered(0, 0, 1, 1.0, 0.9, 2.0, [2]),
+            _answered(0, 1, 0, 0.0, 0.7, 1.5, [3]), _answered(1, 0, 0, 3.0, 0.6, 1.5, [4])]
+    ref = Reference("w1", replicas=2, records=recs, expected={(r.point, r.session, r.turn): r.output_ids for r in recs})
+    assert ref.service_s == pytest.approx(1.5)
+    assert ref.capacity_rps == pytest.approx(2 / 1.5)
+    assert ref.slo_s == pytest.approx(0.6)  # the median turn-1 TTFT
+    assert ref.arrival_rate(0.6, turns=4) == pytest.approx(0.6 * (2 / 1.5) / 4)
+    doc = ref.to_json()
+    assert doc["prefill_share_of_service"] == pytest.approx(0.675 / 1.5, abs=1e-3)
+    assert doc["cold_ttft_by_turn_s"] == {0: 0.6, 1: 0.9} and doc["failed"] == 0
+
+
+def test_fidelity_counts_answers_equal_to_the_reference_and_says_where_one_differs():
+    expected = {(0, 0, 0): [5, 6, 7], (0, 0, 1): [1, 2, 3], (0, 1, 0): [9, 9, 9]}
+    recs = [_answered(0, 0, 0, 0.0, 0.1, 0.2, [5, 6, 7]), _answered(0, 0, 1, 1.0, 0.1, 0.2, [1, 2, 4]),
+            _answered(0, 2, 0, 0.0, 0.1, 0.2, [1, 1, 1]), _rec(0, 1, 0.0, 0.0, error="http_500: x")]
+    recs[1].cached_pool = 32
+    f = Fidelity.of(recs, expected)
+    assert (f.checked, f.equal, f.unchecked) == (2, 1, 1) and f.share == 0.5
+    assert f.mismatches == ({"point": 0, "session": 0, "turn": 1, "first_difference_at": 2, "cached_local": 0,
+                             "cached_pool": 32},)
+    assert Fidelity.of([], expected).share is None
+    json.dumps(f.to_json())
+
+
+def test_bootstrap_intervals_cover_the_statistic_and_narrow_with_more_samples():
+    import random as _random
+
+    rng = _random.Random(1)
+    few = [rng.expovariate(1.0) for _ in range(40)]
+    many = [rng.expovariate(1.0) for _ in range(4000)]
+    lo, hi = bootstrap_ci(few, "mean")
+    assert lo < statistics.mean(few) < hi
+    lo_m, hi_m = bootstrap_ci(many, "mean")
+    assert lo_m < 1.0 < hi_m  # the true mean of Exp(1)
+    assert hi_m - lo_m < (hi - lo) / 4
+    plo, phi = bootstrap_ci(many, "p95")
+    assert plo < math.log(20) < phi  # Exp(1)'s 95th percentile is ln 20
+    assert bootstrap_ci(few, "p95") == bootstrap_ci(few, "p95")  # seeded
+    assert bootstrap_ci([1.0, 2.0], "mean") is None
+    with pytest.raises(ValueError):
+        bootstrap_ci(few, "median")
 
 
 def test_policies_are_chosen_by_letter():
@@ -250,17 +372,22 @@ def test_a_small_run_starts_the_fleet_measures_every_request_and_survives_the_fa
     from benchmarks.e2e.__main__ import main
 
     out = tmp_path / "results"
-    assert main(["--model-size", "tiny", "--faults-only", "--sessions", "3", "--turns", "3", "--think-mean", "0.3",
-                 "--no-prefix-4k", "--results-dir", str(out)]) == 0
+    assert main(["--model-size", "tiny", "--faults-only", "--sessions", "3", "--turns", "3", "--no-prefix-4k",
+                 "--results-dir", str(out)]) == 0
     doc = json.loads((out / "e2e.json").read_text())
-    assert (out / "e2e_ttft.png").stat().st_size > 0
-    phase = doc["policies"]["faults"]
+    assert (out / "e2e_load.png").stat().st_size > 0
+    assert "error" not in doc["workloads"]["w1"]["reference"]
+    assert doc["workloads"]["w1"]["reference"]["requests"] == 9  # the fault point's prompts, once each, cold
+    phase = doc["faults"]
     assert "error" not in phase, phase.get("error")
-    requests = phase["requests"]
+    [point] = phase["points"]
+    requests = point["requests"]
     assert len(requests) == 9
     answered = [r for r in requests if not r["error"]]
     assert all(r["prompt_tokens"] == r["prompt_tokens_sent"] for r in answered)  # the engines saw our tokens
     assert sum(r["cached_tokens"] for r in answered if r["turn"] >= 1) > 0  # and found cached prefixes
+    # Every answer, through the crash and restart of a daemon, equals the cold reference's tokens.
+    assert point["fidelity"]["checked"] == len(answered) and point["fidelity"]["equal"] == len(answered)
     faults = phase["faults"]
     assert faults["injection_errors"] == []
     assert [ev["what"] for ev in faults["events"]] == ["daemon_killed", "daemon_ready", "engine_killed",

@@ -275,6 +275,45 @@ class VirtualNetwork:
         self._created_ns, self._links = [], []
 
 
+NETNS_PORT = 50051  # each namespace is a host of its own: every daemon can listen on the same port
+
+
+class Network:
+    """Where each part of a fleet listens: hosts of their own on a :class:`VirtualNetwork`, or loopback.
+
+    ``loopback=True``, or a machine where network namespaces cannot be made (:func:`netns_unavailable`),
+    puts every part on 127.0.0.1; :attr:`note` says which it is and why."""
+
+    def __init__(self, hosts: int, *, loopback: bool = False) -> None:
+        why = "asked for (--loopback)" if loopback else netns_unavailable()
+        self.virtual: VirtualNetwork | None = VirtualNetwork(hosts) if why is None else None
+        self.note = (f"{hosts} hosts, each a network namespace of its own, joined by veth pairs to one bridge"
+                     if why is None else f"loopback only (no network namespaces: {why})")
+
+    @property
+    def gateway(self) -> str:
+        """The host's address as the namespaces see it: where shared services (Redis, S3, a router) listen."""
+        return self.virtual.gateway if self.virtual else "127.0.0.1"
+
+    def host(self, i: int) -> str:
+        return self.virtual.address(i) if self.virtual else "127.0.0.1"
+
+    def namespace(self, i: int) -> str:
+        return self.virtual.namespaces[i] if self.virtual else ""
+
+    def port(self) -> int:
+        return NETNS_PORT if self.virtual else free_port()
+
+    def command(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run on host ``i``: inside its namespace (``ip netns exec`` execs it: the pid, and a
+        ``PR_SET_PDEATHSIG`` set before, are the command's own)."""
+        return ["ip", "netns", "exec", self.namespace(i), *argv] if self.virtual else list(argv)
+
+    def close(self) -> None:
+        if self.virtual is not None:
+            self.virtual.close()
+
+
 # ---- what a fleet holds ----------------------------------------------------------------
 
 NS = "model-a"
