@@ -9,8 +9,10 @@ through it would then miss its deadline for reasons that are the
 harness's, not the fleet's; so it runs as a child, driven over its stdin:
 ``on``, ``off``, ``count`` (it answers the bytes flipped so far).
 
-Run as ``python -m benchmarks.chaos.path UPSTREAM_HOST UPSTREAM_PORT LISTEN_HOST``; it prints its
-``host:port`` first.
+Run as ``python -m benchmarks.chaos.path UPSTREAM_HOST UPSTREAM_PORT LISTEN_HOST [EVERY [LIMIT]]``; it
+prints its ``host:port`` first. With ``EVERY``, it flips one byte every ``EVERY`` bytes of the replies
+instead of after a marker (traffic without one: blocks of KV), and with ``LIMIT`` mends itself after
+that many flips.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ def _die_with_parent() -> None:
 class PeerPath:
     """The parent's handle on one proxy process."""
 
-    def __init__(self, upstream: tuple[str, int], listen_host: str) -> None:
+    def __init__(self, upstream: tuple[str, int], listen_host: str, *, every: int = 0, limit: int = 0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.chaos.path", upstream[0], str(upstream[1]), listen_host],
+            [sys.executable, "-m", "benchmarks.chaos.path", upstream[0], str(upstream[1]), listen_host, str(every),
+             str(limit)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, preexec_fn=_die_with_parent,
         )
         self.address = self._answer()
@@ -68,7 +71,8 @@ def main() -> None:
     from tests.support.peer_cluster import FlipProxy
 
     upstream_host, upstream_port, listen_host = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    proxy = FlipProxy((upstream_host, upstream_port), MARKER, host=listen_host)
+    every, limit = (int(sys.argv[4]) if len(sys.argv) > 4 else 0), (int(sys.argv[5]) if len(sys.argv) > 5 else 0)
+    proxy = FlipProxy((upstream_host, upstream_port), MARKER, host=listen_host, every=every, limit=limit)
     proxy.enabled = False  # whole until told otherwise
     print(proxy.address, flush=True)
     for line in sys.stdin:  # the parent closed our stdin, or died: either way, stop

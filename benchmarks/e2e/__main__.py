@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,7 +67,7 @@ import aiohttp
 
 from benchmarks.e2e import driver
 from benchmarks.e2e.client import completion_body, monotonic_clock, stream_completion
-from benchmarks.e2e.faults import FaultInjector, FaultPlan, fault_report
+from benchmarks.e2e.faults import DataFaultInjector, DataFaultPlan, FaultInjector, FaultPlan
 from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase, StartFailed
 from benchmarks.e2e.policies import POLICIES, parse_policies
 from benchmarks.e2e.report import engine_summary, router_summary, sweep_targets, table, targets_table
@@ -82,14 +83,15 @@ PREFIX_TOKENS = 4096
 PREFIX_CACHED = 4032  # whole blocks: the prompt's last 64 tokens are prefilled over the cached KV
 PREFIX_TIMEOUT_S = 600
 PREFIX_4K = dict(prefix_tokens=PREFIX_TOKENS, prefix_cached=PREFIX_CACHED)
-FULL = dict(sweep=SweepSpec(), prefix_rounds=3, model_size="bench", policies="all", faults={}, **PREFIX_4K)
-QUICK = dict(sweep=SweepSpec(loads=(0.4,), sessions=3, turns=2), prefix_rounds=1, model_size="bench",
-             policies="all", faults={}, **PREFIX_4K)
+FULL = dict(sweep=SweepSpec(), prefix_rounds=3, model_size="small", policies="all", faults={}, data_faults={},
+            **PREFIX_4K)
+QUICK = dict(sweep=SweepSpec(workloads=("w1",), loads=(0.6,), sessions=4, turns=2), prefix_rounds=1,
+             model_size="small", policies="all", faults={}, data_faults={}, **PREFIX_4K)
 # (a) and the fault phase's (e) between them take every branch: prefix cache last and blocks, KV events
 # and the index off and on, the pool off and on, round robin and cache-aware routing.
 SMOKE = dict(sweep=SweepSpec(loads=(0.5,), sessions=1, turns=2, system_tokens=200, user_tokens=40, output_tokens=4),
-             prefix_rounds=1, model_size="tiny", policies="a", faults=dict(daemon_down_s=1.0), prefix_tokens=256,
-             prefix_cached=240)
+             prefix_rounds=1, model_size="tiny", policies="a", faults=dict(daemon_down_s=1.0),
+             data_faults=dict(disk_blocks=2, peer_every=4099), prefix_tokens=256, prefix_cached=240)
 FAULT_LOAD = 0.6  # the fault phase runs at the sweep's load point nearest this
 
 
@@ -97,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="one load point (0.4), 3 sessions × 2 turns per workload, one round of the 4k "
+                      help="W1 only, one load point (0.6), 4 sessions × 2 turns, one round of the 4k "
                            "measurement: the shape of the full run in minutes")
     size.add_argument("--smoke", action="store_true",
                       help="every code path once, in seconds, writing no results: the tiny model, 1 session × 2 "
@@ -121,9 +123,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                              "prompt in the reference run)")
     p.add_argument("--load-weight", type=float, default=FleetSpec.load_weight,
                    help=f"the router's --load-weight for (c) and (e) (default {FleetSpec.load_weight})")
-    p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the bench model)")
-    p.add_argument("--model-size", choices=("tiny", "bench"),
-                   help="the model built (default bench; tiny with --smoke)")
+    p.add_argument("--model-dir", type=Path, help="an existing model directory (default: build the small model)")
+    p.add_argument("--model-size", choices=("tiny", "small", "bench"),
+                   help="the model built (default small; tiny with --smoke)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--fresh-engines", action="store_true",
                    help="start new engines for every phase instead of reconfiguring the running ones "
@@ -213,9 +215,9 @@ def ttft_priors(reference: Reference | None) -> list[str]:
 
 
 def run_phase(nodes: Nodes, engines: Engines, phase: Phase, points: list[tuple[int, float, Workload]],
-              reference: Reference | None, fault_plan: FaultPlan | None = None) -> dict:
+              reference: Reference | None, injector: Callable[..., FaultInjector] | None = None) -> dict:
     """One policy on one fleet at each load point in turn (``points``: (index, load, workload)); with
-    ``fault_plan``, the faults during the (single) point."""
+    ``injector`` (``(fleet, clock, requests) -> FaultInjector``), its faults during the (single) point."""
     started = time.monotonic()
     out: dict = {"policy": phase.policy.name, "namespace": phase.namespace, "points": []}
     try:
@@ -228,15 +230,13 @@ def run_phase(nodes: Nodes, engines: Engines, phase: Phase, points: list[tuple[i
                 t = time.monotonic()
                 clock = monotonic_clock()
                 point: dict = {"point": index, "load": load, "arrival_rate_per_s": workload.spec.arrival_rate_per_s}
-                if fault_plan is None:
+                if injector is None:
                     records = driver.run(workload, fleet.url, fleet.model, clock=clock)
                 else:
-                    with FaultInjector(fleet, fault_plan, clock, workload.requests) as inj:
+                    with injector(fleet, clock, workload.requests) as inj:
                         records = driver.run(workload, fleet.url, fleet.model, clock=clock, on_answer=inj.observe,
                                              before_last_turn=inj.hold)
-                        after_rotation = inj.upstream_errors_since_rotation()
-                    out["faults"] = fault_report(records, inj.events, nodes.spec.health_interval_s, inj.errors,
-                                                 after_rotation)
+                        out["faults"] = inj.report(records)
                 for r in records:
                     r.point = index
                 point["records"] = records
@@ -275,6 +275,27 @@ def reference_phase(nodes: Nodes, engines: Engines, phase: Phase, name: str,
         ref = None
     out["seconds"] = round(time.monotonic() - started, 1)
     return ref, out
+
+
+def data_fault_phase(nodes: Nodes, engines: Engines, phase: Phase, point: tuple[int, float, Workload],
+                     reference: Reference, plan: DataFaultPlan) -> dict:
+    """Policy (d) with the peer path to one daemon damaged and another's host rebooted with a damaged disk
+    (:class:`~benchmarks.e2e.faults.DataFaultPlan`). Both daemons start again first, writing every block
+    through to disk (so a reboot leaves them there) and the damaged one advertising the proxy."""
+    from benchmarks.chaos.path import PeerPath
+
+    host, port = nodes.nodes[plan.peer_replica].peer_listen.rsplit(":", 1)
+    path = PeerPath((host, int(port)), nodes.net.gateway, every=plan.peer_every, limit=plan.peer_flips)
+    try:
+        nodes.restart_daemon(plan.peer_replica, flags={"--peer-advertise": path.address,
+                                                       "--disk-write-policy": "through"})
+        nodes.restart_daemon(plan.reboot_replica, flags={"--disk-write-policy": "through"})
+        return run_phase(nodes, engines, phase, [point], reference,
+                         lambda fleet, clock, n: DataFaultInjector(fleet, plan, clock, n, path))
+    except (StartFailed, OSError) as e:
+        return {"policy": phase.policy.name, "error": f"{type(e).__name__}: {e}", "points": []}
+    finally:
+        path.close()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -316,8 +337,8 @@ def _main(args: argparse.Namespace) -> int:
     workloads = sweep.workloads[:1] if args.faults_only else sweep.workloads
     refs = {w: Phase(f"{w}-ref", REFERENCE) for w in workloads}
     phases = {(w, p.key): Phase(f"{w}-{p.key}", p) for w in workloads for p in policies}
-    fault_phase = Phase("faults", POLICIES["e"]) if faults else None
-    every = [*refs.values(), *phases.values(), *([fault_phase] if fault_phase else [])]
+    fault_phases = [Phase("faults", POLICIES["e"]), Phase("data-faults", POLICIES["d"])] if faults else []
+    every = [*refs.values(), *phases.values(), *fault_phases]
 
     with contextlib.ExitStack() as stack:
         model_dir, build_model = args.model_dir, args.model_dir is None
@@ -336,7 +357,8 @@ def _main(args: argparse.Namespace) -> int:
             model_builder.build(model_dir, size=model_size)
             log.info("built the %s model in %.1f s", model_size, time.monotonic() - t)
         vocab = model_vocab(model_dir)
-        results: dict = {"workloads": {}, "faults": None}
+        results: dict = {"workloads": {}, "faults": None, "data_faults": None}
+        fault_points = None
         for w in workloads:
             log.info("workload %s: the cold reference run", w)
             tokens_only = [(i, sweep.workload(w, i, vocab)) for i in range(len(sweep.loads))]
@@ -359,12 +381,20 @@ def _main(args: argparse.Namespace) -> int:
                 log.info("phase %s: %s", phase.name, p.name)
                 entry["policies"][p.key] = run_phase(nodes, engines, phase, points, ref)
                 log.info("phase %s took %.0f s", phase.name, entry["policies"][p.key]["seconds"])
-            if fault_phase is not None and w == workloads[0]:
-                i = fault_point(sweep)
-                log.info("the fault phase (%s, load %.2f)", w, sweep.loads[i])
-                results["faults"] = run_phase(nodes, engines, fault_phase, [points[i]], ref,
-                                              FaultPlan(**mode["faults"]))
-                results["faults"]["workload"] = w
+            if w == workloads[0]:
+                fault_points = (w, ref, points[fault_point(sweep)])
+        if fault_phases and fault_points is not None:
+            # Last: a daemon the fault threads restart lives only as long as its thread (PR_SET_PDEATHSIG).
+            w, ref, point = fault_points
+            log.info("the fault phase (%s, load %.2f)", w, point[1])
+            plan = FaultPlan(**mode["faults"])
+            results["faults"] = run_phase(nodes, engines, fault_phases[0], [point], ref,
+                                          lambda fleet, clock, n: FaultInjector(fleet, plan, clock, n))
+            results["faults"]["workload"] = w
+            log.info("the data-fault phase (%s, load %.2f)", w, point[1])
+            results["data_faults"] = data_fault_phase(nodes, engines, fault_phases[1], point, ref,
+                                                      DataFaultPlan(**mode["data_faults"]))
+            results["data_faults"]["workload"] = w
         engines.close()  # the 4k measurement has the machine to itself, as when each phase stopped its own
         if args.no_prefix_4k:
             prefix = None
@@ -400,9 +430,15 @@ def check_smoke(doc: dict) -> list[str]:
                     problems.append(f"{w}-{key} at load {pt['load']}: nothing answered")
                 if pt["fidelity"]["share"] != 1.0:
                     problems.append(f"{w}-{key} at load {pt['load']}: fidelity {pt['fidelity']}")
-    f = doc.get("faults")
-    if f is not None and "error" in f:
-        problems.append(f"faults: {f['error']}")
+    for name in ("faults", "data_faults"):
+        f = doc.get(name)
+        if f is not None and "error" in f:
+            problems.append(f"{name}: {f['error']}")
+        for pt in (f or {}).get("points", []):
+            if pt["fidelity"]["checked"] != pt["fidelity"]["equal"]:
+                problems.append(f"{name}: fidelity {pt['fidelity']}")
+        if f is not None and (f.get("faults") or {}).get("injection_errors"):
+            problems.append(f"{name}: {f['faults']['injection_errors']}")
     return problems
 
 
@@ -434,6 +470,7 @@ def build_document(args, sweep: SweepSpec, results: dict, prefix: dict | None, s
                      "requests in the reference run",
         "workloads": {},
         "faults": None,
+        "data_faults": None,
         "prefix_4k": prefix,
     }
     phases_setup = {}
@@ -455,6 +492,13 @@ def build_document(args, sweep: SweepSpec, results: dict, prefix: dict | None, s
         doc["faults"] = {**{k: v for k, v in f.items() if k != "points"},
                          "points": [_point_json(pt, ref, slo) for pt in f["points"]]}
         phases_setup["faults"] = f
+    f = results.get("data_faults")
+    if f is not None:
+        ref = results["workloads"][f["workload"]]["ref"]
+        slo = args.slo if args.slo is not None else (ref.slo_s if ref else None)
+        doc["data_faults"] = {**{k: v for k, v in f.items() if k != "points"},
+                              "points": [_point_json(pt, ref, slo) for pt in f.get("points", [])]}
+        phases_setup["data-faults"] = f
     doc["setup"] = setup_summary(phases_setup, args.fresh_engines)
     rows = sweep_targets(doc)
     doc["targets"] = [t.to_json() for t in rows]
@@ -471,6 +515,11 @@ def build_document(args, sweep: SweepSpec, results: dict, prefix: dict | None, s
         ff = doc["faults"]["faults"]
         print(f"\nfaults: {ff['answered']}/{ff['sent']} answered; failed by reason {ff['failed_by_reason'] or '{}'}; "
               f"for a cache reason: {ff['failed_for_a_cache_reason']}")
+    if doc["data_faults"] is not None and "faults" in doc["data_faults"]:
+        ff = doc["data_faults"]["faults"]
+        print(f"data faults: {ff['answered']}/{ff['sent']} answered; {ff['peer_path_bytes_flipped']} bytes flipped on "
+              f"the peer path, {ff['disk_block_files_damaged']} disk blocks damaged; the daemons met "
+              f"{ff['damage_met_by_daemon']}")
     print(f"\nran in {seconds:.0f} s")
     setup = doc["setup"]
     print(f"set-up: {setup['engine_starts']} engine start-ups, {setup['setup_s']:.0f} s in all")

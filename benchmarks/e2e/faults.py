@@ -35,6 +35,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from benchmarks.e2e.fleet import Fleet, StartFailed
 from benchmarks.e2e.stats import RequestRecord, Summary
@@ -168,6 +169,10 @@ class FaultInjector:
     def stop(self) -> None:
         self._done.set()
 
+    def report(self, records: list[RequestRecord]) -> dict:
+        return fault_report(records, self.events, self.fleet.spec.health_interval_s, self.errors,
+                            self.upstream_errors_since_rotation())
+
 
 def _at(events: list[FaultEvent], what: str) -> float | None:
     return next((e.at_s for e in events if e.what == what), None)
@@ -240,3 +245,129 @@ def fault_report(records: list[RequestRecord], events: list[FaultEvent], health_
         "failures": [{"session": r.session, "turn": r.turn, "sent_s": round(r.sent_s, 3),
                       "reason": classify(r, events, health_interval_s), "error": r.error[:200]} for r in failed],
     }
+
+
+# ---- faults on the data: a damaged peer path, a rebooted host with a damaged disk block ----------------
+
+
+@dataclass(frozen=True)
+class DataFaultPlan:
+    """The faults on the bytes themselves, for the pool policy (d), where most prefixes cross the peer path.
+
+    1. **The peer path is damaged**: once ``peer_damage_after`` of the requests are answered, the
+       proxy every other daemon reaches replica ``peer_replica``'s peer listener through flips one
+       byte every ``peer_every`` bytes of what that daemon sends, ``peer_flips`` times, then is whole
+       again (a flaky NIC or switch).
+    2. **A host reboots with a damaged disk**: once ``reboot_after`` are answered, replica
+       ``reboot_replica``'s daemon is SIGKILLed, its RAM tier lost (the arena removed, as a reboot
+       empties the tmpfs), the last bytes of its ``disk_blocks`` newest block files overwritten, and
+       it is started again: what it serves now comes from its disk.
+
+    Every answer must still equal the reference's tokens: a damaged block costs a miss (the engine
+    recomputes it), never a wrong token. The daemons' counters (:data:`DAMAGE_COUNTERS`) say whether the
+    damage was met (a block failing its checksum on a tier or on arrival from a peer), not skipped.
+    """
+
+    peer_replica: int = 1
+    peer_damage_after: float = 0.2
+    peer_flips: int = 3
+    peer_every: int = 100_003  # a prime: the flips land at varied offsets of the blocks
+    reboot_replica: int = 0
+    reboot_after: float = 0.5
+    disk_blocks: int = 6
+    damage_bytes: int = 64
+
+
+def damage_newest_blocks(disk_dir: Path, n: int, nbytes: int) -> list[str]:
+    """Overwrite the last ``nbytes`` of the ``n`` most recently written block files under ``disk_dir``."""
+    files = [f for f in (disk_dir / "blocks").rglob("*") if f.is_file() and not f.name.startswith(".")]
+    files.sort(key=lambda f: f.stat().st_mtime_ns, reverse=True)
+    damaged = []
+    for f in files[:n]:
+        size = f.stat().st_size
+        if size <= nbytes:
+            continue
+        with open(f, "r+b") as out:
+            out.seek(size - nbytes)
+            tail = out.read(nbytes)
+            out.seek(size - nbytes)
+            out.write(bytes(b ^ 0x5A for b in tail))
+        damaged.append(f.name)
+    return damaged
+
+
+DAMAGE_COUNTERS = {  # what a daemon counts when it meets damaged bytes, by the label that says where
+    "strata_kv_corrupt_blocks_total": "tier",  # a block read from a tier failed its checksum
+    "strata_peer_fallbacks_total": "reason",  # a holder passed over: corrupt (checksum), unavailable, ...
+    "strata_peer_reads_total": "outcome",  # peer-tier reads: hit, miss, no_holder
+}
+
+
+def damage_seen(fleet: Fleet) -> dict[str, dict[str, int]]:
+    """Each daemon's counts of damage met (:data:`DAMAGE_COUNTERS`), as ``name{label}`` -> count."""
+    from benchmarks.e2e.fleet import scrape
+
+    out: dict[str, dict[str, int]] = {}
+    for n in fleet.nodes.nodes:
+        try:
+            samples = scrape(n.metrics_url)
+        except OSError as e:
+            out[n.node_id] = {"error": str(e)}
+            continue
+        counts = {}
+        for (name, labels), v in samples.items():
+            label = DAMAGE_COUNTERS.get(name)
+            if label is not None and v:
+                short = name.removeprefix("strata_").removesuffix("_total")
+                counts[f"{short}{{{dict(labels).get(label, '')}}}"] = int(v)
+        out[n.node_id] = dict(sorted(counts.items()))
+    return out
+
+
+class DataFaultInjector(FaultInjector):
+    """Runs a :class:`DataFaultPlan` while the driver runs (the same progress-tied schedule and hold)."""
+
+    def __init__(self, fleet: Fleet, plan: DataFaultPlan, clock: Callable[[], float], total_requests: int,
+                 path) -> None:
+        super().__init__(fleet, FaultPlan(daemon_kill_after=plan.peer_damage_after,
+                                          engine_kill_after=plan.reboot_after), clock, total_requests)
+        self.data_plan = plan
+        self.path = path  # the damaged peer path's proxy (benchmarks.chaos.path.PeerPath)
+        self.damaged_files: list[str] = []
+
+    def _run(self) -> None:
+        p = self.data_plan
+        try:
+            if not self._wait(self._daemon_due):
+                return
+            self.path.flip(True)
+            self.events.append(FaultEvent("peer_path_damaged", p.peer_replica, self.clock()))
+            if not self._wait(self._engine_due):
+                return
+
+            def damage(node) -> None:
+                self.damaged_files = damage_newest_blocks(node.disk_dir, p.disk_blocks, p.damage_bytes)
+
+            self.events.append(FaultEvent("host_rebooting", p.reboot_replica, self.clock()))
+            self.fleet.nodes.restart_daemon(p.reboot_replica, lose_ram=True, while_down=damage)
+            self.events.append(FaultEvent("daemon_ready", p.reboot_replica, self.clock()))
+        except (StartFailed, OSError, subprocess.SubprocessError, RuntimeError) as e:
+            log.error("data fault injection failed: %s", e)
+            self.errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            self._finished.set()
+        self._done.wait()  # stay: the restarted daemon dies with the thread that started it
+
+    def report(self, records: list[RequestRecord]) -> dict:
+        failed = [r for r in records if not r.ok]
+        return {
+            "sent": len(records), "answered": len(records) - len(failed), "failed": len(failed),
+            "events": [asdict(e) for e in self.events], "injection_errors": self.errors,
+            "peer_path_bytes_flipped": self.path.flipped,
+            "disk_block_files_damaged": len(self.damaged_files),
+            # Since each daemon's last start: the rebooted one counts from its reboot.
+            "damage_met_by_daemon": damage_seen(self.fleet),
+            "cache_hit_ratio": (round(sum(r.cached_tokens for r in records if r.ok)
+                                      / max(1, sum(r.prompt_tokens for r in records if r.ok)), 3)),
+            "failures": [{"session": r.session, "turn": r.turn, "error": r.error[:200]} for r in failed],
+        }

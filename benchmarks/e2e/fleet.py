@@ -210,6 +210,10 @@ class Node:
     target: str
     host: str  # the replica's address: its daemon's and its engine's
     events: dict[str, tuple[str, str]]  # phase name -> where its engine on this node publishes KV events, replays
+    peer_listen: str = ""  # the daemon's peer data-plane listener
+    metrics_url: str = ""  # the daemon's Prometheus endpoint
+    disk_dir: Path | None = None
+    shm_dir: Path | None = None
 
 
 class Nodes:
@@ -258,14 +262,15 @@ class Nodes:
         node_id = f"node-{i}"
         host = self.net.host(i)
         target = f"{host}:{free_port()}"
+        peer_listen, metrics = f"{host}:{free_port()}", f"{host}:{free_port()}"
         events = {p.name: (f"tcp://{host}:{free_port()}", f"tcp://{host}:{free_port()}")
                   for p in self.phases if p.policy.kv_events}
         argv = [
             sys.executable, "-m", "kvstore.cli.main", "serve", "--node-id", node_id, "--listen", target,
-            "--metrics-listen", f"{host}:{free_port()}", "--disk-dir", str(home / "disk"), "--shm-dir", str(shm),
+            "--metrics-listen", metrics, "--disk-dir", str(home / "disk"), "--shm-dir", str(shm),
             "--ram-bytes", spec.ram_bytes, "--disk-bytes", spec.disk_bytes, "--max-block-bytes", spec.max_block_bytes,
             "--index-url", self.redis_url, "--index-ttl-seconds", str(spec.index_ttl_s),
-            "--tiers", "ram,disk,peer", "--peer-listen", f"{host}:{free_port()}", "--log-format", "text",
+            "--tiers", "ram,disk,peer", "--peer-listen", peer_listen, "--log-format", "text",
         ]
         if self.net.virtual is not None:  # a private virtual network: authentication is not what is measured
             argv.append("--insecure")
@@ -275,13 +280,30 @@ class Nodes:
             argv += ["--kv-events", ",".join(subs)]
         daemon = Child(node_id, self.net.command(i, argv), home / "daemon.log", lambda t=target: grpc_serving(t),
                        start_timeout_s=90)
-        return Node(i, node_id, daemon, target, host, events)
+        return Node(i, node_id, daemon, target, host, events, peer_listen, f"http://{metrics}", home / "disk", shm)
 
-    def restart_daemon(self, i: int) -> None:
-        """SIGKILL node ``i``'s daemon and start it again on the same directories (a new epoch)."""
-        d = self.nodes[i].daemon
-        d.kill()
-        d.start()
+    def restart_daemon(self, i: int, *, flags: dict[str, str] | None = None, lose_ram: bool = False,
+                       while_down: Callable[[Node], None] | None = None) -> None:
+        """SIGKILL node ``i``'s daemon and start it again on the same directories (a new epoch).
+
+        ``flags``: set (or added) on its command line for this start and later ones. ``lose_ram``: its
+        shared-memory arena is removed while it is down, as a host reboot empties a tmpfs (the disk
+        tier's files stay). ``while_down``: called with the node before the new start."""
+        node = self.nodes[i]
+        node.daemon.kill()
+        for flag, value in (flags or {}).items():
+            argv = node.daemon.argv
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+            else:
+                argv += [flag, value]
+        if lose_ram and node.shm_dir is not None:
+            for f in node.shm_dir.iterdir():
+                if f.is_file():
+                    f.unlink()
+        if while_down is not None:
+            while_down(node)
+        node.daemon.start()
 
     @property
     def network_note(self) -> str:

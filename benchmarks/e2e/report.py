@@ -10,7 +10,7 @@ point they apply to:
   (c): its mean at most 1.1× (c)'s (faster counts as within);
 - both workloads, the highest load: a pool policy, (d) or (e), has the
   best goodput at the SLO;
-- every phase, the fault phase included: hit fidelity 100% (every answer
+- every phase, the fault phases included: hit fidelity 100% (every answer
   equals the cold reference run's tokens);
 - a 4,096-token prompt whose prefix is cached: TTFT ≥ 20× lower than cold.
 
@@ -119,6 +119,8 @@ def _fidelity_targets(doc: Mapping) -> list[Target]:
     phases = [(f"{w} ({k})", pol) for w, e in doc["workloads"].items() for k, pol in e["policies"].items()]
     if doc.get("faults") is not None:
         phases.append(("faults (e)", doc["faults"]))
+    if doc.get("data_faults") is not None:
+        phases.append(("data faults (d)", doc["data_faults"]))
     out = []
     for name, pol in phases:
         checked = sum(pt["fidelity"]["checked"] for pt in pol.get("points", []))

@@ -457,3 +457,62 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own
             # stored may reach it through the pool: that is this phase's own).
             again = one_request(fleet.replicas[0].url, fleet.model, prompt, 2)
             assert again.cached_local == 0
+
+
+# ---- the data faults' tools ---------------------------------------------------------------
+
+
+def test_the_damaged_path_flips_one_byte_every_n_and_mends_itself_after_its_limit():
+    import socket
+    import threading
+
+    from tests.support.peer_cluster import FlipProxy
+
+    payload = bytes(range(256)) * 4000  # 1,024,000 bytes
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(16)
+            conn.sendall(payload)
+
+    threading.Thread(target=serve, daemon=True).start()
+    proxy = FlipProxy(server.getsockname(), b"", every=100_003, limit=4)
+    try:
+        host, port = proxy.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as c:
+            c.sendall(b"hello")
+            got = bytearray()
+            while len(got) < len(payload):
+                chunk = c.recv(1 << 16)
+                assert chunk
+                got += chunk
+        diffs = [i for i, (a, b) in enumerate(zip(got, payload)) if a != b]
+        assert diffs == [100_003, 200_006, 300_009, 400_012]  # the first 100,003 bytes whole; then mended
+        assert all(got[i] == payload[i] ^ 0xFF for i in diffs)
+        assert proxy.flipped == 4 and not proxy.enabled
+    finally:
+        proxy.close()
+        server.close()
+
+
+def test_a_reboot_damages_the_newest_block_files_at_their_end(tmp_path):
+    import os
+
+    from benchmarks.e2e.faults import damage_newest_blocks
+
+    blocks = tmp_path / "blocks" / "ab"
+    blocks.mkdir(parents=True)
+    files = []
+    for i in range(4):
+        f = blocks / f"block-{i}"
+        f.write_bytes(bytes([i]) * 1000)
+        os.utime(f, ns=(i * 10**9, i * 10**9))  # block-3 is the newest
+        files.append(f)
+    (blocks / ".tmp-partial").write_bytes(b"x" * 1000)
+    assert sorted(damage_newest_blocks(tmp_path, 2, 64)) == ["block-2", "block-3"]
+    for i, f in enumerate(files):
+        data = f.read_bytes()
+        assert data[:936] == bytes([i]) * 936
+        assert data[936:] == (bytes([i ^ 0x5A]) * 64 if i >= 2 else bytes([i]) * 64)

@@ -136,11 +136,18 @@ class PeerNode:
 
 
 class FlipProxy:
-    """Forwards TCP to ``upstream``; in the replies, flips the byte after each ``marker``."""
+    """Forwards TCP to ``upstream``; in the replies, flips the byte after each ``marker`` (or, with ``every``,
+    one byte every ``every`` bytes)."""
 
-    def __init__(self, upstream: tuple[str, int], marker: bytes, host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream: tuple[str, int], marker: bytes, host: str = "127.0.0.1", *, every: int = 0,
+                 limit: int = 0) -> None:
         self.upstream = upstream
         self.marker = marker
+        # every > 0 (with no marker): flip the byte at every ``every``-th offset of each reply stream instead,
+        # for traffic with no marker of its own (blocks of KV); the first ``every`` bytes carry the
+        # handshake and are left whole.
+        self.every = every
+        self.limit = limit  # > 0: mend the path by itself after this many flips
         self.enabled = True  # False: forwards unchanged (the path is mended)
         self.flipped = 0
         self._server = socket.create_server((host, 0))
@@ -161,19 +168,33 @@ class FlipProxy:
             threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
 
+    def _count(self) -> None:
+        self.flipped += 1
+        if self.limit and self.flipped >= self.limit:
+            self.enabled = False
+
     def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
         tail = b""  # the end of what was sent, so a marker split across reads is still found
         pending_flip = False
+        offset = 0  # bytes of this stream forwarded so far (the every-mode's position)
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                if flip and self.enabled:
+                if flip and self.enabled and self.every:
+                    buf = bytearray(data)
+                    at = -offset % self.every if offset else self.every
+                    while at < len(buf) and self.enabled:
+                        buf[at] ^= 0xFF
+                        self._count()
+                        at += self.every
+                    data = bytes(buf)
+                elif flip and self.enabled:
                     buf = bytearray(data)
                     if pending_flip and buf:
                         buf[0] ^= 0xFF
-                        self.flipped += 1
+                        self._count()
                         pending_flip = False
                     seen = tail + bytes(buf)
                     start = 0
@@ -181,12 +202,13 @@ class FlipProxy:
                         pos = at + len(self.marker) - len(tail)  # the byte after the marker, in buf
                         if pos < len(buf):
                             buf[pos] ^= 0xFF
-                            self.flipped += 1
+                            self._count()
                         else:
                             pending_flip = True
                         start = at + 1
                     tail = seen[-(len(self.marker) - 1):]
                     data = bytes(buf)
+                offset += len(data)
                 dst.sendall(data)
         except OSError:
             pass
