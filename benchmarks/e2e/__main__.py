@@ -68,7 +68,7 @@ import aiohttp
 from benchmarks.e2e import driver
 from benchmarks.e2e.client import completion_body, monotonic_clock, stream_completion
 from benchmarks.e2e.faults import DataFaultInjector, DataFaultPlan, FaultInjector, FaultPlan
-from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase, StartFailed
+from benchmarks.e2e.fleet import BLOCK_SIZE, HASH_SEED, Engines, Fleet, FleetSpec, Nodes, Phase, StartFailed
 from benchmarks.e2e.policies import POLICIES, parse_policies
 from benchmarks.e2e.report import engine_summary, router_summary, sweep_targets, table, targets_table
 from benchmarks.e2e.stats import Fidelity, PolicyStats, RequestRecord
@@ -290,8 +290,24 @@ def data_fault_phase(nodes: Nodes, engines: Engines, phase: Phase, point: tuple[
         nodes.restart_daemon(plan.peer_replica, flags={"--peer-advertise": path.address,
                                                        "--disk-write-policy": "through"})
         nodes.restart_daemon(plan.reboot_replica, flags={"--disk-write-policy": "through"})
-        return run_phase(nodes, engines, phase, [point], reference,
-                         lambda fleet, clock, n: DataFaultInjector(fleet, plan, clock, n, path))
+        workload = point[2]
+
+        def next_chains(records: list[RequestRecord]) -> list[list[bytes]]:
+            """Per session with a turn still to send, the pool keys of its last answered prompt."""
+            from kvstore.index.keys import BlockHasher, event_key_bytes
+
+            hasher = BlockHasher(BLOCK_SIZE, HASH_SEED)
+            last: dict[int, int] = {}
+            for r in records:
+                if r.ok:
+                    last[r.session] = max(last.get(r.session, -1), r.turn)
+            return [[event_key_bytes(h) for h in hasher.chain(workload.prompt(s, t))]
+                    for s, t in sorted(last.items()) if t < workload.spec.turns - 1]
+
+        def injector(fleet, clock, n):
+            return DataFaultInjector(fleet, plan, clock, n, path, next_chains)
+
+        return run_phase(nodes, engines, phase, [point], reference, injector)
     except (StartFailed, OSError) as e:
         return {"policy": phase.policy.name, "error": f"{type(e).__name__}: {e}", "points": []}
     finally:

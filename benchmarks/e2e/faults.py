@@ -260,8 +260,9 @@ class DataFaultPlan:
        again (a flaky NIC or switch).
     2. **A host reboots with a damaged disk**: once ``reboot_after`` are answered, replica
        ``reboot_replica``'s daemon is SIGKILLed, its RAM tier lost (the arena removed, as a reboot
-       empties the tmpfs), the last bytes of its ``disk_blocks`` newest block files overwritten, and
-       it is started again: what it serves now comes from its disk.
+       empties the tmpfs), the last bytes of up to ``disk_blocks`` of its block files overwritten (the
+       middle block of each prompt whose session has a turn still to send: blocks the next turns
+       read), and it is started again: what it serves now comes from its disk.
 
     Every answer must still equal the reference's tokens: a damaged block costs a miss (the engine
     recomputes it), never a wrong token. The daemons' counters (:data:`DAMAGE_COUNTERS`) say whether the
@@ -278,13 +279,24 @@ class DataFaultPlan:
     damage_bytes: int = 64
 
 
-def damage_newest_blocks(disk_dir: Path, n: int, nbytes: int) -> list[str]:
-    """Overwrite the last ``nbytes`` of the ``n`` most recently written block files under ``disk_dir``."""
-    files = [f for f in (disk_dir / "blocks").rglob("*") if f.is_file() and not f.name.startswith(".")]
-    files.sort(key=lambda f: f.stat().st_mtime_ns, reverse=True)
+def damage_block_files(disk_dir: Path, namespace: str, chains: list[list[bytes]], n: int, nbytes: int) -> list[str]:
+    """Overwrite the last ``nbytes`` of up to ``n`` block files under ``disk_dir``: per chain (a prompt's
+    pool keys, block 0 first), the file of its middle block, where the disk holds it.
+
+    A damaged middle block ends the prefix a load can take there: what follows it is a miss too."""
+    from kvstore.block import BlockKey
+    from kvstore.tiers.block_file import block_name
+
     damaged = []
-    for f in files[:n]:
-        size = f.stat().st_size
+    for keys in chains:
+        if len(damaged) >= n or not keys:
+            break
+        name = block_name(BlockKey(namespace, keys[len(keys) // 2]))
+        f = disk_dir / "blocks" / name[:2] / name
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            continue
         if size <= nbytes:
             continue
         with open(f, "r+b") as out:
@@ -292,7 +304,7 @@ def damage_newest_blocks(disk_dir: Path, n: int, nbytes: int) -> list[str]:
             tail = out.read(nbytes)
             out.seek(size - nbytes)
             out.write(bytes(b ^ 0x5A for b in tail))
-        damaged.append(f.name)
+        damaged.append(name)
     return damaged
 
 
@@ -328,12 +340,18 @@ class DataFaultInjector(FaultInjector):
     """Runs a :class:`DataFaultPlan` while the driver runs (the same progress-tied schedule and hold)."""
 
     def __init__(self, fleet: Fleet, plan: DataFaultPlan, clock: Callable[[], float], total_requests: int,
-                 path) -> None:
+                 path, next_chains: Callable[[list[RequestRecord]], list[list[bytes]]]) -> None:
         super().__init__(fleet, FaultPlan(daemon_kill_after=plan.peer_damage_after,
                                           engine_kill_after=plan.reboot_after), clock, total_requests)
         self.data_plan = plan
         self.path = path  # the damaged peer path's proxy (benchmarks.chaos.path.PeerPath)
+        self.next_chains = next_chains  # answers so far -> pool keys of prompts whose sessions send another turn
         self.damaged_files: list[str] = []
+        self._records: list[RequestRecord] = []
+
+    def observe(self, records: list[RequestRecord]) -> None:
+        self._records = records
+        super().observe(records)
 
     def _run(self) -> None:
         p = self.data_plan
@@ -345,8 +363,11 @@ class DataFaultInjector(FaultInjector):
             if not self._wait(self._engine_due):
                 return
 
+            chains = self.next_chains(list(self._records))
+
             def damage(node) -> None:
-                self.damaged_files = damage_newest_blocks(node.disk_dir, p.disk_blocks, p.damage_bytes)
+                self.damaged_files = damage_block_files(node.disk_dir, self.fleet.phase.namespace, chains,
+                                                        p.disk_blocks, p.damage_bytes)
 
             self.events.append(FaultEvent("host_rebooting", p.reboot_replica, self.clock()))
             self.fleet.nodes.restart_daemon(p.reboot_replica, lose_ram=True, while_down=damage)

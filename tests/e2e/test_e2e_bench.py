@@ -497,22 +497,25 @@ def test_the_damaged_path_flips_one_byte_every_n_and_mends_itself_after_its_limi
         server.close()
 
 
-def test_a_reboot_damages_the_newest_block_files_at_their_end(tmp_path):
-    import os
+def test_a_reboot_damages_the_middle_block_of_each_chain_the_next_turns_read(tmp_path):
+    from benchmarks.e2e.faults import damage_block_files
+    from kvstore.block import BlockKey
+    from kvstore.tiers.block_file import block_name
 
-    from benchmarks.e2e.faults import damage_newest_blocks
+    def file_of(key: bytes):
+        name = block_name(BlockKey("ns", key))
+        return tmp_path / "blocks" / name[:2] / name
 
-    blocks = tmp_path / "blocks" / "ab"
-    blocks.mkdir(parents=True)
-    files = []
-    for i in range(4):
-        f = blocks / f"block-{i}"
-        f.write_bytes(bytes([i]) * 1000)
-        os.utime(f, ns=(i * 10**9, i * 10**9))  # block-3 is the newest
-        files.append(f)
-    (blocks / ".tmp-partial").write_bytes(b"x" * 1000)
-    assert sorted(damage_newest_blocks(tmp_path, 2, 64)) == ["block-2", "block-3"]
-    for i, f in enumerate(files):
-        data = f.read_bytes()
-        assert data[:936] == bytes([i]) * 936
-        assert data[936:] == (bytes([i ^ 0x5A]) * 64 if i >= 2 else bytes([i]) * 64)
+    chains = [[bytes([c, i]) * 4 for i in range(5)] for c in range(3)]
+    for keys in chains[:2]:  # the third chain's blocks are not on this disk
+        for i, k in enumerate(keys):
+            file_of(k).parent.mkdir(parents=True, exist_ok=True)
+            file_of(k).write_bytes(bytes([i]) * 1000)
+    damaged = damage_block_files(tmp_path, "ns", chains, 5, 64)
+    assert damaged == [block_name(BlockKey("ns", chains[0][2])), block_name(BlockKey("ns", chains[1][2]))]
+    for keys in chains[:2]:
+        for i, k in enumerate(keys):
+            data = file_of(k).read_bytes()
+            assert data[:936] == bytes([i]) * 936
+            assert data[936:] == (bytes([i ^ 0x5A]) * 64 if i == 2 else bytes([i]) * 64)
+    assert damage_block_files(tmp_path, "ns", chains, 1, 64) == damaged[:1]  # at most n
