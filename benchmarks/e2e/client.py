@@ -151,6 +151,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, cloc
     if strata:
         record.cached_local = int(strata.get("cached_local") or 0)
         record.cached_pool = int(strata.get("cached_pool") or 0)
+        record.engine_id = str(strata.get("engine_id") or "")
 
 
 def monotonic_clock(start: float | None = None) -> Callable[[], float]:

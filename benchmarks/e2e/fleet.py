@@ -200,6 +200,7 @@ class FleetSpec:
     # Measured on this workload (b, c, e in one run): c/b mean TTFT 1.67x with 2, 1.0x with 1.
     load_weight: float = 2.0
     loopback: bool = False  # every part on 127.0.0.1 instead of a host (network namespace) per replica
+    spare: int = 0  # nodes beyond the replicas, with a daemon and no engine: where the scale-up drill adds one
 
 
 @dataclass
@@ -238,12 +239,12 @@ class Nodes:
 
     def start(self) -> Nodes:
         try:
-            self.net = Network(self.spec.replicas, loopback=self.spec.loopback)
+            self.net = Network(self.spec.replicas + self.spec.spare, loopback=self.spec.loopback)
             self._stack.callback(self.net.close)
             log.info("network: %s", self.net.note)
             port = self._stack.enter_context(private_redis(bind=self.net.gateway))
             self.redis_url = f"redis://{self.net.gateway}:{port}/0"
-            self.nodes = [self._node(i) for i in range(self.spec.replicas)]
+            self.nodes = [self._node(i) for i in range(self.spec.replicas + self.spec.spare)]
             for n in self.nodes:  # all at once: their start-ups overlap
                 n.daemon.spawn()
             for n in self.nodes:
@@ -282,6 +283,18 @@ class Nodes:
                        start_timeout_s=90)
         return Node(i, node_id, daemon, target, host, events, peer_listen, f"http://{metrics}", home / "disk", shm)
 
+    def restart_daemons(self, flags: dict[int, dict[str, str]]) -> None:
+        """SIGKILL each node ``i`` of ``flags`` and start them again at once, each with ``flags[i]`` set on its
+        command line. From the calling thread: a child dies with the thread that started it."""
+        for i, changes in flags.items():
+            node = self.nodes[i]
+            node.daemon.kill()
+            _set_flags(node.daemon.argv, changes)
+        for i in flags:
+            self.nodes[i].daemon.spawn()
+        for i in flags:
+            self.nodes[i].daemon.wait_ready()
+
     def restart_daemon(self, i: int, *, flags: dict[str, str] | None = None, lose_ram: bool = False,
                        while_down: Callable[[Node], None] | None = None) -> None:
         """SIGKILL node ``i``'s daemon and start it again on the same directories (a new epoch).
@@ -291,12 +304,7 @@ class Nodes:
         tier's files stay). ``while_down``: called with the node before the new start."""
         node = self.nodes[i]
         node.daemon.kill()
-        for flag, value in (flags or {}).items():
-            argv = node.daemon.argv
-            if flag in argv:
-                argv[argv.index(flag) + 1] = value
-            else:
-                argv += [flag, value]
+        _set_flags(node.daemon.argv, flags or {})
         if lose_ram and node.shm_dir is not None:
             for f in node.shm_dir.iterdir():
                 if f.is_file():
@@ -304,6 +312,11 @@ class Nodes:
         if while_down is not None:
             while_down(node)
         node.daemon.start()
+
+    @property
+    def serving(self) -> list[Node]:
+        """The nodes whose engines serve every phase (the spares have a daemon only, until a drill)."""
+        return self.nodes[: self.spec.replicas]
 
     @property
     def network_note(self) -> str:
@@ -321,6 +334,15 @@ class Nodes:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _set_flags(argv: list[str], flags: dict[str, str]) -> None:
+    """Each flag's value replaced in ``argv``, or the flag added."""
+    for flag, value in flags.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
 
 
 @dataclass
@@ -398,7 +420,7 @@ class Engines:
                 return self.replicas
         old = {r.index: r for r in self.replicas}
         self.replicas = []
-        for node in self.nodes.nodes:
+        for node in self.nodes.serving:
             settings = engine_settings(self.spec, phase, node)
             r = old.get(node.index)
             if r is not None and self.reuse and r.engine.alive and self._reconfigure(r, settings):
@@ -473,9 +495,11 @@ class Fleet:
     """
 
     def __init__(self, nodes: Nodes, phase: Phase, engines: Engines | None = None, *,
-                 router_args: list[str] | None = None) -> None:
+                 router_args: list[str] | None = None, spare_endpoints: list[tuple[str, str]] = ()) -> None:
         self.nodes = nodes
         self.router_args = list(router_args or [])  # more flags for a cache-aware router (its TTFT priors)
+        # (url, engine id) of engines not started yet (a drill's new replica): out of rotation until they are
+        self.spare_endpoints = list(spare_endpoints)
         self.spec = nodes.spec
         self.phase = phase
         self._own_engines = engines is None
@@ -521,7 +545,11 @@ class Fleet:
             # With the shared pool a block any daemon holds is one this engine loads (through its own
             # daemon's peer tier): every node's holdings count for every endpoint, its own engine's first.
             ids = [r.engine_id] + ([n.node_id for n in self.nodes.nodes] if policy.pool else [])
-            argv += ["--endpoint", f"{r.url}={','.join(ids)}"]
+            role = "--prefill-endpoint" if policy.disaggregated and r.index == 0 else "--endpoint"
+            argv += [role, f"{r.url}={','.join(ids)}"]
+        for url, engine_id in self.spare_endpoints:
+            ids = [engine_id] + ([n.node_id for n in self.nodes.nodes] if policy.pool else [])
+            argv += ["--endpoint", f"{url}={','.join(ids)}"]
         if policy.router_policy == "cache-aware":
             # Any daemon answers for the whole fleet (they share the index): the first node's, so a fault
             # on that daemon is one the router must ride out.
@@ -529,12 +557,14 @@ class Fleet:
         return Child("router", argv, self.home / "router.log", lambda: http_ok(self.url + "/health"),
                      start_timeout_s=60)
 
-    def _wait_all_in_rotation(self, timeout_s: float = 60.0) -> None:
+    def _wait_all_in_rotation(self, timeout_s: float = 60.0) -> None:  # prefill endpoints included
         """Until the router's health checks have every endpoint in rotation (an engine that was still
         starting at the router's first round comes back one health interval later)."""
         end = time.monotonic() + timeout_s
         while True:
-            healthy = [v for (name, _), v in self.router_metrics().items() if name == "strata_router_endpoint_healthy"]
+            started = {str(i) for i in range(len(self.replicas))}  # labels: the started engines come first
+            healthy = [v for (name, labels), v in self.router_metrics().items()
+                       if name == "strata_router_endpoint_healthy" and dict(labels).get("endpoint") in started]
             if len(healthy) == len(self.replicas) and all(v == 1 for v in healthy):
                 return
             if time.monotonic() > end:

@@ -12,7 +12,13 @@
   blocks to its node's daemon and loads what it misses from there; a daemon
   that lacks a block fetches it from the peer that holds it (peer tier), so
   a prefix computed on one replica is loaded, not recomputed, on another;
-- ``e`` cache-aware routing and the shared pool together.
+- ``e`` cache-aware routing and the shared pool together;
+- ``f`` prefill/decode disaggregation: the router (``--prefill-endpoint``)
+  prefills each prompt on replica 0, whose engine stores its full blocks to
+  its daemon and opens a handoff; then sends the request with the handoff's
+  ``kv_transfer_params`` to a decode replica (the others, round robin),
+  whose engine pulls the blocks through its own daemon (Strata's handoff,
+  over the peer data plane), loads them and decodes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class Policy:
     prefix_cache: str  # the engines' --prefix-cache
     kv_events: bool  # engines publish KV events, their daemons index them, the router scores with them
     pool: bool  # engines store/load blocks through their node daemon; daemons read from each other
+    disaggregated: bool = False  # replica 0 prefills, the others decode (the router's --prefill-endpoint)
 
     @property
     def name(self) -> str:
@@ -42,6 +49,8 @@ POLICIES: dict[str, Policy] = {
         Policy("c", "cache-aware (Strata index)", "cache-aware", "blocks", kv_events=True, pool=False),
         Policy("d", "round robin + shared pool", "round-robin", "blocks", kv_events=False, pool=True),
         Policy("e", "cache-aware + shared pool", "cache-aware", "blocks", kv_events=True, pool=True),
+        Policy("f", "P/D: prefill on one replica, decode on the other", "round-robin", "blocks", kv_events=False,
+               pool=True, disaggregated=True),
     )
 }
 

@@ -99,6 +99,41 @@ class BlockPool:
         self._m.pool_blocks.labels("load", "hit").inc(len(out))
         return out
 
+    # ---- prefill/decode handoff ---------------------------------------------------
+
+    def hand_off(self, chain: Sequence[bytes], timeout_s: float) -> dict | None:
+        """The prefill side: once every queued block is stored, hold the prompt's full blocks (``chain``)
+        for a decode node to pull; the handoff's params as a JSON dict (the response's
+        ``kv_transfer_params``), or None where the daemon could not open one."""
+        if not chain:
+            return None
+        if not self.flush(timeout_s):
+            log.warning("the pool's store queue did not drain within %.1f s: no handoff", timeout_s)
+            self._m.pool_blocks.labels("handoff", "error").inc()
+            return None
+        try:
+            params, missing = self._client.open_handoff(self.namespace, list(self.keys(chain)))
+        except StrataError as e:
+            log.warning("open handoff on %s failed (%s)", self.namespace, e)
+            self._m.pool_blocks.labels("handoff", "error").inc()
+            return None
+        self._m.pool_blocks.labels("handoff", "opened").inc(len(params.blocks))
+        if missing:
+            self._m.pool_blocks.labels("handoff", "missing").inc(len(missing))
+        return params.to_dict()
+
+    def pull(self, params: dict) -> int:
+        """The decode side: pull a handoff's blocks into this node's daemon (a later :meth:`load` finds
+        them there); blocks stored, 0 where the pull failed (the prompt is computed instead)."""
+        try:
+            result = self._client.pull_handoff(params)
+        except (StrataError, ValueError, TypeError, KeyError) as e:
+            log.warning("pull handoff %s failed (%s): prefilling instead", params.get("handoff_id"), e)
+            self._m.pool_blocks.labels("pull", "error").inc()
+            return 0
+        self._m.pool_blocks.labels("pull", "stored").inc(result.stored + result.present)
+        return result.stored + result.present
+
     # ---- stores (queued) -------------------------------------------------------
 
     def submit(self, chain: Sequence[bytes], kv: torch.Tensor, start: int) -> None:

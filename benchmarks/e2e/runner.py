@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from benchmarks.e2e.kv_layout import KVLayout, model_digest
 
@@ -32,19 +33,59 @@ def cache_of(kv: torch.Tensor | None) -> DynamicCache:
     return DynamicCache(ddp_cache_data=[(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])])
 
 
-class ModelRunner:
-    """Loads ``model_dir`` (local files only) and runs one sequence at a time."""
+@dataclass(frozen=True)
+class PublishedModel:
+    """A model revision published with ``strata weights publish``, streamed through the node's weight cache."""
 
-    def __init__(self, model_dir: str | Path, block_size: int, threads: int | None = None) -> None:
+    location: str  # s3://bucket/prefix (or a local folder)
+    digest: str  # the manifest's digest (what publish printed)
+    cache_dir: str  # the node cache (shared with the node's ``strata weights serve``)
+    s3_endpoint: str = ""  # an S3-compatible endpoint; http:// is allowed (a private test server)
+    s3_region: str = "us-east-1"
+
+
+def load_published(model: PublishedModel) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Every tensor of ``model`` through :func:`weightcache.open_model` (each verified chunk by chunk; a
+    warm node cache reads nothing from the origin), and the cached folder of its other files."""
+    from weightcache import open_model
+    from weightcache.origin import S3OriginOptions
+
+    s3 = None
+    if model.location.startswith("s3://"):
+        s3 = S3OriginOptions(endpoint=model.s3_endpoint or None, region=model.s3_region,
+                             allow_http=model.s3_endpoint.startswith("http://"))
+    with open_model(model.location, model.digest, cache_dir=model.cache_dir, framework="pt", s3=s3,
+                    include=lambda path: not path.endswith(".safetensors")) as reader:
+        tensors = dict(reader)
+        folder = reader.path("config.json").parent
+    return folder, tensors
+
+
+class ModelRunner:
+    """Loads ``model_dir`` (local files only), or a :class:`PublishedModel` through the weight cache, and
+    runs one sequence at a time."""
+
+    def __init__(self, model_dir: str | Path, block_size: int, threads: int | None = None, *,
+                 published: PublishedModel | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
+        tensors = None
+        if published is not None:
+            model_dir, tensors = load_published(published)
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(
                 f"{self.model_dir} has no config.json: build one with python -m benchmarks.e2e.model --out DIR"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True, dtype=torch.float32)
+        if tensors is None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True,
+                                                              dtype=torch.float32)
+        else:
+            config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.model.load_state_dict(tensors, strict=True)  # copies: the views of the cache can go
+            del tensors
         self.model.eval()
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x

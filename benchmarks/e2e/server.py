@@ -5,7 +5,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 benchmark's reuse of one engine process across phases: :meth:`Engine.reconfigure`).
 Response and chunk shapes are vLLM's/OpenAI's; ``usage`` carries
 ``prompt_tokens_details.cached_tokens`` (KV from the engine's cache or the pool) and a
-non-standard ``strata: {cached_local, cached_pool}``. A stream ends with a usage chunk
+non-standard ``strata: {cached_local, cached_pool, pulled_blocks}``. Disaggregated serving takes
+vLLM's ``kv_transfer_params``: ``{"do_remote_decode": true}`` on a prefill engine's request (the
+answer carries the handoff's params as ``kv_transfer_params``), those params on a decode engine's. A stream ends with a usage chunk
 (``choices: []``, as with ``stream_options.include_usage``) and ``data: [DONE]``.
 
 One request computes at a time, on one worker thread: the model uses every core it is given,
@@ -171,10 +173,21 @@ class EngineServer:
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest("seed must be an integer")
+        transfer = body.get("kv_transfer_params")
+        if transfer is not None and not isinstance(transfer, dict):
+            raise BadRequest("kv_transfer_params must be an object: {\"do_remote_decode\": true} on a prefill, or the "
+                             "kv_transfer_params a prefill engine answered")
+        transfer = transfer or {}
+        remote_decode = transfer.get("do_remote_decode") is True
+        handoff = transfer if "handoff_id" in transfer else None
+        if (remote_decode or handoff is not None) and self.engine.pool is None:
+            raise BadRequest("this engine has no shared pool (--strata, --namespace): it cannot hand KV off or take "
+                             "a handoff; send the request without kv_transfer_params")
         return {
             "prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
             "ignore_eos": bool(body.get("ignore_eos", False)), "stream": bool(body.get("stream", False)),
             "return_token_ids": bool(body.get("return_token_ids", False)),
+            "remote_decode": remote_decode, "handoff": handoff,
         }
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -203,6 +216,7 @@ class EngineServer:
                 return self.engine.generate(
                     params["prompt_ids"], params["max_tokens"], temperature=params["temperature"],
                     seed=params["seed"], ignore_eos=params["ignore_eos"], on_token=on_token, cancelled=cancelled,
+                    remote_decode=params["remote_decode"], handoff=params["handoff"],
                 )
             finally:
                 self._busy_s += time.perf_counter() - t
@@ -220,7 +234,8 @@ class EngineServer:
         }
 
     def _strata(self, gen: Generation) -> dict:
-        return {"cached_local": gen.cached_local, "cached_pool": gen.cached_pool, "engine_id": self.engine.config.engine_id}
+        return {"cached_local": gen.cached_local, "cached_pool": gen.cached_pool, "engine_id": self.engine.config.engine_id,
+                "pulled_blocks": gen.pulled_blocks}
 
     async def _complete(self, params: dict, chat: bool) -> web.Response:
         admitted = time.perf_counter()
@@ -244,10 +259,13 @@ class EngineServer:
             choice["token_ids"] = gen.tokens
             choice["prompt_token_ids"] = params["prompt_ids"]
         self.engine.metrics.requests.labels("200").inc()
-        return web.json_response({
+        answer = {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.model_name, "choices": [choice], "usage": self._usage(gen), "strata": self._strata(gen),
-        })
+        }
+        if params["remote_decode"]:
+            answer["kv_transfer_params"] = gen.kv_transfer_params  # None: no handoff (the decode side computes)
+        return web.json_response(answer)
 
     async def _stream(self, request: web.Request, params: dict, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -307,6 +325,8 @@ class EngineServer:
         if params["return_token_ids"]:
             final["token_ids"] = gen.tokens
             final["prompt_token_ids"] = params["prompt_ids"]
+        if params["remote_decode"]:
+            final["kv_transfer_params"] = gen.kv_transfer_params
         await send(final)
         await send("[DONE]")
         self.engine.metrics.requests.labels("200" if not gone else "499").inc()

@@ -82,6 +82,7 @@ class RequestRecord:
     retries: int = 0  # 429 answers waited out before this one
     ended_s: float | None = None  # when the client was done with it, answered or not
     output_ids: list[int] | None = None  # the generated token ids, where the engine returned them
+    engine_id: str = ""  # the engine that answered (its response says)
     point: int = 0  # the load point of a sweep it was sent in
 
     @property

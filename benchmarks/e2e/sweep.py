@@ -77,11 +77,11 @@ class SweepSpec:
     seed: int = 0
 
     def workload(self, name: str, point: int, vocab_size: int, *, arrival_rate_per_s: float = 0.0,
-                 think_mean_s: float = 1.0) -> Workload:
+                 think_mean_s: float = 1.0, sessions: int | None = None) -> Workload:
         """Point ``point``'s sessions of workload ``name``: its tokens depend on the point only, its times
         on the rate and think time too."""
         return Workload(WorkloadSpec(
-            sessions=self.sessions, turns=self.turns, system_tokens=self.system_tokens, user_tokens=self.user_tokens,
+            sessions=sessions or self.sessions, turns=self.turns, system_tokens=self.system_tokens, user_tokens=self.user_tokens,
             output_tokens=self.output_tokens, think_mean_s=think_mean_s, think_min_s=0.1 * think_mean_s,
             seed=self.seed * 1000 + point, vocab_size=vocab_size, shared=name == "w2",
             arrival_rate_per_s=arrival_rate_per_s))

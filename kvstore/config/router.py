@@ -71,6 +71,15 @@ class RouterSettings(Section):
         "daemon's --node-id); without IDs it gets no prefix credit",
         flag="endpoint", repeatable=True,
     )
+    prefill_endpoints: Annotated[list[str], Field(max_length=MAX_ENDPOINTS)] = setting(
+        default_factory=list,
+        description=f"a prefill engine for disaggregated serving, {ENDPOINT_SYNTAX} (repeat per engine): with any, "
+        "each request is prefilled on the least-loaded of them (max_tokens 1, kv_transfer_params "
+        "do_remote_decode), then sent with the kv_transfer_params it answered to a decode engine (the "
+        "--endpoint ones, picked by --policy), which pulls the KV through the handoff; a prefill that fails "
+        "costs only the handoff: the decode engine computes the whole prompt",
+        flag="prefill_endpoint", repeatable=True,
+    )
     policy: Literal["round-robin", "least-loaded", "cache-aware"] = setting(
         "cache-aware", "how to pick an endpoint: round-robin, least-loaded (fewest requests outstanding, plus "
         "the scraped queue), cache-aware (by the prompt's cached prefix and the load: see --cache-aware-score)"
@@ -194,9 +203,9 @@ class RouterSettings(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = setting("INFO", "log level")
     log_format: Literal["json", "text"] = setting("json", "log lines as JSON objects or plain text")
 
-    _split = field_validator("endpoints", mode="before")(_split_endpoints)
+    _split = field_validator("endpoints", "prefill_endpoints", mode="before")(_split_endpoints)
 
-    @field_validator("endpoints")
+    @field_validator("endpoints", "prefill_endpoints")
     @classmethod
     def _check_endpoints(cls, value: list[str]) -> list[str]:
         urls = [parse_endpoint(spec)[0] for spec in value]
@@ -227,6 +236,10 @@ class RouterSettings(Section):
     def _complete(self) -> RouterSettings:
         if not self.endpoints:
             raise ValueError(f"no endpoints: give --endpoint {ENDPOINT_SYNTAX} once per engine")
+        both = {parse_endpoint(e)[0] for e in self.endpoints} & {parse_endpoint(e)[0] for e in self.prefill_endpoints}
+        if both:
+            raise ValueError(f"{sorted(both)[0]} is both a prefill and a decode endpoint: an engine is one or the "
+                             "other (a colocated engine is an --endpoint only)")
         if self.policy == "cache-aware":
             missing = [f"--{n.replace('_', '-')}" for n in ("model_dir", "index", "namespace", "hash_seed")
                        if not getattr(self, n) and not (n == "namespace" and self.tier_namespace)]
@@ -243,6 +256,9 @@ class RouterSettings(Section):
 
     def endpoint_specs(self) -> list[tuple[str, tuple[str, ...]]]:
         return [parse_endpoint(spec) for spec in self.endpoints]
+
+    def prefill_specs(self) -> list[tuple[str, tuple[str, ...]]]:
+        return [parse_endpoint(spec) for spec in self.prefill_endpoints]
 
     @property
     def listen_host(self) -> str:

@@ -23,6 +23,9 @@ INDEX_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 REASONS = ("cache_hit", "cache_bypassed", "load", "round_robin", "fallback_index_down", "retry")
 
 
+DISAGGREGATED_OUTCOMES = ("handoff", "no_prefill_endpoint", "prefill_failed", "no_kv_transfer_params")
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -88,6 +91,18 @@ class RouterMetrics:
             "strata_router_endpoint_backlog_prefill_tokens",
             "Uncached prompt tokens the router sent to the endpoint whose first byte has not come back", ["endpoint"],
             registry=r)
+        self.disaggregated = Counter(
+            "strata_router_disaggregated_requests_total",
+            "Requests of disaggregated serving (--prefill-endpoint), by outcome: handoff (prefilled, sent to decode "
+            "with its kv_transfer_params), or a fallback where the decode engine computes the whole prompt: "
+            "no_prefill_endpoint (none in rotation), prefill_failed (refused, errored or timed out), "
+            "no_kv_transfer_params (the prefill answer carried none)", ["outcome"], registry=r)
+        self.prefill = Histogram(
+            "strata_router_prefill_duration_seconds",
+            "A disaggregated request's prefill on its prefill engine: sent to answered (kv_transfer_params back)",
+            buckets=LATENCY_BUCKETS, registry=r)
+        for outcome in DISAGGREGATED_OUTCOMES:
+            self.disaggregated.labels(outcome)
         for kind in ("fit", "outlier"):
             self.ttft_samples.labels(kind)
         for reason in REASONS:

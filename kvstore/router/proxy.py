@@ -27,6 +27,7 @@ Failures are told apart by how far the request got:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvstore.router.endpoint import Endpoint
-from kvstore.router.errors import UpstreamTimeout, UpstreamUnreachable
+from kvstore.router.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
 from kvstore.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,39 @@ class Upstream:
         except aiohttp.ClientError as err:
             self._metrics.upstream_errors.labels(e.label, "disconnect").inc()
             raise UpstreamUnreachable(f"endpoint {e.label} closed the connection before answering: {err}") from None
+
+    async def call_json(self, e: Endpoint, path: str, headers, body: dict, *, max_bytes: int) -> dict:
+        """POST ``body`` as JSON to ``e`` and return its JSON object answer (a disaggregated prefill):
+        :class:`EndpointRefused` when the connection could not be opened; :class:`UpstreamTimeout`,
+        :class:`UpstreamUnreachable` or :class:`UpstreamFailed` for the rest."""
+        out = request_headers(headers)
+        out.pop("Content-Type", None)
+        try:
+            async with self._session.post(e.url + path, json=body, headers=out) as resp:
+                data = bytearray()
+                async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise UpstreamFailed(f"endpoint {e.label} answered over {max_bytes} bytes")
+                if resp.status != 200:
+                    raise UpstreamFailed(f"endpoint {e.label} answered {resp.status}: "
+                                         f"{bytes(data[:300]).decode(errors='replace')}")
+        except aiohttp.ClientConnectorError as err:
+            self._metrics.upstream_errors.labels(e.label, "connect").inc()
+            raise EndpointRefused(f"{e.url}: {err}") from None
+        except asyncio.TimeoutError:
+            self._metrics.upstream_errors.labels(e.label, "timeout").inc()
+            raise UpstreamTimeout(f"endpoint {e.label} did not answer within the upstream timeout") from None
+        except aiohttp.ClientError as err:
+            self._metrics.upstream_errors.labels(e.label, "disconnect").inc()
+            raise UpstreamUnreachable(f"endpoint {e.label} closed the connection before answering: {err}") from None
+        try:
+            answer = json.loads(data)
+        except ValueError as err:
+            raise UpstreamFailed(f"endpoint {e.label} answered something other than JSON: {err}") from None
+        if not isinstance(answer, dict):
+            raise UpstreamFailed(f"endpoint {e.label} answered JSON that is not an object")
+        return answer
 
     async def relay(self, request: web.Request, e: Endpoint, upstream: aiohttp.ClientResponse, started: float,
                     stream: bool, first_byte: Callable[[float], None] | None = None,

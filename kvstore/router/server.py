@@ -1,6 +1,8 @@
 """The router: an OpenAI-compatible HTTP front for several engines, picking one per request.
 
-    POST /v1/completions, /v1/chat/completions   routed by the policy, proxied byte for byte
+    POST /v1/completions, /v1/chat/completions   routed by the policy, proxied byte for byte (with
+                                                 --prefill-endpoint: prefilled there first, then sent
+                                                 on with the kv_transfer_params it answered)
     GET  /v1/models                              proxied to a healthy endpoint
     GET  /health                                 200 while some endpoint is in rotation, else 503
     GET  /metrics                                the router's own Prometheus metrics
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import signal
 import time
@@ -80,6 +83,9 @@ class Router:
         self._lora_adapters = frozenset(settings.lora_adapters)
         self.metrics = RouterMetrics()
         self.endpoints = [Endpoint(i, url, ids) for i, (url, ids) in enumerate(settings.endpoint_specs())]
+        # Disaggregated serving: the prefill engines, labelled after the decode ones (--endpoint).
+        self.prefill = [Endpoint(len(self.endpoints) + i, url, ids)
+                        for i, (url, ids) in enumerate(settings.prefill_specs())]
         s = settings
         fit = TtftFit((s.ttft_overhead_seconds, s.ttft_prefill_seconds_per_token, s.ttft_seconds_per_request_ahead),
                       min_samples=s.ttft_min_samples, window=s.ttft_window)
@@ -95,7 +101,7 @@ class Router:
         self._headers_task: asyncio.Task | None = None
         self.health: HealthChecker | None = None
         self.port = 0
-        for e in self.endpoints:
+        for e in (*self.endpoints, *self.prefill):
             self.metrics.endpoint_info.labels(e.label, e.url, ",".join(e.ids)).set(1)
             self.metrics.endpoint_healthy.labels(e.label).set(1)
             self.metrics.endpoint_in_flight.labels(e.label).set(0)
@@ -117,11 +123,13 @@ class Router:
                                         tier_namespace=s.tier_namespace, blocks_per_chunk=s.tier_blocks_per_chunk)
         timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_seconds,
                                         sock_connect=s.connect_timeout_seconds, sock_read=s.upstream_timeout_seconds)
-        connector = aiohttp.TCPConnector(limit=s.max_in_flight + 2 * len(self.endpoints), limit_per_host=0)
+        connector = aiohttp.TCPConnector(limit=s.max_in_flight + 2 * (len(self.endpoints) + len(self.prefill)),
+                                         limit_per_host=0)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
                                               skip_auto_headers=("Accept-Encoding", "User-Agent"))
         self._upstream = Upstream(self._session, self.metrics, s.policy)
-        self.health = HealthChecker(self.endpoints, self._session, self.metrics, interval_s=s.health_interval_seconds,
+        self.health = HealthChecker([*self.endpoints, *self.prefill], self._session, self.metrics,
+                                    interval_s=s.health_interval_seconds,
                                     timeout_s=s.health_timeout_seconds, queue_metric=s.queue_metric)
         await self.health.check_all()
         self._health_task = asyncio.create_task(self.health.run(), name="strata-router-health")
@@ -141,8 +149,8 @@ class Router:
         site = web.TCPSite(self._runner, s.listen_host, s.listen_port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
-        log.info("router on %s: policy %s, %d endpoints, index %s", self.url, s.policy, len(self.endpoints),
-                 s.index or "none")
+        log.info("router on %s: policy %s, %d endpoints%s, index %s", self.url, s.policy, len(self.endpoints),
+                 f" (decode) and {len(self.prefill)} prefill" if self.prefill else "", s.index or "none")
         return self
 
     async def stop(self) -> None:
@@ -245,6 +253,8 @@ class Router:
 
     async def _proxy(self, request: web.Request, api: str, raw: bytes, started: float) -> web.StreamResponse:
         body = self._parse(api, raw)
+        if self.prefill:
+            raw = await self._prefill(request, body, raw)
         hits, prompt = await self._hits(api, body) if self._scorer is not None else (None, None)
         healthy = self._healthy()
         if not healthy:
@@ -254,6 +264,45 @@ class Router:
             self.metrics.prefix_blocks.observe(decision.hit)
         return await self._forward(request, decision, raw, "POST", request.path, stream=body.get("stream") is True,
                                    started=started)
+
+    async def _prefill(self, request: web.Request, body: dict[str, Any], raw: bytes) -> bytes:
+        """Disaggregated serving's first half: the prompt prefilled on the least-loaded prefill engine
+        (``max_tokens`` 1, not streamed, ``kv_transfer_params: {do_remote_decode: true}``, as vLLM's
+        disaggregated prefill takes it); returns the decode engine's body: the request with the
+        ``kv_transfer_params`` the prefill answered. Any failure returns the request as it came, which
+        the decode engine serves whole (a recompute, never an error of the client's)."""
+        healthy = [e for e in self.prefill if e.healthy]
+        if not healthy:
+            self.metrics.disaggregated.labels("no_prefill_endpoint").inc()
+            return raw
+        e = min(healthy, key=lambda x: x.load)
+        ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        ask.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        started = time.perf_counter()
+        e.in_flight += 1
+        self.metrics.endpoint_in_flight.labels(e.label).inc()
+        try:
+            answer = await self._upstream.call_json(e, request.path, request.headers, ask,
+                                                    max_bytes=int(self.settings.max_body_bytes))
+        except EndpointRefused as err:
+            self.health.mark_down(e, f"connection refused on a prefill: {err}")
+            answer = None
+        except RequestRefused as err:
+            log.warning("prefill on endpoint %s failed (%s): the decode engine computes the whole prompt", e.label, err)
+            answer = None
+        finally:
+            e.in_flight -= 1
+            self.metrics.endpoint_in_flight.labels(e.label).dec()
+        if answer is None:
+            self.metrics.disaggregated.labels("prefill_failed").inc()
+            return raw
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            self.metrics.disaggregated.labels("no_kv_transfer_params").inc()
+            return raw
+        self.metrics.prefill.observe(time.perf_counter() - started)
+        self.metrics.disaggregated.labels("handoff").inc()
+        return json.dumps({**body, "kv_transfer_params": params}).encode()
 
     async def _forward(self, request: web.Request, decision: Decision, raw: bytes | None, method: str, path: str,
                        *, stream: bool, started: float) -> web.StreamResponse:

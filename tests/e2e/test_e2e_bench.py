@@ -346,11 +346,11 @@ def test_bootstrap_intervals_cover_the_statistic_and_narrow_with_more_samples():
 
 
 def test_policies_are_chosen_by_letter():
-    assert [p.key for p in parse_policies("all")] == list("abcde")
+    assert [p.key for p in parse_policies("all")] == list("abcdef")
     assert [p.key for p in parse_policies("e,a")] == ["e", "a"]
     assert POLICIES["c"].kv_events and not POLICIES["c"].pool and POLICIES["d"].pool
-    with pytest.raises(ValueError, match="choose from a, b, c, d, e"):
-        parse_policies("f")
+    with pytest.raises(ValueError, match="choose from a, b, c, d, e, f"):
+        parse_policies("g")
 
 
 # ---- the whole orchestration, small ------------------------------------------------
@@ -415,7 +415,7 @@ def test_a_prefix_computed_on_one_replica_is_loaded_on_the_other_through_its_own
     if not redis_servers.available():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     from benchmarks.e2e import model
-    from benchmarks.e2e.__main__ import one_request
+    from benchmarks.e2e.phases import one_request
     from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase
     from kvstore.client.sync import Client
 
@@ -519,3 +519,84 @@ def test_a_reboot_damages_the_middle_block_of_each_chain_the_next_turns_read(tmp
             assert data[:936] == bytes([i]) * 936
             assert data[936:] == (bytes([i ^ 0x5A]) * 64 if i == 2 else bytes([i]) * 64)
     assert damage_block_files(tmp_path, "ns", chains, 1, 64) == damaged[:1]  # at most n
+
+
+@pytest.mark.system
+def test_disaggregated_serving_hands_the_prompt_s_kv_from_the_prefill_replica_to_the_decode_one(tmp_path):
+    """Policy (f)'s fleet: the router prefills on replica 0, whose engine stores the prompt's blocks and
+    opens a handoff on its daemon; replica 1's engine pulls them through its own daemon (Strata's handoff
+    over the peer data plane), loads them instead of computing them, and decodes: the same tokens as a
+    cold engine with no cache at all."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import random
+
+    from tests.support import redis_servers
+
+    if not redis_servers.available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    from benchmarks.e2e import model
+    from benchmarks.e2e.client import completion_body
+    from benchmarks.e2e.engine import Engine, EngineConfig
+    from benchmarks.e2e.fleet import Engines, Fleet, FleetSpec, Nodes, Phase, scrape
+    from tests.support.router_stand_in import http
+
+    model_dir = model.build(tmp_path / "model", size="tiny")
+    phase = Phase("f", POLICIES["f"])
+    rng = random.Random(9)
+    prompt = [rng.randrange(8, 500) for _ in range(330)]  # 20 full blocks and 10 tokens
+    cold = Engine(EngineConfig(model=str(model_dir), prefix_cache="none", threads=1))
+    try:
+        expected = cold.generate(prompt, 6, ignore_eos=True).tokens
+    finally:
+        cold.close()
+    with Nodes(FleetSpec(model_dir=model_dir), [phase]) as nodes, Engines(nodes) as engines:
+        with Fleet(nodes, phase, engines) as fleet:
+            body = {**completion_body(fleet.model, prompt, 6), "stream": False}
+            body.pop("stream_options")
+            status, _, raw = http("POST", fleet.url + "/v1/completions", body, timeout=120)
+            assert status == 200, raw
+            answer = json.loads(raw)
+            assert answer["choices"][0]["token_ids"] == expected
+            assert answer["strata"]["engine_id"] == fleet.replicas[1].engine_id  # decoded on replica 1
+            assert answer["strata"]["pulled_blocks"] == 20
+            assert answer["strata"]["cached_pool"] == 320  # what it loaded rather than computed
+            router = fleet.router_metrics()
+            assert router[("strata_router_disaggregated_requests_total", (("outcome", "handoff"),))] == 1
+            prefill = scrape(fleet.replicas[0].url)
+            assert prefill[("e2e_engine_pool_blocks_total", (("op", "handoff"), ("outcome", "opened")))] == 20
+
+
+def test_the_drill_reports_time_to_ready_origin_bytes_and_the_new_replica_s_first_requests():
+    from benchmarks.e2e.drill import DrillPlan, ScaleUp
+
+    class Origin:
+        model_bytes = 1000
+        digest = "d" * 64
+
+    class Fleet:
+        class spec:
+            replicas = 2
+
+        class nodes:
+            nodes = [None, None, "spare"]
+
+    scale = ScaleUp(Fleet, Origin, DrillPlan(first_requests=2), lambda: 0.0, 10, with_strata=True,
+                    url="http://10.0.0.3:1", engine_id="engine-2-drill", model_name="model")
+    scale.events = {"started": 10.0, "weights_warm": 11.5, "engine_ready": 14.0}
+    scale.detail["weights"] = {"bytes_by_source": {"origin": 40, "peer:10.0.0.1:7460": 960}}
+    recs = []
+    for i, (engine, sent) in enumerate([("engine-0-drill", 12.0), ("engine-2-drill", 14.5), ("engine-2-drill", 15.0),
+                                        ("engine-2-drill", 16.0)]):
+        r = _rec(i, 1, sent, 0.2 + i / 10, cached=600 if i == 1 else 0, prompt=1000)
+        r.engine_id = engine
+        recs.append(r)
+    u = scale.report(recs)
+    assert u["time_to_ready_s"] == pytest.approx(14.5 + 0.3 - 10.0)  # its first token served
+    assert u["steps_s"] == {"started": 0.0, "weights_warm": 1.5, "engine_ready": 4.0}
+    assert u["origin_bytes"] == 40 and u["model_bytes"] == 1000
+    assert u["requests_served"] == 3 and u["first_requests_ttft_s"]["n"] == 2
+    assert u["first_requests_ttft_s"]["mean"] == pytest.approx(0.35)
+    assert u["first_requests_hit_ratio"] == pytest.approx(0.3)
+    scale.detail = {"origin_bytes": 1000}  # without Strata: the download's bytes
+    assert scale.report(recs)["origin_bytes"] == 1000

@@ -10,8 +10,12 @@ as an engine with prefix caching does. Test-only controls: a request with
 the same after the first event of a stream);
 ``/admin/health?status=N`` sets what GET /health answers;
 ``/admin/queue?n=N`` sets its ``vllm:num_requests_waiting`` gauge (N as
-written on the page: ``NaN`` and ``-5`` too). Like vLLM it answers 400 to a
-``max_tokens`` that is not a positive integer.
+written on the page: ``NaN`` and ``-5`` too); ``/admin/last`` answers the
+last request body it took. Like vLLM it answers 400 to a ``max_tokens``
+that is not a positive integer, and a request whose ``kv_transfer_params``
+say ``do_remote_decode`` (a disaggregated prefill) gets ``kv_transfer_params``
+of its own in the answer, naming this engine (unless ``"x_no_kv_transfer"``:
+an engine that is no disaggregated prefill).
 
 :class:`RawClient` is the other side: a client on a bare socket that sends
 a request's headers and only part of its body, then as much more as the
@@ -69,7 +73,7 @@ def engine_main(argv: list[str]) -> None:
     p.add_argument("--hash-seed", default=HASH_SEED)
     args = p.parse_args(argv)
 
-    state = {"health": 200, "queue": 0, "held": {}, "served": 0}
+    state = {"health": 200, "queue": 0, "held": {}, "served": 0, "last": None}
     publisher = None
     if args.kv_events_port:
         import msgpack
@@ -112,6 +116,7 @@ def engine_main(argv: list[str]) -> None:
         if publisher is not None:
             await publisher(api, body)
         state["served"] += 1
+        state["last"] = body
         pieces = _completion_text(body, args.name)
         rid = "cmpl-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
         obj = "chat.completion" if api == "chat" else "text_completion"
@@ -120,6 +125,8 @@ def engine_main(argv: list[str]) -> None:
                       else {"index": 0, "text": "".join(pieces)})
             out = {"id": rid, "object": obj, "created": 0, "model": body.get("model", "m"), "served_by": args.name,
                    "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": len(pieces)}}
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and not body.get("x_no_kv_transfer"):
+                out["kv_transfer_params"] = {"handoff_id": f"{args.name}-{state['served']}", "node_id": args.name}
             return web.Response(body=json.dumps(out, ensure_ascii=False).encode(), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -155,6 +162,8 @@ def engine_main(argv: list[str]) -> None:
             state["health"] = int(q["status"])
         elif what == "queue":
             state["queue"] = q["n"]
+        elif what == "last":
+            return web.json_response(state["last"])
         held = sum(1 for e in state["held"].values() if not e.is_set())
         return web.json_response({"served": state["served"], "held_tags": held})
 

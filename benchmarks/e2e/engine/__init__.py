@@ -35,9 +35,11 @@ from benchmarks.e2e.events import EventSink, ZmqEventPublisher
 from benchmarks.e2e.metrics import EngineMetrics
 from benchmarks.e2e.pool import DEFAULT_MAX_PENDING_BLOCKS, BlockPool
 from benchmarks.e2e.prefix_cache import PREFIX_CACHES, CacheOptions, make_prefix_cache
-from benchmarks.e2e.runner import ModelRunner, cache_of, kv_of
+from benchmarks.e2e.runner import ModelRunner, PublishedModel, cache_of, kv_of
 
 log = logging.getLogger(__name__)
+
+HANDOFF_STORE_TIMEOUT_S = 10.0  # a remote-decode prefill waits this long for its blocks to reach the daemon
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,16 @@ class EngineConfig:
     threads: int = 0  # torch threads; 0 keeps torch's default
     admin: bool = False  # serve POST /admin/reconfigure (the benchmark's reuse of an engine across phases)
     wait_for_model_s: float = 0.0  # wait this long for a model directory still being written (its marker file)
+    # --model as a published revision (s3://bucket/prefix), streamed through the node's weight cache:
+    model_digest: str = ""
+    weights_cache: str = ""
+    s3_endpoint: str = ""
+
+    @property
+    def published(self) -> PublishedModel | None:
+        if not self.model_digest:
+            return None
+        return PublishedModel(self.model, self.model_digest, self.weights_cache, self.s3_endpoint)
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -71,6 +83,8 @@ class EngineConfig:
             raise ValueError("--max-queue must be 0 or more (requests waiting beyond the one computing)")
         if self.max_tokens_limit < 1:
             raise ValueError("--max-tokens-limit must be at least 1")
+        if bool(self.model_digest) != bool(self.weights_cache):
+            raise ValueError("a published model needs both --model-digest and --weights-cache (the node cache)")
 
 
 # What a running engine may change (Engine.reconfigure); the rest is fixed by the loaded model and the socket.
@@ -90,6 +104,8 @@ class Generation:
     prefill_s: float = 0.0
     prefill_cpu_s: float = 0.0  # CPU time of the computing thread (all of it with one torch thread)
     decode_s: float = 0.0
+    kv_transfer_params: dict | None = None  # a prefill for remote decode: the handoff the decode side pulls
+    pulled_blocks: int = 0  # a remote decode: blocks its handoff brought into this node's daemon
 
 
 class Engine:
@@ -98,7 +114,7 @@ class Engine:
     def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
         self.config = config
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
-        self.runner = ModelRunner(config.model, config.block_size, config.threads or None)
+        self.runner = ModelRunner(config.model, config.block_size, config.threads or None, published=config.published)
         self._compute = threading.Lock()
         self._build(metrics or EngineMetrics())
 
@@ -159,17 +175,30 @@ class Engine:
         ignore_eos: bool = False,
         on_token: Callable[[Generation], None] | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        remote_decode: bool = False,
+        handoff: dict | None = None,
     ) -> Generation:
-        """Generate up to ``max_tokens`` after ``prompt``; ``on_token`` sees each new token."""
+        """Generate up to ``max_tokens`` after ``prompt``; ``on_token`` sees each new token.
+
+        Disaggregated serving, as vLLM's ``kv_transfer_params`` asks: ``remote_decode`` (a prefill
+        engine's request) hands the prompt's full blocks off through the pool's daemon once the first
+        token is picked (:attr:`Generation.kv_transfer_params`); ``handoff`` (a decode engine's request,
+        those params) pulls them into this node's daemon first, where the pool load finds them."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
+        if (remote_decode or handoff is not None) and self.pool is None:
+            raise ValueError("kv_transfer_params need the shared pool: start the engine with --strata and --namespace")
         with self._compute:
-            return self._generate(list(prompt), max_tokens, temperature, seed, ignore_eos, on_token, cancelled)
+            return self._generate(list(prompt), max_tokens, temperature, seed, ignore_eos, on_token, cancelled,
+                                  remote_decode, handoff)
 
-    def _generate(self, prompt, max_tokens, temperature, seed, ignore_eos, on_token, cancelled) -> Generation:
+    def _generate(self, prompt, max_tokens, temperature, seed, ignore_eos, on_token, cancelled, remote_decode=False,
+                  handoff=None) -> Generation:
         m = self.metrics
         gen = Generation(len(prompt))
         t0, c0 = time.perf_counter(), time.thread_time()
+        if handoff is not None:
+            gen.pulled_blocks = self.pool.pull(handoff)
         chain = self.hasher.chain(prompt)
         kv, n_local, n_pool = self._cached_prefix(prompt, chain)
         gen.cached_local, gen.cached_pool = n_local, n_pool
@@ -188,6 +217,8 @@ class Engine:
         if self.pool is not None:
             self.pool.submit(chain, prompt_kv, (n_local + n_pool) // self.config.block_size)
         del prompt_kv
+        if remote_decode:
+            gen.kv_transfer_params = self.pool.hand_off(chain, HANDOFF_STORE_TIMEOUT_S)
 
         t1 = time.perf_counter()
         stop_ids = () if ignore_eos else self.runner.eos_token_ids

@@ -17,7 +17,13 @@ from benchmarks.e2e.server import serve
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     d = EngineConfig(model="")
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e.engine", description=engine.__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="model directory (python -m benchmarks.e2e.model --out DIR)")
+    p.add_argument("--model", required=True, help="model directory (python -m benchmarks.e2e.model --out DIR), or "
+                   "with --model-digest a published revision's location (s3://bucket/prefix)")
+    p.add_argument("--model-digest", default="", help="the published revision's manifest digest: --model is "
+                   "streamed through the node's weight cache (weightcache.open_model), every chunk verified")
+    p.add_argument("--weights-cache", default="", help="the node cache directory for --model-digest")
+    p.add_argument("--s3-endpoint", default="", help="an S3-compatible endpoint for --model s3://... "
+                   "(credentials: the AWS_* variables)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--engine-id", default=d.engine_id, help="this engine's holder id in the prefix index")
@@ -49,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             block_size=a.block_size, hash_seed=a.hash_seed, prefix_cache=a.prefix_cache, cache_blocks=a.cache_blocks,
             kv_events=a.kv_events, kv_events_replay=a.kv_events_replay, strata=a.strata, namespace=a.namespace,
             pool_max_pending=a.pool_max_pending, max_queue=a.max_queue, max_tokens_limit=a.max_tokens_limit,
-            threads=a.threads, admin=a.admin, wait_for_model_s=a.wait_for_model,
+            threads=a.threads, admin=a.admin, wait_for_model_s=a.wait_for_model, model_digest=a.model_digest,
+            weights_cache=a.weights_cache, s3_endpoint=a.s3_endpoint,
         )
     except ValueError as e:
         p.error(str(e))
@@ -58,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
 def wait_for_model(config: EngineConfig) -> None:
     """Until the model directory's marker exists (its builder writes it after every other file), at most
     ``config.wait_for_model_s``; then the load says what is missing, as without the wait."""
+    if config.published is not None:
+        return
     marker = Path(config.model) / MODEL_MARKER
     end = time.monotonic() + config.wait_for_model_s
     while not marker.exists() and time.monotonic() < end:
