@@ -158,6 +158,11 @@ class Swarm:
     def owner(self, digest: bytes) -> str:
         return self.members[int.from_bytes(digest[:8], "little") % len(self.members)]
 
+    def second(self, digest: bytes) -> str | None:
+        """The member asked first for a chunk this node owns (none in a swarm of one)."""
+        others = [m for m in self.members if m != self.me]
+        return others[int.from_bytes(digest[:8], "little") % len(others)] if others else None
+
     def route(self, manifest):
         """(sources for a chunk, a plan sort key putting this node's chunks first) for one model:
         what :func:`open_model`'s ``route`` asks for."""
@@ -166,10 +171,22 @@ class Swarm:
                           read_timeout_s=self.read_timeout_s, security=self.security)
             for m in self.members if m != self.me
         }
+        # Asked without a wait: a member that holds one of this node's own chunks already serves it.
+        present = {
+            m: PeerChunkSource(m, manifest.digest, concurrency=self.concurrency, wait_s=0.0,
+                          read_timeout_s=self.read_timeout_s, security=self.security)
+            for m in peers
+        }
 
         def sources(ref: ChunkRef):
             owner = self.owner(ref.digest)
-            return [] if owner == self.me else [peers[owner]]
+            if owner != self.me:
+                return [peers[owner]]
+            # This node's own chunk. In a swarm that starts together nobody else has it (one quick miss,
+            # then the origin); a node that joins a swarm which already holds the model (a scale-up)
+            # takes it from a member instead of fetching the origin's copy again.
+            other = self.second(ref.digest)
+            return [present[other]] if other is not None else []
 
         def order(item: tuple[int, int]) -> int:
             return 0 if self.owner(manifest.files[item[0]].chunks[item[1]]) == self.me else 1

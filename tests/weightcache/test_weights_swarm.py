@@ -81,6 +81,38 @@ def test_four_nodes_fetching_one_model_ask_the_origin_for_it_about_once(tmp_path
         np.testing.assert_array_equal(got[k], v)
 
 
+def test_a_node_joining_a_swarm_that_holds_the_model_takes_its_own_chunks_from_a_member(tmp_path, published):
+    """A scale-up: the swarm's member holds the whole model; this node joins it and owns about half the
+    chunks, which nobody fetches from the origin again: every byte comes from the member."""
+    url, m, t, gate = published
+    peer, me = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    child = start_node(tmp_path / "peer", peer, [peer], gate.endpoint)  # alone, before this node joins
+    prefetcher = None
+    try:
+        wait_until(lambda: up(peer), what="the member up")
+        stub(peer).Prefetch(pb.PrefetchRequest(location=url, digest=m.digest), timeout=60)
+        wait_until(lambda: stub(peer).Status(pb.StatusRequest(digest=m.digest), timeout=10).state
+                   == pb.PREFETCH_STATE_COMPLETE, timeout=120, what="the member warm")
+        gate.reset_counts()
+        swarm = Swarm([peer, me], me, wait_s=60)
+        assert 0 < sum(1 for f in m.files for c in f.chunks if swarm.owner(c) == me) < sum(len(f.chunks) for f in m.files)
+        prefetcher = Prefetcher(tmp_path / "me", s3=s3_options(gate.endpoint), swarm=swarm)
+        prefetcher.prefetch(url, m.digest)
+        wait_until(lambda: prefetcher.status(m.digest).state == "complete", timeout=120, what="this node warm")
+        s = prefetcher.status(m.digest)
+        assert s.bytes_by_source.get("peer") == m.total_bytes and not s.bytes_by_source.get("origin")
+        assert origin_bytes(gate) == 0
+    finally:
+        child.send_signal(signal.SIGTERM)
+        child.wait(30)
+        if prefetcher is not None:
+            prefetcher.close()
+    with weightcache.open_model(url, m.digest, cache_dir=tmp_path / "me", s3=s3_options(gate.endpoint)) as r:
+        got = dict(r)
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
 def test_a_peer_killed_while_a_node_waits_on_it_leaves_that_node_to_the_origin(tmp_path, published, s3_gate):
     url, m, t, gate = published
     stuck = s3_gate()
