@@ -30,7 +30,8 @@ What it installs, in order, and why the order:
 
 Steps 1, 4, 5, 6 and 7 are optional parts: when one cannot install (no root, a registry that answers
 no), this says so and goes on, and the tests that need it skip with the reason. Steps 2 and 3 are
-the suite itself; their failure stops the command.
+the suite itself; their failure stops the command. Step 1 runs beside steps 2 to 5 (apt and pip
+write different files); each step says how long it took.
 
     python tests/install.py            # everything
     python tests/install.py --no-system --no-vllm --no-ucx --no-mooncake --no-sglang   # the Python core only
@@ -44,6 +45,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -156,6 +158,21 @@ def sglang_layers() -> None:
         raise StepFailed(f"sglang's HiCache storage modules do not import: {done.stderr.strip()[-300:]}")
 
 
+def timed(name: str, step, missing: list[str] | None) -> None:
+    """Run one step and say how long it took. ``missing``: an optional part's list, which a failure is added
+    to (the suite goes on without it); None: a failure stops the install."""
+    t = time.monotonic()
+    try:
+        step()
+    except (StepFailed, subprocess.TimeoutExpired, OSError) as e:
+        if missing is None:
+            raise
+        missing.append(f"{name} ({e})")
+        return
+    finally:
+        say(f"{name}: {time.monotonic() - t:.0f} s")
+
+
 def check_requirements() -> None:
     """Every requirement holds, but for the packages installed without theirs on purpose."""
     done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=300)
@@ -181,26 +198,29 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     missing: list[str] = []
+    # Debian's packages install beside pip's first steps (apt and pip write different files); Mooncake's
+    # step, whose store.so links libibverbs1, waits for them.
+    system = threading.Thread(target=timed, args=("system packages", system_packages, missing), daemon=True)
+    if not args.no_system:
+        system.start()
     try:
-        if not args.no_system:
-            try:
-                system_packages()
-            except (StepFailed, subprocess.TimeoutExpired, OSError) as e:
-                missing.append(f"system packages ({e})")
-        core(with_vllm=not args.no_vllm)
+        timed("torch and Strata", lambda: core(with_vllm=not args.no_vllm), None)
         for name, step, skip in (("vLLM's Python layers", vllm_layers, args.no_vllm), ("ucxx", ucx, args.no_ucx),
                                  ("Mooncake Store", mooncake, args.no_mooncake),
                                  ("SGLang's Python package", sglang_layers, args.no_sglang)):
-            if skip:
-                continue
-            try:
-                step()
-            except (StepFailed, subprocess.TimeoutExpired) as e:
-                missing.append(f"{name} ({e})")
+            if step is mooncake and system.is_alive():
+                system.join()
+            if not skip:
+                timed(name, step, missing)
+        if system.is_alive():
+            system.join()
         check_requirements()
     except (StepFailed, subprocess.TimeoutExpired) as e:
         print(f"[install] failed: {e}", file=sys.stderr)
         return 1
+    finally:
+        if system.is_alive():
+            system.join()  # never leave apt-get half done behind the command
     for part in missing:
         say(f"not installed: {part}; the tests that need it will skip and say why")
     say(f"done in {time.monotonic() - started:.0f} s")

@@ -111,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                        "to run (default both)")
     p.add_argument("--loads", help="offered loads, as shares of the fleet's cold capacity (default 0.2,0.4,0.6,0.8)")
     p.add_argument("--no-faults", action="store_true", help="leave out the fault phases")
+    p.add_argument("--no-data-faults", action="store_true",
+                   help="of the fault phases, run only the crashes (no damaged peer path or disk)")
     p.add_argument("--no-drill", action="store_true", help="leave out the scale-up drill")
     p.add_argument("--faults-only", action="store_true", help="run only the fault phase (and its reference)")
     p.add_argument("--seed", type=int, default=0)
@@ -212,7 +214,9 @@ def _main(args: argparse.Namespace) -> int:
     workloads = sweep.workloads[:1] if args.faults_only else sweep.workloads
     refs = {w: Phase(f"{w}-ref", REFERENCE) for w in workloads}
     phases = {(w, p.key): Phase(f"{w}-{p.key}", p) for w in workloads for p in policies}
-    fault_phases = [Phase("faults", POLICIES["e"]), Phase("data-faults", POLICIES["d"])] if faults else []
+    fault_phases = [Phase("faults", POLICIES["e"])] if faults else []
+    if faults and not args.no_data_faults:
+        fault_phases.append(Phase("data-faults", POLICIES["d"]))
     drill = not args.no_drill and not args.faults_only
     drill_phases = [Phase("drill-strata", POLICIES["e"]), Phase("drill-origin", POLICIES["b"])] if drill else []
     every = [*refs.values(), *phases.values(), *drill_phases, *fault_phases]
@@ -276,10 +280,11 @@ def _main(args: argparse.Namespace) -> int:
             results["faults"] = run_phase(nodes, engines, fault_phases[0], [point], ref,
                                           lambda fleet, clock, n: FaultInjector(fleet, plan, clock, n))
             results["faults"]["workload"] = w
-            log.info("the data-fault phase (%s, load %.2f)", w, point[1])
-            results["data_faults"] = data_fault_phase(nodes, engines, fault_phases[1], point, ref,
-                                                      DataFaultPlan(**mode["data_faults"]))
-            results["data_faults"]["workload"] = w
+            if len(fault_phases) > 1:
+                log.info("the data-fault phase (%s, load %.2f)", w, point[1])
+                results["data_faults"] = data_fault_phase(nodes, engines, fault_phases[1], point, ref,
+                                                          DataFaultPlan(**mode["data_faults"]))
+                results["data_faults"]["workload"] = w
         engines.close()  # the 4k measurement has the machine to itself, as when each phase stopped its own
         if args.no_prefix_4k:
             prefix = None

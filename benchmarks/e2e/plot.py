@@ -41,13 +41,7 @@ def plot_ttft(records: Mapping[str, Sequence[RequestRecord]], path: Path, *, slo
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("share of requests with TTFT ≤ x")
     axes[0].legend(fontsize=8, loc="lower right")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)
 
 
 def plot_load(doc: Mapping, path: Path, *, title: str = "") -> Path:
@@ -60,7 +54,7 @@ def plot_load(doc: Mapping, path: Path, *, title: str = "") -> Path:
 
     workloads = [w for w, e in doc["workloads"].items() if e["policies"]]
     rows = max(1, len(workloads))
-    fig, axes = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 5.6 * rows), squeeze=False)
     for row, w in enumerate(workloads):
         entry = doc["workloads"][w]
         ax_t, ax_g = axes[row]
@@ -94,12 +88,19 @@ def plot_load(doc: Mapping, path: Path, *, title: str = "") -> Path:
             ax.grid(True, which="both", alpha=0.3)
         ax_t.set_title(f"{entry['name']}: TTFT against load")
         ax_g.set_title(f"{entry['name']}: goodput against load")
-        ax_t.legend(fontsize=6, ncol=2, loc="upper left")
-        ax_g.legend(fontsize=7, loc="upper left")
+        # Below the axes: the curves' high end (p95 at low load, goodput at high load) stays in view.
+        ax_t.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+        ax_g.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    return _save(fig, path, title)
+
+
+def _save(fig, path: Path, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # legends placed outside the axes included
     plt.close(fig)
     return path

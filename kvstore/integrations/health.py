@@ -7,9 +7,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.errors import StrataError
+from kvstore.errors import DaemonUnavailable, DeadlineExceeded, StrataError
 
 log = logging.getLogger(__name__)
+
+DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)  # the daemon is away or stuck: back off, answer misses
+MAX_KEYS_PER_CALL = 1024  # block keys per daemon call, under the daemon's default batch limit (4096)
 
 
 class DaemonHealth:

@@ -27,6 +27,7 @@ Failures are told apart by how far the request got:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -73,19 +74,27 @@ class Upstream:
         self._metrics = metrics
         self._policy = policy
 
-    async def open(self, e: Endpoint, method: str, path: str, headers, body: bytes | None) -> aiohttp.ClientResponse:
-        """The engine's response, its headers read and its body not yet."""
+    @contextlib.contextmanager
+    def _failures(self, e: Endpoint, silence: str):
+        """aiohttp's failures on the way to ``e`` as the router's (counted): a refused connection is
+        :class:`EndpointRefused` (nothing sent), no answer in time :class:`UpstreamTimeout` (``silence``
+        says what did not come), a connection that broke :class:`UpstreamUnreachable`."""
         try:
-            return await self._session.request(method, e.url + path, data=body, headers=request_headers(headers))
+            yield
         except aiohttp.ClientConnectorError as err:
             self._metrics.upstream_errors.labels(e.label, "connect").inc()
             raise EndpointRefused(f"{e.url}: {err}") from None
         except asyncio.TimeoutError:
             self._metrics.upstream_errors.labels(e.label, "timeout").inc()
-            raise UpstreamTimeout(f"endpoint {e.label} sent no response headers within the upstream timeout") from None
+            raise UpstreamTimeout(f"endpoint {e.label} {silence} within the upstream timeout") from None
         except aiohttp.ClientError as err:
             self._metrics.upstream_errors.labels(e.label, "disconnect").inc()
             raise UpstreamUnreachable(f"endpoint {e.label} closed the connection before answering: {err}") from None
+
+    async def open(self, e: Endpoint, method: str, path: str, headers, body: bytes | None) -> aiohttp.ClientResponse:
+        """The engine's response, its headers read and its body not yet."""
+        with self._failures(e, "sent no response headers"):
+            return await self._session.request(method, e.url + path, data=body, headers=request_headers(headers))
 
     async def call_json(self, e: Endpoint, path: str, headers, body: dict, *, max_bytes: int) -> dict:
         """POST ``body`` as JSON to ``e`` and return its JSON object answer (a disaggregated prefill):
@@ -93,7 +102,7 @@ class Upstream:
         :class:`UpstreamUnreachable` or :class:`UpstreamFailed` for the rest."""
         out = request_headers(headers)
         out.pop("Content-Type", None)
-        try:
+        with self._failures(e, "did not answer"):
             async with self._session.post(e.url + path, json=body, headers=out) as resp:
                 data = bytearray()
                 async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
@@ -103,15 +112,6 @@ class Upstream:
                 if resp.status != 200:
                     raise UpstreamFailed(f"endpoint {e.label} answered {resp.status}: "
                                          f"{bytes(data[:300]).decode(errors='replace')}")
-        except aiohttp.ClientConnectorError as err:
-            self._metrics.upstream_errors.labels(e.label, "connect").inc()
-            raise EndpointRefused(f"{e.url}: {err}") from None
-        except asyncio.TimeoutError:
-            self._metrics.upstream_errors.labels(e.label, "timeout").inc()
-            raise UpstreamTimeout(f"endpoint {e.label} did not answer within the upstream timeout") from None
-        except aiohttp.ClientError as err:
-            self._metrics.upstream_errors.labels(e.label, "disconnect").inc()
-            raise UpstreamUnreachable(f"endpoint {e.label} closed the connection before answering: {err}") from None
         try:
             answer = json.loads(data)
         except ValueError as err:

@@ -16,23 +16,21 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvstore.client import AsyncClient, BlockInfo, BlockPut, Client
 from kvstore.errors import (
     CorruptBlock,
-    DaemonUnavailable,
-    DeadlineExceeded,
     ResourceExhausted,
     StrataError,
     UnknownNamespace,
 )
 
-from kvstore.integrations.health import DaemonHealth
+from kvstore.integrations.health import DAEMON_DOWN, DaemonHealth
 from kvstore.integrations.lmcache.mapping import ChunkLayout, block_key, chunk_bytes, namespace_of
 from kvstore.integrations.lmcache.settings import (
     PLUGIN_TYPE,
-    SECURITY_OPTIONS,
     PluginSettings,
     ambiguous_entries,
     plugin_name_of,
     strata_entries,
 )
+from kvstore.integrations.options import SECURITY_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +38,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Errors that say the daemon itself is gone or stuck (not a refusal of one call).
-DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)
 # Errors after which a read is a miss: the daemon refused for now, or the bytes were bad.
 READ_MISS = (ResourceExhausted, CorruptBlock)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvstore.block import validate_namespace
+from kvstore.integrations.options import SECURITY_OPTIONS, security_options, tristate
 
 
 DEFAULT_PLUGIN_NAME = "strata"
@@ -54,9 +54,9 @@ class PluginSettings:
                 namespace=str(options.get("namespace", cls.namespace)),
                 timeout_s=float(options.get("timeout_s", cls.timeout_s)),
                 retries=int(options.get("retries", cls.retries)),
-                shared_memory=_tristate(options.get("shared_memory", "auto")),
+                shared_memory=tristate(options.get("shared_memory", "auto")),
                 down_backoff_s=float(options.get("down_backoff_s", cls.down_backoff_s)),
-                **{k: str(options[k]) for k in SECURITY_OPTIONS if options.get(k)},
+                **security_options(options),
             )
         except ValueError as err:
             raise ValueError(f"bad option under {prefix}*: {err}") from None
@@ -67,18 +67,7 @@ class PluginSettings:
         return settings
 
 
-SECURITY_OPTIONS = ("token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
-
-def _tristate(value: Any) -> bool | None:
-    text = str(value).strip().lower()
-    if text in ("auto", "", "none"):
-        return None
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"shared_memory is {value!r}; use auto, true or false")
 
 
 def strata_entries(config) -> list[str]:

@@ -25,20 +25,17 @@ from kvstore.client import BlockInfo, BlockPut, Client
 from kvstore.errors import (
     CorruptBlock,
     DaemonUnavailable,
-    DeadlineExceeded,
     ResourceExhausted,
     StrataError,
     UnknownNamespace,
 )
-from kvstore.integrations.health import DaemonHealth
+from kvstore.integrations.health import DAEMON_DOWN, MAX_KEYS_PER_CALL, DaemonHealth
 from kvstore.integrations.sglang.host_pages import HostPages, PagesOutOfPool
 from kvstore.integrations.sglang.layout import PageLayout
 from kvstore.integrations.sglang.settings import StrataStorageSettings
 
 log = logging.getLogger(__name__)
 
-DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)
-MAX_KEYS_PER_CALL = 1024  # block keys per daemon call, under the daemon's default batch limit (4096)
 
 
 class StrataHiCacheStorage(HiCacheStorage):

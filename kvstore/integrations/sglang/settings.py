@@ -13,13 +13,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.block import validate_namespace
+from kvstore.integrations.options import MAX_PREFIX_CHARS, client_options, security_options, tristate
 
 BACKEND_NAME = "strata"  # "backend_name" of the dynamic backend (SGLang logs it)
 MODULE_PATH = "kvstore.integrations.sglang"  # its "module_path"
 CLASS_NAME = "StrataHiCacheStorage"  # its "class_name"
 OPTIONS_KEY = "strata"  # the extra config's key holding the options below
-SECURITY_OPTIONS = ("token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
-MAX_PREFIX_CHARS = 48  # of ``namespace``: the model and layout digest need the rest of Strata's 128
 
 
 @dataclass(frozen=True)
@@ -67,9 +66,9 @@ class StrataStorageSettings:
                 namespace=str(options.get("namespace", defaults.namespace)),
                 timeout_s=float(options.get("timeout_s", defaults.timeout_s)),
                 retries=int(options.get("retries", defaults.retries)),
-                shared_memory=_tristate(options.get("shared_memory", "auto")),
+                shared_memory=tristate(options.get("shared_memory", "auto")),
                 down_backoff_s=float(options.get("down_backoff_s", defaults.down_backoff_s)),
-                **{k: str(options[k]) for k in SECURITY_OPTIONS if options.get(k)},
+                **security_options(options),
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad option in the Strata HiCache backend: {err}") from None
@@ -92,18 +91,5 @@ class StrataStorageSettings:
         validate_namespace(self.namespace)
 
     def client_options(self) -> dict:
-        return dict(timeout=self.timeout_s, retries=self.retries, use_shm=self.shared_memory,
-                    **{k: getattr(self, k) for k in SECURITY_OPTIONS})
+        return client_options(self)
 
-
-def _tristate(value: Any) -> bool | None:
-    if isinstance(value, bool) or value is None:
-        return value
-    text = str(value).strip().lower()
-    if text in ("auto", ""):
-        return None
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"shared_memory is {value!r}; use true, false or auto")

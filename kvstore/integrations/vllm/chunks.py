@@ -35,20 +35,17 @@ from vllm.v1.kv_offload.base import OffloadKey
 from kvstore.client import BlockInfo, BlockPut, Client
 from kvstore.errors import (
     DaemonUnavailable,
-    DeadlineExceeded,
     ResourceExhausted,
     StrataError,
     UnknownNamespace,
 )
-from kvstore.integrations.health import DaemonHealth
+from kvstore.integrations.health import DAEMON_DOWN, MAX_KEYS_PER_CALL, DaemonHealth
 from kvstore.integrations.vllm.mapping import KVLayout, block_key
 from kvstore.integrations.vllm.metrics import TierMetrics
 from kvstore.integrations.vllm.settings import StrataTierSettings
 
 log = logging.getLogger(__name__)
 
-DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)
-MAX_KEYS_PER_PIN = 1024  # under the daemon's default batch limit (4096)
 
 
 @dataclass
@@ -133,8 +130,8 @@ class ChunkStore:
         started = time.perf_counter()
         result = "ok"
         for namespace, indices, hashes in self._by_namespace(keys):
-            for start in range(0, len(indices), MAX_KEYS_PER_PIN):
-                part, part_hashes = indices[start:start + MAX_KEYS_PER_PIN], hashes[start:start + MAX_KEYS_PER_PIN]
+            for start in range(0, len(indices), MAX_KEYS_PER_CALL):
+                part, part_hashes = indices[start:start + MAX_KEYS_PER_CALL], hashes[start:start + MAX_KEYS_PER_CALL]
                 try:
                     lease = self.client().pin(namespace, part_hashes, lease_s=self.settings.lookup_hold_s)
                 except UnknownNamespace:

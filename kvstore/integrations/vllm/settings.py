@@ -6,12 +6,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.block import validate_namespace
+from kvstore.integrations.options import MAX_PREFIX_CHARS, boolean, client_options, security_options, tristate
 
 TIER_TYPE = "strata"  # "type" of the secondary_tiers entry (the module exposes a class of this name)
 MODULE_PATH = "kvstore.integrations.vllm"  # its "module_path"
-SECURITY_OPTIONS = ("token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 LOCALITIES = ("LOCAL", "REMOTE")
-MAX_PREFIX_CHARS = 48  # of ``namespace``: the model and layout need the rest of Strata's 128
 
 
 @dataclass(frozen=True)
@@ -66,16 +65,16 @@ class StrataTierSettings:
                 namespace=str(options.get("namespace", defaults.namespace)),
                 timeout_s=float(options.get("timeout_s", defaults.timeout_s)),
                 retries=int(options.get("retries", defaults.retries)),
-                shared_memory=_tristate(options.get("shared_memory", "auto")),
+                shared_memory=tristate(options.get("shared_memory", "auto")),
                 down_backoff_s=float(options.get("down_backoff_s", defaults.down_backoff_s)),
                 io_threads=int(options.get("io_threads", defaults.io_threads)),
                 max_queued_jobs=int(options.get("max_queued_jobs", defaults.max_queued_jobs)),
                 job_timeout_s=float(options.get("job_timeout_s", defaults.job_timeout_s)),
                 chunks_per_call=int(options.get("chunks_per_call", defaults.chunks_per_call)),
                 lookup_hold_s=float(options.get("lookup_hold_s", defaults.lookup_hold_s)),
-                enable_kv_events=_boolean(options.get("enable_kv_events", False), "enable_kv_events"),
+                enable_kv_events=boolean(options.get("enable_kv_events", False), "enable_kv_events"),
                 locality=None if options.get("locality") is None else str(options["locality"]).upper(),
-                **{k: str(options[k]) for k in SECURITY_OPTIONS if options.get(k)},
+                **security_options(options),
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad option in the Strata secondary tier: {err}") from None
@@ -104,23 +103,6 @@ class StrataTierSettings:
         validate_namespace(self.namespace)
 
     def client_options(self) -> dict:
-        return dict(timeout=self.timeout_s, retries=self.retries, use_shm=self.shared_memory,
-                    **{k: getattr(self, k) for k in SECURITY_OPTIONS})
+        return client_options(self)
 
 
-def _tristate(value: Any) -> bool | None:
-    text = str(value).strip().lower()
-    if text in ("auto", "", "none"):
-        return None
-    return _boolean(value, "shared_memory (or auto)")
-
-
-def _boolean(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"{name} is {value!r}; use true or false")
