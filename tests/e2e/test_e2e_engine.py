@@ -180,7 +180,7 @@ def test_cache_hit_continues_exactly_as_a_cold_prefill(trio, mode):
         assert cached == 5 * BLOCK  # the first prompt's full blocks (its generated tokens fill no block)
     else:
         assert cached == len(first) + 2  # the slot held the prompt and the generated tokens fed back
-    assert hit["strata"] == {"cached_local": cached, "cached_pool": 0, "engine_id": "engine-0"}
+    assert hit["strata"] == {"cached_local": cached, "cached_pool": 0, "engine_id": "engine-0", "pulled_blocks": 0}
     assert hit["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     assert hit["choices"][0]["text"] == cold["choices"][0]["text"]
 
@@ -329,7 +329,7 @@ def test_the_pool_gives_one_replica_the_prefix_another_computed(spares, daemon_p
                    what="the daemon's node to hold the pool blocks in its index")
     # Now replica b's own cache has them: a second time is a local hit.
     again = b.complete(prompt, max_tokens=10)
-    assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b"}
+    assert again["strata"] == {"cached_local": 6 * BLOCK, "cached_pool": 0, "engine_id": "rep-b", "pulled_blocks": 0}
 
 
 def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(spares, daemon_process, trio):
@@ -350,13 +350,13 @@ def test_a_reconfigured_engine_starts_over_with_an_empty_cache_and_pool(spares, 
     assert changed["engine_id"] == "phase-2" and changed["prefix_cache"] == "blocks"
     assert engine.metric("e2e_engine_prompt_tokens_total") == 0
     after = engine.complete(prompt)
-    assert after["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-2"}
+    assert after["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-2", "pulled_blocks": 0}
     assert after["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     assert engine.metric("e2e_engine_prompt_tokens_total") == len(prompt)
 
     # Another mode, the pool off: the one-slot cache of policy (a), empty too.
     engine.post("/admin/reconfigure", {"engine_id": "phase-3", "prefix_cache": "last", "strata": "", "namespace": ""})
-    assert engine.complete(prompt)["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-3"}
+    assert engine.complete(prompt)["strata"] == {"cached_local": 0, "cached_pool": 0, "engine_id": "phase-3", "pulled_blocks": 0}
     assert engine.complete(prompt)["strata"]["cached_local"] == len(prompt) - 1  # the slot: all but the last
     for body, words in [({"block_size": 32}, "cannot change without a restart"),
                         ({"strata": daemon.target, "namespace": ""}, "needs both")]:
