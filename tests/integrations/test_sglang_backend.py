@@ -253,3 +253,42 @@ def test_hybrid_models_pool_calls_answer_misses():
     assert backend.batch_get_v2([transfer]) == {storage.PoolName.MAMBA: [False, False]}
     assert backend.batch_set_v2([transfer]) == {storage.PoolName.MAMBA: [False, False]}
     backend.close()
+
+
+def test_strata_failures_answer_misses_by_reason_and_a_bug_reaches_the_controller():
+    """What a call can meet (a refusal, a full daemon) is a counted miss; anything else is a bug, which
+    the backend does not hide: it raises into SGLang's controller, which logs it and counts a miss."""
+    from kvstore.errors import InvalidArgument, ResourceExhausted
+
+    class Failing:
+        def __init__(self, error):
+            self.error = error
+
+        def __call__(self, target, **options):
+            return self
+
+        def exists(self, namespace, keys, *args):
+            raise self.error
+
+        put_many = get_into = exists
+
+        def close(self):
+            pass
+
+    pool = PageFirstPool(pages=4)
+    keys = page_hashes(2)
+    for error, reason in ((InvalidArgument("refused"), "refused"), (ResourceExhausted("full", retry_after_s=1), "full")):
+        backend = StrataHiCacheStorage(storage_config("127.0.0.1:1"), client_factory=Failing(error))
+        backend.register_mem_pool_host(pool)
+        assert backend.batch_exists(keys, info()) == 0
+        assert backend.batch_set_v1(keys, pool.indices([0, 1]), info()) == [False, False]
+        assert backend.batch_get_v1(keys, pool.indices([2, 3]), info()) == [False, False]
+        assert {k: v for k, v in backend.counts.items() if v} == \
+            {f"exists:{reason}": 2, f"set:{reason}": 2, f"get:{reason}": 2}
+    backend = StrataHiCacheStorage(storage_config("127.0.0.1:1"), client_factory=Failing(TypeError("a bug")))
+    backend.register_mem_pool_host(pool)
+    for call in (lambda: backend.batch_exists(keys, info()),
+                 lambda: backend.batch_set_v1(keys, pool.indices([0, 1]), info()),
+                 lambda: backend.batch_get_v1(keys, pool.indices([2, 3]), info())):
+        with pytest.raises(TypeError, match="a bug"):
+            call()

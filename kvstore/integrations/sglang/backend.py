@@ -2,7 +2,13 @@
 
 Every method runs on one of the controller's storage threads (prefetch,
 prefetch I/O, backup), which may call at once: the client is thread-safe and
-made on first use. Each call answers; none raises into the controller.
+made on first use. What a call can meet (:data:`FAILURES`: the daemon away,
+stuck, full or refusing, a corrupt block, pages the pool does not hold) is
+counted by reason, logged with structured fields, and answered as a miss (or
+"not stored"); it decides no tier's health. Anything else is a bug and
+reaches the controller, which wraps every storage call (SGLang 0.5.23's
+``cache_controller``: query, prefetch and backup each log the exception
+and count the pages as missed).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from kvstore.integrations.sglang.settings import StrataStorageSettings
 
 log = logging.getLogger(__name__)
 
-
+FAILURES = (StrataError, PagesOutOfPool)  # what a call answers as a miss; anything else is a bug and raises
 
 class StrataHiCacheStorage(HiCacheStorage):
     """A Strata daemon as SGLang's HiCache L3 storage, with the zero-copy ``interface_v1``."""
@@ -102,7 +108,7 @@ class StrataHiCacheStorage(HiCacheStorage):
                 found += len(tiers) // per_page
                 if len(tiers) < len(blocks):
                     break
-        except Exception as err:  # noqa: BLE001 - SGLang's controller must get an answer: a miss
+        except FAILURES as err:
             return self._failed("exists", len(keys), err, found)
         self._health.ok(self.settings.target)
         return found
@@ -127,7 +133,7 @@ class StrataHiCacheStorage(HiCacheStorage):
                 self.client().put_many(layout.namespace, items)
                 for i in pages:
                     done[i] = True
-        except Exception as err:  # noqa: BLE001 - SGLang's controller must get an answer: not stored
+        except FAILURES as err:
             self._failed("set", len(keys) - sum(done), err)
             return done
         self._health.ok(self.settings.target)
@@ -171,7 +177,7 @@ class StrataHiCacheStorage(HiCacheStorage):
                     break  # SGLang takes the leading run of pages: the rest would be read for nothing
         except UnknownNamespace:
             pass  # nothing stored in this layout yet: misses
-        except Exception as err:  # noqa: BLE001 - SGLang's controller must get an answer: a miss
+        except FAILURES as err:
             self._failed("get", len(keys) - sum(got), err)
             return got
         self._health.ok(self.settings.target)
@@ -248,7 +254,7 @@ class StrataHiCacheStorage(HiCacheStorage):
     def _pages_per_call(self, per_page: int) -> int:
         return max(1, MAX_KEYS_PER_CALL // per_page)
 
-    def _failed(self, op: str, pages: int, err: BaseException, answer: int = 0) -> int:
+    def _failed(self, op: str, pages: int, err: Exception, answer: int = 0) -> int:
         """Count and log a failed call; the daemon found down starts the back-off."""
         if isinstance(err, DAEMON_DOWN):
             reason = "down"
@@ -261,17 +267,13 @@ class StrataHiCacheStorage(HiCacheStorage):
             reason = "full"
         elif isinstance(err, PagesOutOfPool):
             reason = "pages"
-        elif isinstance(err, StrataError):
-            reason = "refused"
         else:
-            reason = "bug"
+            reason = "refused"
         self.counts[f"{op}:{reason}"] += pages
         if reason not in ("down", "missing"):  # down: DaemonHealth logs it once; missing: a plain miss
-            log.log(logging.ERROR if reason == "bug" else logging.WARNING,
-                    "Strata HiCache %s of %d pages failed (%s: %s): SGLang sees a miss", op, pages, reason, err,
-                    exc_info=reason == "bug",
-                    extra={"op": op, "reason": reason, "pages": pages, "error": type(err).__name__,
-                           "namespace": self.layout.namespace if self.layout else None})
+            log.warning("Strata HiCache %s of %d pages failed (%s: %s): SGLang sees a miss", op, pages, reason, err,
+                        extra={"op": op, "reason": reason, "pages": pages, "error": type(err).__name__,
+                               "namespace": self.layout.namespace if self.layout else None})
         return answer
 
 
