@@ -1,7 +1,8 @@
 """vLLM KV events into the prefix index: what each engine's GPU cache holds, as it changes.
 
 The wire format and its parser are :mod:`kvstore.index.event_format`; which copies an engine
-holds is :mod:`kvstore.index.holdings`.
+holds is :mod:`kvstore.index.holdings`; each engine's ZMQ sockets and the tasks reading them are
+:mod:`kvstore.index.event_sockets`.
 
 :class:`KVEventSubscriber` follows one or more
 engines and keeps the index equal to a subset of what each engine holds: a ``seq`` gap or
@@ -24,27 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from zmq.utils.monitor import parse_monitor_message
 
 from kvstore.block import TierName, validate_namespace
 from kvstore.errors import InvalidArgument
 from kvstore.index.base import PrefixIndex, PrefixIndexError, StaleEpoch
 from kvstore.index.event_format import (
     MAX_PAYLOAD_BYTES,
-    R_FRAMES,
-    REPLAY_END,
-    SEQ_BYTES,
     AllBlocksCleared,
     BlockStored,
     EventBatch,
@@ -54,6 +51,7 @@ from kvstore.index.event_format import (
     medium_tier,
     split_message,
 )
+from kvstore.index.event_sockets import EngineSockets, _digest
 from kvstore.index.holdings import EngineHoldings
 
 log = logging.getLogger(__name__)
@@ -140,22 +138,11 @@ class EngineStatus:
 _Op = tuple[str, Any]  # ("add", [(key, tier)]) | ("remove", [key]) | ("clear", None)
 
 
-def _digest(payload: bytes) -> bytes:
-    """A batch's identity: its seq alone cannot tell a restarted engine's batch from the one
-    replay already gave (the payload carries the batch's timestamp)."""
-    return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-@dataclass(frozen=True, slots=True)
-class _Replayed:
-    batch: EventBatch
-    digest: bytes
-
-
 @dataclass(eq=False)
 class _Engine:
     source: EngineSource
     holdings: EngineHoldings
+    sockets: EngineSockets = field(init=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer to the index per engine
     epoch: int = 0
     joined: bool = False
@@ -166,20 +153,18 @@ class _Engine:
     # by the first live message past them (ZMQ delivers in order)
     replayed: dict[int, bytes] = field(default_factory=dict)
     last_message_at: float = -math.inf
-    connected: bool = False
     batches: int = 0
     followed: bool = True  # False once unfollowed: nothing may write for it again
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    sockets: list[zmq.asyncio.Socket] = field(default_factory=list)
 
 
 class KVEventSubscriber:
     """Follows vLLM engines' KV events and records each engine as a holder in the index.
 
-    One SUB socket and one task per engine: messages are applied in ``seq`` order; ZMQ's
-    receive high-water mark is the only queue, and what overflows it is seen as a gap. At
-    each connection the engine's replay socket (when it has one) is asked for what was
-    published while the socket was not there, under the same per-engine lock.
+    One SUB socket and one task per engine (:class:`~kvstore.index.event_sockets.EngineSockets`):
+    messages are applied in ``seq`` order; ZMQ's receive high-water mark is the only queue, and
+    what overflows it is seen as a gap. At each connection the engine's replay socket (when it
+    has one) is asked for what was published while the socket was not there, under the same
+    per-engine lock.
     The engine is joined to the index under an epoch this subscriber owns (one more than
     any the index knew at start) and heartbeated while its socket is connected or its
     messages arrive; otherwise its entries leave answers after ``ttl_s``.
@@ -240,28 +225,21 @@ class KVEventSubscriber:
         if len(self._engines) >= self._max_engines:
             raise InvalidArgument(f"{self._max_engines} engines are followed already; unregister one first")
         eng = self._engines[src.engine_id] = _Engine(src, EngineHoldings(self._config.max_tracked_blocks))
+        eng.sockets = EngineSockets(
+            src,
+            self._config,
+            self.metrics.connected,
+            on_open=partial(self._join, eng),
+            on_message=partial(self._on_message, eng),
+            on_connect=partial(self._catch_up, eng),
+            on_malformed=partial(self._count_malformed, eng),
+        )
         return eng
 
     def _open(self, eng: _Engine) -> None:
-        """The engine's SUB socket, its monitor and their tasks (the context is running)."""
+        """The engine's sockets and their tasks (the context is running)."""
         assert self._ctx is not None
-        cfg = self._config
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
-        # A message over the limit makes ZMQ drop the connection; the seq gap that
-        # follows is handled like any other loss.
-        sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes + 4096)
-        ivl_ms = int(cfg.zmq_heartbeat_s * 1000)
-        sub.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
-        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_max_s * 1000))
-        sub.setsockopt(zmq.SUBSCRIBE, eng.source.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sub.connect(eng.source.endpoint)
-        eng.sockets += [sub, monitor]
-        eng.tasks.append(self._spawn(self._receive(eng, sub), f"kv-events-{eng.source.engine_id}"))
-        eng.tasks.append(self._spawn(self._watch(eng, monitor), f"kv-events-monitor-{eng.source.engine_id}"))
+        eng.sockets.open(self._ctx, self._spawn)
 
     async def follow(self, source: EngineSource) -> None:
         """Start following one more engine (InvalidArgument: its id is followed already, or
@@ -273,7 +251,7 @@ class KVEventSubscriber:
             self._open(eng)
         except zmq.ZMQError as e:  # an endpoint ZMQ cannot connect to (bad address, unknown transport)
             del self._engines[source.engine_id]
-            await self._close(eng)
+            await eng.sockets.close()
             raise InvalidArgument(f"cannot follow {source.endpoint!r}: {e}; give tcp://HOST:PORT") from None
 
     async def unfollow(self, engine_id: str) -> bool:
@@ -282,7 +260,7 @@ class KVEventSubscriber:
         if eng is None:
             return False
         eng.followed = False
-        await self._close(eng)
+        await eng.sockets.close()
         async with eng.lock:
             if eng.joined:
                 eng.joined = False
@@ -296,18 +274,6 @@ class KVEventSubscriber:
         """The engines followed now, in the order they were added."""
         return [eng.source for eng in self._engines.values()]
 
-    async def _close(self, eng: _Engine) -> None:
-        tasks, eng.tasks = eng.tasks, []
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        sockets, eng.sockets = eng.sockets, []
-        for s in sockets:
-            s.close(linger=0)
-        if eng.connected:
-            eng.connected = False
-            self.metrics.connected.dec()
-
     async def stop(self, *, leave: bool = False) -> None:
         """Stop reading; with ``leave`` also drop the engines from the index now.
 
@@ -319,7 +285,7 @@ class KVEventSubscriber:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for eng in list(self._engines.values()):
-            await self._close(eng)
+            await eng.sockets.close()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -351,30 +317,12 @@ class KVEventSubscriber:
 
     def status(self, engine_id: str) -> EngineStatus:
         eng = self._engines[engine_id]
-        return EngineStatus(engine_id, eng.epoch, eng.last_seq, eng.connected, eng.batches)
+        return EngineStatus(engine_id, eng.epoch, eng.last_seq, eng.sockets.connected, eng.batches)
 
     def epoch(self, engine_id: str) -> int:
         return self._engines[engine_id].epoch
 
-    # -- the loops ----------------------------------------------------------------------------
-
-    async def _receive(self, eng: _Engine, sub: zmq.asyncio.Socket) -> None:
-        async with eng.lock:
-            await self._new_epoch(eng, republish=True)
-        while True:
-            frames = await sub.recv_multipart()
-            await self._on_message(eng, frames)
-
-    async def _watch(self, eng: _Engine, monitor: zmq.asyncio.Socket) -> None:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            if connected != eng.connected:
-                eng.connected = connected
-                self.metrics.connected.inc(1 if connected else -1)
-                log.info("KV events of engine %s: %s", eng.source.engine_id, "connected" if connected else "disconnected")
-            if connected:
-                await self._catch_up(eng)
+    # -- liveness in the index ----------------------------------------------------------------
 
     async def _heartbeats(self) -> None:
         cfg = self._config
@@ -382,7 +330,7 @@ class KVEventSubscriber:
             await asyncio.sleep(cfg.heartbeat_interval_s)
             now = time.monotonic()
             for eng in list(self._engines.values()):  # follow/unfollow may change the dict meanwhile
-                if not (eng.connected or now - eng.last_message_at < cfg.ttl_s):
+                if not (eng.sockets.connected or now - eng.last_message_at < cfg.ttl_s):
                     continue  # neither connected nor heard from: let the engine expire
                 async with eng.lock:
                     if not eng.followed:
@@ -397,7 +345,12 @@ class KVEventSubscriber:
                     except PrefixIndexError as e:
                         self._index_error("heartbeat", eng, e)
 
-    # -- one message --------------------------------------------------------------------------
+    # -- what the sockets bring ----------------------------------------------------------------
+
+    async def _join(self, eng: _Engine) -> None:
+        """Before the engine's first message is read: join it under a fresh epoch."""
+        async with eng.lock:
+            await self._new_epoch(eng, republish=True)
 
     async def _on_message(self, eng: _Engine, frames: list[bytes]) -> None:
         try:
@@ -452,7 +405,7 @@ class KVEventSubscriber:
         async with eng.lock:
             last = eng.last_seq
             start = 0 if last is None else last
-            got = await self._fetch_replay(eng, src.replay_endpoint, start, None)
+            got = await eng.sockets.fetch_replay(src.replay_endpoint, start, None)
             if not got:
                 return
             first = newest = max(got)
@@ -491,7 +444,7 @@ class KVEventSubscriber:
         covered = False
         src = eng.source
         if src.replay_endpoint is not None and end - start <= self._config.max_replay_batches:
-            got = await self._fetch_replay(eng, src.replay_endpoint, start, end)
+            got = await eng.sockets.fetch_replay(src.replay_endpoint, start, end)
             s = end - 1
             while s >= start and s in got:
                 run.append(got[s].batch)
@@ -505,47 +458,6 @@ class KVEventSubscriber:
             await self._new_epoch(eng, republish=False)
         for batch in run:
             await self._apply(eng, batch, "replay")
-
-    async def _fetch_replay(
-        self, eng: _Engine, endpoint: str, start: int, end: int | None
-    ) -> dict[int, _Replayed]:
-        """Batches ``start .. end-1`` (``end`` None: all from ``start``) the engine's replay
-        socket still has (maybe none), at most ``max_replay_batches``."""
-        assert self._ctx is not None
-        cfg = self._config
-        got: dict[int, _Replayed] = {}
-        sock = self._ctx.socket(zmq.DEALER)  # a REQ socket would take only the first reply
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, cfg.max_replay_batches + 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes + 4096)
-        deadline = time.monotonic() + cfg.replay_timeout_s
-        try:
-            sock.connect(endpoint)
-            await sock.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
-            for _ in range(cfg.max_replay_batches + 1):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not await sock.poll(remaining * 1000):
-                    break
-                frames = await sock.recv_multipart()
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if len(frames) != 2 or len(frames[0]) != SEQ_BYTES:
-                    self._count_malformed(eng, MalformedEvent(R_FRAMES, "a replay reply is not (seq, payload)"))
-                    break
-                if frames[0] == REPLAY_END:
-                    break
-                seq = int.from_bytes(frames[0], "big")
-                if start <= seq and (end is None or seq < end) and len(got) < cfg.max_replay_batches:
-                    try:
-                        batch = decode_batch(frames[1], max_bytes=cfg.max_payload_bytes)
-                        got[seq] = _Replayed(batch, _digest(frames[1]))
-                    except MalformedEvent as e:
-                        self._count_malformed(eng, e)
-                if end is not None and seq >= end - 1:
-                    break  # the rest is what the live socket brings
-        finally:
-            sock.close(linger=0)
-        return got
 
     # -- the index (callers hold eng.lock) -----------------------------------------------------
 
