@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-drill", action="store_true", help="leave out the scale-up drill")
     p.add_argument("--faults-only", action="store_true", help="run only the fault phase (and its reference)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sessions", type=int, help="sessions per load point (default 24; 4 with --quick)")
+    p.add_argument("--sessions", type=int, help="sessions per load point (default 16; 4 with --quick)")
     p.add_argument("--turns", type=int, help="turns per session (default 4; 2 with --quick)")
     p.add_argument("--think-factor", type=float,
                    help="mean think time / the mean cold service time of a request (default 2)")

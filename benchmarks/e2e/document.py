@@ -19,8 +19,8 @@ NAME = "e2e"
 
 
 def check_smoke(doc: dict) -> list[str]:
-    """What a smoke run must show whatever the machine's speed: every phase ran and answered, and every
-    answer equals the reference's tokens."""
+    """What a smoke run must show whatever the machine's speed: every phase ran and answered, every
+    answer equals the reference's tokens, and the reboot damaged blocks on its host's disk."""
     problems = []
     for w, entry in doc["workloads"].items():
         if "error" in entry["reference"]:
@@ -57,6 +57,9 @@ def check_smoke(doc: dict) -> list[str]:
                 problems.append(f"{name}: fidelity {pt['fidelity']}")
         if f is not None and (f.get("faults") or {}).get("injection_errors"):
             problems.append(f"{name}: {f['faults']['injection_errors']}")
+    damage = (doc.get("data_faults") or {}).get("faults")
+    if damage is not None and not damage.get("disk_block_files_damaged"):
+        problems.append("data faults: the rebooted host's disk held no block of the sessions still running")
     return problems
 
 
@@ -148,7 +151,8 @@ def build_document(args, sweep: SweepSpec, results: dict, prefix: dict | None, s
     if doc["data_faults"] is not None and "faults" in doc["data_faults"]:
         ff = doc["data_faults"]["faults"]
         print(f"data faults: {ff['answered']}/{ff['sent']} answered; {ff['peer_path_bytes_flipped']} bytes flipped on "
-              f"the peer path, {ff['disk_block_files_damaged']} disk blocks damaged; the daemons met "
+              f"the peer path, {ff['disk_block_files_damaged']} disk blocks damaged on the rebooted replica "
+              f"{ff.get('rebooted_replica')}; the daemons met "
               f"{ff['damage_met_by_daemon']}")
     for name, ph in (doc.get("drill") or {}).items():
         if isinstance(ph, dict) and ph.get("scale_up"):

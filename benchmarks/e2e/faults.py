@@ -259,10 +259,12 @@ class DataFaultPlan:
        byte every ``peer_every`` bytes of what that daemon sends, ``peer_flips`` times, then is whole
        again (a flaky NIC or switch).
     2. **A host reboots with a damaged disk**: once ``reboot_after`` are answered, replica
-       ``reboot_replica``'s daemon is SIGKILLed, its RAM tier lost (the arena removed, as a reboot
-       empties the tmpfs), the last bytes of up to ``disk_blocks`` of its block files overwritten (the
-       middle block of each prompt whose session has a turn still to send: blocks the next turns
-       read), and it is started again: what it serves now comes from its disk.
+       ``reboot_replica``'s daemon (None: the replica whose engine served the most turns of the
+       sessions still running, so its disk holds blocks the next turns read) is SIGKILLed, its RAM tier lost (the arena removed, as a reboot
+       empties the tmpfs), the last bytes of up to ``disk_blocks`` of its block files overwritten (per
+       session with a turn still to send, the block of its last prompt nearest the middle that this
+       disk holds: blocks the next turns read), and it is started again: what it serves now comes
+       from its disk.
 
     Every answer must still equal the reference's tokens: a damaged block costs a miss (the engine
     recomputes it), never a wrong token. The daemons' counters (:data:`DAMAGE_COUNTERS`) say whether the
@@ -273,7 +275,7 @@ class DataFaultPlan:
     peer_damage_after: float = 0.2
     peer_flips: int = 3
     peer_every: int = 100_003  # a prime: the flips land at varied offsets of the blocks
-    reboot_replica: int = 0
+    reboot_replica: int | None = None
     reboot_after: float = 0.5
     disk_blocks: int = 6
     damage_bytes: int = 64
@@ -281,30 +283,37 @@ class DataFaultPlan:
 
 def damage_block_files(disk_dir: Path, namespace: str, chains: list[list[bytes]], n: int, nbytes: int) -> list[str]:
     """Overwrite the last ``nbytes`` of up to ``n`` block files under ``disk_dir``: per chain (a prompt's
-    pool keys, block 0 first), the file of its middle block, where the disk holds it.
+    pool keys, block 0 first), the file of the block nearest the chain's middle that this disk holds.
 
-    A damaged middle block ends the prefix a load can take there: what follows it is a miss too."""
+    A node holds the blocks of the turns its engine served (and of none other, without sharing), so a
+    session's chain is looked up whole: its earlier turns' blocks are a prefix of its last prompt's.
+    A damaged block ends the prefix a load can take there: what follows it is a miss too."""
     from kvstore.block import BlockKey
     from kvstore.tiers.block_file import block_name
 
     damaged = []
     for keys in chains:
-        if len(damaged) >= n or not keys:
+        if len(damaged) >= n:
             break
-        name = block_name(BlockKey(namespace, keys[len(keys) // 2]))
-        f = disk_dir / "blocks" / name[:2] / name
-        try:
-            size = f.stat().st_size
-        except FileNotFoundError:
+        held = []  # (distance from the middle, file, size)
+        for i, key in enumerate(keys):
+            name = block_name(BlockKey(namespace, key))
+            f = disk_dir / "blocks" / name[:2] / name
+            try:
+                size = f.stat().st_size
+            except FileNotFoundError:
+                continue
+            if size > nbytes:
+                held.append((abs(i - len(keys) // 2), f, size))
+        if not held:
             continue
-        if size <= nbytes:
-            continue
+        _, f, size = min(held, key=lambda h: h[0])
         with open(f, "r+b") as out:
             out.seek(size - nbytes)
             tail = out.read(nbytes)
             out.seek(size - nbytes)
             out.write(bytes(b ^ 0x5A for b in tail))
-        damaged.append(name)
+        damaged.append(f.name)
     return damaged
 
 
@@ -340,12 +349,15 @@ class DataFaultInjector(FaultInjector):
     """Runs a :class:`DataFaultPlan` while the driver runs (the same progress-tied schedule and hold)."""
 
     def __init__(self, fleet: Fleet, plan: DataFaultPlan, clock: Callable[[], float], total_requests: int,
-                 path, next_chains: Callable[[list[RequestRecord]], list[list[bytes]]]) -> None:
+                 path, next_chains: Callable[[list[RequestRecord]], list[list[bytes]]],
+                 live_sessions: Callable[[list[RequestRecord]], set[int]]) -> None:
         super().__init__(fleet, FaultPlan(daemon_kill_after=plan.peer_damage_after,
                                           engine_kill_after=plan.reboot_after), clock, total_requests)
         self.data_plan = plan
         self.path = path  # the damaged peer path's proxy (benchmarks.chaos.path.PeerPath)
         self.next_chains = next_chains  # answers so far -> pool keys of prompts whose sessions send another turn
+        self.live_sessions = live_sessions  # answers so far -> the sessions with a turn still to send
+        self.rebooted: int | None = None
         self.damaged_files: list[str] = []
         self._records: list[RequestRecord] = []
 
@@ -363,15 +375,17 @@ class DataFaultInjector(FaultInjector):
             if not self._wait(self._engine_due):
                 return
 
-            chains = self.next_chains(list(self._records))
+            records = list(self._records)
+            chains = self.next_chains(records)
+            k = self.rebooted = p.reboot_replica if p.reboot_replica is not None else self.busiest(records)
 
             def damage(node) -> None:
                 self.damaged_files = damage_block_files(node.disk_dir, self.fleet.phase.namespace, chains,
                                                         p.disk_blocks, p.damage_bytes)
 
-            self.events.append(FaultEvent("host_rebooting", p.reboot_replica, self.clock()))
-            self.fleet.nodes.restart_daemon(p.reboot_replica, lose_ram=True, while_down=damage)
-            self.events.append(FaultEvent("daemon_ready", p.reboot_replica, self.clock()))
+            self.events.append(FaultEvent("host_rebooting", k, self.clock()))
+            self.fleet.nodes.restart_daemon(k, lose_ram=True, while_down=damage)
+            self.events.append(FaultEvent("daemon_ready", k, self.clock()))
         except (StartFailed, OSError, subprocess.SubprocessError, RuntimeError) as e:
             log.error("data fault injection failed: %s", e)
             self.errors.append(f"{type(e).__name__}: {e}")
@@ -379,12 +393,22 @@ class DataFaultInjector(FaultInjector):
             self._finished.set()
         self._done.wait()  # stay: the restarted daemon dies with the thread that started it
 
+    def busiest(self, records: list[RequestRecord]) -> int:
+        """The replica whose engine answered the most turns of the sessions still running (ties: the
+        lowest index other than the damaged peer path's): its disk holds what their next turns read."""
+        replica = {self.fleet.phase.engine_id(i): i for i in range(len(self.fleet.replicas))}
+        live = self.live_sessions(records)
+        served = Counter(replica[r.engine_id] for r in records if r.ok and r.session in live and r.engine_id in replica)
+        return min(range(len(self.fleet.replicas)),
+                   key=lambda i: (-served[i], i == self.data_plan.peer_replica, i))
+
     def report(self, records: list[RequestRecord]) -> dict:
         failed = [r for r in records if not r.ok]
         return {
             "sent": len(records), "answered": len(records) - len(failed), "failed": len(failed),
             "events": [asdict(e) for e in self.events], "injection_errors": self.errors,
             "peer_path_bytes_flipped": self.path.flipped,
+            "rebooted_replica": self.rebooted,
             "disk_block_files_damaged": len(self.damaged_files),
             # Since each daemon's last start: the rebooted one counts from its reboot.
             "damage_met_by_daemon": damage_seen(self.fleet),

@@ -139,24 +139,29 @@ def data_fault_phase(nodes: Nodes, engines: Engines, phase: Phase, point: tuple[
     host, port = nodes.nodes[plan.peer_replica].peer_listen.rsplit(":", 1)
     path = PeerPath((host, int(port)), nodes.net.gateway, every=plan.peer_every, limit=plan.peer_flips)
     try:
-        nodes.restart_daemons({plan.peer_replica: {"--peer-advertise": path.address, "--disk-write-policy": "through"},
-                               plan.reboot_replica: {"--disk-write-policy": "through"}})
+        through = {"--disk-write-policy": "through"}
+        nodes.restart_daemons({i: {**through, "--peer-advertise": path.address} if i == plan.peer_replica else through
+                               for i in range(len(nodes.serving))})
         workload = point[2]
+
+        def last_answered(records: list[RequestRecord]) -> dict[int, int]:
+            """Per session with a turn still to send, its last answered turn."""
+            last: dict[int, int] = {}
+            for r in records:
+                if r.ok:
+                    last[r.session] = max(last.get(r.session, -1), r.turn)
+            return {s: t for s, t in last.items() if t < workload.spec.turns - 1}
 
         def next_chains(records: list[RequestRecord]) -> list[list[bytes]]:
             """Per session with a turn still to send, the pool keys of its last answered prompt."""
             from kvstore.index.keys import BlockHasher, event_key_bytes
 
             hasher = BlockHasher(BLOCK_SIZE, HASH_SEED)
-            last: dict[int, int] = {}
-            for r in records:
-                if r.ok:
-                    last[r.session] = max(last.get(r.session, -1), r.turn)
             return [[event_key_bytes(h) for h in hasher.chain(workload.prompt(s, t))]
-                    for s, t in sorted(last.items()) if t < workload.spec.turns - 1]
+                    for s, t in sorted(last_answered(records).items())]
 
         def injector(fleet, clock, n):
-            return DataFaultInjector(fleet, plan, clock, n, path, next_chains)
+            return DataFaultInjector(fleet, plan, clock, n, path, next_chains, lambda rs: set(last_answered(rs)))
 
         return run_phase(nodes, engines, phase, [point], reference, injector)
     except (StartFailed, OSError) as e:

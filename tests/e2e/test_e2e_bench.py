@@ -498,7 +498,7 @@ def test_the_damaged_path_flips_one_byte_every_n_and_mends_itself_after_its_limi
         server.close()
 
 
-def test_a_reboot_damages_the_middle_block_of_each_chain_the_next_turns_read(tmp_path):
+def test_a_reboot_damages_per_chain_the_block_nearest_the_middle_that_the_disk_holds(tmp_path):
     from benchmarks.e2e.faults import damage_block_files
     from kvstore.block import BlockKey
     from kvstore.tiers.block_file import block_name
@@ -507,18 +507,20 @@ def test_a_reboot_damages_the_middle_block_of_each_chain_the_next_turns_read(tmp
         name = block_name(BlockKey("ns", key))
         return tmp_path / "blocks" / name[:2] / name
 
-    chains = [[bytes([c, i]) * 4 for i in range(5)] for c in range(3)]
-    for keys in chains[:2]:  # the third chain's blocks are not on this disk
-        for i, k in enumerate(keys):
-            file_of(k).parent.mkdir(parents=True, exist_ok=True)
-            file_of(k).write_bytes(bytes([i]) * 1000)
+    chains = [[bytes([c, i]) * 4 for i in range(5)] for c in range(4)]
+    held = {0: range(5), 1: range(5), 3: range(2)}  # chain 2 is not on this disk; chain 3's first turn only
+    for c, blocks in held.items():
+        for i in blocks:
+            file_of(chains[c][i]).parent.mkdir(parents=True, exist_ok=True)
+            file_of(chains[c][i]).write_bytes(bytes([i]) * 1000)
     damaged = damage_block_files(tmp_path, "ns", chains, 5, 64)
-    assert damaged == [block_name(BlockKey("ns", chains[0][2])), block_name(BlockKey("ns", chains[1][2]))]
-    for keys in chains[:2]:
-        for i, k in enumerate(keys):
-            data = file_of(k).read_bytes()
+    hit = {0: 2, 1: 2, 3: 1}  # the middle where held, else the held block nearest it
+    assert damaged == [block_name(BlockKey("ns", chains[c][i])) for c, i in hit.items()]
+    for c, blocks in held.items():
+        for i in blocks:
+            data = file_of(chains[c][i]).read_bytes()
             assert data[:936] == bytes([i]) * 936
-            assert data[936:] == (bytes([i ^ 0x5A]) * 64 if i == 2 else bytes([i]) * 64)
+            assert data[936:] == (bytes([i ^ 0x5A]) * 64 if hit[c] == i else bytes([i]) * 64)
     assert damage_block_files(tmp_path, "ns", chains, 1, 64) == damaged[:1]  # at most n
 
 
