@@ -13,17 +13,22 @@ a local miss the store reads through to it, and it
 3. orders the holders: **same host first** (the holder's advertised host
    equals this node's, or a same-host-only transport — UCX shared memory —
    reaches it, which is then the scheme used: loopback or shared-memory-fast,
-   and no network hop), **then least loaded**, the load being the fetches this node has
-   in flight to that holder now. It is the one signal every node has
-   without asking anyone; ties are broken at random so that a hot block's
-   readers spread over its holders;
+   and no network hop), **then least loaded**, the load being the blocks this node is
+   fetching from that holder now. It is the one signal every node has
+   without asking anyone; ties are broken at random, once per read (the
+   blocks of one read that have the same holders go to the same one), so
+   that a hot block's readers spread over its holders;
 4. fetches from the first, verified against the block's checksum by the
-   transport, into the buffer the store placed; a holder that no longer
+   transport, into the buffer the store placed: **one request per holder
+   for all the keys of a batch it comes first for** (at most
+   ``FETCH_BATCH_KEYS`` a request; requests to different holders run at
+   once), as a prefix's blocks are mostly held together; a holder that no longer
    has the block (miss), dies or breaks off (unavailable), stalls past the
    per-fetch deadline (deadline), refuses this node (refused: its policy
    does not let this node's token read the namespace), is overloaded, or
    sends bytes that fail their checksum (corrupt) is passed over for the
-   next, up to ``max_holders``; then the key is a miss;
+   next, up to ``max_holders`` (the keys it failed go, together, to each
+   one's next holder); then the key is a miss;
 5. **repairs the index at once** for every holder that answered miss: its
    entry is removed for that node and epoch (``index.remove``), so neither
    this node nor a router is sent there again for it. Only a miss is proof
@@ -72,6 +77,7 @@ log = logging.getLogger(__name__)
 LOCAL_TIERS = frozenset({TierName.GPU, TierName.HOST, TierName.DISK})
 MIN_REFRESH_S = 0.1  # node records are fetched again at most this often for a holder not yet known
 REPAIR_TIMEOUT_S = 2.0
+FETCH_BATCH_KEYS = 64  # keys one fetch request asks one holder for: a prefix's blocks in a few round trips
 FALLBACK_REASONS = ("miss", "unavailable", "deadline", "corrupt", "refused", "overloaded", "invalid", "error")
 _FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -104,7 +110,7 @@ class PeerMetrics:
         )
         self.fetch_seconds = Histogram(
             "strata_peer_fetch_duration_seconds",
-            "Duration of a fetch from one holder that delivered the block, by transport",
+            "Duration of a fetch request to one holder (one or more blocks) that delivered blocks, by transport",
             ["transport"], buckets=_FETCH_BUCKETS, registry=r,
         )
         self.fallbacks = Counter(
@@ -124,7 +130,7 @@ class PeerMetrics:
             "Peer tier reads of one block, by outcome: hit, miss (no holder delivered it), no_holder (the "
             "index named no usable holder)", ["outcome"], registry=r,
         )
-        self.in_flight = Gauge("strata_peer_fetches_in_flight", "Fetches from peers running now", registry=r)
+        self.in_flight = Gauge("strata_peer_fetches_in_flight", "Fetch requests to peers running now", registry=r)
         for transport in transports:
             self.fetched_bytes.labels(transport)
             self.fetch_seconds.labels(transport)
@@ -186,7 +192,7 @@ class PeerSource(RemoteSource):
         self._records: dict[str, NodeInfo] = {}
         self._records_at = float("-inf")
         self._records_lock: asyncio.Lock | None = None
-        self._in_flight: dict[str, int] = defaultdict(int)  # node id -> fetches this node runs from it now
+        self._in_flight: dict[str, int] = defaultdict(int)  # node id -> blocks this node is fetching from it now
         self._closed = False
         self._hits = self._misses = self._read_bytes = self._errors = 0
 
@@ -233,10 +239,7 @@ class PeerSource(RemoteSource):
             self._errors += len(keys)
             why = TierUnavailable(f"peer tier: the prefix index did not answer who holds the blocks ({err})")
             return [ReadResult.failed(why)] * len(keys)
-        results = []
-        for i, key in enumerate(keys):
-            results.append(await self._read_one(key, holders[i], lambda _j, meta, i=i: place(i, meta), deadline))
-        return results
+        return await self._read_all(keys, holders, place, deadline)
 
     async def lookup(self, keys: Sequence[BlockKey], deadline: float) -> list[BlockMeta | None]:
         self._check_open("lookup")
@@ -253,8 +256,8 @@ class PeerSource(RemoteSource):
         except (PrefixIndexError, TimeoutError) as err:
             raise TierUnavailable(f"peer tier: the prefix index did not answer who holds the blocks ({err})") from None
         out: list[BlockMeta | None] = []
-        for key, held in zip(keys, holders):
-            result = await self._read_one(key, held, place, deadline)
+        for key, held in zip(keys, holders):  # one at a time: the bytes read are dropped before the next
+            [result] = await self._read_all([key], [held], place, deadline)
             out.append(result.meta if result.is_hit else None)
             scratch.clear()
         return out
@@ -281,108 +284,150 @@ class PeerSource(RemoteSource):
     def stats(self) -> RemoteStats:
         return RemoteStats(self.tier, self.name, self._hits, self._misses, self._read_bytes, 0, 0, self._errors)
 
-    # ---- one key ----------------------------------------------------------------
+    # ---- fetching -----------------------------------------------------------------
 
-    async def _read_one(self, key: BlockKey, holders: list[Holder], place: MetaPlace, deadline: float) -> ReadResult:
-        candidates = await self._candidates(holders, deadline)
-        if not candidates:
-            self.metrics.reads.labels("no_holder").inc()
-            self._misses += 1
-            return MISS
-        for c in candidates:
-            now = self._clock()
-            if now >= deadline:
-                break
-            reason, result = await self._fetch(c, key, place, min(deadline, now + self.limits.fetch_s))
-            if result is not None:
-                return result
-            self.metrics.fallbacks.labels(reason).inc()
-            log.debug("peer %s could not serve %s (%s); trying the next holder", c.node_id, key, reason)
+    async def _read_all(self, keys: Sequence[BlockKey], holders: list[list[Holder]], place: MetaPlace,
+                        deadline: float) -> list[ReadResult]:
+        """Each key from its holders in order: per round, the keys still unread grouped by the holder next
+        in their order, one request per group (all groups at once); a key a holder failed goes on to
+        its next holder with the others it failed, until ``max_holders`` were tried."""
+        tiebreak: dict[str, float] = {}  # one random order of equal holders per read: a chain stays together
+        queues = [await self._candidates(held, deadline, tiebreak) for held in holders]
+        results: list[ReadResult] = [MISS] * len(keys)
+        pending = []
+        for i, queue in enumerate(queues):
+            if queue:
+                pending.append(i)
+            else:
+                self.metrics.reads.labels("no_holder").inc()
+                self._misses += 1
+        while pending and self._clock() < deadline:
+            groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+            for i in pending:
+                groups[queues[i][0].node_id, keys[i].namespace].append(i)
+            batches = [(queues[g[0]][0], g[k:k + FETCH_BATCH_KEYS])
+                       for g in groups.values() for k in range(0, len(g), FETCH_BATCH_KEYS)]
+            fetch_deadline = min(deadline, self._clock() + self.limits.fetch_s)
+            outcomes = await asyncio.gather(*(self._fetch(c, [keys[i] for i in batch], place, batch, fetch_deadline)
+                                              for c, batch in batches))
+            pending = []
+            for (c, batch), outcome in zip(batches, outcomes):
+                for i, (reason, result) in zip(batch, outcome):
+                    if result is not None:
+                        results[i] = result
+                        continue
+                    self.metrics.fallbacks.labels(reason).inc()
+                    log.debug("peer %s could not serve %s (%s); trying the next holder", c.node_id, keys[i], reason)
+                    queues[i].pop(0)
+                    if queues[i]:
+                        pending.append(i)
+                    else:
+                        self._missed()
+        for _ in pending:  # out of time
+            self._missed()
+        return results
+
+    def _missed(self) -> None:
         self.metrics.reads.labels("miss").inc()
         self._misses += 1
-        return MISS
 
     async def _fetch(
-        self, c: _Candidate, key: BlockKey, place: MetaPlace, deadline: float
-    ) -> tuple[str, ReadResult | None]:
-        """One holder's attempt: (why it failed, None), or ("", the result to report)."""
-        oversized = False
+        self, c: _Candidate, keys: list[BlockKey], place: MetaPlace, positions: list[int], deadline: float
+    ) -> list[tuple[str, ReadResult | None]]:
+        """One request to one holder for ``keys`` (of one namespace; ``positions``: their indices in the
+        read, which ``place`` is called with): per key ("", the result to report) or (why it failed, None)."""
+        oversized: set[int] = set()
 
         def guarded(j: int, meta: BlockMeta) -> memoryview | None:
-            nonlocal oversized
             if meta.size > self.limits.max_block_bytes:
-                oversized = True
+                oversized.add(j)
                 return None
-            return place(j, meta)
+            return place(positions[j], meta)
+
+        def every(reason: str) -> list[tuple[str, ReadResult | None]]:
+            return [(reason, None)] * len(keys)
 
         try:
             transport = self.directory.transport(c.scheme)
         except StrataError as err:
             log.warning("peer transport %s cannot be used: %s", c.scheme, err)
-            return "error", None
-        self._in_flight[c.node_id] += 1
+            return every("error")
+        self._in_flight[c.node_id] += len(keys)
         self.metrics.in_flight.inc()
         started = self._clock()
         try:
-            [result] = await transport.read(c.address, key.namespace, [key.key], guarded, deadline)
+            results = await transport.read(c.address, keys[0].namespace, [k.key for k in keys], guarded, deadline)
         except (TierUnavailable, DeadlineExceeded) as err:
             self.directory.back_off(c.node_id, err, c.address)
-            return ("deadline" if isinstance(err, DeadlineExceeded) else "unavailable"), None
-        except UnknownNamespace:  # it never had anything of that namespace: a stale entry
-            await self._repair(c, key)
-            return "miss", None
+            return every("deadline" if isinstance(err, DeadlineExceeded) else "unavailable")
+        except UnknownNamespace:  # it never had anything of that namespace: stale entries
+            await self._repair(c, keys)
+            return every("miss")
         except AuthError as err:
             log.warning("peer %s refused this node's token for namespace %r: %s; give this node's "
-                        "[tiers.peer] token_file a token the peers' policy lets read it", c.node_id, key.namespace, err)
-            return "refused", None
+                        "[tiers.peer] token_file a token the peers' policy lets read it", c.node_id,
+                        keys[0].namespace, err)
+            return every("refused")
         except Overloaded:
-            return "overloaded", None
+            return every("overloaded")
         except StrataError as err:
-            log.warning("peer %s failed a fetch of %s: %s", c.node_id, key, err)
-            return "error", None
+            log.warning("peer %s failed a fetch of %d blocks (%s...): %s", c.node_id, len(keys), keys[0], err)
+            return every("error")
         finally:
-            self._in_flight[c.node_id] -= 1
+            self._in_flight[c.node_id] -= len(keys)
             if not self._in_flight[c.node_id]:
                 del self._in_flight[c.node_id]
             self.metrics.in_flight.dec()
-        if result.is_hit:
+        out: list[tuple[str, ReadResult | None]] = []
+        stale: list[BlockKey] = []
+        delivered = False
+        for j, (key, result) in enumerate(zip(keys, results)):
+            if result.is_hit:
+                self.metrics.fetched_bytes.labels(c.scheme).inc(result.meta.size)
+                self.metrics.reads.labels("hit").inc()
+                self._hits += 1
+                self._read_bytes += result.meta.size
+                delivered = True
+                out.append(("", result))
+            elif result.status is ReadStatus.SKIPPED:
+                out.append(("invalid", None) if j in oversized else ("", result))
+            elif result.status is ReadStatus.MISS:
+                stale.append(key)
+                out.append(("miss", None))
+            elif isinstance(result.error, CorruptBlock):
+                log.error("peer %s sent a corrupt copy of %s: %s; trying the next holder", c.node_id, key, result.error)
+                out.append(("corrupt", None))
+            elif isinstance(result.error, (TierUnavailable, DeadlineExceeded)):
+                self.directory.back_off(c.node_id, result.error, c.address)
+                out.append(("deadline" if isinstance(result.error, DeadlineExceeded) else "unavailable", None))
+            elif isinstance(result.error, InvalidArgument):  # the caller's buffer was too small: not the holder's fault
+                out.append(("", result))
+            else:
+                out.append(("error", None))
+        if delivered:
             self.metrics.fetch_seconds.labels(c.scheme).observe(self._clock() - started)
-            self.metrics.fetched_bytes.labels(c.scheme).inc(result.meta.size)
-            self.metrics.reads.labels("hit").inc()
-            self._hits += 1
-            self._read_bytes += result.meta.size
             self.directory.succeeded(c.node_id)
-            return "", result
-        if result.status is ReadStatus.SKIPPED:
-            return ("invalid", None) if oversized else ("", result)
-        if result.status is ReadStatus.MISS:
-            await self._repair(c, key)
-            return "miss", None
-        err = result.error
-        if isinstance(err, CorruptBlock):
-            log.error("peer %s sent a corrupt copy of %s: %s; trying the next holder", c.node_id, key, err)
-            return "corrupt", None
-        if isinstance(err, (TierUnavailable, DeadlineExceeded)):
-            self.directory.back_off(c.node_id, err, c.address)
-            return ("deadline" if isinstance(err, DeadlineExceeded) else "unavailable"), None
-        if isinstance(err, InvalidArgument):  # the caller's buffer was too small: not the holder's fault
-            return "", result
-        return "error", None
+        if stale:
+            await self._repair(c, stale)
+        return out
 
-    async def _repair(self, c: _Candidate, key: BlockKey) -> None:
-        """The holder said it does not have the block: drop its entry for that epoch now."""
+    async def _repair(self, c: _Candidate, keys: list[BlockKey]) -> None:
+        """The holder said it does not have the blocks (of one namespace): drop its entries for that epoch now."""
         try:
             await self._on_index(
-                lambda: self._index.remove(key.namespace, c.node_id, c.holder.epoch, [key.key]), REPAIR_TIMEOUT_S
+                lambda: self._index.remove(keys[0].namespace, c.node_id, c.holder.epoch, [k.key for k in keys]),
+                REPAIR_TIMEOUT_S,
             )
         except StaleEpoch:  # that incarnation already ended: its entries no longer count anywhere
-            self.metrics.repairs.labels("gone").inc()
+            self.metrics.repairs.labels("gone").inc(len(keys))
         except (PrefixIndexError, TimeoutError) as err:
-            self.metrics.repairs.labels("failed").inc()
-            log.warning("could not remove the stale index entry of %s on %s: %s", key, c.node_id, err)
+            self.metrics.repairs.labels("failed").inc(len(keys))
+            log.warning("could not remove the stale index entries of %d blocks (%s...) on %s: %s",
+                        len(keys), keys[0], c.node_id, err)
         else:
-            self.metrics.repairs.labels("removed").inc()
-            log.info("index repaired: %s no longer holds %s (epoch %d)", c.node_id, key, c.holder.epoch)
+            self.metrics.repairs.labels("removed").inc(len(keys))
+            log.info("index repaired: %s no longer holds %d blocks (%s...; epoch %d)", c.node_id, len(keys), keys[0],
+                     c.holder.epoch)
 
     # ---- holders, records, order --------------------------------------------------
 
@@ -400,7 +445,8 @@ class PeerSource(RemoteSource):
                 out[i] = held
         return out
 
-    async def _candidates(self, holders: list[Holder], deadline: float) -> list[_Candidate]:
+    async def _candidates(self, holders: list[Holder], deadline: float,
+                          tiebreak: dict[str, float]) -> list[_Candidate]:
         usable = [h for h in holders if h.node_id != self.node_id and h.tier in LOCAL_TIERS]
         if not usable:
             return []
@@ -418,8 +464,10 @@ class PeerSource(RemoteSource):
             route = self.directory.route(record)
             if route is not None:
                 out.append(_Candidate(h, record, route.scheme, route.address, route.near))
-        random.shuffle(out)
-        out.sort(key=lambda c: (not c.near and c.record.host != self.host, self._in_flight.get(c.node_id, 0)))
+        for c in out:
+            tiebreak.setdefault(c.node_id, random.random())
+        out.sort(key=lambda c: (not c.near and c.record.host != self.host, self._in_flight.get(c.node_id, 0),
+                                tiebreak[c.node_id]))
         return out[: self.limits.max_holders]
 
     async def _node_records(self, holders: list[Holder], deadline: float) -> dict[str, NodeInfo]:

@@ -144,8 +144,8 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
         if not request.keys:
             raise InvalidArgument("Get needs at least one key")
         self._store.check_batch(request.keys)
-        for key_bytes in request.keys:
-            found = self._store.get(BlockKey.checked(request.namespace, key_bytes), local_only=request.local_only)
+        keys = list(request.keys)
+        for key_bytes, found in zip(keys, self._store.get_many(request.namespace, keys, local_only=request.local_only)):
             if found is None:
                 yield pb.GetResponse(header=pb.GetHeader(found=False, block=pb.BlockHeader(key=key_bytes)))
                 continue

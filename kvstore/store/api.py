@@ -18,7 +18,7 @@ would hide one that a class forgot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -62,6 +62,9 @@ class Store(Protocol):
     def open_write(self, key: BlockKey, meta: BlockMeta): ...
 
     def get(self, key: BlockKey, *, local_only: bool = False) -> tuple[bytes, BlockMeta, TierName] | None: ...
+
+    def get_many(self, namespace: str, keys: Sequence[bytes], *, local_only: bool = False
+                 ) -> Iterator[tuple[bytes, BlockMeta, TierName] | None]: ...
 
     # ---- the slot protocol and reads in place ------------------------------------------
 

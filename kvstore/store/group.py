@@ -191,6 +191,9 @@ class StoreGroup:
     def get(self, key: BlockKey, *, local_only: bool = False):
         return self.store_for(key.namespace).get(key, local_only=local_only)
 
+    def get_many(self, namespace: str, keys: Sequence[bytes], *, local_only: bool = False):
+        return self.store_for(namespace).get_many(namespace, keys, local_only=local_only)
+
     def allocate(self, namespace: str, blocks, lease_s: float | None = None, deadline: float | None = None,
                  owner: str = "") -> list[SlotGrant]:
         return self.store_for(namespace).allocate(namespace, blocks, lease_s, deadline, owner)

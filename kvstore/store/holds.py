@@ -22,7 +22,7 @@ from kvstore.block import BlockKey, BlockMeta, TierName, validate_key
 from kvstore.errors import CorruptBlock, InvalidArgument, LeaseError, LeaseOwnedElsewhere
 from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.placement import HeadPlacement
-from kvstore.store.reads import ChainReader
+from kvstore.store.reads import READ_THROUGH_BATCH, ChainReader
 from kvstore.store.state import StorePart, StoreState
 
 
@@ -63,8 +63,18 @@ class BlockHolds(StorePart):
         with self._cond:
             self._s.readable_namespace(namespace)
         out: list[Located | None] = []
-        for key_bytes in keys:
-            key = BlockKey(namespace, validate_key(key_bytes))
+        block_keys = [BlockKey(namespace, validate_key(k)) for k in keys]
+        fetched: dict[BlockKey, tuple[bytes, BlockMeta, TierName] | None] = {}
+        batched: set[BlockKey] = set()  # keys of this window read through together (found or not)
+        for n, key in enumerate(block_keys):
+            if n % READ_THROUGH_BATCH == 0 and not local_only:
+                fetched = self._reader.read_through_absent(block_keys[n:n + READ_THROUGH_BATCH], deadline)
+                batched = set(fetched)
+            got = fetched.pop(key, None)
+            if got is not None:  # read through with the others of its batch: as for one block below
+                located = self._lease_in_head(key, lease_s, owner, found_in=got[2])
+                out.append(located or Located(key, got[1], got[2]))
+                continue
             located = self._lease_in_head(key, lease_s, owner)
             if located is not None:
                 self._s.metrics.hits.labels(self._head.name.label).inc()
@@ -74,8 +84,8 @@ class BlockHolds(StorePart):
                 entry = self._catalog.live(key)
                 if entry is not None:
                     entry.pins += 1
-            if entry is None:
-                got = None if local_only else self._reader.read_through(key, deadline)
+            if entry is None:  # a miss, unless its batch was not read through (then it is read alone)
+                got = None if local_only or key in batched else self._reader.read_through(key, deadline)
                 if got is None:
                     self._s.metrics.misses.inc()
                     out.append(None)

@@ -23,6 +23,8 @@ from kvstore.store.state import StorePart, StoreState
 
 log = logging.getLogger(__name__)
 
+READ_THROUGH_BATCH = 64  # blocks of one read that are read through from the remote tiers together
+
 
 class ChainReader(StorePart):
     def __init__(self, state: StoreState, placement: HeadPlacement) -> None:
@@ -39,39 +41,75 @@ class ChainReader(StorePart):
         down, slow or answers with a corrupt block is a miss here: local
         serving never waits on it beyond its call deadline.
         """
+        return self.read_through_many([key], deadline, skip)[0]
+
+    def read_through_many(self, keys: list[BlockKey], deadline: float | None,
+                          skip: frozenset[TierName] = frozenset()) -> list[tuple[bytes, BlockMeta, TierName] | None]:
+        """:meth:`read_through` for many blocks: one call per remote tier for the keys still missing
+        (a peer tier then asks each holder for all the blocks it holds of them at once)."""
+        out: list[tuple[bytes, BlockMeta, TierName] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
         for level in self._chain.remote():
+            if not todo:
+                break
             if level.name in skip:
                 continue
+            label = level.name.label
             try:
-                found = level.tier.fetch(key)
-            except CorruptBlock as err:
-                self._s.metrics.corrupt.labels(level.name.label).inc()
-                log.error("remote tier %s sent a corrupt copy of %s: %s", level.name.label, key, err)
-                continue
+                found = level.tier.fetch_many([keys[i] for i in todo])
             except TierUnavailable as err:
-                self._s.metrics.tier_errors.labels(level.name.label).inc()
-                log.warning("remote tier %s could not be read for %s: %s", level.name.label, key, err)
+                self._s.metrics.tier_errors.labels(label).inc()
+                log.warning("remote tier %s could not be read for %d blocks (%s...): %s", label, len(todo),
+                            keys[todo[0]], err)
                 continue
-            if found is None:
-                continue
-            data, meta = found
-            if meta.size <= 0 or meta.size > self._s.limits.max_block_bytes:
-                log.warning("remote tier %s holds %s of %d bytes, outside this daemon's limits: ignored",
-                            level.name.label, key, meta.size)
-                continue
-            with self._s.locked():
-                self._s.namespaces.add(key.namespace)
-                if self._catalog.get(key) is None:
-                    entry = Entry(meta, {level.name})
-                    self._catalog.add(key, entry)
-                    self._recency.add(level.name, key)
-                    self._s.stored_locked(key, entry, level.name)
-            self._s.metrics.hits.labels(level.name.label).inc()
-            self._s.metrics.bytes_out.labels(level.name.label).inc(meta.size)
-            if self._chain.promotes(level.name):
-                self._place.promote(key, data, meta, deadline, level.name)
-            return bytes(data), meta, level.name
-        return None
+            rest = []
+            unavailable = 0
+            for i, got in zip(todo, found):
+                if isinstance(got, CorruptBlock):
+                    self._s.metrics.corrupt.labels(label).inc()
+                    log.error("remote tier %s sent a corrupt copy of %s: %s", label, keys[i], got)
+                elif isinstance(got, Exception):
+                    unavailable += 1
+                    if unavailable == 1:
+                        self._s.metrics.tier_errors.labels(label).inc()
+                        log.warning("remote tier %s could not be read for %s: %s", label, keys[i], got)
+                elif got is not None:
+                    out[i] = self._adopt(level, keys[i], got[0], got[1], deadline)
+                if out[i] is None:
+                    rest.append(i)
+            todo = rest
+        return out
+
+    def read_through_absent(self, keys: list[BlockKey], deadline: float | None
+                            ) -> dict[BlockKey, tuple[bytes, BlockMeta, TierName] | None]:
+        """The blocks of ``keys`` no local tier lists, read through in one batch when there are several
+        (a prefix's blocks are read together, and a peer serves them in one request); {} otherwise."""
+        with self._cond:
+            absent = [k for k in dict.fromkeys(keys) if self._catalog.live(k) is None]
+        if len(absent) < 2 or not self._chain.remote():
+            return {}
+        return dict(zip(absent, self.read_through_many(absent, deadline)))
+
+    def _adopt(self, level, key: BlockKey, data, meta: BlockMeta,
+               deadline: float | None) -> tuple[bytes, BlockMeta, TierName] | None:
+        """A verified copy read from a remote level: into the catalogue as held there, promoted when the
+        edges allow; None when its size is outside this daemon's limits."""
+        if meta.size <= 0 or meta.size > self._s.limits.max_block_bytes:
+            log.warning("remote tier %s holds %s of %d bytes, outside this daemon's limits: ignored",
+                        level.name.label, key, meta.size)
+            return None
+        with self._s.locked():
+            self._s.namespaces.add(key.namespace)
+            if self._catalog.get(key) is None:
+                entry = Entry(meta, {level.name})
+                self._catalog.add(key, entry)
+                self._recency.add(level.name, key)
+                self._s.stored_locked(key, entry, level.name)
+        self._s.metrics.hits.labels(level.name.label).inc()
+        self._s.metrics.bytes_out.labels(level.name.label).inc(meta.size)
+        if self._chain.promotes(level.name):
+            self._place.promote(key, data, meta, deadline, level.name)
+        return bytes(data), meta, level.name
 
     def read_best(self, key: BlockKey, entry: Entry, *, local_only: bool = False) -> tuple[bytes, TierName] | None:
         """Read a pinned block from the highest tier that holds it, verified.

@@ -77,7 +77,7 @@ from kvstore.store.demotion import Copy, Demoter
 from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.limits import EdgePolicy, StoreLimits
 from kvstore.store.placement import HeadPlacement
-from kvstore.store.reads import ChainReader
+from kvstore.store.reads import READ_THROUGH_BATCH, ChainReader
 from kvstore.store.recovery import recover
 from kvstore.events import Removed
 from kvstore.store.holds import BlockHolds, Located
@@ -269,6 +269,27 @@ class TieredStore(StorePart):
         if self._chain.promotes(tier):
             self._place.promote(key, data, entry.meta, self._clock(), tier)
         return data, entry.meta, tier
+
+    def get_many(self, namespace: str, keys: Sequence[bytes], *, local_only: bool = False
+                 ) -> Iterator[tuple[bytes, BlockMeta, TierName] | None]:
+        """:meth:`get` of each key, in order, as each is read; the blocks no local tier holds are read
+        through together, :data:`~kvstore.store.reads.READ_THROUGH_BATCH` at a time."""
+        for start in range(0, len(keys), READ_THROUGH_BATCH):
+            window = [BlockKey.checked(namespace, k) for k in keys[start:start + READ_THROUGH_BATCH]]
+            fetched = {}
+            if not local_only:
+                with self._cond:
+                    self._s.expire_locked()
+                    self._s.readable_namespace(namespace)
+                fetched = self._reader.read_through_absent(window, self._clock() + self.limits.put_wait_s)
+            for key in window:
+                if key in fetched:
+                    got = fetched.pop(key)
+                    if got is None:
+                        self.metrics.misses.inc()
+                    yield got
+                else:
+                    yield self.get(key, local_only=local_only)
 
     def allocate(
         self, namespace: str, blocks: list[tuple[bytes, int, bytes | None, str]], lease_s: float | None = None,

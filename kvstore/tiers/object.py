@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from kvstore.block import BlockKey, BlockMeta, TierName
-from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, TierUnavailable
+from kvstore.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, Overloaded, StrataError, TierUnavailable
 from kvstore.remote.bridge import BridgeLimits, RemoteBridge
 from kvstore.remote.object import credentials
 from kvstore.remote.object.client import S3Client, S3Options
@@ -189,6 +189,19 @@ class ObjectTier(RemoteTier):
             return self._bridge.call("read", lambda source, deadline: source.fetch(key, deadline), self._deadline())
         except (DeadlineExceeded, Overloaded, TierUnavailable) as err:
             raise self._unavailable("read", err) from None
+
+    def fetch_many(self, keys: list[BlockKey]) -> list[tuple[bytearray | memoryview, BlockMeta] | None | StrataError]:
+        """Per key :meth:`fetch`'s answer, or its CorruptBlock; one object per block. The bucket found
+        unavailable is not asked for the rest: they get the same TierUnavailable."""
+        out: list[tuple[bytearray | memoryview, BlockMeta] | None | StrataError] = []
+        for i, key in enumerate(keys):
+            try:
+                out.append(self.fetch(key))
+            except CorruptBlock as err:
+                out.append(err)
+            except TierUnavailable as err:
+                return out + [err] * (len(keys) - i)
+        return out
 
     def meta(self, key: BlockKey) -> BlockMeta | None:
         waiting = self._writeback.pending_meta(key)

@@ -78,23 +78,36 @@ class RemoteTier(Tier):
 
     def fetch(self, key: BlockKey) -> tuple[bytearray, BlockMeta] | None:
         """A verified copy and its metadata, or None on a miss: how the store reads through."""
-        bufs: list[bytearray] = []
+        [got] = self.fetch_many([key])
+        if isinstance(got, StrataError):
+            raise got
+        return got
 
-        def place(_i: int, meta: BlockMeta) -> memoryview:
-            bufs.append(bytearray(meta.size))
-            return memoryview(bufs[-1])
+    def fetch_many(self, keys: list[BlockKey]) -> list[tuple[bytearray, BlockMeta] | None | StrataError]:
+        """Verified copies of many blocks in one call within this tier's deadline: per key the copy and
+        its metadata, None on a miss, or that block's error (CorruptBlock, TierUnavailable); the
+        call as a whole failing raises TierUnavailable."""
+        bufs: dict[int, bytearray] = {}
+
+        def place(i: int, meta: BlockMeta) -> memoryview:
+            bufs[i] = bytearray(meta.size)
+            return memoryview(bufs[i])
 
         try:
-            [result] = self._bridge.read([key], place, self._deadline())
+            results = self._bridge.read(keys, place, self._deadline())
         except (DeadlineExceeded, Overloaded, TierUnavailable) as err:
             raise self._unavailable("read", err) from None
-        if result.is_hit:
-            return bufs[-1], result.meta
-        if result.error is None:
-            return None
-        if isinstance(result.error, CorruptBlock):
-            raise result.error
-        raise self._unavailable("read", result.error)
+        out: list[tuple[bytearray, BlockMeta] | None | StrataError] = []
+        for i, result in enumerate(results):
+            if result.is_hit:
+                out.append((bufs[i], result.meta))
+            elif result.error is None:
+                out.append(None)
+            elif isinstance(result.error, CorruptBlock):
+                out.append(result.error)
+            else:
+                out.append(self._unavailable("read", result.error))
+        return out
 
     def get(self, key: BlockKey) -> bytes | bytearray | None:
         found = self.fetch(key)

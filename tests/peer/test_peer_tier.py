@@ -26,6 +26,7 @@ from kvstore.api.v1 import kv_pb2 as pb
 from kvstore.api.v1 import kv_pb2_grpc
 from kvstore.auth.credentials import ChannelSecurity
 from kvstore.block import TierName, checksum
+from kvstore.client.codec import BlockPut
 from kvstore.client.sync import Client
 from kvstore.transport.grpc.blocks import CHANNEL_OPTIONS
 from tests.support import redis_servers
@@ -67,6 +68,25 @@ def test_a_block_put_on_a_is_served_by_b_verified_and_then_local(nodes):
     assert listed["b"]["transports"] == [f"grpc://{b.target}"] and listed["b"]["epoch"] > 0
 
 
+def test_a_batch_held_by_one_peer_is_fetched_in_one_request_per_64_blocks(nodes):
+    """A prefix's blocks are mostly held together: the peer tier asks their holder for all of them in
+    one request (at most FETCH_BATCH_KEYS each), not one round trip per block."""
+    from kvstore.peer.source import FETCH_BATCH_KEYS
+
+    a, b = nodes("a"), nodes("b")
+    n = FETCH_BATCH_KEYS + 16
+    keys = keys_of("chain", n)
+    data = [value(f"chain/{i}", 64 << 10) for i in range(n)]
+    with Client(a.target) as ca, Client(b.target, use_shm=False) as cb:
+        ca.put_many(NS, [BlockPut(k, v, keys[i - 1] if i else None) for i, (k, v) in enumerate(zip(keys, data))])
+        wait_until(lambda: held_by(cb, keys, "a"), what="a to publish its blocks")
+        got = cb.get_many(NS, keys)
+        assert [g.data for g in got] == data
+        assert b.metric("strata_peer_reads_total", outcome="hit") == n
+        assert b.metric("strata_peer_fetch_duration_seconds_count", transport="grpc") == 2  # 64 + 16
+        assert b.fallbacks() == {reason: 0.0 for reason in b.fallbacks()}
+
+
 def test_a_holder_with_a_peer_listener_is_read_over_tcp(nodes):
     """A holder that serves --peer-listen advertises tcp:// first, and the peer tier reads it over TCP."""
     from benchmarks.harness import free_port
@@ -89,10 +109,14 @@ def test_a_holder_with_a_peer_listener_is_read_over_tcp(nodes):
 
 
 def test_a_holder_killed_mid_batch_falls_back_to_the_next_holder(nodes):
+    """b reads a batch through from a, READ_THROUGH_BATCH blocks at a time; a dies once the first block
+    reached the caller, before b asks it for the next blocks: c serves them."""
+    from kvstore.store.reads import READ_THROUGH_BATCH
+
     a = nodes("a")
     c = nodes("c", advertise="localhost:{port}")  # another host as far as b can tell: tried after a
     b = nodes("b")
-    n, size = 24, 4 << 20
+    n, size = READ_THROUGH_BATCH + 16, 1 << 20
     keys = keys_of("batch", n)
     data = [value(f"batch/{i}", size) for i in range(n)]
     with Client(a.target) as ca, Client(c.target) as cc, Client(b.target, use_shm=False) as cb:
