@@ -191,6 +191,7 @@ class PeerSource(RemoteSource):
         self._clock = clock
         self._records: dict[str, NodeInfo] = {}
         self._records_at = float("-inf")
+        self._not_nodes: set[str] = set()  # holders without a record at the last refresh
         self._records_lock: asyncio.Lock | None = None
         self._in_flight: dict[str, int] = defaultdict(int)  # node id -> blocks this node is fetching from it now
         self._closed = False
@@ -475,13 +476,17 @@ class PeerSource(RemoteSource):
             self._records_lock = asyncio.Lock()
         async with self._records_lock:
             age = self._clock() - self._records_at
+            # A holder with no record at the last refresh is no daemon (an engine publishing KV events
+            # into the same namespace), or not one yet: only the regular refresh looks for it again.
             unknown = any(
-                h.node_id not in self._records or self._records[h.node_id].epoch != h.epoch for h in holders
+                (h.node_id not in self._records and h.node_id not in self._not_nodes)
+                or (h.node_id in self._records and self._records[h.node_id].epoch != h.epoch) for h in holders
             )
             if age >= self.limits.nodes_refresh_s or (unknown and age >= MIN_REFRESH_S):
                 nodes = await self._on_index(self._index.nodes, deadline - self._clock())
                 self._records = {n.node_id: n for n in nodes if n.alive}
                 self._records_at = self._clock()
+                self._not_nodes = {h.node_id for h in holders if h.node_id not in self._records}
             return self._records
 
     # ---- plumbing -------------------------------------------------------------------

@@ -603,3 +603,17 @@ def test_the_drill_reports_time_to_ready_origin_bytes_and_the_new_replica_s_firs
     assert u["first_requests_hit_ratio"] == pytest.approx(0.3)
     scale.detail = {"origin_bytes": 1000}  # without Strata: the download's bytes
     assert scale.report(recs)["origin_bytes"] == 1000
+
+
+def test_the_docs_tables_are_rendered_from_a_run_s_json():
+    from benchmarks.e2e.markdown import render
+    from benchmarks.harness import RESULTS_DIR
+
+    doc = json.loads((RESULTS_DIR / "e2e.json").read_text())
+    text = render(doc)
+    for name, entry in doc["workloads"].items():
+        assert f"### {entry['name']}" in text
+        for pol in entry["policies"].values():
+            assert f"| {pol['policy']} |" in text
+    assert text.count("| w1 ") + text.count("| w2 ") >= len([t for t in doc["targets"] if t["name"][:2] in ("w1", "w2")])
+    assert "### The scale-up drill" in text and "### Faults" in text
