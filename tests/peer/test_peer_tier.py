@@ -70,20 +70,23 @@ def test_a_block_put_on_a_is_served_by_b_verified_and_then_local(nodes):
 
 def test_a_batch_held_by_one_peer_is_fetched_in_one_request_per_64_blocks(nodes):
     """A prefix's blocks are mostly held together: the peer tier asks their holder for all of them in
-    one request (at most FETCH_BATCH_KEYS each), not one round trip per block."""
+    one request (at most FETCH_BATCH_KEYS each), not one round trip per block; through a streamed Get
+    and through a same-host lookup alike."""
     from kvstore.peer.source import FETCH_BATCH_KEYS
 
     a, b = nodes("a"), nodes("b")
     n = FETCH_BATCH_KEYS + 16
-    keys = keys_of("chain", n)
-    data = [value(f"chain/{i}", 64 << 10) for i in range(n)]
-    with Client(a.target) as ca, Client(b.target, use_shm=False) as cb:
-        ca.put_many(NS, [BlockPut(k, v, keys[i - 1] if i else None) for i, (k, v) in enumerate(zip(keys, data))])
-        wait_until(lambda: held_by(cb, keys, "a"), what="a to publish its blocks")
-        got = cb.get_many(NS, keys)
-        assert [g.data for g in got] == data
-        assert b.metric("strata_peer_reads_total", outcome="hit") == n
-        assert b.metric("strata_peer_fetch_duration_seconds_count", transport="grpc") == 2  # 64 + 16
+    chains = {"stream": keys_of("stream", n), "shm": keys_of("shm", n)}
+    data = {name: [value(f"{name}/{i}", 64 << 10) for i in range(n)] for name in chains}
+    with Client(a.target) as ca, Client(b.target, use_shm=False) as streamed, Client(b.target) as same_host:
+        for name, keys in chains.items():
+            ca.put_many(NS, [BlockPut(k, v, keys[i - 1] if i else None) for i, (k, v) in enumerate(zip(keys, data[name]))])
+            wait_until(lambda keys=keys: held_by(streamed, keys, "a"), what="a to publish its blocks")
+        for requests, (name, client) in enumerate((("stream", streamed), ("shm", same_host)), 1):
+            got = client.get_many(NS, chains[name])
+            assert [g.data for g in got] == data[name]
+            assert b.metric("strata_peer_reads_total", outcome="hit") == n * requests
+            assert b.metric("strata_peer_fetch_duration_seconds_count", transport="grpc") == 2 * requests  # 64 + 16
         assert b.fallbacks() == {reason: 0.0 for reason in b.fallbacks()}
 
 
