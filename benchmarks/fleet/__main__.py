@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
-from benchmarks.fleet import figures, trace, weights
+from benchmarks.fleet import figures, index_load, trace, weights
 from benchmarks.fleet.figures import PAPER_RATIO, Runs
 from benchmarks.fleet.sim import KV_BYTES_PER_TOKEN, Links
 from benchmarks.harness import Case, UnitBenchmark
@@ -55,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--traces", help="folder of the Mooncake traces (default: $STRATA_TRACES, "
                                       "else ../shared/data/mooncake_traces beside the checkout)")
     pre.add_argument("--jobs", type=int, default=1, help="runs at once, each in a process of its own (default 1)")
+    index = pre.add_mutually_exclusive_group()
+    index.add_argument("--no-index", action="store_true",
+                       help="leave out the index at fleet scale (the replay's index calls on real Redis Clusters)")
+    index.add_argument("--index-only", action="store_true",
+                       help="only the index at fleet scale, written to benchmarks/results/fleet_index.json")
     ours, rest = pre.parse_known_args(argv)
     bench = UnitBenchmark("fleet", __doc__.splitlines()[0], rest)
     bench.baseline_width = 30
@@ -71,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace {t.name}: {len(t.requests)} requests, {t.input_tokens:,} input tokens over {t.duration_s:.0f} s, "
               f"theoretical maximum hit rate {trace.theoretical_max(t):.4f} ({t.source})")
 
+    if ours.index_only:
+        return _index_only(bench, traces[0], plan)
+
     runs = Runs(jobs=ours.jobs)
     runs.prefetch(figures.configs(traces, plan))
     tables = {"maximum": figures.maximum(runs, traces, plan), "capacity": figures.capacity(runs, traces, plan),
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     tables["tiers"] = figures.tiers(runs, traces, plan)
     tables["weights"] = figures.weights_table(figures.WEIGHTS_SMOKE if bench.smoke else
                                               figures.WEIGHTS_QUICK if plan is figures.QUICK else figures.WEIGHTS_FULL)
+    if not ours.no_index:
+        tables["index"] = index_load.index_table(traces[0], _index_plan(plan), plan.fixed_tokens)
     print()
     for name, t in tables.items():
         _print_table(name, t)
@@ -111,6 +123,38 @@ def main(argv: list[str] | None = None) -> int:
     _plots(tables, path.parent if path is not None else None)
     if not exact:
         print("unlimited capacity with the pool did not hit the theoretical maximum exactly", file=sys.stderr)
+        return 1
+    wrong = index_load.answered_wrong(tables.get("index"))
+    if wrong:
+        print("the index on Redis answered otherwise than the in-process index with no fault: " + "; ".join(wrong),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _index_plan(plan: figures.Plan) -> index_load.IndexPlan:
+    return (index_load.INDEX_SMOKE if plan is figures.SMOKE else
+            index_load.INDEX_QUICK if plan is figures.QUICK else index_load.INDEX_FULL)
+
+
+def _index_only(bench: UnitBenchmark, t: trace.Trace, plan: figures.Plan) -> int:
+    """``--index-only``: the index table alone, in a results file of its own (none after ``--smoke``)."""
+    table = index_load.index_table(t, _index_plan(plan), plan.fixed_tokens)
+    print()
+    _print_table("index", table)
+    wrong = index_load.answered_wrong(table)
+    if not bench.smoke:
+        from benchmarks.harness import RESULTS_DIR
+
+        doc = {"benchmark": "fleet_index", "command": "python -m benchmarks.fleet --index-only" + bench.mode_flag,
+               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+               "about": index_load.__doc__.split("\n\n")[0], "table": table}
+        path = RESULTS_DIR / "fleet_index.json"
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+    if wrong:
+        print("the index on Redis answered otherwise than the in-process index with no fault: " + "; ".join(wrong),
+              file=sys.stderr)
         return 1
     return 0
 

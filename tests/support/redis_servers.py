@@ -1,4 +1,4 @@
-"""Private Redis servers for tests: one standalone, one 3-master Cluster.
+"""Private Redis servers for tests: one standalone, a Cluster (with replicas where asked).
 
 Each server is Debian's ``redis-server`` on free loopback ports, in its own
 directory, with persistence off; it dies with the test session (and, on
@@ -125,22 +125,49 @@ class RedisServer:
         self.proc.wait(timeout=30)
 
 
+def _replicas_in_sync(masters: list[RedisServer], replicas: int) -> bool:
+    """Every master sees ``replicas`` connected replicas, online."""
+    for m in masters:
+        info = m.cli("INFO", "replication")
+        if info.count("state=online") < replicas:
+            return False
+    return True
+
+
+def master_of(servers: list[RedisServer], key: str) -> RedisServer:
+    """The server that is master of ``key``'s slot now."""
+    slot = int(servers[0].cli("CLUSTER", "KEYSLOT", key).strip())
+    for line in servers[0].cli("CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        if "master" not in fields[2] or "fail" in fields[2]:
+            continue
+        port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+        for r in fields[8:]:
+            lo, _, hi = r.partition("-")
+            if r[0] != "[" and int(lo) <= slot <= int(hi or lo):
+                return next(s for s in servers if s.port == port)
+    raise RuntimeError(f"no master serves the slot of {key!r} ({slot})")
+
+
 def start_standalone(home: Path) -> RedisServer:
     return RedisServer(home).wait_ready()
 
 
-def start_cluster(home: Path, masters: int = 3, password: str | None = None) -> list[RedisServer]:
-    """A real Cluster: ``masters`` servers, slots spread by ``redis-cli --cluster create``;
-    with ``password`` every node requires it (and uses it towards the others)."""
+def start_cluster(home: Path, masters: int = 3, password: str | None = None, *, replicas: int = 0,
+                  node_timeout_ms: int = 5000) -> list[RedisServer]:
+    """A real Cluster: ``masters`` servers (the first ones returned), slots spread by
+    ``redis-cli --cluster create``, each with ``replicas`` replicas (after the masters) that take
+    over ``node_timeout_ms`` after their master stops answering; with ``password`` every node
+    requires it (and uses it towards the others)."""
     servers: list[RedisServer] = []
     auth = ["-a", password, "--no-auth-warning"] if password is not None else []
     try:
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             d = home / f"node{i}"
             servers.append(
                 RedisServer(
                     d, "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
-                    "--cluster-port", str(_free_port()), "--cluster-node-timeout", "5000",
+                    "--cluster-port", str(_free_port()), "--cluster-node-timeout", str(node_timeout_ms),
                     *(["--masterauth", password] if password is not None else []),
                     password=password,
                 )
@@ -149,13 +176,14 @@ def start_cluster(home: Path, masters: int = 3, password: str | None = None) -> 
             s.wait_ready()
         subprocess.run(
             [REDIS_CLI, *auth, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
             capture_output=True, text=True, timeout=60, check=True,
         )
         end = time.monotonic() + START_TIMEOUT_S
-        while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers):
+        while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers) or \
+                (replicas and not _replicas_in_sync(servers[:masters], replicas)):
             if time.monotonic() > end:
-                raise RuntimeError("the Redis Cluster never reached cluster_state:ok")
+                raise RuntimeError("the Redis Cluster never reached cluster_state:ok with its replicas in sync")
             time.sleep(0.05)
         return servers
     except BaseException:
