@@ -5,7 +5,10 @@ commands, and Redis's errors as the index's (unavailable, refused), each naming 
 A Cluster client learns the slots' masters on its first command. Several first commands at
 once each start that, and in redis-py 8.1 they close connections under one another (an
 ``AttributeError`` from inside redis-py, in 7 of 12 tries of 64 concurrent calls on loopback),
-so the index asks for the slots once, under a lock, before its first command.
+so the index asks for the slots once, under a lock, before its first command. A failover
+makes the client learn the slots again while commands are in flight, and the same race can
+then end a command the same way: such an ``AttributeError`` raised inside redis-py is the
+index unavailable for that call (the caller retries), never an error of the daemon's.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ _BUSY = ("BUSY", "LOADING", "MASTERDOWN")  # replies of a server that is there b
 # How a refused AUTH reads once a Cluster client has wrapped it in RedisClusterException (as text).
 _AUTH_REFUSED = ("WRONGPASS", "NOAUTH", "invalid username-password pair", "Authentication required",
                  "HELLO must be called with the client already authenticated", "invalid password")
+
+
+def _inside_redis_py(err: AttributeError) -> bool:
+    """Whether the error was raised in redis-py's own code (its connection race, module docstring)."""
+    tb, last = err.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and "/redis/" in last.tb_frame.f_code.co_filename.replace("\\", "/")
 
 
 def _auth_failure(err: BaseException) -> bool:
@@ -102,6 +113,10 @@ class _Calls:
             raise self._unavailable(err) from err
         except rexc.RedisError as err:
             raise self._refused(script, err) from err
+        except AttributeError as err:
+            if _inside_redis_py(err):
+                raise self._unavailable(err) from err
+            raise
 
     def _refused(self, script: _Script, err: rexc.RedisError) -> PrefixIndexError:
         if str(err).startswith(_BUSY):
@@ -124,6 +139,10 @@ class _Calls:
             if str(err).startswith(_BUSY):
                 raise self._unavailable(err) from err
             raise PrefixIndexError(f"Redis at {self._where} refused {command[0]}: {err}") from err
+        except AttributeError as err:
+            if _inside_redis_py(err):
+                raise self._unavailable(err) from err
+            raise
 
     def _unavailable(self, err: BaseException) -> IndexUnavailable:
         """Unreachable, refused credentials or a failed TLS handshake: all are the index being
