@@ -263,8 +263,8 @@ class DataFaultPlan:
        sessions still running, so its disk holds blocks the next turns read) is SIGKILLed, its RAM tier lost (the arena removed, as a reboot
        empties the tmpfs), the last bytes of up to ``disk_blocks`` of its block files overwritten (per
        session with a turn still to send, the block of its last prompt nearest the middle that this
-       disk holds: blocks the next turns read), and it is started again: what it serves now comes
-       from its disk.
+       disk holds and no other node's does: blocks the next turns read, from here or nowhere), and it
+       is started again: what it serves now comes from its disk.
 
     Every answer must still equal the reference's tokens: a damaged block costs a miss (the engine
     recomputes it), never a wrong token. The daemons' counters (:data:`DAMAGE_COUNTERS`) say whether the
@@ -281,9 +281,11 @@ class DataFaultPlan:
     damage_bytes: int = 64
 
 
-def damage_block_files(disk_dir: Path, namespace: str, chains: list[list[bytes]], n: int, nbytes: int) -> list[str]:
+def damage_block_files(disk_dir: Path, namespace: str, chains: list[list[bytes]], n: int, nbytes: int,
+                       elsewhere: list[Path] = ()) -> list[str]:
     """Overwrite the last ``nbytes`` of up to ``n`` block files under ``disk_dir``: per chain (a prompt's
-    pool keys, block 0 first), the file of the block nearest the chain's middle that this disk holds.
+    pool keys, block 0 first), the file of the block nearest the chain's middle that this disk holds
+    and no disk of ``elsewhere`` does (the other nodes' disks: a copy there would be read instead).
 
     A node holds the blocks of the turns its engine served (and of none other, without sharing), so a
     session's chain is looked up whole: its earlier turns' blocks are a prefix of its last prompt's.
@@ -302,6 +304,8 @@ def damage_block_files(disk_dir: Path, namespace: str, chains: list[list[bytes]]
             try:
                 size = f.stat().st_size
             except FileNotFoundError:
+                continue
+            if any((other / "blocks" / name[:2] / name).exists() for other in elsewhere):
                 continue
             if size > nbytes:
                 held.append((abs(i - len(keys) // 2), f, size))
@@ -380,8 +384,9 @@ class DataFaultInjector(FaultInjector):
             k = self.rebooted = p.reboot_replica if p.reboot_replica is not None else self.busiest(records)
 
             def damage(node) -> None:
+                others = [n.disk_dir for n in self.fleet.nodes.nodes if n is not node]
                 self.damaged_files = damage_block_files(node.disk_dir, self.fleet.phase.namespace, chains,
-                                                        p.disk_blocks, p.damage_bytes)
+                                                        p.disk_blocks, p.damage_bytes, others)
 
             self.events.append(FaultEvent("host_rebooting", k, self.clock()))
             self.fleet.nodes.restart_daemon(k, lose_ram=True, while_down=damage)

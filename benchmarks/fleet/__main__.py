@@ -11,6 +11,12 @@ choice is seeded, so a run gives the same figures on any machine; only the
 modelled link and prefill speeds (:class:`~benchmarks.fleet.sim.Links`)
 turn tokens into seconds.
 
+The index at fleet scale (:mod:`benchmarks.fleet.index_load`; ``--no-index`` leaves it out,
+``--index-only`` runs it alone into ``benchmarks/results/fleet_index.json``) replays the index
+calls of a 10-node fleet from N/10 fleets at once on real Redis Clusters (3 and 6 masters, 100 and
+1,000 nodes, a master killed in two runs), checking every answer against the in-process index;
+without ``redis-server`` it is skipped and says so.
+
 The figures (:mod:`benchmarks.fleet.figures`) go to
 ``benchmarks/results/fleet.json`` (one table each, under ``tables``) and three
 PNGs (:mod:`benchmarks.fleet.plot`). The run fails (exit 1) when unlimited

@@ -522,6 +522,13 @@ def test_a_reboot_damages_per_chain_the_block_nearest_the_middle_that_the_disk_h
             assert data[:936] == bytes([i]) * 936
             assert data[936:] == (bytes([i ^ 0x5A]) * 64 if hit[c] == i else bytes([i]) * 64)
     assert damage_block_files(tmp_path, "ns", chains, 1, 64) == damaged[:1]  # at most n
+    # A block another node's disk holds too would be read there instead: the next one nearest the middle.
+    other = tmp_path / "other"
+    copy = other / "blocks" / block_name(BlockKey("ns", chains[0][2]))[:2] / block_name(BlockKey("ns", chains[0][2]))
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(b"x" * 1000)
+    assert damage_block_files(tmp_path, "ns", chains[:1], 1, 64, [other]) in (
+        [block_name(BlockKey("ns", chains[0][1]))], [block_name(BlockKey("ns", chains[0][3]))])
 
 
 @pytest.mark.system
