@@ -68,7 +68,7 @@ def parse_workloads(text: str) -> tuple[str, ...]:
 class SweepSpec:
     workloads: tuple[str, ...] = ("w1", "w2")
     loads: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
-    sessions: int = 16  # per load point: 48 turn-2+ requests for each point's intervals; the run ~70 min
+    sessions: int = 16  # per load point: 48 turn-2+ requests for each point's intervals; the run 30-70 min
     turns: int = 4
     system_tokens: int = 1000  # W1: each session's own context; W2: the shared system prompt
     user_tokens: int = 200
