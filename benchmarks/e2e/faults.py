@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvstore.errors import PrefixIndexError
+
 from benchmarks.e2e.fleet import Fleet, StartFailed
 from benchmarks.e2e.stats import RequestRecord, Summary
 
@@ -263,8 +265,8 @@ class DataFaultPlan:
        sessions still running, so its disk holds blocks the next turns read) is SIGKILLed, its RAM tier lost (the arena removed, as a reboot
        empties the tmpfs), the last bytes of up to ``disk_blocks`` of its block files overwritten (per
        session with a turn still to send, the block of its last prompt nearest the middle that this
-       disk holds and no other node's does: blocks the next turns read, from here or nowhere), and it
-       is started again: what it serves now comes from its disk.
+       disk holds and no other node does, by the index and by their disks: blocks the next turns read
+       from here or nowhere), and it is started again: what it serves now comes from its disk.
 
     Every answer must still equal the reference's tokens: a damaged block costs a miss (the engine
     recomputes it), never a wrong token. The daemons' counters (:data:`DAMAGE_COUNTERS`) say whether the
@@ -299,6 +301,8 @@ def damage_block_files(disk_dir: Path, namespace: str, chains: list[list[bytes]]
             break
         held = []  # (distance from the middle, file, size)
         for i, key in enumerate(keys):
+            if not key:  # a block another node holds too (see DataFaultInjector.held_only_by)
+                continue
             name = block_name(BlockKey(namespace, key))
             f = disk_dir / "blocks" / name[:2] / name
             try:
@@ -380,8 +384,8 @@ class DataFaultInjector(FaultInjector):
                 return
 
             records = list(self._records)
-            chains = self.next_chains(records)
             k = self.rebooted = p.reboot_replica if p.reboot_replica is not None else self.busiest(records)
+            chains = self.held_only_by(self.fleet.nodes.nodes[k].node_id, self.next_chains(records))
 
             def damage(node) -> None:
                 others = [n.disk_dir for n in self.fleet.nodes.nodes if n is not node]
@@ -397,6 +401,31 @@ class DataFaultInjector(FaultInjector):
         finally:
             self._finished.set()
         self._done.wait()  # stay: the restarted daemon dies with the thread that started it
+
+    def held_only_by(self, node_id: str, chains: list[list[bytes]]) -> list[list[bytes]]:
+        """Each chain cut to the blocks the index names ``node_id`` the only holder of, in any tier (another
+        node's copy, in RAM or on disk, would be read instead of the damaged one). The chains as they are
+        when the index cannot be asked."""
+        import asyncio
+
+        from kvstore.index import open_index
+
+        async def ask() -> list[list[bytes]]:
+            index = open_index(self.fleet.nodes.redis_url)
+            try:
+                out = []
+                for keys in chains:
+                    holders = await index.holders(self.fleet.phase.namespace, keys) if keys else []
+                    out.append([key if {h.node_id for h in held} == {node_id} else b"" for key, held in zip(keys, holders)])
+                return out
+            finally:
+                await index.close()
+
+        try:
+            return asyncio.run(ask())
+        except (PrefixIndexError, OSError) as e:
+            log.warning("the index could not say who holds the blocks to damage (%s): choosing from the disks", e)
+            return chains
 
     def busiest(self, records: list[RequestRecord]) -> int:
         """The replica whose engine answered the most turns of the sessions still running (ties: the
