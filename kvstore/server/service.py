@@ -288,7 +288,7 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             self._pin_copies.check(request.replicas)  # refused before anything is pinned
         owner = owner_of(context)
         lease, missing = self._store.pin(request.namespace, list(request.keys), _lease_s(request.lease_ms), owner)
-        if replicated:
+        if replicated and lease.keys:
             try:
                 self._pin_copies.add(lease.id, request.namespace, [k.key for k in lease.keys], request.replicas,
                                      lease.deadline)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvstore.block import BlockKey, BlockMeta, TierName, validate_key
 from kvstore.errors import CorruptBlock, InvalidArgument, LeaseError, LeaseOwnedElsewhere
-from kvstore.store.leases import Lease, LeaseKind
+from kvstore.store.leases import NO_LEASE, Lease, LeaseKind
 from kvstore.store.placement import HeadPlacement
 from kvstore.store.reads import READ_THROUGH_BATCH, ChainReader
 from kvstore.store.state import StorePart, StoreState
@@ -174,6 +174,8 @@ class BlockHolds(StorePart):
             for k in keys:
                 key = BlockKey(namespace, k)
                 (missing.append(k) if self._catalog.live(key) is None else present.append(key))
+            if not present and kind is LeaseKind.PIN:  # nothing to hold: no lease is taken from the table
+                return Lease(NO_LEASE, kind, self._clock() + lease_s, owner=owner), missing
             lease = self._leases.issue(kind, self._clock() + lease_s, keys=present, owner=owner)
             for key in present:
                 self._catalog.entries[key].pins += 1

@@ -61,6 +61,9 @@ LeaseKind.READ = LeaseKind("read")  # Lookup: a block being read in place from t
 LeaseKind.SLOT = LeaseKind("slot")  # Allocate: an arena extent being written, not yet a block
 
 
+NO_LEASE = 0  # the id of a pin that found none of its keys: no lease was issued (ids are never 0)
+
+
 @dataclass(slots=True)
 class Lease:
     id: int

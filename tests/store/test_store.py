@@ -153,6 +153,20 @@ def test_pins_protect_and_expire(make_store, clock):
     assert store.unpin(lease.id) is False
 
 
+def test_a_pin_finding_nothing_takes_no_lease(make_store):
+    # Engines pin to look up (vLLM's tier, LMCache's L2): a cold lookup must not hold a lease slot
+    # for its whole lease, or a burst of misses fills the lease table.
+    store = make_store(ram_mib=4, disk_mib=None, pin_lease_s=60)
+    put(store, "m", b"there", value(1))
+    for i in range(50):
+        lease, missing = store.pin("m", [b"absent%d" % i])
+        assert (lease.id, missing) == (0, [b"absent%d" % i])
+    assert store.stats().active_leases == 0
+    assert store.unpin(0) is False
+    lease, missing = store.pin("m", [b"there", b"absent"])
+    assert lease.id and missing == [b"absent"] and store.stats().active_leases == 1
+
+
 def test_all_pinned_is_resource_exhausted_with_retry(make_store):
     store = make_store(ram_mib=4, disk_mib=None)
     for i in range(4):
