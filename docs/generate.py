@@ -8,7 +8,7 @@ Each page is rendered from one source of truth, so it cannot drift from the code
 - ``configuration.md``: every daemon setting (:data:`kvstore.config.SETTINGS`, the
   fields of the section models), with the four names each one goes by;
 - ``router-configuration.md``: ``strata route``'s settings (``ROUTER_SETTINGS``);
-- ``vllm-tier.md``, ``lmcache-plugin.md`` and ``sglang-backend.md``: the options of the engine
+- ``vllm-tier.md``, ``lmcache-plugin.md``, ``lmcache-l2-adapter.md`` and ``sglang-backend.md``: the options of the engine
   integrations (their settings dataclasses);
 - ``cli.md``: every ``strata`` command's argparse parser, and ``strata weights``'s
   (``weightcache.cli``), as usage lines and option tables (the approach of vLLM's
@@ -331,6 +331,27 @@ def render_lmcache_plugin() -> str:
     ]))
     out.append("\n" + docstring(settings.PluginSettings) + "\n\n")
     out.append(table(["option", "default", "type"], dataclass_rows(settings.PluginSettings)))
+    return "".join(out)
+
+
+def render_lmcache_l2_adapter() -> str:
+    settings = integration_settings("lmcache_mp")
+    out = [HEADER, "# LMCache server-mode L2 adapter options\n\n"]
+    out.append(
+        "The keys of a Strata entry of `lmcache server --l2-adapter '<json>'` (LMCache's plugin adapter type), and "
+        "the options of its `adapter_params` object, from `kvstore.integrations.lmcache_mp.settings.L2Settings`. An "
+        "unknown option is refused with the known ones listed. What each does, and how to run it: "
+        "[the LMCache integration](../integrations/lmcache.md#server-mode-lmcache-server).\n\n"
+    )
+    out.append(table(["key", "value", "type"], [
+        [code("type"), code(toml_value("plugin")), "required"],
+        [code("module_path"), code(toml_value(settings.MODULE_PATH)), "required"],
+        [code("class_name"), code(toml_value(settings.CLASS_NAME)), "required"],
+        [code("adapter_params"), "an object of the options below", "optional"],
+    ]))
+    out.append("\n" + docstring(settings.L2Settings) + "\n\n")
+    out.append(table(["option", "default", "type"], dataclass_rows(settings.L2Settings)))
+    out.append(f"\n`namespace` is a prefix of at most {settings.MAX_PREFIX_CHARS} characters.\n")
     return "".join(out)
 
 
@@ -727,6 +748,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "router-configuration.md": render_router_configuration,
     "vllm-tier.md": render_vllm_tier,
     "lmcache-plugin.md": render_lmcache_plugin,
+    "lmcache-l2-adapter.md": render_lmcache_l2_adapter,
     "sglang-backend.md": render_sglang_backend,
     "cli.md": render_cli,
     "metrics.md": render_metrics,

@@ -7,12 +7,36 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.errors import DaemonUnavailable, DeadlineExceeded, StrataError
+from kvstore.errors import (
+    CorruptBlock,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    PermissionDenied,
+    ResourceExhausted,
+    StrataError,
+    UnknownNamespace,
+)
 
 log = logging.getLogger(__name__)
 
 DAEMON_DOWN = (DaemonUnavailable, DeadlineExceeded)  # the daemon is away or stuck: back off, answer misses
 MAX_KEYS_PER_CALL = 1024  # block keys per daemon call, under the daemon's default batch limit (4096)
+
+
+def failure_reason(err: BaseException) -> str:
+    """What an engine's counters and logs call a failed daemon call: down (away or stuck), missing (nothing
+    stored in that namespace yet: a plain miss), corrupt, full (the daemon's limits), denied, else refused."""
+    if isinstance(err, DAEMON_DOWN):
+        return "down"
+    if isinstance(err, UnknownNamespace):
+        return "missing"
+    if isinstance(err, CorruptBlock):
+        return "corrupt"
+    if isinstance(err, ResourceExhausted):
+        return "full"
+    if isinstance(err, PermissionDenied):
+        return "denied"
+    return "refused"
 
 
 class DaemonHealth:

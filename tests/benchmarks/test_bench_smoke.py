@@ -109,6 +109,8 @@ SMOKES = [
     # that skipped everything fails.
     Smoke("kv_pool", ("--handoff-only",), results="kv_pool_handoff", programs=("redis-server",)),
     Smoke("lmcache", packages=("torch", "lmcache")),
+    Smoke("lmcache_l2", packages=("torch", "lmcache"), expects=("store 2x2MiB: Strata vs fs on tmpfs  ",
+                                                                "load 2x2MiB: Strata vs fs on disk  ")),
     Smoke("vllm_tier", packages=("vllm",)),
     Smoke("weights", packages=("safetensors",), s3=True),
 ]

@@ -30,7 +30,6 @@ from kvstore.integrations.lmcache.settings import (
     plugin_name_of,
     strata_entries,
 )
-from kvstore.integrations.options import SECURITY_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -79,20 +78,15 @@ class StrataConnector(RemoteConnector):
 
     # ---- clients ---------------------------------------------------------------
 
-    def _client_options(self) -> dict:
-        s = self.settings
-        return dict(timeout=s.timeout_s, retries=s.retries, use_shm=s.shared_memory,
-                    **{k: getattr(s, k) for k in SECURITY_OPTIONS})
-
     def _async_client(self) -> AsyncClient:
         if self._aio is None:  # made inside LMCache's loop: grpc.aio binds to it
-            self._aio = AsyncClient(self.settings.target, **self._client_options())
+            self._aio = AsyncClient(self.settings.target, **self.settings.client_options())
         return self._aio
 
     def _sync_client(self) -> Client:
         with self._sync_lock:
             if self._sync is None:
-                self._sync = Client(self.settings.target, **self._client_options())
+                self._sync = Client(self.settings.target, **self.settings.client_options())
             return self._sync
 
     def _namespace(self, key: CacheEngineKey) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.block import validate_namespace
-from kvstore.integrations.options import SECURITY_OPTIONS, security_options, tristate
+from kvstore.integrations.options import DaemonOptions
 
 
 DEFAULT_PLUGIN_NAME = "strata"
@@ -15,7 +15,7 @@ PLUGIN_TYPE = "strata"  # entries "strata" and "strata.<instance>" are this plug
 
 
 @dataclass(frozen=True)
-class PluginSettings:
+class PluginSettings(DaemonOptions):
     """The plugin's options, read once from LMCache's ``extra_config``.
 
     ``namespace`` empty means one namespace per model (the key's model name).
@@ -23,17 +23,7 @@ class PluginSettings:
     host; ``false`` always streams; ``true`` requires the arena.
     """
 
-    target: str = "127.0.0.1:50051"
     namespace: str = ""
-    timeout_s: float = 2.0
-    retries: int = 1
-    shared_memory: bool | None = None
-    down_backoff_s: float = 5.0
-    token_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict | None, plugin_name: str) -> PluginSettings:
@@ -41,27 +31,14 @@ class PluginSettings:
         options = {k[len(prefix):]: v for k, v in (extra or {}).items() if k.startswith(prefix)}
         options.pop("module_path", None)
         options.pop("class_name", None)
-        unknown = set(options) - {"target", "namespace", "timeout_s", "retries", "shared_memory", "down_backoff_s",
-                                  *SECURITY_OPTIONS}
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) {', '.join(prefix + u for u in sorted(unknown))}: the Strata plugin takes "
-                "target, namespace, timeout_s, retries, shared_memory, down_backoff_s, " + ", ".join(SECURITY_OPTIONS)
-            )
+        cls.refuse_unknown(options, f"the Strata plugin's options ({prefix}*)")
         try:
-            settings = cls(
-                target=str(options.get("target", cls.target)),
-                namespace=str(options.get("namespace", cls.namespace)),
-                timeout_s=float(options.get("timeout_s", cls.timeout_s)),
-                retries=int(options.get("retries", cls.retries)),
-                shared_memory=tristate(options.get("shared_memory", "auto")),
-                down_backoff_s=float(options.get("down_backoff_s", cls.down_backoff_s)),
-                **security_options(options),
-            )
+            settings = cls(namespace=str(options.get("namespace", cls.namespace)), **cls.daemon_options(options))
         except ValueError as err:
             raise ValueError(f"bad option under {prefix}*: {err}") from None
-        if settings.timeout_s <= 0 or settings.down_backoff_s < 0 or not 0 <= settings.retries <= 5:
-            raise ValueError(f"{prefix}timeout_s must be > 0, down_backoff_s >= 0 and retries 0..5")
+        for ok, message in settings.daemon_limits():
+            if not ok:
+                raise ValueError(f"bad option under {prefix}*: {message}")
         if settings.namespace:
             validate_namespace(settings.namespace)
         return settings

@@ -28,14 +28,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client import BlockInfo, BlockPut, Client
-from kvstore.errors import (
-    CorruptBlock,
-    DaemonUnavailable,
-    ResourceExhausted,
-    StrataError,
-    UnknownNamespace,
-)
-from kvstore.integrations.health import DAEMON_DOWN, MAX_KEYS_PER_CALL, DaemonHealth
+from kvstore.errors import CorruptBlock, DaemonUnavailable, StrataError, UnknownNamespace
+from kvstore.integrations.health import MAX_KEYS_PER_CALL, DaemonHealth, failure_reason
 from kvstore.integrations.sglang.host_pages import HostPages, PagesOutOfPool
 from kvstore.integrations.sglang.layout import PageLayout
 from kvstore.integrations.sglang.settings import StrataStorageSettings
@@ -256,19 +250,9 @@ class StrataHiCacheStorage(HiCacheStorage):
 
     def _failed(self, op: str, pages: int, err: Exception, answer: int = 0) -> int:
         """Count and log a failed call; the daemon found down starts the back-off."""
-        if isinstance(err, DAEMON_DOWN):
-            reason = "down"
+        reason = "pages" if isinstance(err, PagesOutOfPool) else failure_reason(err)
+        if reason == "down":
             self._health.failed(err, self.settings.target)
-        elif isinstance(err, UnknownNamespace):
-            reason = "missing"
-        elif isinstance(err, CorruptBlock):
-            reason = "corrupt"
-        elif isinstance(err, ResourceExhausted):
-            reason = "full"
-        elif isinstance(err, PagesOutOfPool):
-            reason = "pages"
-        else:
-            reason = "refused"
         self.counts[f"{op}:{reason}"] += pages
         if reason not in ("down", "missing"):  # down: DaemonHealth logs it once; missing: a plain miss
             log.warning("Strata HiCache %s of %d pages failed (%s: %s): SGLang sees a miss", op, pages, reason, err,

@@ -9,11 +9,11 @@ with the known ones listed, and the keys beside it are SGLang's business.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.block import validate_namespace
-from kvstore.integrations.options import MAX_PREFIX_CHARS, client_options, security_options, tristate
+from kvstore.integrations.options import MAX_PREFIX_CHARS, DaemonOptions
 
 BACKEND_NAME = "strata"  # "backend_name" of the dynamic backend (SGLang logs it)
 MODULE_PATH = "kvstore.integrations.sglang"  # its "module_path"
@@ -22,7 +22,7 @@ OPTIONS_KEY = "strata"  # the extra config's key holding the options below
 
 
 @dataclass(frozen=True)
-class StrataStorageSettings:
+class StrataStorageSettings(DaemonOptions):
     """Options of the Strata HiCache backend; every default suits a daemon on the engine's host.
 
     ``namespace`` is a prefix (a tenant, a team): the backend appends the
@@ -35,17 +35,7 @@ class StrataStorageSettings:
     without calling it for ``down_backoff_s``.
     """
 
-    target: str = "127.0.0.1:50051"
     namespace: str = "sglang"
-    timeout_s: float = 2.0
-    retries: int = 1
-    shared_memory: bool | None = None
-    down_backoff_s: float = 5.0
-    token_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra_config: dict[str, Any] | None) -> StrataStorageSettings:
@@ -54,42 +44,20 @@ class StrataStorageSettings:
         if not isinstance(options, dict):
             raise ValueError(f'Strata HiCache backend: "{OPTIONS_KEY}" in the extra config must be an object '
                              f'of options, e.g. {{"target": "127.0.0.1:50051"}}, not {type(options).__name__}')
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(unknown)} in the Strata HiCache backend's "
-                             f'"{OPTIONS_KEY}" object; it takes: {", ".join(sorted(known))}')
-        defaults = cls()
+        cls.refuse_unknown(options, f'the Strata HiCache backend\'s "{OPTIONS_KEY}" object')
         try:
-            settings = cls(
-                target=str(options.get("target", defaults.target)),
-                namespace=str(options.get("namespace", defaults.namespace)),
-                timeout_s=float(options.get("timeout_s", defaults.timeout_s)),
-                retries=int(options.get("retries", defaults.retries)),
-                shared_memory=tristate(options.get("shared_memory", "auto")),
-                down_backoff_s=float(options.get("down_backoff_s", defaults.down_backoff_s)),
-                **security_options(options),
-            )
+            settings = cls(namespace=str(options.get("namespace", cls.namespace)), **cls.daemon_options(options))
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad option in the Strata HiCache backend: {err}") from None
         settings._check()
         return settings
 
     def _check(self) -> None:
-        limits = [
-            (self.timeout_s > 0, "timeout_s must be > 0"),
-            (0 <= self.retries <= 5, "retries must be 0..5"),
-            (self.down_backoff_s >= 0, "down_backoff_s must be >= 0"),
-            (bool(self.target), "target is empty: give the daemon's address, e.g. 127.0.0.1:50051"),
-        ]
-        for ok, message in limits:
+        for ok, message in self.daemon_limits():
             if not ok:
                 raise ValueError(f"Strata HiCache backend: {message}")
         if len(self.namespace) > MAX_PREFIX_CHARS:
             raise ValueError(f"Strata HiCache backend: namespace is a prefix of at most {MAX_PREFIX_CHARS} "
                              "characters (the model and layout are appended)")
         validate_namespace(self.namespace)
-
-    def client_options(self) -> dict:
-        return client_options(self)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.block import validate_namespace
-from kvstore.integrations.options import MAX_PREFIX_CHARS, boolean, client_options, security_options, tristate
+from kvstore.integrations.options import MAX_PREFIX_CHARS, DaemonOptions, boolean
 
 TIER_TYPE = "strata"  # "type" of the secondary_tiers entry (the module exposes a class of this name)
 MODULE_PATH = "kvstore.integrations.vllm"  # its "module_path"
@@ -14,7 +14,7 @@ LOCALITIES = ("LOCAL", "REMOTE")
 
 
 @dataclass(frozen=True)
-class StrataTierSettings:
+class StrataTierSettings(DaemonOptions):
     """Options of one Strata entry; every default suits a sidecar on the engine's host.
 
     ``namespace`` is a prefix (a tenant, a team): the tier appends the model,
@@ -30,12 +30,7 @@ class StrataTierSettings:
     load runs.
     """
 
-    target: str = "127.0.0.1:50051"
     namespace: str = "vllm"
-    timeout_s: float = 2.0
-    retries: int = 1
-    shared_memory: bool | None = None
-    down_backoff_s: float = 5.0
     io_threads: int = 4
     max_queued_jobs: int = 256
     job_timeout_s: float = 10.0
@@ -43,30 +38,15 @@ class StrataTierSettings:
     lookup_hold_s: float = 10.0
     enable_kv_events: bool = False
     locality: str | None = None
-    token_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> StrataTierSettings:
         """From the entry's keys (``type`` and ``module_path`` already taken by vLLM's factory)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) {', '.join(unknown)} in the Strata secondary tier; it takes: {', '.join(sorted(known))}"
-            )
+        cls.refuse_unknown(options, "the Strata secondary tier")
         defaults = cls()
         try:
             settings = cls(
-                target=str(options.get("target", defaults.target)),
                 namespace=str(options.get("namespace", defaults.namespace)),
-                timeout_s=float(options.get("timeout_s", defaults.timeout_s)),
-                retries=int(options.get("retries", defaults.retries)),
-                shared_memory=tristate(options.get("shared_memory", "auto")),
-                down_backoff_s=float(options.get("down_backoff_s", defaults.down_backoff_s)),
                 io_threads=int(options.get("io_threads", defaults.io_threads)),
                 max_queued_jobs=int(options.get("max_queued_jobs", defaults.max_queued_jobs)),
                 job_timeout_s=float(options.get("job_timeout_s", defaults.job_timeout_s)),
@@ -74,7 +54,7 @@ class StrataTierSettings:
                 lookup_hold_s=float(options.get("lookup_hold_s", defaults.lookup_hold_s)),
                 enable_kv_events=boolean(options.get("enable_kv_events", False), "enable_kv_events"),
                 locality=None if options.get("locality") is None else str(options["locality"]).upper(),
-                **security_options(options),
+                **cls.daemon_options(options),
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad option in the Strata secondary tier: {err}") from None
@@ -82,17 +62,13 @@ class StrataTierSettings:
         return settings
 
     def _check(self) -> None:
-        limits = [
-            (self.timeout_s > 0, "timeout_s must be > 0"),
-            (0 <= self.retries <= 5, "retries must be 0..5"),
-            (self.down_backoff_s >= 0, "down_backoff_s must be >= 0"),
+        limits = self.daemon_limits() + [
             (1 <= self.io_threads <= 64, "io_threads must be 1..64"),
             (1 <= self.max_queued_jobs <= 65536, "max_queued_jobs must be 1..65536"),
             (self.job_timeout_s > 0, "job_timeout_s must be > 0"),
             (1 <= self.chunks_per_call <= 1024, "chunks_per_call must be 1..1024"),
             (0 < self.lookup_hold_s <= 3600, "lookup_hold_s must be > 0 and at most 3600 (the daemon's longest lease)"),
             (self.locality in (None, *LOCALITIES), f"locality must be one of {', '.join(LOCALITIES)}"),
-            (bool(self.target), "target is empty: give the daemon's address, e.g. 127.0.0.1:50051"),
         ]
         for ok, message in limits:
             if not ok:
@@ -101,8 +77,5 @@ class StrataTierSettings:
             raise ValueError(f"Strata secondary tier: namespace is a prefix of at most {MAX_PREFIX_CHARS} characters "
                              "(the model and layout are appended)")
         validate_namespace(self.namespace)
-
-    def client_options(self) -> dict:
-        return client_options(self)
 
 
