@@ -32,7 +32,7 @@ _BEARER = "bearer "
 
 # Method → the action it needs on its request's namespace; None: it names no namespace.
 ACTIONS: dict[str, str | None] = {
-    "Put": WRITE, "Get": READ, "Exists": READ, "Delete": WRITE, "Pin": READ, "List": READ, "Stats": READ,
+    "Put": WRITE, "Get": READ, "Exists": READ, "Delete": WRITE, "Pin": READ, "Place": READ, "List": READ, "Stats": READ,
     "Allocate": WRITE, "Lookup": READ, "Score": READ, "Holders": READ,
     "Commit": None, "Abort": None, "Release": None, "Unpin": None, "Attach": None,
     "Nodes": NODE_WIDE,

@@ -323,6 +323,12 @@ class AsyncClient(BaseClient):
         while the pin lasts (Unpin or expiry makes them ordinary cache)."""
         return codec.parse_pin(await self._call("Pin", self._pin_request(namespace, keys, lease_s, replicas)))
 
+    async def place(self, namespace: str, keys: Sequence[bytes], where: str = "ram") -> codec.Placed:
+        """Move held blocks within the daemon: ``"ram"`` reads each into its host-RAM tier from wherever it
+        is (disk, a peer, S3), ``"below"`` moves each out of RAM into the tier below it (a pinned block
+        stays). What an engine's Prefetch and Demote hints do; nothing is sent back but the counts."""
+        return codec.parse_place(await self._call("Place", codec.place_request(namespace, keys, where)))
+
     async def unpin(self, lease_id: int) -> bool:
         return (await self._call("Unpin", pb.UnpinRequest(lease_id=lease_id))).released
 

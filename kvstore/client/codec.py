@@ -55,6 +55,16 @@ class PinLease:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """What a :meth:`~kvstore.client.sync.Client.place` did: blocks now where asked, keys the daemon does not
+    hold, and (when demoting) blocks kept in RAM because they are pinned."""
+
+    placed: int
+    missing: list[bytes]
+    pinned: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     tiers: dict[str, dict[str, int]]
     blocks: int
@@ -103,6 +113,19 @@ def parse_exists(r: pb.ExistsResponse) -> list[TierName]:
 
 def parse_pin(r: pb.PinResponse) -> PinLease:
     return PinLease(r.lease_id, r.pinned, list(r.missing), r.lease_deadline_unix_ms)
+
+
+PLACES = {"ram": pb.PlaceRequest.WARM, "below": pb.PlaceRequest.DEMOTE}
+
+
+def place_request(namespace: str, keys, where: str) -> pb.PlaceRequest:
+    if where not in PLACES:
+        raise ValueError(f"where is {where!r}: use 'ram' (warm the blocks into host RAM) or 'below' (demote them)")
+    return pb.PlaceRequest(namespace=namespace, keys=list(keys), where=PLACES[where])
+
+
+def parse_place(r: pb.PlaceResponse) -> Placed:
+    return Placed(r.placed, list(r.missing), r.pinned)
 
 
 @dataclass(frozen=True, slots=True)

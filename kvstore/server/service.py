@@ -299,6 +299,12 @@ class KVServicer(kv_pb2_grpc.KVServiceServicer):
             lease_id=lease.id, pinned=len(lease.keys), missing=missing, lease_deadline_unix_ms=_to_ms(lease.deadline)
         )
 
+    def Place(self, request: pb.PlaceRequest, context) -> pb.PlaceResponse:
+        if request.where not in (pb.PlaceRequest.WARM, pb.PlaceRequest.DEMOTE):
+            raise InvalidArgument("a Place names where the blocks go: WARM (into host RAM) or DEMOTE (below it)")
+        placed = self._store.place(request.namespace, list(request.keys), request.where == pb.PlaceRequest.WARM)
+        return pb.PlaceResponse(placed=placed.placed, missing=placed.missing, pinned=placed.pinned)
+
     def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
         try:
             released = self._store.unpin(request.lease_id, owner_of(context))

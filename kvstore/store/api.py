@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvstore.store.leases import Lease, LeaseKind
     from kvstore.store.limits import StoreLimits
     from kvstore.store.slots import SlotGrant, SlotWrite
-    from kvstore.store.tiered import Listed, StoreStats
+    from kvstore.store.tiered import Listed, Placed, StoreStats
 
 
 class Store(Protocol):
@@ -87,6 +87,8 @@ class Store(Protocol):
     def exists(self, namespace: str, keys: list[bytes]) -> list[TierName]: ...
 
     def touch(self, namespace: str, keys: list[bytes]) -> int: ...
+
+    def place(self, namespace: str, keys: list[bytes], warm: bool) -> Placed: ...
 
     def delete(self, namespace: str, keys: list[bytes]) -> int: ...
 

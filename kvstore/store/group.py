@@ -45,7 +45,7 @@ from kvstore.shm.arena import ShmArena
 from kvstore.store.leases import MAX_ID_TAG, Lease, LeaseKind, tag_of
 from kvstore.store.namespace_rules import EVERYTHING_ELSE, NamespaceRules
 from kvstore.store.holds import Located
-from kvstore.store.tiered import Listed, SlotGrant, SlotWrite, StoreStats, TieredStore
+from kvstore.store.tiered import Listed, Placed, SlotGrant, SlotWrite, StoreStats, TieredStore
 from kvstore.tiers.base import MappableTier, TierStats
 
 MAX_ARENAS = MAX_ID_TAG + 1
@@ -249,6 +249,9 @@ class StoreGroup:
 
     def touch(self, namespace: str, keys: list[bytes]) -> int:
         return self.store_for(namespace).touch(namespace, keys)
+
+    def place(self, namespace: str, keys: list[bytes], warm: bool) -> Placed:
+        return self.store_for(namespace).place(namespace, keys, warm)
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         return self.store_for(namespace).delete(namespace, keys)

@@ -93,7 +93,7 @@ DEFAULT_LIST_PAGE = 1000
 EXISTS_THROUGH_KEYS = 64  # keys past a local miss that Exists asks a remote tier about, in one lookup
 MAX_LIST_PAGE = 10000
 
-__all__ = ["Located", "Listed", "SlotGrant", "SlotWrite", "StoreLimits", "StoreStats", "TieredStore"]
+__all__ = ["Located", "Listed", "Placed", "SlotGrant", "SlotWrite", "StoreLimits", "StoreStats", "TieredStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +101,15 @@ class Listed:
     key: bytes
     meta: BlockMeta
     tier: TierName
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """What :meth:`TieredStore.place` did: blocks now where asked, keys not held, blocks kept for their pins."""
+
+    placed: int
+    missing: list[bytes]
+    pinned: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,6 +525,59 @@ class TieredStore(StorePart):
     def flush_recency(self) -> int:
         """Write the recency of persistent tiers back to them now (the reaper does this every second)."""
         return self._upkeep.flush_recency()
+
+    def place(self, namespace: str, keys: list[bytes], warm: bool) -> Placed:
+        """Move held blocks up or down the chain, for an engine's hint (Prefetch, Demote).
+
+        ``warm``: read each block into the head tier from wherever it is (a
+        lower tier, or through a remote one), as a read would, without sending
+        it anywhere. Otherwise move each block held in the head down to the
+        tier below it (written there first if it is not), freeing its room in
+        the head; a pinned block stays (it counts as ``pinned``). Raises
+        InvalidArgument when there is no tier below the head to move to.
+        """
+        self.check_batch(keys)
+        keys = [validate_key(k) for k in keys]
+        head = self._head.name
+        if warm:
+            placed, missing = 0, []
+            for k, got in zip(keys, self.get_many(namespace, keys)):
+                if got is None:
+                    missing.append(k)
+                    continue
+                with self._s.locked():
+                    entry = self._catalog.live(BlockKey(namespace, k))
+                    placed += entry is not None and head in entry.tiers
+            return Placed(placed, missing, 0)
+        below = self._chain.below(head)
+        if below is None or below.name in {level.name for level in self._chain.remote()}:
+            raise InvalidArgument("this daemon has no local tier below its head to demote to: give it a disk "
+                                  "tier ([tiers.disk])")
+        placed, pinned, missing = 0, 0, []
+        for k in keys:
+            key = BlockKey(namespace, k)
+            with self._cond:
+                self._s.readable_namespace(namespace)
+                entry = self._catalog.live(key)
+                if entry is None:
+                    missing.append(k)
+                    continue
+                if head not in entry.tiers:
+                    placed += 1  # already below
+                    continue
+                if entry.pins:
+                    pinned += 1
+                    continue
+                if below.name in entry.tiers:
+                    self._s.drop_copy_locked(key, entry, head)
+                    placed += 1
+                    continue
+                if not self._s.mark_copy_locked(key, below.name):
+                    continue  # a copy is on its way already
+            self._copies.copy_down(Copy(key, head, below.name, evict=True))
+            with self._s.locked():
+                placed += below.name in entry.tiers and head not in entry.tiers
+        return Placed(placed, missing, pinned)
 
     def persist_ram(self, deadline: float, evict: bool = True) -> int:
         """Write blocks held only in the head down the chain, most recent first, until ``deadline``.

@@ -90,6 +90,23 @@ def test_delete_and_pin(client):
     assert client.get("m", b"a") is None
 
 
+def test_place_moves_blocks_out_of_ram_and_back_and_refuses_without_a_where(client, daemon):
+    values = [blob(i, 5000) for i in range(3)]
+    for i, v in enumerate(values):
+        client.put("m", b"p%d" % i, v)
+    placed = client.place("m", [b"p0", b"p1", b"absent"], "below")
+    assert (placed.placed, placed.missing, placed.pinned) == (2, [b"absent"], 0)
+    assert {b.key: b.tier for b in client.list_blocks("m", prefix=b"p").blocks} == {
+        b"p0": TierName.DISK, b"p1": TierName.DISK, b"p2": TierName.HOST}
+    assert client.place("m", [b"p0"], "ram").placed == 1 and client.get("m", b"p0") == values[0]
+    assert client.get("m", b"p1") == values[1]
+    with pytest.raises(ValueError, match="'ram'.*'below'"):
+        client.place("m", [b"p0"], "up")
+    with pytest.raises(grpc.RpcError) as info:
+        stub(daemon).Place(pb.PlaceRequest(namespace="m", keys=[b"p0"]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "WARM" in info.value.details()
+
+
 def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(client):
     with pytest.raises(BlockTooLarge, match="max-block-bytes"):
         client.put("m", b"big", b"x" * (8 * MiB + 1))

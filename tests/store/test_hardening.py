@@ -138,7 +138,7 @@ def test_bytes_that_are_not_a_request_are_invalid_argument_on_every_method(daemo
                                        handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"])
         for m in svc.methods
     ]
-    assert len(methods) == 22  # 14 KV, 4 index (Score, Holders, Nodes, Replication), 4 handoff
+    assert len(methods) == 23  # 15 KV, 4 index (Score, Holders, Nodes, Replication), 4 handoff
     with grpc.insecure_channel(daemon.target) as channel:
         for service, m in methods:
             path = f"/{service}/{m.name}"

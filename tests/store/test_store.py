@@ -153,6 +153,34 @@ def test_pins_protect_and_expire(make_store, clock):
     assert store.unpin(lease.id) is False
 
 
+def tiers_of(store: TieredStore, ns: str, key: bytes) -> set[TierName]:
+    """The tiers the store's holdings name for a block (its best one)."""
+    return {t for k, t in store.holdings() if k == BlockKey(ns, key)}
+
+
+def test_place_demotes_out_of_ram_and_warms_back_in_keeping_the_bytes(make_store):
+    store = make_store(ram_mib=8, disk_mib=32)
+    for i in range(3):
+        put(store, "m", b"k%d" % i, value(i))
+    lease, _ = store.pin("m", [b"k2"])
+    placed = store.place("m", [b"k0", b"k1", b"k2", b"absent"], warm=False)
+    assert (placed.placed, placed.missing, placed.pinned) == (2, [b"absent"], 1)
+    assert [tiers_of(store, "m", k) for k in (b"k0", b"k1", b"k2")] == [{DISK}, {DISK}, {HOST}]
+    assert store.place("m", [b"k0"], warm=False).placed == 1  # already below: nothing to do
+    placed = store.place("m", [b"k0", b"absent"], warm=True)
+    assert (placed.placed, placed.missing) == (1, [b"absent"]) and HOST in tiers_of(store, "m", b"k0")
+    assert store.get(BlockKey("m", b"k0"))[0] == value(0) and store.get(BlockKey("m", b"k1"))[0] == value(1)
+    store.unpin(lease.id)
+
+
+def test_place_without_a_tier_below_is_refused_with_the_fix(make_store):
+    store = make_store(disk_mib=None)
+    put(store, "m", b"k", value(1))
+    with pytest.raises(InvalidArgument, match="no local tier below"):
+        store.place("m", [b"k"], warm=False)
+    assert store.place("m", [b"k"], warm=True).placed == 1
+
+
 def test_a_pin_finding_nothing_takes_no_lease(make_store):
     # Engines pin to look up (vLLM's tier, LMCache's L2): a cold lookup must not hold a lease slot
     # for its whole lease, or a burst of misses fills the lease table.

@@ -81,9 +81,9 @@ class Engine:
         view = self.manager.primary_tier.get_kv_memoryview()
         return np.frombuffer(view, dtype=np.uint8).reshape(len(view), -1)
 
-    def _request(self) -> ReqContext:
+    def _request(self, hints=None) -> ReqContext:
         self._requests += 1
-        ctx = ReqContext(req_id=f"req-{self._requests}")
+        ctx = ReqContext(req_id=f"req-{self._requests}", kv_hints=hints)
         with self.manager.lock:
             self.manager.on_new_request(ctx)
         return ctx
@@ -104,9 +104,10 @@ class Engine:
                 raise TimeoutError("the tiering manager still has work in flight")
             time.sleep(0.005)
 
-    def store(self, chunks: dict[OffloadKey, bytes], settle: bool = True) -> list[OffloadKey]:
-        """GPU -> primary (the rows written here), then vLLM cascades to every secondary tier; the keys stored."""
-        ctx = self._request()
+    def store(self, chunks: dict[OffloadKey, bytes], settle: bool = True, hints=None) -> list[OffloadKey]:
+        """GPU -> primary (the rows written here), then vLLM cascades to every secondary tier; the keys stored.
+        ``hints``: the request's ``KvHintsEnvelope``."""
+        ctx = self._request(hints)
         keys = list(chunks)
         with self.manager.lock:
             out = self.manager.prepare_store(keys, ctx)
@@ -130,9 +131,9 @@ class Engine:
         with self.manager.lock:
             return self.manager.primary_tier.lookup(key, ReqContext("probe")) is LookupResult.HIT
 
-    def fetch(self, keys: list[OffloadKey], timeout: float = 30.0) -> dict[OffloadKey, bytes | None]:
+    def fetch(self, keys: list[OffloadKey], timeout: float = 30.0, hints=None) -> dict[OffloadKey, bytes | None]:
         """Look chunks up as the scheduler does, step until each is a hit or a miss, read the hits."""
-        ctx = self._request()
+        ctx = self._request(hints)
         end = time.monotonic() + timeout
         while True:
             with self.manager.lock:

@@ -283,6 +283,34 @@ class PinResponse(_message.Message):
     lease_deadline_unix_ms: int
     def __init__(self, lease_id: _Optional[int] = ..., pinned: _Optional[int] = ..., missing: _Optional[_Iterable[bytes]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
+class PlaceRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "where")
+    class Where(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WHERE_UNSPECIFIED: _ClassVar[PlaceRequest.Where]
+        WARM: _ClassVar[PlaceRequest.Where]
+        DEMOTE: _ClassVar[PlaceRequest.Where]
+    WHERE_UNSPECIFIED: PlaceRequest.Where
+    WARM: PlaceRequest.Where
+    DEMOTE: PlaceRequest.Where
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    where: PlaceRequest.Where
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., where: _Optional[_Union[PlaceRequest.Where, str]] = ...) -> None: ...
+
+class PlaceResponse(_message.Message):
+    __slots__ = ("placed", "missing", "pinned")
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    placed: int
+    missing: _containers.RepeatedScalarFieldContainer[bytes]
+    pinned: int
+    def __init__(self, placed: _Optional[int] = ..., missing: _Optional[_Iterable[bytes]] = ..., pinned: _Optional[int] = ...) -> None: ...
+
 class UnpinRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class KVServiceStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.Place = channel.unary_unary(
+                '/strata.kv.v1.KVService/Place',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.PlaceRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.PlaceResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/strata.kv.v1.KVService/Stats',
                 request_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.StatsRequest.SerializeToString,
@@ -140,6 +145,12 @@ class KVServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Place(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,6 +236,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.UnpinRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.UnpinResponse.SerializeToString,
+            ),
+            'Place': grpc.unary_unary_rpc_method_handler(
+                    servicer.Place,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kv__pb2.PlaceRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kv__pb2.PlaceResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -429,6 +445,33 @@ class KVService(object):
             '/strata.kv.v1.KVService/Unpin',
             kvstore_dot_api_dot_v1_dot_kv__pb2.UnpinRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_kv__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Place(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.kv.v1.KVService/Place',
+            kvstore_dot_api_dot_v1_dot_kv__pb2.PlaceRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kv__pb2.PlaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

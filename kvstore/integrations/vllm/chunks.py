@@ -180,6 +180,43 @@ class ChunkStore:
             except StrataError:
                 continue  # a hint only
 
+    # ---- hints (the worker threads) -------------------------------------------
+
+    def place(self, keys: Sequence[OffloadKey], where: str) -> tuple[int, int]:
+        """Move the chunks the daemon holds into host RAM (``"ram"``) or out of it (``"below"``): (moved, missing).
+        Raises StrataError when the daemon refuses (e.g. no tier below RAM), DaemonUnavailable when it is down."""
+        def move(namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+            placed = self.client().place(namespace, hashes, where)
+            return placed.placed, len(placed.missing)
+
+        return self._per_call(keys, move)
+
+    def hold(self, keys: Sequence[OffloadKey], lease_s: float, replicas: int = 0) -> tuple[int, int]:
+        """Pin the chunks the daemon holds for ``lease_s`` (with ``replicas`` copies on other nodes): (held, missing).
+        The pins are not given back: they end with their lease."""
+        def pin(namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+            lease = self.client().pin(namespace, hashes, lease_s=lease_s, replicas=replicas)
+            return lease.pinned, len(lease.missing)
+
+        return self._per_call(keys, pin)
+
+    def _per_call(self, keys: Sequence[OffloadKey], call) -> tuple[int, int]:
+        done = missing = 0
+        for namespace, indices, hashes in self._by_namespace(keys):
+            for _, part_hashes in self._calls(indices, hashes):
+                if not self.usable():
+                    raise DaemonUnavailable("the Strata daemon is backing off")
+                try:
+                    d, m = call(namespace, part_hashes)
+                except UnknownNamespace:
+                    d, m = 0, len(part_hashes)
+                except DAEMON_DOWN as err:
+                    self._down(err)
+                    raise
+                done, missing = done + d, missing + m
+        self._health.ok(self.settings.target)
+        return done, missing
+
     # ---- transfers (the worker threads) -------------------------------------------
 
     def store(self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int]) -> Outcome:

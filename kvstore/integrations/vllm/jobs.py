@@ -75,12 +75,14 @@ class JobRunner:
             self._cond.notify()
             return True
 
-    def chore(self, fn: Callable[[], None]) -> None:
-        """Best effort, after every load and store already queued; dropped when too many wait."""
+    def chore(self, fn: Callable[[], None]) -> bool:
+        """Best effort, after every load and store already queued; dropped (False) when too many wait."""
         with self._cond:
             if not self._closed and len(self._queues[Kind.CHORE]) < MAX_CHORES:
                 self._queues[Kind.CHORE].append(fn)
                 self._cond.notify()
+                return True
+            return False
 
     def finished(self) -> list[JobResult]:
         """Results since the last call."""

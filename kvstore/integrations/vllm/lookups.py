@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
@@ -32,13 +32,17 @@ MAX_REQUESTS_HELD = 65536
 class StrataLookups(AsyncLookupManager):
     """Batched, pinned presence checks on the lookup thread (see the module docstring)."""
 
-    def __init__(self, chunks: ChunkStore, tier_type: str) -> None:
+    def __init__(self, chunks: ChunkStore, tier_type: str,
+                 before_batch: Callable[[list[OffloadKey], ReqContext], None] | None = None) -> None:
         self._chunks = chunks
+        self._before_batch = before_batch  # the tier's hints: a request's chunks, and a prefetch of them
         self._held: OrderedDict[str, list[int]] = OrderedDict()  # req_id -> pin lease ids
         self._held_lock = threading.Lock()
         super().__init__(tier_type=tier_type)  # starts the lookup thread: everything it uses is set
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        if self._before_batch is not None:
+            self._before_batch(keys, req_context)
         found, leases = self._chunks.present(keys)
         if leases:
             with self._held_lock:

@@ -26,10 +26,15 @@ LOOKUP_BATCHES = "vllm:kv_offload_strata_lookup_batches"
 LOOKUP_BATCH_SECONDS = "vllm:kv_offload_strata_lookup_batch_seconds"
 DAEMON_UP = "vllm:kv_offload_strata_daemon_up"
 QUEUED_JOBS = "vllm:kv_offload_strata_queued_jobs"
+KV_HINTS = "vllm:kv_offload_strata_kv_hints"
+KV_HINT_CHUNKS = "vllm:kv_offload_strata_kv_hint_chunks"
 
 # Why a chunk was not stored or not loaded.
 REASONS = ("down", "queue_full", "expired", "full", "missing", "layout", "error")
 RESULTS = ("ok", "down", "error")
+HINT_ACTIONS = ("pin", "retain", "share", "prefetch", "demote", "other")  # "other": an action_type not implemented
+HINT_OUTCOMES = ("accepted", "clipped", "deferred", "rejected")
+HINT_RESULTS = ("done", "missing", "failed")  # what an applied hint did, per chunk
 
 
 def definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -59,6 +64,16 @@ def definitions() -> dict[str, OffloadingMetricMetadata]:
         QUEUED_JOBS: OffloadingGaugeMetadata(
             documentation="Strata store and load jobs waiting or running.",
         ),
+        KV_HINTS: OffloadingCounterMetadata(
+            documentation="KV hint actions the Strata tier received, by action (pin, retain, share, prefetch, "
+                          "demote; other: not implemented) and outcome (accepted, clipped, deferred, rejected).",
+            labelnames=("action", "outcome"),
+        ),
+        KV_HINT_CHUNKS: OffloadingCounterMetadata(
+            documentation="Chunks an applied KV hint acted on, by action and result (done: moved or pinned; "
+                          "missing: not held by the daemon; failed: the daemon refused or was down).",
+            labelnames=("action", "result"),
+        ),
     }
 
 
@@ -71,6 +86,8 @@ class TierMetrics:
         self._failed: dict[str, int] = {}
         self._batches: dict[str, int] = {}
         self._batch_seconds: list[float] = []
+        self._hints: dict[tuple[str, str], int] = {}
+        self._hint_chunks: dict[tuple[str, str], int] = {}
         self.totals: dict[str, int] = {}  # every count since start, for tests and logs
 
     def dropped(self, reason: str, chunks: int) -> None:
@@ -85,6 +102,21 @@ class TierMetrics:
             self._batches[result] = self._batches.get(result, 0) + 1
             if seconds is not None and len(self._batch_seconds) < 4096:  # a bound between two takes
                 self._batch_seconds.append(seconds)
+
+    def hint(self, action: str, outcome: str) -> None:
+        assert outcome in HINT_OUTCOMES
+        self._count(self._hints, (action if action in HINT_ACTIONS else "other", outcome), 1, "hint")
+
+    def hint_chunks(self, action: str, result: str, chunks: int) -> None:
+        assert action in HINT_ACTIONS and result in HINT_RESULTS
+        if chunks > 0:
+            self._count(self._hint_chunks, (action, result), chunks, "hint_chunks")
+
+    def _count(self, counts: dict, labels: tuple[str, str], n: int, what: str) -> None:
+        with self._lock:
+            counts[labels] = counts.get(labels, 0) + n
+            name = f"{what}:{':'.join(labels)}"
+            self.totals[name] = self.totals.get(name, 0) + n
 
     def _add(self, counts: dict[str, int], reason: str, chunks: int, what: str) -> None:
         assert reason in REASONS
@@ -102,6 +134,8 @@ class TierMetrics:
             failed, self._failed = self._failed, {}
             batches, self._batches = self._batches, {}
             seconds, self._batch_seconds = self._batch_seconds, []
+            hints, self._hints = self._hints, {}
+            hint_chunks, self._hint_chunks = self._hint_chunks, {}
         for reason, n in dropped.items():
             stats.increase_counter(DROPPED_STORE_CHUNKS, n, (reason,))
         for reason, n in failed.items():
@@ -110,6 +144,10 @@ class TierMetrics:
             stats.increase_counter(LOOKUP_BATCHES, n, (result,))
         for s in seconds:
             stats.observe_histogram(LOOKUP_BATCH_SECONDS, s)
+        for labels, n in hints.items():
+            stats.increase_counter(KV_HINTS, n, labels)
+        for labels, n in hint_chunks.items():
+            stats.increase_counter(KV_HINT_CHUNKS, n, labels)
         stats.set_gauge(DAEMON_UP, 1 if daemon_up else 0)
         stats.set_gauge(QUEUED_JOBS, queued_jobs)
         return stats

@@ -27,7 +27,9 @@ class StrataTierSettings(DaemonOptions):
     ``job_timeout_s + (retries + 1) * timeout_s`` of its submission.
     ``lookup_hold_s``: chunks a lookup finds are pinned in the daemon this
     long (or until the request finishes), so a hit is still there when its
-    load runs.
+    load runs. ``kv_hints``: act on the requests' KV hints (pin, retain,
+    share, prefetch, demote; :mod:`kvstore.integrations.vllm.hints`), holding
+    chunks at most ``hint_max_hold_s`` (a longer ``ttl_s`` is clipped).
     """
 
     namespace: str = "vllm"
@@ -38,6 +40,8 @@ class StrataTierSettings(DaemonOptions):
     lookup_hold_s: float = 10.0
     enable_kv_events: bool = False
     locality: str | None = None
+    kv_hints: bool = True
+    hint_max_hold_s: float = 3600.0
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> StrataTierSettings:
@@ -54,6 +58,8 @@ class StrataTierSettings(DaemonOptions):
                 lookup_hold_s=float(options.get("lookup_hold_s", defaults.lookup_hold_s)),
                 enable_kv_events=boolean(options.get("enable_kv_events", False), "enable_kv_events"),
                 locality=None if options.get("locality") is None else str(options["locality"]).upper(),
+                kv_hints=boolean(options.get("kv_hints", True), "kv_hints"),
+                hint_max_hold_s=float(options.get("hint_max_hold_s", defaults.hint_max_hold_s)),
                 **cls.daemon_options(options),
             )
         except (TypeError, ValueError) as err:
@@ -69,6 +75,8 @@ class StrataTierSettings(DaemonOptions):
             (1 <= self.chunks_per_call <= 1024, "chunks_per_call must be 1..1024"),
             (0 < self.lookup_hold_s <= 3600, "lookup_hold_s must be > 0 and at most 3600 (the daemon's longest lease)"),
             (self.locality in (None, *LOCALITIES), f"locality must be one of {', '.join(LOCALITIES)}"),
+            (0 < self.hint_max_hold_s <= 7 * 86400, "hint_max_hold_s must be > 0 and at most a week "
+             "(and at most the daemon's max_lease_seconds, 3600 by default, or its pins are refused)"),
         ]
         for ok, message in limits:
             if not ok:

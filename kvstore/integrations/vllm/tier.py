@@ -34,8 +34,9 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.integrations.health import DaemonHealth
-from kvstore.integrations.vllm import metrics
+from kvstore.errors import StrataError
+from kvstore.integrations.health import DaemonHealth, failure_reason
+from kvstore.integrations.vllm import hints, metrics
 from kvstore.integrations.vllm.chunks import ChunkStore, Outcome
 from kvstore.integrations.vllm.jobs import Job, JobRunner, Kind
 from kvstore.integrations.vllm.lookups import StrataLookups
@@ -72,7 +73,8 @@ class StrataTier(SecondaryTierManager):
         self._metrics = metrics.TierMetrics()
         self._chunks = ChunkStore(self.settings, self.layout, primary_kv_view.cast("B"), self._health, self._metrics)
         self._runner = JobRunner(self.settings.io_threads, self.settings.max_queued_jobs, name=f"strata-{tier_type}")
-        self._lookups = StrataLookups(self._chunks, tier_type)
+        self._lookups = StrataLookups(self._chunks, tier_type, before_batch=self._hinted_lookup)
+        self._hinted_stores: dict[JobId, hints.Plan] = {}  # store jobs of requests with hints
         self._answered: list[JobResult] = []  # jobs answered without running (the daemon down, the queue full)
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._touched: dict[OffloadKey, None] = {}
@@ -110,12 +112,20 @@ class StrataTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job_id, keys = job_metadata.job_id, list(job_metadata.keys)
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        plan = _plan_of(job_metadata.req_context)
+        if plan is not None:
+            plan.remember(keys)
+            with plan.lock:
+                plan.stores.add(job_id)
+            self._hinted_stores[job_id] = plan
         self._submit(Kind.STORE, job_id, keys, lambda: self._store(job_id, keys, chunk_ids), self._metrics.dropped)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id, keys = job_metadata.job_id, list(job_metadata.keys)
         chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        if (plan := _plan_of(job_metadata.req_context)) is not None:
+            plan.remember(keys)
         self._load_keys[job_id] = keys
         self._submit(Kind.LOAD, job_id, keys, lambda: self._load(job_id, keys, chunk_ids), self._metrics.failed_load)
 
@@ -145,6 +155,11 @@ class StrataTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._answered = self._answered + self._runner.finished(), []
         for result in results:
+            plan = self._hinted_stores.pop(result.job_id, None)
+            if plan is not None:
+                with plan.lock:
+                    plan.stores.discard(result.job_id)
+                self._apply_when_done(plan)
             keys = self._load_keys.pop(result.job_id, None)
             if keys is not None and not result.success:
                 # Only the chunks that did not load become misses (vLLM recomputes them), so
@@ -161,10 +176,16 @@ class StrataTier(SecondaryTierManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if req_context.kv_hints is not None:
+            self._read_hints(req_context)
         return RequestOffloadingContext()
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if (plan := _plan_of(req_context)) is not None:
+            with plan.lock:
+                plan.finished = True
+            self._apply_when_done(plan)
         self._lookups.cleanup(req_context.req_id)
         leases = self._lookups.release(req_context.req_id)
         if leases:
@@ -177,6 +198,78 @@ class StrataTier(SecondaryTierManager):
             touched, self._touched = list(self._touched), {}
             if self._chunks.usable():
                 self._runner.chore(lambda: self._chunks.touch(touched))
+
+    # ---- KV hints (see kvstore.integrations.vllm.hints) --------------------------------------
+
+    def _read_hints(self, req_context: ReqContext) -> None:
+        """Answer each action of the request's envelope; keep what applies for the request's chunks."""
+        if self.settings.kv_hints:
+            plan, answers = hints.read(req_context.kv_hints, self.settings.hint_max_hold_s)
+        else:
+            plan, answers = None, [hints.Answer(str(a.action_id), str(a.action_type), "rejected",
+                                                "kv_hints is off in this Strata tier's options")
+                                   for a in req_context.kv_hints.actions]
+        for answer in answers:
+            self._metrics.hint(answer.action_type, answer.outcome)
+            level = logging.INFO if answer.outcome in ("rejected", "clipped") else logging.DEBUG
+            log.log(level, "KV hint %s (%s) of request %s: %s%s", answer.action_id, answer.action_type,
+                    req_context.req_id, answer.outcome, f": {answer.reason}" if answer.reason else "",
+                    extra={"hint_action": answer.action_type, "hint_outcome": answer.outcome,
+                           "request_id": req_context.req_id})
+        if plan is None:
+            return
+        req_context._state[hints.Plan] = plan  # vLLM's per-request scratch for a tier's parsed hints
+        if plan.prefetch_keys:
+            keys = plan.prefetch_keys
+            self._chore(["prefetch"], keys, lambda: self._apply("prefetch", keys, lambda: self._chunks.place(keys, "ram")))
+
+    def _hinted_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """On the lookup thread, before a request's lookup batch: its chunks are known now, and a prefetch of them
+        is done before the lookup pins them, so the load that follows reads host RAM."""
+        plan = _plan_of(req_context)
+        if plan is None:
+            return
+        plan.remember(keys)
+        if plan.prefetch and self._chunks.usable():
+            self._apply("prefetch", keys, lambda: self._chunks.place(keys, "ram"))
+
+    def _apply_when_done(self, plan: hints.Plan) -> None:
+        keys = plan.ready()
+        if keys:
+            actions = [a for a, on in (("pin", plan.pin_s), ("retain", plan.retain_s), ("share", plan.share_s),
+                                       ("demote", plan.demote)) if on]
+            self._chore(actions, keys, lambda: self._apply_at_finish(plan, keys))
+
+    def _apply_at_finish(self, plan: hints.Plan, keys: list[OffloadKey]) -> None:
+        if plan.pin_s:
+            def pin() -> tuple[int, int]:
+                self._chunks.place(keys, "ram")
+                return self._chunks.hold(keys, plan.pin_s)
+            self._apply("pin", keys, pin)
+        if plan.retain_s:
+            self._apply("retain", keys, lambda: self._chunks.hold(keys, plan.retain_s))
+        if plan.share_s:
+            self._apply("share", keys, lambda: self._chunks.hold(keys, plan.share_s, plan.share_replicas))
+        if plan.demote:
+            self._apply("demote", keys, lambda: self._chunks.place(keys, "below"))
+
+    def _apply(self, action: str, keys: list[OffloadKey], do) -> None:
+        """Run one hint's daemon calls; count what they did to the chunks."""
+        try:
+            done, missing = do()
+        except StrataError as err:
+            self._metrics.hint_chunks(action, "failed", len(keys))
+            if failure_reason(err) != "down":  # down: DaemonHealth logs it once
+                log.warning("KV hint %s of %d chunks refused by the Strata daemon: %s", action, len(keys), err,
+                            extra={"hint_action": action, "chunks": len(keys), "error": type(err).__name__})
+            return
+        self._metrics.hint_chunks(action, "done", done)
+        self._metrics.hint_chunks(action, "missing", missing)
+
+    def _chore(self, actions: list[str], keys: list[OffloadKey], fn) -> None:
+        if not self._runner.chore(fn):  # too many chores wait: the hint is not applied
+            for action in actions:
+                self._metrics.hint_chunks(action, "failed", len(keys))
 
     # ---- events and metrics ---------------------------------------------------------------
 
@@ -244,3 +337,8 @@ def _result(job_id: JobId, out: Outcome, loaded: list[OffloadKey] | None) -> Job
     partial = loaded if (loaded and not out.complete) else None
     return JobResult(job_id=job_id, success=out.complete, successful_keys=partial,
                      transfer_time=out.seconds, transfer_bytes=out.nbytes or None)
+
+
+def _plan_of(req_context: ReqContext | None) -> hints.Plan | None:
+    return None if req_context is None else req_context._state.get(hints.Plan)
+
