@@ -16,7 +16,9 @@ and GPU kernels, and their constructor wants a device pool). The stand-ins
 have the real ones' buffer shapes and the attributes the backend reads
 (``page_size``, ``dtype``, ``layout``, ``kv_buffer``, ``layer_num``...), and
 compute ``get_page_buffer_meta`` from those shapes: per page, MHA's K piece
-then its V piece, MLA's one latent piece.
+then its V piece, MLA's one latent piece. ``PageFirstPool`` also gathers and
+scatters flat pages as the real MHA pool does, for backends without
+``interface_v1`` (SGLang's ``file`` backend, in ``benchmarks.sglang_backend``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,19 @@ class PageFirstPool:
         firsts = indices.tolist()[::self.page_size]
         ptrs = [p for first in firsts for p in (base + first * self.token_bytes, base + half + first * self.token_bytes)]
         return ptrs, [self.page_size * self.token_bytes] * len(ptrs)
+
+    # What SGLang's controller calls on a backend without interface_v1 (its file backend): a page gathered
+    # into a flat tensor, and scattered back; the shapes of MHATokenToKVPoolHost's page_first layout.
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, index:index + self.page_size]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros((2, self.page_size, self.layer_num, self.head_num, self.head_dim), dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.kv_buffer[:, index:index + self.page_size] = data_page.reshape(
+            2, self.page_size, self.layer_num, self.head_num, self.head_dim)
 
     def page_bytes(self, page: int) -> bytes:
         """The page's K then V bytes (what the backend stores, in its pieces' order)."""

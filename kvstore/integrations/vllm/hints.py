@@ -70,7 +70,7 @@ class Answer:
 
 
 @dataclass
-class Plan:
+class HintPlan:
     """What one request's hints ask of its chunks, and the chunks so far; shared by the tier's threads."""
 
     pin_s: float = 0.0
@@ -106,7 +106,7 @@ class Plan:
             return list(self.keys)
 
 
-def read(envelope: Any, max_hold_s: float) -> tuple[Plan | None, list[Answer]]:
+def read(envelope: Any, max_hold_s: float) -> tuple[HintPlan | None, list[Answer]]:
     """The plan of one envelope (None when nothing in it applies) and an answer per action."""
     if envelope is None:
         return None, []
@@ -115,7 +115,7 @@ def read(envelope: Any, max_hold_s: float) -> tuple[Plan | None, list[Answer]]:
     if version.split(".")[0] != PROTOCOL:
         reason = f"envelope protocol_version {version!r}: the Strata tier speaks {PROTOCOL}"
         return None, [Answer(str(a.action_id), str(a.action_type), "rejected", reason) for a in actions]
-    plan, answers = Plan(), []
+    plan, answers = HintPlan(), []
     for action in actions:
         answers.append(_read_action(plan, action, max_hold_s))
     for i, (action, answer) in enumerate(zip(actions, answers)):
@@ -127,7 +127,7 @@ def read(envelope: Any, max_hold_s: float) -> tuple[Plan | None, list[Answer]]:
     return (plan if applies else None), answers
 
 
-def _read_action(plan: Plan, action: Any, max_hold_s: float) -> Answer:
+def _read_action(plan: HintPlan, action: Any, max_hold_s: float) -> Answer:
     kind = str(action.action_type).lower()
     action_id = str(action.action_id)
 

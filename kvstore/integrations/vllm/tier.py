@@ -74,7 +74,7 @@ class StrataTier(SecondaryTierManager):
         self._chunks = ChunkStore(self.settings, self.layout, primary_kv_view.cast("B"), self._health, self._metrics)
         self._runner = JobRunner(self.settings.io_threads, self.settings.max_queued_jobs, name=f"strata-{tier_type}")
         self._lookups = StrataLookups(self._chunks, tier_type, before_batch=self._hinted_lookup)
-        self._hinted_stores: dict[JobId, hints.Plan] = {}  # store jobs of requests with hints
+        self._hinted_stores: dict[JobId, hints.HintPlan] = {}  # store jobs of requests with hints
         self._answered: list[JobResult] = []  # jobs answered without running (the daemon down, the queue full)
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._touched: dict[OffloadKey, None] = {}
@@ -218,7 +218,7 @@ class StrataTier(SecondaryTierManager):
                            "request_id": req_context.req_id})
         if plan is None:
             return
-        req_context._state[hints.Plan] = plan  # vLLM's per-request scratch for a tier's parsed hints
+        req_context._state[hints.HintPlan] = plan  # vLLM's per-request scratch for a tier's parsed hints
         if plan.prefetch_keys:
             keys = plan.prefetch_keys
             self._chore(["prefetch"], keys, lambda: self._apply("prefetch", keys, lambda: self._chunks.place(keys, "ram")))
@@ -233,14 +233,14 @@ class StrataTier(SecondaryTierManager):
         if plan.prefetch and self._chunks.usable():
             self._apply("prefetch", keys, lambda: self._chunks.place(keys, "ram"))
 
-    def _apply_when_done(self, plan: hints.Plan) -> None:
+    def _apply_when_done(self, plan: hints.HintPlan) -> None:
         keys = plan.ready()
         if keys:
             actions = [a for a, on in (("pin", plan.pin_s), ("retain", plan.retain_s), ("share", plan.share_s),
                                        ("demote", plan.demote)) if on]
             self._chore(actions, keys, lambda: self._apply_at_finish(plan, keys))
 
-    def _apply_at_finish(self, plan: hints.Plan, keys: list[OffloadKey]) -> None:
+    def _apply_at_finish(self, plan: hints.HintPlan, keys: list[OffloadKey]) -> None:
         if plan.pin_s:
             def pin() -> tuple[int, int]:
                 self._chunks.place(keys, "ram")
@@ -339,6 +339,6 @@ def _result(job_id: JobId, out: Outcome, loaded: list[OffloadKey] | None) -> Job
                      transfer_time=out.seconds, transfer_bytes=out.nbytes or None)
 
 
-def _plan_of(req_context: ReqContext | None) -> hints.Plan | None:
-    return None if req_context is None else req_context._state.get(hints.Plan)
+def _plan_of(req_context: ReqContext | None) -> hints.HintPlan | None:
+    return None if req_context is None else req_context._state.get(hints.HintPlan)
 
