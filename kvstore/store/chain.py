@@ -12,7 +12,7 @@ name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import TierName
@@ -67,8 +67,10 @@ class TierChain:
     def is_head(self, name: TierName) -> bool:
         return name == self.head.name
 
-    def best(self, names: Iterable[TierName]) -> TierName:
+    def best(self, names: Collection[TierName]) -> TierName:
         """The highest tier among ``names`` (which must not be empty)."""
+        if len(names) == 1:  # most blocks are in one tier: no sort key to build (Exists asks this per key)
+            return next(iter(names))
         return min(names, key=lambda n: self._by_name[n].position)
 
     def ordered(self, names: Iterable[TierName]) -> list[TierName]:

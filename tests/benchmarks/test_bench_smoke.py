@@ -112,6 +112,9 @@ SMOKES = [
     Smoke("lmcache_l2", packages=("torch", "lmcache"), expects=("store 2x2MiB: Strata vs fs on tmpfs  ",
                                                                 "load 2x2MiB: Strata vs fs on disk  ")),
     Smoke("vllm_tier", packages=("vllm",)),
+    # SGLang's file backend needs SGLang's full runtime (triton, orjson...), which CI does not install: its rows
+    # say so; Strata's and the memory copy's run.
+    Smoke("sglang_backend", packages=("torch", "sglang"), expects=("set 4 pages: Strata vs memory copy  ",)),
     Smoke("weights", packages=("safetensors",), s3=True),
 ]
 

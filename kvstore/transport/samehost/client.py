@@ -289,7 +289,8 @@ class SameHostTransport(Transport):
 
     def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
         # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
-        put = protocol.Put(namespace, blocks, self._inline if self._hello.in_place else self._hello.max_inline)
+        put = protocol.Put(namespace, blocks, self._inline if self._hello.in_place else self._hello.max_inline,
+                           in_place=self._hello.in_place)
         if put.inline:
             self._put_inline(put, deadline)
         if put.large and not self._hello.in_place:

@@ -360,7 +360,8 @@ class AsyncSameHostTransport(AsyncTransport):
 
     async def put(self, namespace: str, blocks: Sequence[BlockPut], deadline: Deadline) -> list[bool]:
         # Without slots to write in place (a gpu head, no capability): inline up to a frame, streamed beyond.
-        put = protocol.Put(namespace, blocks, self._inline if self._hello.in_place else self._hello.max_inline)
+        put = protocol.Put(namespace, blocks, self._inline if self._hello.in_place else self._hello.max_inline,
+                           in_place=self._hello.in_place)
         for part in put.inline_parts(self._hello):
             args, payload = put.put_frame(part, _timeout_ms(deadline))
             put.stored(part, await self._call(frames.PUT, args, payload, deadline))
