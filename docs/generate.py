@@ -544,6 +544,7 @@ def metric_families() -> list[tuple[str, str, list[tuple[str, str, tuple[str, ..
     from kvstore.peer.source import PeerMetrics
     from kvstore.remote.object.metrics import ObjectMetrics
     from kvstore.replication.replicator import ReplicationMetrics
+    from kvstore.indexer.metrics import IndexerMetrics
     from kvstore.router.metrics import RouterMetrics
     from weightcache.metrics import WeightMetrics
 
@@ -570,6 +571,7 @@ def metric_families() -> list[tuple[str, str, list[tuple[str, str, tuple[str, ..
         ("Daemon: prefill/decode handoff", HandoffMetrics, HandoffMetrics),
         ("Daemon: replication", ReplicationMetrics, ReplicationMetrics),
         ("Router (`strata route`)", RouterMetrics, RouterMetrics),
+        ("Indexer API (`strata index serve`, `/metrics`)", IndexerMetrics, IndexerMetrics),
         ("Weight node (`strata weights serve --metrics-port`)", WeightMetrics, WeightMetrics),
     ]
     out = []
@@ -596,7 +598,7 @@ def render_metrics() -> str:
     out = [HEADER, "# Metrics\n\n"]
     out.append(
         f"Every Prometheus series Strata exposes ({total}), by the component that exposes it. The daemon serves "
-        "its own on `--metrics-listen` (`/metrics`), the router on its HTTP port, a weight node on "
+        "its own on `--metrics-listen` (`/metrics`), the router and the indexer API on their HTTP ports, a weight node on "
         "`--metrics-port`. Labels are bounded (tier, op, outcome, code, a configured arena or endpoint position), "
         "never a key, namespace or request id. A histogram also has its `_bucket`, `_sum` and `_count` series; "
         "counters also export `_created`. What to watch and alert on: [observability](../deploy/observability.md).\n\n"

@@ -65,6 +65,9 @@ def add_serve_parser(index_sub) -> None:
                        help=f"engines /register may follow [{d.max_engines}]")
     serve.add_argument("--event-ttl-seconds", type=float, default=d.event_ttl_s,
                        help=f"a followed engine's liveness in the index without messages [{d.event_ttl_s:g}]")
+    serve.add_argument("--registrations-file", default="", metavar="PATH",
+                       help="keep /register's registrations in this file and follow them again at start "
+                       "[in memory only]")
     serve.set_defaults(func=cmd_index_serve)
 
 
@@ -84,7 +87,7 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
             index_url=args.index_url, listen=args.listen, hash_seed=args.hash_seed, token_file=args.token_file,
             insecure=args.insecure, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_seconds,
             max_in_flight=args.max_in_flight, index_timeout_s=args.index_timeout_seconds, max_engines=args.max_engines,
-            event_ttl_s=args.event_ttl_seconds,
+            event_ttl_s=args.event_ttl_seconds, registrations_file=args.registrations_file,
         )
         return run(settings)
     except (IndexerError, InvalidArgument, OSError) as err:  # protected mode, a bad URL, a port in use

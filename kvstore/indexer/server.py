@@ -6,14 +6,18 @@
     POST /unregister      stop following it and drop its entries now
     GET  /instances       the engines followed
     GET  /health          200 while the index answers
+    GET  /metrics         the API's own Prometheus metrics (:mod:`kvstore.indexer.metrics`)
 
 It answers from the index the URL names: ``memory://`` holds what this
 process's own subscriber ingests (the engines registered here); a Redis URL
 adds what every daemon publishes there, so the API sees the whole fleet.
 Registered engines are followed by a :class:`~kvstore.index.events.KVEventSubscriber`
 (replay on connect, seq-gap handling, epochs) writing into that index, at
-most ``max_engines`` of them; registrations live in this process (a restart
-forgets them, and the engines' entries expire after the subscriber's TTL).
+most ``max_engines`` of them. With ``registrations_file`` the registrations
+are written there (atomically) on every change and followed again at start,
+so a restarted server resumes every engine without the gateways registering
+again; without it they live in this process only (a restart forgets them,
+and the engines' entries expire after the subscriber's TTL).
 
 Limits, as ``strata route`` has them: a body over ``max_body_bytes`` is 413,
 one not whole within ``body_timeout_s`` is 408, more than ``max_in_flight``
@@ -32,12 +36,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import json
 import logging
+import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstore.indexer.metrics import IndexerMetrics
 from kvstore.indexer.settings import IndexerSettings
 from kvstore.errors import InvalidArgument, PrefixIndexError
 from kvstore.index import open_index
@@ -55,7 +65,9 @@ from kvstore.router.errors import (
 log = logging.getLogger(__name__)
 
 OFF_LOOP_TOKENS = 2048  # a longer prompt is hashed in a worker thread
-ROUTES = ("POST /query", "POST /query_by_hash", "POST /register", "POST /unregister", "GET /instances", "GET /health")
+ROUTES = ("POST /query", "POST /query_by_hash", "POST /register", "POST /unregister", "GET /instances", "GET /health",
+          "GET /metrics")
+REGISTRATIONS_VERSION = 1
 
 
 def error_body(err: RequestRefused) -> web.Response:
@@ -81,6 +93,8 @@ class IndexerServer:
         self.subscriber = KVEventSubscriber(self.index, [], SubscriberConfig(ttl_s=ttl, heartbeat_interval_s=ttl / 3),
                                             allow_empty=True, max_engines=settings.max_engines)
         self.registrations: dict[str, Registration] = {}  # holder id -> what /register gave
+        self.metrics = IndexerMetrics()
+        self._file = Path(settings.registrations_file) if settings.registrations_file else None
         self._in_flight = 0
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -91,6 +105,7 @@ class IndexerServer:
 
     async def start(self) -> IndexerServer:
         await self.subscriber.start()
+        await self._restore()
         app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._guard])
         app.router.add_post("/query", functools.partial(self._post, self._query))
         app.router.add_post("/query_by_hash", functools.partial(self._post, self._query_by_hash))
@@ -98,6 +113,7 @@ class IndexerServer:
         app.router.add_post("/unregister", functools.partial(self._post, self._unregister))
         app.router.add_get("/instances", self._instances)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
@@ -118,8 +134,14 @@ class IndexerServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         """Authentication first, then aiohttp's own refusals as JSON error bodies, like every other answer."""
+        started = time.perf_counter()
+        response = await self._answer_or_refuse(request, handler)
+        self.metrics.answered(request.path, response.status, time.perf_counter() - started)
+        return response
+
+    async def _answer_or_refuse(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            if self._token is not None:
+            if self._token is not None and request.path != "/metrics":
                 sent = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(sent.encode(), f"Bearer {self._token}".encode()):
                     raise Unauthorized("send the server's bearer token: Authorization: Bearer <token from its "
@@ -190,8 +212,11 @@ class IndexerServer:
 
     async def _answer(self, query: Query) -> dict[str, Any]:
         holders = await self.index.holders(query.namespace, list(query.keys)) if query.keys else []
+        instances = instance_answers(holders, query.block_size, query.instance_id)
+        longest = max((a["longest_matched"] for a in instances.values()), default=0)
+        self.metrics.matched.observe(longest // max(query.block_size, 1))
         return {"namespace": query.namespace, "block_size": query.block_size, "blocks": len(query.keys),
-                "instances": instance_answers(holders, query.block_size, query.instance_id)}
+                "instances": instances}
 
     async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
         reg = parse_registration(body)
@@ -210,6 +235,7 @@ class IndexerServer:
         except InvalidArgument as err:  # an engine id followed from elsewhere, an endpoint ZMQ refuses
             raise BadRequest(str(err)) from None
         self.registrations[reg.holder_id] = reg
+        self._changed()
         log.info("following KV events of %s at %s into %s", reg.holder_id, reg.endpoint, reg.namespace)
         return {"registered": reg.holder_id, **reg.as_json()}
 
@@ -224,6 +250,7 @@ class IndexerServer:
             await self.subscriber.unfollow(holder)
             del self.registrations[holder]
             log.info("no longer following KV events of %s", holder)
+        self._changed()
         return {"unregistered": gone}
 
     async def _instances(self, request: web.Request) -> web.Response:
@@ -242,6 +269,63 @@ class IndexerServer:
         except (TimeoutError, PrefixIndexError) as err:
             return web.json_response({"status": "unavailable", "error": str(err) or "timed out"}, status=503)
         return web.json_response({"status": "ok", "engines_followed": len(self.registrations)})
+
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- the registrations file ------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self.metrics.engines.set(len(self.registrations))
+        if self._file is None:
+            return
+        body = {"version": REGISTRATIONS_VERSION, "registrations": [r.as_json() for r in self.registrations.values()]}
+        tmp = self._file.with_name(f".{self._file.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(body, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._file)
+        except OSError as err:  # the registrations still hold in this process; the next change writes again
+            self.metrics.saves.labels("failed").inc()
+            log.error("could not write the registrations to %s (%s): a restart would not follow them again",
+                      self._file, err.strerror or err)
+            tmp.unlink(missing_ok=True)
+            return
+        self.metrics.saves.labels("ok").inc()
+
+    async def _restore(self) -> None:
+        """Follow again every engine the registrations file names; one that cannot be read is logged and left out."""
+        if self._file is None or not self._file.exists():
+            self.metrics.engines.set(0)
+            return
+        try:
+            body = json.loads(self._file.read_text())
+            if not isinstance(body, dict) or body.get("version") != REGISTRATIONS_VERSION:
+                raise ValueError(f"not a version {REGISTRATIONS_VERSION} registrations file")
+            entries = list(body["registrations"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            kept = self._file.with_name(self._file.name + ".unreadable")
+            os.replace(self._file, kept)
+            log.error("the registrations file %s cannot be read (%s): kept as %s, starting with no engines",
+                      self._file, err, kept)
+            self.metrics.engines.set(0)
+            return
+        for entry in entries:
+            try:
+                reg = parse_registration(entry)
+                if reg.holder_id in self.registrations or len(self.registrations) >= self.settings.max_engines:
+                    raise BadRequest("a duplicate, or more engines than --max-engines")
+                await self.subscriber.follow(EngineSource(reg.endpoint, reg.holder_id, reg.namespace,
+                                                          reg.replay_endpoint, reg.topic))
+            except (RequestRefused, InvalidArgument) as err:
+                log.warning("registration %s in %s left out: %s", str(entry)[:200], self._file, err)
+                continue
+            self.registrations[reg.holder_id] = reg
+        log.info("following %d engines again from %s", len(self.registrations), self._file)
+        self._changed()
 
 
 class _Unavailable(RequestRefused):

@@ -26,6 +26,7 @@ class IndexerSettings:
     index_timeout_s: float = 2.0
     max_engines: int = 1024
     event_ttl_s: float = 30.0
+    registrations_file: str = ""  # where /register's registrations are kept across restarts; "": in memory only
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_in_flight", "max_engines"):

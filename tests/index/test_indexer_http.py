@@ -259,3 +259,75 @@ def test_protected_mode_and_bearer_token(tmp_path):
             assert status == 200
 
     run(main())
+
+
+def test_a_restarted_server_follows_its_registrations_again(tmp_path):
+    """With --registrations-file, /register survives a restart: the new server follows the same engine and
+    answers from its events without the gateway registering again."""
+    path = tmp_path / "registrations.json"
+
+    async def main():
+        ctx = zmq.Context()
+        engine = TestEngine(ctx, replay=True)
+        try:
+            reg = {"instance_id": "vllm-0", "endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint,
+                   "model": MODEL}
+            async with Api(registrations_file=str(path)) as t:
+                assert (await t.post("/register", reg))[0] == 200
+            saved = path.read_text()
+            assert engine.endpoint in saved and '"version": 1' in saved
+
+            hashes = [event_key(d) for d in BlockHasher(BS, SEED).chain(PROMPT)]
+            async with Api(registrations_file=str(path)) as t:  # a new process: nothing registered by hand
+                async with t.http.get(t.server.url + "/instances") as r:
+                    assert [i["instance_id"] for i in await r.json()] == ["vllm-0"]
+                query = {"model": MODEL, "token_ids": PROMPT, "block_size": BS}
+
+                async def indexed():
+                    engine.publish([stored(hashes[:2], block_size=BS)])
+                    _, body = await t.post("/query", query)
+                    return body["instances"].get("vllm-0", {}).get("longest_matched") == 2 * BS
+                await _eventually(indexed, "the restored engine's events in the index")
+                assert (await t.post("/unregister", {"instance_id": "vllm-0"}))[0] == 200
+            assert '"registrations": []' in path.read_text()
+        finally:
+            engine.close()
+            ctx.term()
+
+    run(main())
+
+
+def test_an_unreadable_registrations_file_is_kept_aside_and_the_server_starts(tmp_path):
+    path = tmp_path / "registrations.json"
+    path.write_text("{not json")
+
+    async def main():
+        async with Api(registrations_file=str(path)) as t:
+            async with t.http.get(t.server.url + "/instances") as r:
+                assert await r.json() == []
+        assert (tmp_path / "registrations.json.unreadable").read_text() == "{not json"
+
+    run(main())
+
+
+def test_metrics_count_requests_by_route_and_status_class(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-0123456789\n")
+
+    async def main():
+        async with Api(token_file=str(token)) as t:
+            auth = {"Authorization": "Bearer s3cret-token-0123456789"}
+            await t.hold("vllm-a", PROMPT[: 3 * BS], [TierName.GPU] * 3)
+            await t.post("/query", {"model": MODEL, "token_ids": PROMPT, "block_size": BS}, headers=auth)
+            await t.post("/query", {"model": MODEL, "block_size": BS}, headers=auth)  # 400
+            await t.post("/nowhere", {}, headers=auth)  # 404
+            async with t.http.get(t.server.url + "/metrics") as r:  # scraped without the token
+                assert r.status == 200
+                text = await r.text()
+        assert 'strata_indexer_requests_total{code="2xx",route="/query"} 1.0' in text
+        assert 'strata_indexer_requests_total{code="4xx",route="/query"} 1.0' in text
+        assert 'strata_indexer_requests_total{code="4xx",route="other"} 1.0' in text
+        assert 'strata_indexer_query_matched_blocks_bucket{le="4.0"} 1.0' in text
+        assert "strata_indexer_request_duration_seconds_count" in text
+
+    run(main())
