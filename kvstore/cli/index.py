@@ -65,6 +65,12 @@ def add_serve_parser(index_sub) -> None:
                        help=f"engines /register may follow [{d.max_engines}]")
     serve.add_argument("--event-ttl-seconds", type=float, default=d.event_ttl_s,
                        help=f"a followed engine's liveness in the index without messages [{d.event_ttl_s:g}]")
+    serve.add_argument("--tier-namespace", default="", metavar="NAMESPACE",
+                       help="vLLM's Strata tier namespace (vllm/<model>@<layout>/g0, in the daemon's log): /query "
+                       "also counts the chunks node daemons hold there, as `strata route --tier-namespace` does "
+                       "[a body's tier_namespace, else none]")
+    serve.add_argument("--tier-blocks-per-chunk", type=int, default=d.tier_blocks_per_chunk,
+                       help=f"blocks per chunk of vLLM's offloading in that namespace [{d.tier_blocks_per_chunk}]")
     serve.add_argument("--registrations-file", default="", metavar="PATH",
                        help="keep /register's registrations in this file and follow them again at start "
                        "[in memory only]")
@@ -88,6 +94,7 @@ def cmd_index_serve(args: argparse.Namespace) -> int:
             insecure=args.insecure, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_seconds,
             max_in_flight=args.max_in_flight, index_timeout_s=args.index_timeout_seconds, max_engines=args.max_engines,
             event_ttl_s=args.event_ttl_seconds, registrations_file=args.registrations_file,
+            tier_namespace=args.tier_namespace, tier_blocks_per_chunk=args.tier_blocks_per_chunk,
         )
         return run(settings)
     except (IndexerError, InvalidArgument, OSError) as err:  # protected mode, a bad URL, a port in use

@@ -94,6 +94,11 @@ class Query:
     keys: tuple[bytes, ...]
     block_size: int
     instance_id: str | None = None
+    # The node daemons' copies through vLLM's Strata tier: its namespace and its chunks' 32-byte keys (the
+    # hash of each chunk's last block), blocks_per_chunk blocks each. Empty: not asked.
+    tier_namespace: str = ""
+    tier_keys: tuple[bytes, ...] = ()
+    blocks_per_chunk: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +177,8 @@ def _block_size(body: Mapping[str, Any]) -> int:
                       required=True)
 
 
-def parse_query(body: Mapping[str, Any], hash_seed: str) -> tuple[Query, list[int], BlockHasher, str | None]:
+def parse_query(body: Mapping[str, Any], hash_seed: str, default_tier_namespace: str = "",
+                default_blocks_per_chunk: int = 1) -> tuple[Query, list[int], BlockHasher, str | None]:
     """``/query``'s body checked: the query without its keys yet, the tokens to hash, the hasher, the salt.
 
     Hashing is left to the caller, which may run it off the event loop (a SHA-256 per block).
@@ -193,14 +199,32 @@ def parse_query(body: Mapping[str, Any], hash_seed: str) -> tuple[Query, list[in
     salt = encodable(salt) if salt is not None else None  # as the router scores it: U+FFFD for a lone surrogate
     full = min(len(tokens) // block_size, MAX_CHAIN_BLOCKS) * block_size
     hasher = BlockHasher(block_size, hash_seed, lora)
-    query = Query(namespace, (), block_size, _instance_id(body, required=False))
+    tier_namespace = _field(body, "tier_namespace", str, "the namespace of vLLM's Strata tier, "
+                            "vllm/<model>@<layout>/g0 (the daemon log names it)") or default_tier_namespace
+    if tier_namespace:
+        validate_tier_namespace(tier_namespace)
+    per_chunk = _int_field(body, "blocks_per_chunk", 1, MAX_CHAIN_BLOCKS, "blocks per chunk of vLLM's offloading "
+                           "(its block_size over the engine's)")
+    query = Query(namespace, (), block_size, _instance_id(body, required=False), tier_namespace,
+                  blocks_per_chunk=per_chunk or default_blocks_per_chunk)
     return query, tokens[:full], hasher, salt
 
 
+def validate_tier_namespace(name: str) -> str:
+    try:
+        return validate_namespace(name)
+    except InvalidArgument as err:
+        raise BadRequest(f"'tier_namespace': {err}") from None
+
+
 def hash_chain(query: Query, tokens: list[int], hasher: BlockHasher, salt: str | None) -> Query:
-    """The query with its keys: the tokens' block hashes in event form."""
-    keys = tuple(event_key_bytes(h) for h in hasher.chain(tokens, cache_salt=salt))
-    return Query(query.namespace, keys, query.block_size, query.instance_id)
+    """The query with its keys: the tokens' block hashes in event form, and (with a tier namespace) the
+    32-byte key of each chunk's last block, as vLLM's offloading names a chunk."""
+    chain = hasher.chain(tokens, cache_salt=salt)
+    keys = tuple(event_key_bytes(h) for h in chain)
+    tier_keys = tuple(chain[query.blocks_per_chunk - 1::query.blocks_per_chunk]) if query.tier_namespace else ()
+    return Query(query.namespace, keys, query.block_size, query.instance_id, query.tier_namespace, tier_keys,
+                 query.blocks_per_chunk)
 
 
 def _seq_hash(value: Any, pos: int) -> bytes:
@@ -298,3 +322,20 @@ def instance_answers(holders: Sequence[Sequence[Holder]], block_size: int,
         answer["DP"] = {str(rank): ranks[rank][TierName.OBJECT] * block_size for rank in sorted(ranks)}
         out[instance] = answer
     return out
+
+
+def merged(engines: dict[str, dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The engines' answers and the node daemons' (through vLLM's Strata tier) in one: an id in both gets the
+    better of each column."""
+    out = {k: dict(v) for k, v in engines.items()}
+    for instance, answer in nodes.items():
+        mine = out.setdefault(instance, answer)
+        if mine is not answer:
+            for column, value in answer.items():
+                if column == "DP":
+                    for rank, tokens in value.items():
+                        mine["DP"][rank] = max(mine["DP"].get(rank, 0), tokens)
+                else:
+                    mine[column] = max(mine[column], value)
+    return dict(sorted(out.items()))
+

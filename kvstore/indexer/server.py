@@ -54,8 +54,8 @@ from kvstore.index import open_index
 from kvstore.index.base import PrefixIndex
 from kvstore.index.events import EngineSource, KVEventSubscriber, SubscriberConfig
 from kvstore.indexer.api import (
-    Conflict, Query, Registration, Unauthorized, hash_chain, instance_answers, parse_query, parse_query_by_hash,
-    parse_registration, parse_unregistration,
+    Conflict, Query, Registration, Unauthorized, hash_chain, instance_answers, merged, parse_query,
+    parse_query_by_hash, parse_registration, parse_unregistration,
 )
 from kvstore.router.body import parse_object
 from kvstore.router.errors import (
@@ -197,7 +197,8 @@ class IndexerServer:
         if not self.settings.hash_seed:
             raise BadRequest("this indexer was started without --hash-seed, so it cannot hash token ids as the "
                              "engines do: use /query_by_hash, or restart it with the engines' PYTHONHASHSEED")
-        query, tokens, hasher, salt = parse_query(body, self.settings.hash_seed)
+        query, tokens, hasher, salt = parse_query(body, self.settings.hash_seed, self.settings.tier_namespace,
+                                                  self.settings.tier_blocks_per_chunk)
         try:
             if len(tokens) > OFF_LOOP_TOKENS:
                 query = await asyncio.to_thread(hash_chain, query, tokens, hasher, salt)
@@ -213,6 +214,10 @@ class IndexerServer:
     async def _answer(self, query: Query) -> dict[str, Any]:
         holders = await self.index.holders(query.namespace, list(query.keys)) if query.keys else []
         instances = instance_answers(holders, query.block_size, query.instance_id)
+        if query.tier_keys:  # what node daemons hold of it through vLLM's Strata tier, a chunk at a time
+            chunks = await self.index.holders(query.tier_namespace, list(query.tier_keys))
+            instances = merged(instances, instance_answers(chunks, query.block_size * query.blocks_per_chunk,
+                                                           query.instance_id))
         longest = max((a["longest_matched"] for a in instances.values()), default=0)
         self.metrics.matched.observe(longest // max(query.block_size, 1))
         return {"namespace": query.namespace, "block_size": query.block_size, "blocks": len(query.keys),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.auth.exposure import is_loopback, split_host
+from kvstore.block import validate_namespace
 
 
 class IndexerError(Exception):
@@ -27,11 +28,15 @@ class IndexerSettings:
     max_engines: int = 1024
     event_ttl_s: float = 30.0
     registrations_file: str = ""  # where /register's registrations are kept across restarts; "": in memory only
+    tier_namespace: str = ""  # vLLM's Strata tier namespace /query also asks when a body names none
+    tier_blocks_per_chunk: int = 1  # blocks per chunk of vLLM's offloading there
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_in_flight", "max_engines"):
+        for name in ("max_body_bytes", "max_in_flight", "max_engines", "tier_blocks_per_chunk"):
             if getattr(self, name) < 1:
                 raise IndexerError(f"--{name.replace('_', '-')} is {getattr(self, name)}; give a positive integer")
+        if self.tier_namespace:
+            validate_namespace(self.tier_namespace)  # InvalidArgument names what is wrong with it
         for name in ("body_timeout_s", "index_timeout_s", "event_ttl_s"):
             if not 0 < getattr(self, name) <= 3600:
                 flag = name.removesuffix("_s").replace("_", "-")

@@ -331,3 +331,31 @@ def test_metrics_count_requests_by_route_and_status_class(tmp_path):
         assert "strata_indexer_request_duration_seconds_count" in text
 
     run(main())
+
+
+def test_query_counts_the_chunks_node_daemons_hold_through_the_vllm_tier():
+    """vLLM's Strata tier stores a chunk (here 2 blocks) under the 32-byte hash of its last block, in the tier's
+    namespace, held by the node daemon: /query with tier_namespace credits the daemon in chunks' worth of tokens."""
+    tier_ns = "vllm/llama@0123456789ab/g0"
+
+    async def main():
+        async with Api(tier_blocks_per_chunk=2) as t:
+            await t.hold("vllm-a", PROMPT[: 2 * BS], [TierName.GPU] * 2)
+            chain = BlockHasher(BS, SEED).chain(PROMPT[: 6 * BS])
+            chunks = chain[1::2]  # 3 chunks of 2 blocks
+            await t.index.join("node-a", 1, 60)
+            await t.index.add(tier_ns, "node-a", 1, [(chunks[0], TierName.HOST), (chunks[1], TierName.HOST),
+                                                     (chunks[2], TierName.DISK)])
+            query = {"model": MODEL, "token_ids": PROMPT, "block_size": BS}
+            _, plain = await t.post("/query", query)
+            assert set(plain["instances"]) == {"vllm-a"}  # the tier's namespace not asked
+            status, body = await t.post("/query", {**query, "tier_namespace": tier_ns})
+            assert status == 200, body
+            assert body["instances"]["node-a"] == {"longest_matched": 6 * BS, "GPU": 0, "CPU": 4 * BS,
+                                                   "DISK": 6 * BS, "PEER": 6 * BS, "OBJECT": 6 * BS,
+                                                   "DP": {"0": 6 * BS}}
+            assert body["instances"]["vllm-a"]["GPU"] == 2 * BS
+            status, body = await t.post("/query", {**query, "tier_namespace": "bad namespace"})
+            assert status == 400 and "tier_namespace" in body["error"]["message"]
+
+    run(main())
