@@ -38,6 +38,7 @@ from kvstore.integrations.lmcache_mp import (  # noqa: E402
 )
 from kvstore.integrations.lmcache_mp import keys as mp_keys  # noqa: E402
 from kvstore.integrations.lmcache_mp.locks import LeaseBook  # noqa: E402
+from tests.support.wait import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.system
 
@@ -205,7 +206,7 @@ def test_store_lookup_load_round_trip_byte_for_byte_in_place(make_daemon, l1):
         for a, b in zip(src, dst):
             assert torch.equal(a.tensor, b.tensor)
         adapter.submit_unlock(keys[:4])
-        wait_for(lambda: Client(daemon.target).stats().pinned_blocks == 0, "the unlocked pins to be given back")
+        wait_until(lambda: Client(daemon.target).stats().pinned_blocks == 0, what="the unlocked pins to be given back")
         assert adapter.report_status()["is_healthy"] and adapter.counts["loaded"] == 4
     finally:
         adapter.close()
@@ -330,9 +331,46 @@ def test_a_bug_in_a_task_is_logged_and_answered(make_daemon, l1, caplog):
         adapter.close()
 
 
-def wait_for(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+def test_a_fresh_node_finds_what_another_node_left_in_the_bucket(s3, tmp_path, monkeypatch, l1):
+    """A lookup finds objects no local tier holds when the daemon's object tier does (a new node on the
+    fleet's bucket): found without a lock, and the load reads them through, verified."""
+    from tests.support import s3_servers
+    from tests.support.daemons import DaemonProcess
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_servers.ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_servers.SECRET_KEY)
+    started = []
+
+    def node(name: str) -> DaemonProcess:
+        home = tmp_path / name
+        home.mkdir()
+        d = DaemonProcess(home, "--tiers", "ram,object", "--object-write-policy", "through",
+                          "--object-bucket", s3.bucket, "--object-prefix", "l2", "--object-endpoint", s3.endpoint,
+                          "--object-read-seconds", "10").start()
+        started.append(d)
+        return d
+
+    try:
+        first = node("first")
+        writer = build(first.target)
+        keys, src = object_keys(3), objects(l1, 3, seed=12)
+        assert store(writer, keys, src).is_successful()
+        namespace = mp_keys.namespace("lmcache", keys[0])
+        wait_until(lambda: len(s3.keys("l2/")) >= 3, what="the write-through uploads")
+        writer.close()
+        second = node("second")  # empty RAM, the same bucket
+        reader = build(second.target)
+        try:
+            assert lookup(reader, keys + object_keys(1, start=77)) == [True, True, True, False]
+            assert reader.counts["lookup:remote"] == 3
+            dst = objects(l1, 3, seed=None)
+            assert load(reader, keys, dst) == [True] * 3
+            assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(src, dst))
+            reader.submit_unlock(keys)  # never locked here: nothing to give back, nothing raised
+            with Client(second.target, use_shm=False) as c:
+                assert c.stats(namespace).blocks == 3  # read through into this node's RAM
+        finally:
+            reader.close()
+    finally:
+        for d in started:
+            d.stop()

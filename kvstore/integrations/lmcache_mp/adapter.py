@@ -31,7 +31,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from kvstore.client import BlockInfo, BlockPut, Client
-from kvstore.errors import CorruptBlock, DaemonUnavailable, StrataError
+from kvstore.errors import CorruptBlock, DaemonUnavailable, StrataError, UnknownNamespace
 from kvstore.integrations.health import MAX_KEYS_PER_CALL, DaemonHealth, failure_reason
 from kvstore.integrations.lmcache.mapping import chunk_bytes
 from kvstore.integrations.lmcache_mp import keys as mp_keys
@@ -193,6 +193,9 @@ class StrataL2Adapter(L2AdapterInterface):
                 names = [mp_keys.block_key(keys[i]) for i in part]
                 try:
                     lease = self.client().pin(namespace, names, lease_s=self.settings.lock_lease_s)
+                except UnknownNamespace:  # nothing stored here in it yet; a remote tier may hold some
+                    hits += self._found_remotely(namespace, part, names, set(names), found)
+                    continue
                 except FAILURES as err:
                     self._failed("lookup", len(part), err, namespace)
                     if failure_reason(err) == "down":
@@ -207,10 +210,28 @@ class StrataL2Adapter(L2AdapterInterface):
                 if locked:  # a lease holding nothing just expires
                     self._locks.add(lease.lease_id, namespace, locked, self.settings.lock_lease_s)
                 hits += len(locked)
+                if missing:
+                    hits += self._found_remotely(namespace, part, names, missing, found)
         self._health.ok(self.settings.target)
         self._count("lookup:hit", hits)
         self._count("lookup:missing", len(keys) - hits)
         return found
+
+    def _found_remotely(self, namespace: str, part: list[int], names: list[bytes], missing: set[bytes],
+                        found: Bitmap) -> int:
+        """Of the keys no local tier holds, the leading ones a remote tier that answers existence holds (the
+        object tier: a fresh node's bucket); found, not locked (a load reads them through; one gone by then
+        is a miss)."""
+        rest = [(i, name) for i, name in zip(part, names) if name in missing]
+        try:
+            tiers = self.client().exists(namespace, [name for _, name in rest])
+        except FAILURES as err:
+            self._failed("lookup", len(rest), err, namespace)
+            return 0
+        for i, _ in rest[:len(tiers)]:
+            found.set(i)
+        self._count("lookup:remote", len(tiers))
+        return len(tiers)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Give back the pin of each lease LMCache has now unlocked every key of. A pin the daemon cannot
