@@ -110,6 +110,24 @@ def test_sglangs_factory_builds_the_backend_and_pages_round_trip_in_place(make_d
     backend.close()
 
 
+def test_exists_asks_one_piece_a_page_and_get_still_checks_every_piece(make_daemon):
+    """batch_exists asks each page's last piece only; a page whose other piece went first is found, and then
+    batch_get_v1 misses it (it verifies every piece), never a page with bytes missing."""
+    daemon = make_daemon()
+    pool = PageFirstPool(pages=6)
+    backend = attach(storage_config(daemon.target), pool)
+    keys = page_hashes(3)
+    for p in range(3):
+        pool.fill(p, seed=30 + p)
+    backend.batch_set_v1(keys, pool.indices([0, 1, 2]), info())
+    with Client(daemon.target) as c:
+        assert c.delete(backend.layout.namespace, [piece_key(keys[1], 0)]) == 1  # page 1's K piece only
+    assert backend.batch_exists(keys, info()) == 3
+    assert backend.batch_get_v1(keys, pool.indices([3, 4, 5]), info()) == [True, False, True]
+    assert pool.page_bytes(3) == pool.page_bytes(0)
+    backend.close()
+
+
 def test_exists_counts_the_leading_run_and_get_answers_per_page(make_daemon):
     daemon = make_daemon()
     pool = PageFirstPool(pages=8)
