@@ -85,6 +85,7 @@ class Daemon:
         self.metrics = StoreMetrics()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.authority = None  # the auth policy, from the first step of a start
         self._lock_fd: int | None = None
         self._server: grpc.Server | None = None
         self._same_host: SameHostServer | None = None  # the default arena's
@@ -572,8 +573,7 @@ def ready_line(daemon: Daemon, terminal: bool = False) -> str:
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; returns the process exit status."""
-    daemon = Daemon(settings).start()
-    print(ready_line(daemon, terminal=sys.stdout.isatty()), flush=True)
+    daemon = Daemon(settings)
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
@@ -582,8 +582,12 @@ def serve(settings: Settings) -> int:
     def on_hangup(_signum, _frame):
         threading.Thread(target=daemon.reload_auth, name="strata-auth-reload").start()
 
+    # SIGHUP is handled before the daemon answers anyone: a reload asked for as soon as it is healthy must not
+    # meet the default action (the end of the process, or nothing where SIGHUP is inherited ignored).
+    signal.signal(signal.SIGHUP, on_hangup)
+    daemon.start()
+    print(ready_line(daemon, terminal=sys.stdout.isatty()), flush=True)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
     daemon.wait()
     return 0
