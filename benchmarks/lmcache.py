@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 from benchmarks.harness import (  # noqa: E402
-    Case, ServerUnavailable, UnitBenchmark, free_port, private_redis, scratch_dir, settle, strata_daemon,
+    Case, ServerUnavailable, UnitBenchmark, free_port, private_redis, scratch_dir, settle, strata_daemon_process,
 )
 
 NAME = "lmcache"
@@ -453,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     backends: list[Backend] = []
     with exit_stack:
         scratch = exit_stack.enter_context(scratch_dir("lmcache"))
-        target = exit_stack.enter_context(strata_daemon(
+        daemon = exit_stack.enter_context(strata_daemon_process(
             disk_dir=scratch / "daemon", ram_bytes="2GiB", disk_bytes=0, max_block_bytes="64MiB"))
+        target = daemon.target
         backends.append(Backend(STRATA, plugin={
             "remote_storage_plugin.strata.module_path": "kvstore.integrations.lmcache",
             "remote_storage_plugin.strata.class_name": "StrataConnector",
@@ -490,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                 b.failed = str(err)
             except Exception as err:  # noqa: BLE001
                 b.failed = f"engine start failed: {type(err).__name__}: {err}"[:300]
-        settle()  # the daemon's arena and the plugin's mapping of it faulted in before anything is timed
+        settle([daemon.pid])  # the daemon's arena and the plugin's mapping of it faulted in before anything is timed
         run_rounds(backends, plan, source)
         strata = backends[0]
         if strata.engine is not None:
