@@ -32,11 +32,8 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
-import select  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -76,37 +73,9 @@ class Adapter:
     failed: str = ""
 
 
-def build(spec: dict):
-    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-    from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
-
-    parser = add_l2_adapters_args(argparse.ArgumentParser())
-    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
-    return create_l2_adapter(config.adapters[0])
-
-
-def wait(adapter, op: str, task_id: int, timeout_s: float):
-    """As LMCache's controllers do: poll the op's event fd, drain it, take the result."""
-    from lmcache.v1.platform.event_notifier import consume_fd
-
-    fd = {"store": adapter.get_store_event_fd, "lookup": adapter.get_lookup_and_lock_event_fd,
-          "load": adapter.get_load_event_fd}[op]()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if select.select([fd], [], [], 0.05)[0]:
-            consume_fd(fd)
-        if op == "store":
-            done = adapter.pop_completed_store_tasks()
-            if task_id in done:
-                return done[task_id]
-            continue
-        result = (adapter.query_lookup_and_lock_result if op == "lookup" else adapter.query_load_result)(task_id)
-        if result is not None:
-            return result
-    raise TimeoutError(f"the {op} task was not answered in {timeout_s:g} s")
-
-
 def one_round(a: Adapter, keys, src, dst, timeout_s: float) -> dict[str, float]:
+    from tests.support.lmcache_l2 import wait
+
     adapter = a.adapter
     for obj in dst:
         obj.tensor.zero_()
@@ -138,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager
 
     from kvstore.integrations.lmcache_mp import CLASS_NAME, MODULE_PATH
+    from tests.support import lmcache_l2
 
     torch.set_num_threads(1)
     shape = torch.Size([2, LAYERS, CHUNK, HEADS * HEAD_SIZE])
@@ -168,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for a in adapters:
             try:
-                a.adapter = build(a.spec)
+                a.adapter = lmcache_l2.build(a.spec)
                 stack.callback(a.adapter.close)
             except Exception as err:  # noqa: BLE001 - reported as the adapter's note, never dropped
                 a.failed = f"could not be built: {type(err).__name__}: {err}"[:300]

@@ -12,9 +12,6 @@ child where one is killed).
 
 from __future__ import annotations
 
-import argparse
-import json
-import select
 import time
 
 import pytest
@@ -24,13 +21,7 @@ pytest.importorskip("lmcache", reason="lmcache is not installed (tests/install.p
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
 from lmcache.v1.distributed.config import L1MemoryManagerConfig  # noqa: E402
-from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
-    add_l2_adapters_args,
-    parse_args_to_l2_adapters_config,
-)
 from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager  # noqa: E402
-from lmcache.v1.platform.event_notifier import consume_fd  # noqa: E402
 
 from kvstore import Client  # noqa: E402
 from kvstore.integrations.lmcache_mp import (  # noqa: E402
@@ -38,6 +29,7 @@ from kvstore.integrations.lmcache_mp import (  # noqa: E402
 )
 from kvstore.integrations.lmcache_mp import keys as mp_keys  # noqa: E402
 from kvstore.integrations.lmcache_mp.locks import LeaseBook  # noqa: E402
+from tests.support import lmcache_l2  # noqa: E402
 from tests.support.wait import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.system
@@ -49,11 +41,8 @@ FAST = dict(timeout_s=1.0, down_backoff_s=0.3, retries=0)
 
 def build(target: str, **params) -> StrataL2Adapter:
     """The adapter as ``lmcache server --l2-adapter '<json>'`` builds it."""
-    parser = add_l2_adapters_args(argparse.ArgumentParser())
-    spec = {"type": "plugin", "module_path": MODULE_PATH, "class_name": CLASS_NAME,
-            "adapter_params": dict(FAST, target=target, **params)}
-    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
-    adapter = create_l2_adapter(config.adapters[0])
+    adapter = lmcache_l2.build({"type": "plugin", "module_path": MODULE_PATH, "class_name": CLASS_NAME,
+                                "adapter_params": dict(FAST, target=target, **params)})
     assert isinstance(adapter, StrataL2Adapter)
     return adapter
 
@@ -98,24 +87,8 @@ def object_keys(n: int, start: int = 0, salt: str = "", model: str = MODEL, rank
     return [ObjectKey(bytes([7]) * 24 + (start + i).to_bytes(8, "big"), model, rank, 0, salt) for i in range(n)]
 
 
-def wait(adapter: StrataL2Adapter, op: str, task_id: int, timeout: float = 10.0):
-    """What LMCache's controllers do: poll the op's event fd, drain it, then take the result."""
-    fd = {"store": adapter.get_store_event_fd(), "lookup": adapter.get_lookup_and_lock_event_fd(),
-          "load": adapter.get_load_event_fd()}[op]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([fd], [], [], 0.05)
-        if readable:
-            consume_fd(fd)
-        if op == "store":
-            done = adapter.pop_completed_store_tasks()
-            if task_id in done:
-                return done[task_id]
-        else:
-            result = (adapter.query_lookup_and_lock_result if op == "lookup" else adapter.query_load_result)(task_id)
-            if result is not None:
-                return result
-    raise AssertionError(f"the {op} task {task_id} was never answered")
+def wait(adapter: StrataL2Adapter, op: str, task_id: int):
+    return lmcache_l2.wait(adapter, op, task_id)
 
 
 def store(adapter, keys, objs):
@@ -148,11 +121,9 @@ def test_options_are_checked_and_errors_name_the_fix():
     with pytest.raises(ValueError, match="namespace is a prefix"):
         L2Settings.from_dict({"namespace": "n" * 60})
     assert "adapter_params" in StrataL2AdapterConfig.help() and "lock_lease_s" in StrataL2AdapterConfig.help()
-    parser = add_l2_adapters_args(argparse.ArgumentParser())
     spec = {"type": "plugin", "module_path": MODULE_PATH, "class_name": CLASS_NAME, "adapter_params": {"retries": 9}}
-    with pytest.raises(ValueError, match="retries must be 0..5"):
-        create_l2_adapter(parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
-                          .adapters[0])
+    with pytest.raises(ValueError, match="retries must be 0..5"):  # refused where LMCache builds it
+        lmcache_l2.build(spec)
 
 
 def test_keys_are_lossless_and_each_salt_has_its_own_namespace():
