@@ -47,6 +47,15 @@ def add_parser(sub, client_opts: argparse.ArgumentParser, key_opts: argparse.Arg
     delete.add_argument("namespace")
     delete.add_argument("keys", nargs="+", metavar="KEY")
     delete.set_defaults(func=cmd_kv_delete)
+    place = kv_sub.add_parser("place", parents=[client_opts, key_opts], help="move blocks into host RAM or out of it",
+                              description="Warm blocks into the daemon's host-RAM tier from disk, a peer or S3 "
+                                          "(--to ram), or move them out of RAM into the tier below it (--to below; "
+                                          "pinned blocks stay): what an engine's Prefetch and Demote hints do. "
+                                          "Exit 3 when any key is not held.")
+    place.add_argument("namespace")
+    place.add_argument("keys", nargs="+", metavar="KEY")
+    place.add_argument("--to", choices=("ram", "below"), required=True, help="where the blocks go")
+    place.set_defaults(func=cmd_kv_place)
 
 
 def cmd_kv_put(args: argparse.Namespace) -> int:
@@ -145,3 +154,15 @@ def cmd_kv_delete(args: argparse.Namespace) -> int:
         n = client.delete(args.namespace, [parse_key(args, k) for k in args.keys])
     print(f"deleted {n} of {len(args.keys)} blocks")
     return 0
+
+
+def cmd_kv_place(args: argparse.Namespace) -> int:
+    with open_client(args) as client:
+        placed = client.place(args.namespace, [parse_key(args, k) for k in args.keys], args.to)
+    where = "in host RAM" if args.to == "ram" else "below host RAM"
+    print(f"{placed.placed} of {len(args.keys)} blocks {where}"
+          + (f"; {placed.pinned} pinned, kept in RAM" if placed.pinned else "")
+          + (f"; {len(placed.missing)} not held: {', '.join(show_key(args, k) for k in placed.missing[:5])}"
+             if placed.missing else ""))
+    return 3 if placed.missing else 0
+

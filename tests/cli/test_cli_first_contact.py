@@ -60,6 +60,21 @@ def test_a_put_over_a_key_that_holds_other_bytes_is_an_error_that_names_the_cont
     assert code == 1 and "stored 1 new blocks of 2 files" in out and "1 keys already hold other bytes (k)" in err
 
 
+def test_kv_place_moves_blocks_below_ram_and_back(make_daemon, tmp_path, capsys):
+    daemon = make_daemon()
+    target = f"127.0.0.1:{daemon.port}"
+    block = tmp_path / "block"
+    block.write_bytes(b"z" * 4096)
+    for key in ("a", "b"):
+        assert run(capsys, "kv", "put", "m", key, str(block), "--target", target)[0] == 0
+    code, out, _ = run(capsys, "kv", "place", "m", "a", "b", "--to", "below", "--target", target)
+    assert (code, out) == (0, "2 of 2 blocks below host RAM\n")
+    assert run(capsys, "kv", "stat", "m", "a", "--target", target)[1] == "a\tdisk\n"
+    code, out, _ = run(capsys, "kv", "place", "m", "a", "gone", "--to", "ram", "--target", target)
+    assert code == 3 and out == "1 of 2 blocks in host RAM; 1 not held: gone\n"
+    assert run(capsys, "kv", "stat", "m", "a", "--target", target)[1] == "a\thost\n"
+
+
 def test_no_daemon_is_one_line_that_names_strata_serve_and_target(capsys):
     target = f"127.0.0.1:{free_port()}"
     code, out, err = run(capsys, "stats", "--target", target, "--timeout", "2")
