@@ -181,8 +181,9 @@ class StrataL2Adapter(L2AdapterInterface):
             return self._done["lookup"].pop(task_id, None)  # type: ignore[return-value]
 
     def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
-        """A bit per key the daemon holds, each found one pinned (the pin is the daemon's per-key presence
-        answer); a bit set is a key locked until LMCache unlocks it or ``lock_lease_s`` passes."""
+        """A bit per key the daemon holds. Those its local tiers hold are pinned (the pin is the daemon's
+        per-key presence answer) and stay locked until LMCache unlocks them or ``lock_lease_s`` passes; of
+        the rest, those a remote tier that answers existence holds are found without a lock."""
         found = Bitmap(len(keys))
         if not self._usable("lookup", len(keys)):
             return found
@@ -207,7 +208,7 @@ class StrataL2Adapter(L2AdapterInterface):
                 for i, name in zip(part, names):
                     if name not in missing:
                         found.set(i)
-                if locked:  # a lease holding nothing just expires
+                if locked:  # a pin that found nothing took no lease
                     self._locks.add(lease.lease_id, namespace, locked, self.settings.lock_lease_s)
                 hits += len(locked)
                 if missing:
