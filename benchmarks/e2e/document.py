@@ -60,6 +60,8 @@ def check_smoke(doc: dict) -> list[str]:
     damage = (doc.get("data_faults") or {}).get("faults")
     if damage is not None and not damage.get("disk_block_files_damaged"):
         problems.append("data faults: the rebooted host's disk held no block of the sessions still running")
+    if damage is not None and (damage.get("damaged_blocks_read_back") or {}).get("served"):
+        problems.append(f"data faults: a damaged block was served: {damage['damaged_blocks_read_back']}")
     return problems
 
 
@@ -152,8 +154,8 @@ def build_document(args, sweep: SweepSpec, results: dict, prefix: dict | None, s
         ff = doc["data_faults"]["faults"]
         print(f"data faults: {ff['answered']}/{ff['sent']} answered; {ff['peer_path_bytes_flipped']} bytes flipped on "
               f"the peer path, {ff['disk_block_files_damaged']} disk blocks damaged on the rebooted replica "
-              f"{ff.get('rebooted_replica')}; the daemons met "
-              f"{ff['damage_met_by_daemon']}")
+              f"{ff.get('rebooted_replica')} (read back after the phase: {ff.get('damaged_blocks_read_back')}); "
+              f"the daemons met {ff['damage_met_by_daemon']}")
     for name, ph in (doc.get("drill") or {}).items():
         if isinstance(ph, dict) and ph.get("scale_up"):
             u = ph["scale_up"]

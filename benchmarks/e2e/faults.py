@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvstore.errors import PrefixIndexError
+from kvstore.errors import PrefixIndexError, StrataError
 
 from benchmarks.e2e.fleet import Fleet, StartFailed
 from benchmarks.e2e.stats import RequestRecord, Summary
@@ -367,6 +367,7 @@ class DataFaultInjector(FaultInjector):
         self.live_sessions = live_sessions  # answers so far -> the sessions with a turn still to send
         self.rebooted: int | None = None
         self.damaged_files: list[str] = []
+        self.damaged_keys: list[bytes] = []  # the damaged blocks' keys, read back at the end (probe)
         self._records: list[RequestRecord] = []
 
     def observe(self, records: list[RequestRecord]) -> None:
@@ -388,9 +389,14 @@ class DataFaultInjector(FaultInjector):
             chains = self.held_only_by(self.fleet.nodes.nodes[k].node_id, self.next_chains(records))
 
             def damage(node) -> None:
+                from kvstore.block import BlockKey
+                from kvstore.tiers.block_file import block_name
+
                 others = [n.disk_dir for n in self.fleet.nodes.nodes if n is not node]
                 self.damaged_files = damage_block_files(node.disk_dir, self.fleet.phase.namespace, chains,
                                                         p.disk_blocks, p.damage_bytes, others)
+                names = {block_name(BlockKey(self.fleet.phase.namespace, key)): key for c in chains for key in c if key}
+                self.damaged_keys = [names[f] for f in self.damaged_files if f in names]
 
             self.events.append(FaultEvent("host_rebooting", k, self.clock()))
             self.fleet.nodes.restart_daemon(k, lose_ram=True, while_down=damage)
@@ -401,6 +407,31 @@ class DataFaultInjector(FaultInjector):
         finally:
             self._finished.set()
         self._done.wait()  # stay: the restarted daemon dies with the thread that started it
+
+    def probe(self) -> dict[str, int]:
+        """After the phase, each damaged block read once more from the rebooted daemon's own tiers, as an
+        engine's pool load would (a later turn may have met it already, or may never have asked for it):
+        each must be refused, never served. Counted: ``corrupt`` (refused by its checksum on this read),
+        ``absent`` (met and dropped before), ``served`` (bytes came back: a damaged block served)."""
+        out = {"corrupt": 0, "absent": 0, "served": 0}
+        if self.rebooted is None or not self.damaged_keys:
+            return out
+        from kvstore.client import Client
+        from kvstore.errors import CorruptBlock
+
+        node = self.fleet.nodes.nodes[self.rebooted]
+        try:
+            with Client(node.target, use_shm=False, timeout=10) as c:
+                for key in self.damaged_keys:
+                    try:
+                        block = c.get_many(self.fleet.phase.namespace, [key], local_only=True)[0]
+                    except CorruptBlock:
+                        out["corrupt"] += 1
+                        continue
+                    out["absent" if block is None else "served"] += 1
+        except StrataError as e:
+            self.errors.append(f"probe: {type(e).__name__}: {e}")
+        return out
 
     def held_only_by(self, node_id: str, chains: list[list[bytes]]) -> list[list[bytes]]:
         """Each chain cut to the blocks the index names ``node_id`` the only holder of, in any tier (another
@@ -444,7 +475,8 @@ class DataFaultInjector(FaultInjector):
             "peer_path_bytes_flipped": self.path.flipped,
             "rebooted_replica": self.rebooted,
             "disk_block_files_damaged": len(self.damaged_files),
-            # Since each daemon's last start: the rebooted one counts from its reboot.
+            "damaged_blocks_read_back": self.probe(),
+            # Since each daemon's last start: the rebooted one counts from its reboot (the probe's reads included).
             "damage_met_by_daemon": damage_seen(self.fleet),
             "cache_hit_ratio": (round(sum(r.cached_tokens for r in records if r.ok)
                                       / max(1, sum(r.prompt_tokens for r in records if r.ok)), 3)),
