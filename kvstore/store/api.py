@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from kvstore.store.leases import Lease, LeaseKind
     from kvstore.store.limits import StoreLimits
     from kvstore.store.slots import SlotGrant, SlotWrite
-    from kvstore.store.tiered import Listed, Placed, StoreStats
+    from kvstore.store.moves import Placed
+    from kvstore.store.tiered import Listed, StoreStats
 
 
 class Store(Protocol):

@@ -45,7 +45,8 @@ from kvstore.shm.arena import ShmArena
 from kvstore.store.leases import MAX_ID_TAG, Lease, LeaseKind, tag_of
 from kvstore.store.namespace_rules import EVERYTHING_ELSE, NamespaceRules
 from kvstore.store.holds import Located
-from kvstore.store.tiered import Listed, Placed, SlotGrant, SlotWrite, StoreStats, TieredStore
+from kvstore.store.moves import Placed
+from kvstore.store.tiered import Listed, SlotGrant, SlotWrite, StoreStats, TieredStore
 from kvstore.tiers.base import MappableTier, TierStats
 
 MAX_ARENAS = MAX_ID_TAG + 1

@@ -76,6 +76,7 @@ from kvstore.store.copies import CopyDown
 from kvstore.store.demotion import Copy, Demoter
 from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.limits import EdgePolicy, StoreLimits
+from kvstore.store.moves import BlockMoves, Placed  # noqa: F401 (Placed: what place returns)
 from kvstore.store.placement import HeadPlacement
 from kvstore.store.reads import READ_THROUGH_BATCH, ChainReader
 from kvstore.store.recovery import recover
@@ -93,7 +94,7 @@ DEFAULT_LIST_PAGE = 1000
 EXISTS_THROUGH_KEYS = 64  # keys past a local miss that Exists asks a remote tier about, in one lookup
 MAX_LIST_PAGE = 10000
 
-__all__ = ["Located", "Listed", "Placed", "SlotGrant", "SlotWrite", "StoreLimits", "StoreStats", "TieredStore"]
+__all__ = ["Located", "Listed", "SlotGrant", "SlotWrite", "StoreLimits", "StoreStats", "TieredStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,15 +102,6 @@ class Listed:
     key: bytes
     meta: BlockMeta
     tier: TierName
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """What :meth:`TieredStore.place` did: blocks now where asked, keys not held, blocks kept for their pins."""
-
-    placed: int
-    missing: list[bytes]
-    pinned: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +156,7 @@ class TieredStore(StorePart):
         self._slots = SlotProtocol(state, self._place)
         self._writes = StreamedWrites(state, self._place, self.put)
         self._holds = BlockHolds(state, self._place, self._reader)
+        self._moves = BlockMoves(state, self._copies, self.get_many)
         self._copies.fit_capacity()
         self._upkeep = Upkeep(state)
         if watch_tiers:
@@ -527,57 +520,10 @@ class TieredStore(StorePart):
         return self._upkeep.flush_recency()
 
     def place(self, namespace: str, keys: list[bytes], warm: bool) -> Placed:
-        """Move held blocks up or down the chain, for an engine's hint (Prefetch, Demote).
-
-        ``warm``: read each block into the head tier from wherever it is (a
-        lower tier, or through a remote one), as a read would, without sending
-        it anywhere. Otherwise move each block held in the head down to the
-        tier below it (written there first if it is not), freeing its room in
-        the head; a pinned block stays (it counts as ``pinned``). Raises
-        InvalidArgument when there is no tier below the head to move to.
-        """
+        """Move held blocks into the head tier (``warm``) or out of it, for an engine's hint
+        (:class:`~kvstore.store.moves.BlockMoves`)."""
         self.check_batch(keys)
-        keys = [validate_key(k) for k in keys]
-        head = self._head.name
-        if warm:
-            placed, missing = 0, []
-            for k, got in zip(keys, self.get_many(namespace, keys)):
-                if got is None:
-                    missing.append(k)
-                    continue
-                with self._s.locked():
-                    entry = self._catalog.live(BlockKey(namespace, k))
-                    placed += entry is not None and head in entry.tiers
-            return Placed(placed, missing, 0)
-        below = self._chain.below(head)
-        if below is None or below.name in {level.name for level in self._chain.remote()}:
-            raise InvalidArgument("this daemon has no local tier below its head to demote to: give it a disk "
-                                  "tier ([tiers.disk])")
-        placed, pinned, missing = 0, 0, []
-        for k in keys:
-            key = BlockKey(namespace, k)
-            with self._cond:
-                self._s.readable_namespace(namespace)
-                entry = self._catalog.live(key)
-                if entry is None:
-                    missing.append(k)
-                    continue
-                if head not in entry.tiers:
-                    placed += 1  # already below
-                    continue
-                if entry.pins:
-                    pinned += 1
-                    continue
-                if below.name in entry.tiers:
-                    self._s.drop_copy_locked(key, entry, head)
-                    placed += 1
-                    continue
-                if not self._s.mark_copy_locked(key, below.name):
-                    continue  # a copy is on its way already
-            self._copies.copy_down(Copy(key, head, below.name, evict=True))
-            with self._s.locked():
-                placed += below.name in entry.tiers and head not in entry.tiers
-        return Placed(placed, missing, pinned)
+        return self._moves.place(namespace, [validate_key(k) for k in keys], warm)
 
     def persist_ram(self, deadline: float, evict: bool = True) -> int:
         """Write blocks held only in the head down the chain, most recent first, until ``deadline``.
